@@ -1,0 +1,88 @@
+"""Argument validation shared by every public loss.
+
+Errors name the argument and its shape or dtype, so that a user who passes a
+(B, D) tensor where (B, D) was expected for the *other* tower sees which one.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DIRECTIONS = ("both", "image_to_text", "text_to_image")
+BACKENDS = ("auto", "reference", "xla", "pallas")
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _dtype_of(a):
+  return jnp.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype
+
+
+def check_embeddings(image_emb, text_emb):
+  """Checks rank, feature dim and dtype of the two embedding arrays.
+
+  Returns:
+    The common compute dtype (the promoted input dtype).
+  """
+  for name, a in (("image_emb", image_emb), ("text_emb", text_emb)):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    if a.ndim != 2:
+      raise ValueError(
+          f"{name} must have rank 2 (batch, dim), got shape {tuple(a.shape)}")
+    if a.dtype not in _FLOAT_DTYPES:
+      raise TypeError(
+          f"{name} must be float16, bfloat16 or float32, got dtype {a.dtype} "
+          f"(shape {tuple(a.shape)})")
+    if a.shape[0] < 1 or a.shape[1] < 1:
+      raise ValueError(f"{name} must have a non-empty batch and dim, got "
+                       f"shape {tuple(a.shape)}")
+  if image_emb.shape[1] != text_emb.shape[1]:
+    raise ValueError(
+        "image_emb and text_emb must share the feature dimension D, got "
+        f"image_emb {tuple(image_emb.shape)} and text_emb "
+        f"{tuple(text_emb.shape)}")
+  return jnp.promote_types(image_emb.dtype, text_emb.dtype)
+
+
+def check_direction(direction, n_image, n_text, *, what="batch"):
+  """Checks the direction name and that the batch sizes fit it."""
+  if direction not in DIRECTIONS:
+    raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+  if direction == "both" and n_image != n_text:
+    raise ValueError(
+        f"direction='both' needs equal {what} sizes, got image_emb with "
+        f"{n_image} rows and text_emb with {n_text} rows; use "
+        "'image_to_text' (text may be longer) or 'text_to_image'")
+  if direction == "image_to_text" and n_text < n_image:
+    raise ValueError(
+        f"direction='image_to_text' needs text_emb to have at least as many "
+        f"rows as image_emb (positives are the first {n_image} texts), got "
+        f"image_emb with {n_image} and text_emb with {n_text} rows")
+  if direction == "text_to_image" and n_image < n_text:
+    raise ValueError(
+        f"direction='text_to_image' needs image_emb to have at least as many "
+        f"rows as text_emb (positives are the first {n_text} images), got "
+        f"image_emb with {n_image} and text_emb with {n_text} rows")
+
+
+def check_scalar(name, value, *, allow_none=False):
+  """Checks that a scale or bias is a real scalar; returns it as an array."""
+  if value is None:
+    if allow_none:
+      return None
+    raise TypeError(f"{name} must be a scalar, got None")
+  arr = value if isinstance(value, jax.Array) else np.asarray(value)
+  if getattr(arr, "ndim", None) != 0:
+    raise ValueError(
+        f"{name} must be a scalar (shape ()), got shape {tuple(arr.shape)}")
+  if jnp.issubdtype(arr.dtype, jnp.integer):
+    arr = arr.astype(np.float32)  # An integer literal such as 10 is fine.
+  elif not jnp.issubdtype(arr.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a real float scalar, got dtype {arr.dtype}")
+  return jnp.asarray(arr)
+
+
+def check_backend(backend):
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

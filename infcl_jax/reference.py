@@ -1,0 +1,47 @@
+"""Full-matrix definitions of the losses.
+
+These build the whole (B_x, B_y) logit matrix, so they need O(B**2) memory.
+They are the definitions the tiled backends must match, written to be
+obviously correct rather than fast, and serve as ``backend="reference"``.
+JAX autodiff gives their gradients.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def logits(image_emb, text_emb, logit_scale, logit_bias=None):
+  """s_ij = logit_scale * <x_i, y_j> + logit_bias, in float32 (or wider)."""
+  acc = jnp.promote_types(jnp.float32, jnp.result_type(image_emb, text_emb))
+  s = jnp.einsum("id,jd->ij", image_emb, text_emb,
+                 preferred_element_type=acc,
+                 precision=jax.lax.Precision.HIGHEST)
+  s = jnp.asarray(logit_scale, acc) * s
+  if logit_bias is not None:
+    s = s + jnp.asarray(logit_bias, acc)
+  return s
+
+
+def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,
+                               logit_bias=None, direction="both"):
+  """CLIP / InfoNCE loss on the full logit matrix.
+
+  direction="both": mean of the image->text and text->image cross-entropies,
+  positives on the diagonal. "image_to_text": rows are queries, the first
+  B_x texts are their positives. "text_to_image": columns are queries, the
+  first B_y images are their positives.
+  """
+  s = logits(image_emb, text_emb, logit_scale, logit_bias)
+  n_img, n_txt = s.shape
+  n_pos = min(n_img, n_txt)
+  pos = jnp.diagonal(s)[:n_pos]
+  i2t = jnp.mean(jax.nn.logsumexp(s, axis=1)[:n_pos] - pos)
+  t2i = jnp.mean(jax.nn.logsumexp(s, axis=0)[:n_pos] - pos)
+  if direction == "both":
+    return 0.5 * (i2t + t2i)
+  if direction == "image_to_text":
+    return i2t
+  if direction == "text_to_image":
+    return t2i
+  raise ValueError(f"unknown direction {direction!r}")
