@@ -21,10 +21,25 @@ row / column LSE passed to ``lse_grad`` may be *global* statistics (merged
 over other blocks or devices), which is what lets the ring reuse the same
 code for every tile it visits.
 
-A backend is any object with these two methods plus ``name`` and
-``default_block_sizes(platform, dtype)``; ``get_backend`` resolves names.
-A Mosaic GPU or jax-triton implementation plugs in by registering here,
-without touching the public API.
+The sigmoid (SigLIP) loss is a second *family* with its own two operations,
+on the same block pair and logits, where z_ij = +1 on the positives and -1
+elsewhere, and ``has_diagonal`` (static) says whether the positives of this
+block pair are its diagonal (i == j; requires n == m) or absent (a tile of
+two different shards in the ring):
+
+* ``sigmoid_sum(x, y, scale, bias, *, has_diagonal)`` -> float32 scalar
+  sum_ij softplus(-z_ij * s_ij)  (= -sum_ij log sigmoid(z_ij s_ij)).
+* ``sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal)``
+  -> (dx, dy, dscale, dbias) for G_ij = coef * (-z_ij) * sigmoid(-z_ij s_ij),
+  the gradient of ``coef * sigmoid_sum``.
+
+Each term is computed per element (never as softplus(s) - s), so the loss
+stays accurate when it is tiny.
+
+A backend is any object with its family's two methods plus ``name`` and
+``default_block_sizes(platform, dtype)``; it is registered under
+(name, family) and ``get_backend`` resolves it. A Mosaic GPU or jax-triton
+implementation plugs in by registering here, without touching the public API.
 """
 from __future__ import annotations
 
@@ -45,20 +60,24 @@ class TileBackend(Protocol):
                col_coef, *, block_sizes=None): ...
 
 
-_REGISTRY: dict[str, Callable[[], TileBackend]] = {}
+FAMILIES = ("softmax", "sigmoid")
+_REGISTRY: dict[tuple[str, str], Callable[[], TileBackend]] = {}
 
 
-def register(name: str, factory: Callable[[], TileBackend]) -> None:
+def register(name: str, factory: Callable[[], TileBackend],
+             family: str = "softmax") -> None:
   """Registers a backend factory (called lazily, so imports stay cheap)."""
-  _REGISTRY[name] = factory
+  if family not in FAMILIES:
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+  _REGISTRY[(name, family)] = factory
 
 
-def available(name: str) -> bool:
-  """Whether ``name`` can run on the default platform."""
-  if name not in _REGISTRY:
+def available(name: str, family: str = "softmax") -> bool:
+  """Whether backend ``name`` of ``family`` can be built here."""
+  if (name, family) not in _REGISTRY:
     return False
   try:
-    _REGISTRY[name]()
+    _REGISTRY[(name, family)]()
   except (ImportError, NotImplementedError, RuntimeError):
     return False
   return True
@@ -68,18 +87,23 @@ def default_platform() -> str:
   return jax.default_backend()
 
 
-def resolve_name(backend: str, platform: str | None = None) -> str:
-  """Maps "auto" to the best tiled backend for the platform."""
+def resolve_name(backend: str, platform: str | None = None,
+                 family: str = "softmax") -> str:
+  """Maps "auto" to the best tiled backend of ``family`` for the platform.
+
+  "pallas" only on GPU: on CPU it runs in interpret mode, for tests only.
+  """
   if backend != "auto":
     return backend
   platform = platform or default_platform()
-  if platform == "gpu" and available("pallas"):
+  if platform == "gpu" and available("pallas", family):
     return "pallas"
   return "xla"
 
 
-def get_backend(name: str) -> TileBackend:
-  if name not in _REGISTRY:
+def get_backend(name: str, family: str = "softmax") -> TileBackend:
+  if (name, family) not in _REGISTRY:
+    known = sorted(n for n, f in _REGISTRY if f == family)
     raise ValueError(
-        f"backend {name!r} is not a tiled backend; known: {sorted(_REGISTRY)}")
-  return _REGISTRY[name]()
+        f"backend {name!r} has no tiled {family} implementation; known: {known}")
+  return _REGISTRY[(name, family)]()

@@ -190,4 +190,4 @@ class XlaTiles:
     return dx, dy, dsc * norm, dbi * norm
 
 
-tile_backend.register("xla", XlaTiles)
+tile_backend.register("xla", XlaTiles, family="softmax")
