@@ -1,0 +1,48 @@
+"""Bad input gives a clear error naming the argument and shapes."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infcl_jax import BlockSizes, contrastive_loss
+
+X = jnp.ones((4, 8), jnp.float32)
+
+
+@pytest.mark.parametrize("x,y,kw,exc,words", [
+    (jnp.ones((4, 8, 1)), X, {}, ValueError, ["image_emb", "rank 2", "(4, 8, 1)"]),
+    (X, jnp.ones((8,)), {}, ValueError, ["text_emb", "rank 2", "(8,)"]),
+    (X, jnp.ones((4, 9)), {}, ValueError, ["feature dimension", "(4, 8)", "(4, 9)"]),
+    (X, jnp.ones((5, 8)), {}, ValueError, ["direction='both'", "4", "5"]),
+    (X, jnp.ones((3, 8)), {"direction": "image_to_text"}, ValueError,
+     ["image_to_text", "at least as many"]),
+    (jnp.ones((3, 8)), X, {"direction": "text_to_image"}, ValueError,
+     ["text_to_image", "at least as many"]),
+    (jnp.ones((4, 8), jnp.int32), X, {}, TypeError, ["image_emb", "int32"]),
+    (X, X, {"direction": "sideways"}, ValueError, ["direction", "sideways"]),
+    (X, X, {"backend": "cuda"}, ValueError, ["backend", "cuda"]),
+    (jnp.ones((0, 8)), jnp.ones((0, 8)), {}, ValueError, ["image_emb", "non-empty"]),
+])
+def test_bad_inputs(x, y, kw, exc, words):
+  with pytest.raises(exc) as e:
+    contrastive_loss(x, y, 1.0, **kw)
+  for w in words:
+    assert w in str(e.value), (w, str(e.value))
+
+
+def test_non_scalar_scale_and_bias():
+  with pytest.raises(ValueError, match=r"logit_scale must be a scalar.*\(2,\)"):
+    contrastive_loss(X, X, jnp.ones((2,)))
+  with pytest.raises(ValueError, match=r"logit_bias must be a scalar.*\(1,\)"):
+    contrastive_loss(X, X, 1.0, logit_bias=np.ones((1,)))
+  with pytest.raises(TypeError, match="logit_scale"):
+    contrastive_loss(X, X, jnp.asarray(1 + 2j))
+
+
+def test_bad_block_sizes():
+  with pytest.raises(ValueError, match="block_q"):
+    BlockSizes(block_q=0, block_k=8)
+
+
+def test_axis_name_outside_shard_map_is_an_error():
+  with pytest.raises((ValueError, NameError, NotImplementedError)):
+    contrastive_loss(X, X, 1.0, axis_name="data")
