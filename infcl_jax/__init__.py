@@ -2,7 +2,18 @@
 from infcl_jax import reference
 from infcl_jax import xla_tiles as _xla_tiles  # Registers backend "xla".
 from infcl_jax.api import contrastive_loss
+from infcl_jax import tile_backend as _tile_backend
 from infcl_jax.block_sizes import BlockSizes
 
 __all__ = ["BlockSizes", "contrastive_loss", "reference"]
 __version__ = "0.1.0"
+
+
+def _pallas_softmax():
+  # Lazy: Pallas and its Triton lowering are imported only when asked for,
+  # so `import infcl_jax` stays light. On a CPU it runs in interpret mode.
+  from infcl_jax import pallas_tiles
+  return pallas_tiles.PallasTiles()
+
+
+_tile_backend.register("pallas", _pallas_softmax, family="softmax")

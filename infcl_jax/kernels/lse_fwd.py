@@ -1,0 +1,172 @@
+"""Fused forward kernel: row and column log-sum-exp of s = t * x y^T + b.
+
+One sweep over the tiles gives both statistics (both CLIP directions), and no
+tile of logits ever leaves the chip.
+
+Schedule. A persistent grid of ``P`` programs; program p owns the row blocks
+p, p + P, p + 2P, ... For each of its row blocks it walks every column block:
+the (block_q, block_k) logit tile is accumulated over D in ``block_d`` steps
+(Triton pipelines that inner loop), then
+
+* the row statistics (running max, running sum) stay in registers and are
+  written once per row block, already as an LSE;
+* the column statistics of the tile are merged into the program's own row of
+  a (P, B_y) workspace (read-modify-write of 2 * block_k floats per tile,
+  nothing next to the tile's 2 * block_q * block_k * D flops).
+
+Different programs never touch the same workspace row, so there are no races
+and no atomics; the wrapper merges the P partial rows with a stable
+log-sum-exp in XLA. The workspace is P * B_y, linear in B.
+
+Everything is in base 2 (exp2 / log2 with log2(e) folded into scale and
+bias), which is what the GPU's special-function unit computes natively.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _safe(m):
+  """A max usable as a shift: -inf (a fully masked row or column) becomes 0."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
+            nkb, nprog, m_pad, rows, cols, precision, barrier):
+  out_refs = list(out_refs)
+  row_ref = out_refs.pop(0) if rows else None
+  cm_ref, cl_ref = (out_refs if cols else (None, None))
+  pid = pl.program_id(0)
+  scale2 = params_ref[0]  # scale * log2(e)
+  bias2 = params_ref[1]   # bias * log2(e)
+  ws = pid * m_pad        # this program's row of the column workspace
+  mask_rows = n % bq != 0
+  mask_cols = m % bk != 0
+
+  if cols:
+    def init(j, c):
+      sl = pl.ds(ws + j * bk, bk)
+      cm_ref[sl] = jnp.full((bk,), -jnp.inf, F32)
+      cl_ref[sl] = jnp.zeros((bk,), F32)
+      return c
+    lax.fori_loop(0, nkb, init, 0)
+    if barrier:
+      plgpu.debug_barrier()
+
+  def tile(rb, j):
+    """The (bq, bk) base-2 logit tile of row block rb, column block j."""
+    def d_step(kd, acc):
+      xa = x_ref[pl.ds(rb * bq, bq), pl.ds(kd * bd, bd)]
+      yb = y_ref[pl.ds(j * bk, bk), pl.ds(kd * bd, bd)]
+      return acc + lax.dot_general(
+          xa, yb, (((1,), (1,)), ((), ())), preferred_element_type=F32,
+          precision=precision)
+    s0 = lax.fori_loop(0, nd, d_step, jnp.zeros((bq, bk), F32))
+    s = s0 * scale2 + bias2
+    if mask_rows or mask_cols:
+      valid = None
+      if mask_rows:
+        valid = (rb * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)) < n
+      if mask_cols:
+        cv = (j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)) < m
+        valid = cv if valid is None else valid & cv
+      s = jnp.where(valid, s, -jnp.inf)
+    return s
+
+  def row_block(t, c):
+    rb = pid + t * nprog
+
+    def col_step(j, carry):
+      m_i, l_i = carry
+      s = tile(rb, j)
+      if rows:
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        sh = _safe(m_new)
+        l_i = l_i * jnp.exp2(m_i - sh) + jnp.sum(jnp.exp2(s - sh[:, None]),
+                                                axis=1)
+        m_i = m_new
+      if cols:
+        sl = pl.ds(ws + j * bk, bk)
+        old_m = cm_ref[sl]
+        old_l = cl_ref[sl]
+        new_m = jnp.maximum(old_m, jnp.max(s, axis=0))
+        sh = _safe(new_m)
+        lc = jnp.sum(jnp.exp2(s - sh[None, :]), axis=0)
+        cl_ref[sl] = old_l * jnp.exp2(old_m - sh) + lc
+        cm_ref[sl] = new_m
+        if barrier:
+          # The next row block re-reads this slice, possibly from other
+          # threads of the program: make the stores visible to them.
+          plgpu.debug_barrier()
+      return m_i, l_i
+
+    init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
+    m_i, l_i = lax.fori_loop(0, nkb, col_step, init)
+    if rows:
+      row_ref[pl.ds(rb * bq, bq)] = (m_i + jnp.log2(l_i)) * LN2
+    return c
+
+  # Row blocks pid, pid + nprog, ... below nrb.
+  n_rounds = lax.div(nrb - pid + nprog - 1, nprog)
+  lax.fori_loop(0, n_rounds, row_block, 0)
+
+
+def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
+            block_d, num_programs, num_warps, num_stages, precision,
+            interpret):
+  """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
+
+  Args:
+    x, y: zero-padded inputs: rows to multiples of block_q / block_k, D to a
+      multiple of block_d. ``n`` and ``m`` are the valid row counts.
+    scale, bias: float32 scalars.
+    rows, cols: which statistics to compute (static).
+    num_programs: persistent programs (clipped to the number of row blocks).
+
+  Returns:
+    (row_lse (n,) or None, col_lse (m,) or None), float32, natural log.
+  """
+  n_pad, d_pad = x.shape
+  m_pad = y.shape[0]
+  nrb, nkb, nd = n_pad // block_q, m_pad // block_k, d_pad // block_d
+  nprog = max(1, min(num_programs, nrb))
+  params = jnp.stack([scale * LOG2E, bias * LOG2E]).astype(F32)
+  out_shape = []
+  if rows:
+    out_shape.append(jax.ShapeDtypeStruct((n_pad,), F32))
+  if cols:
+    out_shape += [jax.ShapeDtypeStruct((nprog * m_pad,), F32)] * 2
+  kernel = functools.partial(
+      _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nrb=nrb,
+      nkb=nkb, nprog=nprog, m_pad=m_pad, rows=rows, cols=cols,
+      precision=precision, barrier=cols and not interpret)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(nprog,),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name="infcl_lse_fwd",
+  )(params, x, y)
+  outs = list(outs)
+  row_lse = outs.pop(0)[:n] if rows else None
+  col_lse = None
+  if cols:
+    cm = outs[0].reshape(nprog, m_pad)[:, :m]
+    cl = outs[1].reshape(nprog, m_pad)[:, :m]
+    mx = _safe(jnp.max(cm, axis=0))
+    col_lse = (mx + jnp.log2(jnp.sum(cl * jnp.exp2(cm - mx[None, :]),
+                                     axis=0))) * LN2
+  return row_lse, col_lse
