@@ -1,0 +1,34 @@
+"""The notebooks run top to bottom (short parameters), and are stored clean."""
+import os
+import pathlib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_without_outputs(path):
+  nb = nbformat.read(path, as_version=4)
+  for cell in nb.cells:
+    if cell.cell_type == "code":
+      assert not cell.outputs and cell.execution_count is None, (
+          f"{path.name}: strip outputs before committing")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs(path, tmp_path, monkeypatch):
+  monkeypatch.setenv("INFCL_NB_QUICK", "1")
+  monkeypatch.setenv("INFCL_NB_WORKDIR", str(tmp_path))
+  monkeypatch.setenv("MPLBACKEND", "Agg")
+  # The kernel is a fresh process: let it set its own XLA_FLAGS.
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  nb = nbformat.read(path, as_version=4)
+  client = NotebookClient(nb, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}})
+  client.execute()
+  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if o.output_type == "error"]
+  assert not errors
