@@ -86,3 +86,12 @@ def check_scalar(name, value, *, allow_none=False):
 def check_backend(backend):
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_equal_batch(image_emb, text_emb, *, loss="sigmoid"):
+  """Checks that both towers have the same batch size (one positive each)."""
+  if image_emb.shape[0] != text_emb.shape[0]:
+    raise ValueError(
+        f"the {loss} loss needs equal batch sizes (image i pairs with text i), "
+        f"got image_emb {tuple(image_emb.shape)} and text_emb "
+        f"{tuple(text_emb.shape)}")

@@ -45,3 +45,25 @@ def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,
   if direction == "text_to_image":
     return t2i
   raise ValueError(f"unknown direction {direction!r}")
+
+
+def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias):
+  """SigLIP sigmoid loss on the full logit matrix.
+
+  L = -(1/B) sum_ij log sigmoid(z_ij * s_ij), with z_ij = +1 on the diagonal
+  and -1 elsewhere, and B = B_x = B_y.
+
+  -log sigmoid(u) = softplus(-u) = max(-u, 0) + log1p(exp(-|u|)) is evaluated
+  per element: log(sigmoid(u)) would underflow to log(0) for u << 0, and
+  softplus(s) - s would cancel when the loss is tiny.
+  """
+  s = logits(image_emb, text_emb, logit_scale, logit_bias)
+  n_img, n_txt = s.shape
+  if n_img != n_txt:
+    raise ValueError(
+        f"the sigmoid loss needs equal batch sizes, got image_emb with "
+        f"{n_img} rows and text_emb with {n_txt} rows")
+  z = jnp.where(jnp.eye(n_img, dtype=bool), 1.0, -1.0).astype(s.dtype)
+  u = -z * s
+  terms = jnp.maximum(u, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(u)))
+  return jnp.sum(terms) / n_img

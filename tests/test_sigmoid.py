@@ -295,10 +295,14 @@ def test_tile_ops_without_diagonal_on_rectangular_block_pair():
 
 
 def test_softplus_is_stable():
-  u = jnp.asarray([-1000.0, -100.0, -20.0, 0.0, 20.0, 100.0, 1000.0])
+  u = jnp.asarray([-80.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 1000.0])
   got = np.asarray(xla_sigmoid_tiles.softplus(u), np.float64)
   want = _softplus64(np.asarray(u, np.float64))
   np.testing.assert_allclose(got, want, rtol=1e-6)
+  # Far below f32's range it is 0, never NaN; far above it is u itself.
+  np.testing.assert_array_equal(
+      np.asarray(xla_sigmoid_tiles.softplus(jnp.asarray([-1e4, 1e30]))),
+      np.asarray([0.0, 1e30], np.float32))
 
 
 # ------------------------------------------------ transformations, backends
@@ -416,8 +420,11 @@ def test_memory_linear_in_batch():
   sizes = (16384, 32768, 65536)
   temps = [_temp_bytes(tiled, b) for b in sizes]
   for b, m in zip(sizes, temps):
-    # The logit matrix alone would be B^2 * 4 bytes (1 GiB at 16k).
-    assert m < b * b * 4 / 64, (b, m)
+    # The logit matrix alone would be B^2 * 4 bytes (1 GiB at 16k); the
+    # tiled loss needs the f32 grad accumulators (a few B * D * 4) plus
+    # O(tile) buffers: measured ~105 / 201 / 393 MiB (jax 0.11.2, CPU).
+    assert m < b * b * 4 / 8, (b, m)
+    assert m <= 3 * b * 768 * 4 + 32 * 2**20, (b, m)
   # Doubling B at most about doubles the temporaries (O(B * D) + O(tile)).
   assert temps[1] <= 2.3 * temps[0], temps
   assert temps[2] <= 2.3 * temps[1], temps
