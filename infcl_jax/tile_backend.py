@@ -36,6 +36,12 @@ two different shards in the ring):
 Each term is computed per element (never as softplus(s) - s), so the loss
 stays accurate when it is tiny.
 
+Tile ops also run inside ``jax.shard_map`` (the ring and gather losses
+call them on per-device shards), where JAX types every value as varying or
+not over each mesh axis (``check_vma=True``, the default). A loop carry
+started from a constant must then get the inputs' varying axes, or
+``lax.scan`` rejects it: build such carries with ``vary_like``.
+
 A backend is any object with its family's two methods plus ``name`` and
 ``default_block_sizes(platform, dtype)``; it is registered under
 (name, family) and ``get_backend`` resolves it. A Mosaic GPU or jax-triton
@@ -99,6 +105,31 @@ def resolve_name(backend: str, platform: str | None = None,
   if platform == "gpu" and available("pallas", family):
     return "pallas"
   return "xla"
+
+
+def varying_axes(a) -> frozenset:
+  """The mesh axes over which ``a`` is typed device-varying (in shard_map)."""
+  t = jax.typeof(a)
+  mat = getattr(t, "manual_axis_type", None)  # jax >= 0.11
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(t, "vma", ()))  # Older spelling.
+
+
+def vary_like(tree, *refs):
+  """Casts every leaf of ``tree`` to device-varying over the mesh axes that
+  any of ``refs`` varies over (no data movement; a no-op outside shard_map).
+  """
+  want = frozenset()
+  for r in jax.tree_util.tree_leaves(refs):
+    want |= varying_axes(r)
+  if not want:
+    return tree
+
+  def cast(a):
+    missing = tuple(sorted(want - varying_axes(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+  return jax.tree_util.tree_map(cast, tree)
 
 
 def get_backend(name: str, family: str = "softmax") -> TileBackend:

@@ -117,12 +117,14 @@ class XlaTiles:
         return row_stats, out
 
       init = (jnp.full((bq,), NEG_INF, F32), jnp.zeros((bq,), F32))
+      init = tile_backend.vary_like(init, x, y, scale, bias)
       (rm, rl), tile_cols = lax.scan(col_block, init, (yb, col_valid))
       if cols:
         col_stats = merge_stats(*col_stats, *tile_cols)
       return col_stats, (stats_to_lse(rm, rl) if rows else ())
 
     col_init = (jnp.full(yb.shape[:2], NEG_INF, F32), jnp.zeros(yb.shape[:2], F32))
+    col_init = tile_backend.vary_like(col_init, x, y, scale, bias)
     (cm, cl), row_lse = lax.scan(row_block, col_init, (xb, row_valid))
     row_out = row_lse.reshape(-1)[:n] if rows else None
     col_out = stats_to_lse(cm, cl).reshape(-1)[:m] if cols else None
@@ -175,7 +177,7 @@ class XlaTiles:
         dy = dy.at[k].add(_dot(gc.T, x_blk, prec))
         return (dx, dy, dsc, dbi), None
 
-      dx0 = jnp.zeros((bq, d), F32)
+      dx0 = tile_backend.vary_like(jnp.zeros((bq, d), F32), carry, x_blk, r_blk)
       c_in = c_b if c_b is not None else jnp.zeros(yb.shape[:2], F32)
       (dx, dy, dsc, dbi), _ = lax.scan(
           col_block, (dx0, dy, dsc, dbi),
@@ -184,6 +186,7 @@ class XlaTiles:
 
     r_in = r_b if r_b is not None else jnp.zeros(xb.shape[:2], F32)
     init = (jnp.zeros(yb.shape, F32), jnp.zeros((), F32), jnp.zeros((), F32))
+    init = tile_backend.vary_like(init, x, y, scale, bias, row_lse, col_lse)
     (dy, dsc, dbi), dx = lax.scan(row_block, init, (xb, row_valid, r_in))
     dx = dx.reshape(-1, d)[:n] * (scale * norm)
     dy = dy.reshape(-1, d)[:m] * (scale * norm)
