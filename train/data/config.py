@@ -1,0 +1,101 @@
+"""Data and tokenizer config defaults, and the early config check.
+
+`default_data_config()` and `default_tokenizer_config()` are embedded by the
+trainer configs as `config.data` and `config.tokenizer`. `check_data_config`
+validates them (dataset present and prepared, feature keys, files) and raises
+a single-line ValueError, so a bad config fails before any training starts.
+"""
+
+import ml_collections
+
+from train.data import sources
+from train.data import tokenizer as tokenizer_lib
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+  """Defaults: the embedded synthetic_shapes dataset at 32x32."""
+  c = ml_collections.ConfigDict()
+  # "synthetic_shapes" (generated locally) or a TFDS dataset name, optionally
+  # with config and version: "coco_captions", "coco_captions/2017:1.1.0".
+  c.name = "synthetic_shapes"
+  # TFDS data directory. "" means: for synthetic_shapes $INFCL_DATA_DIR or
+  # ~/.cache/infcl_jax/tfds (generated there on first use); for a TFDS name
+  # $TFDS_DATA_DIR or ~/tensorflow_datasets (must already be prepared).
+  c.data_dir = ""
+  c.split = "train"
+  c.eval_split = "test"
+  # Feature keys; "/" walks nested features ("captions/text" is a sequence
+  # of captions: training samples one per example and epoch).
+  c.image_key = "image"
+  c.text_key = "captions/text"
+  # Integer class label feature; "" if the dataset has none (label = -1).
+  c.label_key = "label"
+  c.image_size = 32
+  # synthetic_shapes only: examples generated for train and test, and seed.
+  c.num_train_examples = 4096
+  c.synthetic_seed = 0
+  # Eval examples: the size of synthetic_shapes' test split; for a TFDS
+  # dataset, the first N of eval_split (0 = all) used for retrieval.
+  c.num_eval_examples = 512
+  # Zero-shot classification set: "" uses eval_split of this dataset with
+  # label_key (synthetic_shapes: held-out shape/color combinations); else a
+  # TFDS classification dataset name (e.g. "cifar10") read from data_dir.
+  c.zeroshot_name = ""
+  c.zeroshot_split = "test"
+  c.zeroshot_image_key = "image"
+  c.zeroshot_label_key = "label"
+  # Prompt templates with "{}" for the class name; empty = dataset default
+  # (synthetic_shapes: its held-out templates).
+  c.zeroshot_templates = ()
+  # Input pipeline: reader threads and batches prefetched ahead.
+  c.num_threads = 2
+  c.prefetch_batches = 2
+  # A process's shard with at most this many examples is decoded once and
+  # kept in memory (synthetic_shapes: ~3 KB per 32x32 example); 0 = never.
+  c.cache_max_examples = 50_000
+  return c
+
+
+def default_tokenizer_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.kind = "bytes"  # "bytes" | "sentencepiece"
+  c.max_len = 64
+  c.spm_path = ""  # local SentencePiece .model file for kind="sentencepiece"
+  return c
+
+
+def _check_keys(section, defaults, where):
+  unknown = sorted(set(section.keys()) - set(defaults.keys()))
+  if unknown:
+    raise ValueError(f"unknown config key(s) {', '.join(where + '.' + k for k in unknown)}; "
+                     f"known: {', '.join(sorted(defaults.keys()))}")
+
+
+def check_data_config(config) -> None:
+  """Validates config.data and config.tokenizer; one-line ValueError if bad.
+
+  Checks key names, sizes, the tokenizer (kind, SentencePiece file), and that
+  the dataset exists and is readable without downloading: for a TFDS name,
+  that it is prepared under data_dir in array_record format with the
+  configured splits and feature keys. synthetic_shapes is not generated here.
+  """
+  if "data" not in config:
+    raise ValueError("config has no `data` section (embed "
+                     "train.data.default_data_config())")
+  data = config.data
+  _check_keys(data, default_data_config(), "config.data")
+  if "tokenizer" in config:
+    _check_keys(config.tokenizer, default_tokenizer_config(), "config.tokenizer")
+    tokenizer_lib.check_tokenizer_config(config.tokenizer)
+  for key in ("image_size", "num_eval_examples", "num_threads",
+              "prefetch_batches", "num_train_examples", "cache_max_examples"):
+    value = data.get(key)
+    low = 0 if key in ("num_eval_examples", "prefetch_batches",
+                       "cache_max_examples") else 1
+    if not isinstance(value, int) or value < low:
+      raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
+  for tmpl in data.zeroshot_templates:
+    if "{}" not in tmpl:
+      raise ValueError(f"config.data.zeroshot_templates entry {tmpl!r} has no "
+                       "'{}' for the class name")
+  sources.check_sources(data)

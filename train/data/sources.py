@@ -1,0 +1,235 @@
+"""Opening TFDS datasets as random-access sources, without TensorFlow.
+
+Every dataset, the embedded synthetic_shapes included, is read the same way:
+its prepared TFDS directory (data_dir/name[/config]/version, array_record
+files + dataset_info.json) is opened with `tfds.builder_from_directory`, and a
+split becomes a random-access `ArrayRecordDataSource` that decodes examples to
+numpy (images through Pillow). Builders are never constructed from their
+registered classes (several, coco_captions included, need TensorFlow just to
+describe their features) and nothing is ever downloaded: a dataset that is not
+prepared gives a clear error saying how to prepare it.
+"""
+
+import functools
+import logging
+import os
+import re
+
+from train.data import synthetic
+
+_VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def default_data_dir(name: str) -> str:
+  if name == synthetic.NAME:
+    return os.environ.get("INFCL_DATA_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "infcl_jax", "tfds")
+  return os.environ.get("TFDS_DATA_DIR") or os.path.join(
+      os.path.expanduser("~"), "tensorflow_datasets")
+
+
+def data_dir_of(data) -> str:
+  return data.data_dir or default_data_dir(data.name)
+
+
+def _quiet_opencv_notice(record: logging.LogRecord) -> bool:
+  # TFDS warns on every first image decode that OpenCV is missing and that
+  # it uses Pillow instead; Pillow is the intended decoder here.
+  return "OpenCV is not installed" not in record.getMessage()
+
+
+def _tfds():
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  absl_logger = logging.getLogger("absl")
+  if _quiet_opencv_notice not in absl_logger.filters:
+    absl_logger.addFilter(_quiet_opencv_notice)
+  return tfds
+
+
+def _known_tfds_names() -> list[str]:
+  # The builders TFDS ships (imported, not constructed: no TensorFlow needed).
+  from tensorflow_datasets.core import registered  # pylint: disable=import-outside-toplevel
+  return registered.list_imported_builders()
+
+
+def _versions(path: str) -> list[str]:
+  if not os.path.isdir(path):
+    return []
+  found = [v for v in os.listdir(path) if _VERSION_RE.match(v) and
+           os.path.exists(os.path.join(path, v, "dataset_info.json"))]
+  return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def resolve_dataset_dir(name: str, data_dir: str, what: str = "config.data.name") -> str:
+  """The prepared TFDS directory of `name` ("ds", "ds/config", "ds:1.0.0")."""
+  if not os.path.isdir(data_dir):
+    raise ValueError(f"data_dir {data_dir!r} (for {what}={name!r}) does not "
+                     "exist; set config.data.data_dir to the TFDS data "
+                     "directory where the dataset was prepared")
+  base, _, version = name.partition(":")
+  if version and not _VERSION_RE.match(version):
+    raise ValueError(f"{what}={name!r}: version {version!r} is not X.Y.Z")
+  parts = base.split("/")
+  if len(parts) > 2 or not all(parts):
+    raise ValueError(f"{what}={name!r} must look like 'dataset', "
+                     "'dataset/config' or 'dataset/config:1.2.3'")
+  path = os.path.join(data_dir, *parts)
+  if not os.path.isdir(path):
+    if parts[0] in _known_tfds_names():
+      raise ValueError(
+          f"TFDS dataset {parts[0]!r} is not prepared under data_dir "
+          f"{data_dir!r} (nothing is downloaded at run time): prepare it with "
+          f"`tfds build {base} --data_dir {data_dir} --file_format "
+          "array_record`")
+    raise ValueError(f"{what}={name!r} is not a TFDS dataset (neither "
+                     f"registered in TFDS nor found under data_dir "
+                     f"{data_dir!r}) nor {synthetic.NAME!r}")
+  if len(parts) == 1 and not _versions(path):
+    # No version directly below: the dataset has configs; take the only one.
+    configs = sorted(c for c in os.listdir(path) if _versions(os.path.join(path, c)))
+    if len(configs) != 1:
+      raise ValueError(f"{what}={name!r}: choose a config, one of "
+                       f"{configs or 'none prepared'} ({name}/<config>)")
+    path = os.path.join(path, configs[0])
+  versions = _versions(path)
+  if not versions:
+    raise ValueError(f"{what}={name!r}: no prepared version (no "
+                     f"dataset_info.json) under {path!r}")
+  if version:
+    if version not in versions:
+      raise ValueError(f"{what}={name!r}: version {version} not prepared "
+                       f"under {path!r} (found {versions})")
+  else:
+    version = versions[-1]
+  return os.path.join(path, version)
+
+
+@functools.lru_cache(maxsize=16)
+def _builder_from_dir(path: str):
+  builder = _tfds().builder_from_directory(path)
+  file_format = getattr(builder.info, "file_format", None)
+  file_format = str(getattr(file_format, "value", file_format) or "tfrecord")
+  if file_format != "array_record":
+    raise ValueError(
+        f"dataset at {path!r} is stored as {file_format}; the "
+        "input pipeline reads array_record (random access, no TensorFlow): "
+        f"convert it with `tfds convert_format --dataset_dir {path} "
+        "--out_file_format array_record`")
+  return builder
+
+
+def builder_for(data, *, prepare: bool = True):
+  """The TFDS read-only builder of config.data, generating synthetic data."""
+  data_dir = data_dir_of(data)
+  if data.name == synthetic.NAME:
+    kwargs = dict(image_size=data.image_size,
+                  num_train=data.num_train_examples,
+                  num_test=data.num_eval_examples, seed=data.synthetic_seed)
+    path = (synthetic.prepare(data_dir, **kwargs) if prepare
+            else synthetic.dataset_dir(data_dir, **kwargs))
+  else:
+    path = resolve_dataset_dir(data.name, data_dir)
+  return _builder_from_dir(path)
+
+
+def zeroshot_builder_for(data):
+  return _builder_from_dir(resolve_dataset_dir(
+      data.zeroshot_name, data_dir_of(data), what="config.data.zeroshot_name"))
+
+
+def feature_at(features, key: str):
+  """The TFDS feature at a '/'-separated key; ValueError listing choices."""
+  tfds = _tfds()
+  feature = features
+  for i, part in enumerate(key.split("/")):
+    while isinstance(feature, tfds.features.Sequence):
+      feature = feature.feature
+    if not isinstance(feature, tfds.features.FeaturesDict) or part not in feature.keys():
+      here = "/".join(key.split("/")[:i]) or "<top>"
+      choices = (sorted(feature.keys())
+                 if isinstance(feature, tfds.features.FeaturesDict) else [])
+      raise KeyError(f"{key!r} has no {part!r} at {here} (available: {choices})")
+    feature = feature[part]
+  return feature
+
+
+def value_at(example, key: str):
+  """The decoded value at a '/'-separated key of a decoded example."""
+  value = example
+  for part in key.split("/"):
+    value = value[part]
+  return value
+
+
+def check_split_and_keys(builder, split: str, keys: dict, where: str) -> None:
+  """Checks that `split` exists and each (config field -> key) is present."""
+  tfds = _tfds()
+  splits = sorted(builder.info.splits.keys())
+  if split not in splits:
+    raise ValueError(f"{where}: split {split!r} not in {builder.info.full_name} "
+                     f"(splits: {splits})")
+  for field, key in keys.items():
+    if not key:
+      continue
+    try:
+      feature = feature_at(builder.info.features, key)
+    except KeyError as e:
+      raise ValueError(f"{field}={key!r} is not a feature of "
+                       f"{builder.info.full_name}: {e.args[0]}") from None
+    if field.endswith("image_key") and not isinstance(feature, tfds.features.Image):
+      raise ValueError(f"{field}={key!r} is a {type(feature).__name__}, not "
+                       f"an Image feature of {builder.info.full_name}")
+    if field.endswith("text_key") and not isinstance(feature, tfds.features.Text):
+      raise ValueError(f"{field}={key!r} is a {type(feature).__name__}, not "
+                       f"a Text feature of {builder.info.full_name}")
+    if field.endswith("label_key") and not isinstance(
+        feature, (tfds.features.ClassLabel, tfds.features.Scalar)):
+      raise ValueError(f"{field}={key!r} is a {type(feature).__name__}, not "
+                       f"an integer label of {builder.info.full_name}")
+
+
+def check_sources(data) -> None:
+  """The dataset part of check_data_config (see there)."""
+  if data.name == synthetic.NAME:
+    if data.split not in ("train", "test") or data.eval_split not in ("train", "test"):
+      raise ValueError(f"{synthetic.NAME} has splits 'train' and 'test'; got "
+                       f"config.data.split={data.split!r}, "
+                       f"eval_split={data.eval_split!r}")
+    if data.image_size < 8:
+      raise ValueError(f"config.data.image_size={data.image_size} is too "
+                       f"small for {synthetic.NAME} (>= 8)")
+    data_dir = data_dir_of(data)
+    parent = os.path.dirname(os.path.abspath(data_dir)) or "/"
+    if not os.path.isdir(data_dir) and not os.access(parent, os.W_OK):
+      raise ValueError(f"config.data.data_dir={data_dir!r} does not exist and "
+                       "cannot be created")
+    for key in ("image_key", "text_key", "label_key"):
+      want = {"image_key": "image", "text_key": "captions/text",
+              "label_key": "label"}[key]
+      if data[key] not in (want, "") or (key == "image_key" and not data[key]):
+        raise ValueError(f"config.data.{key}={data[key]!r}: {synthetic.NAME} "
+                         f"has {want!r}")
+    if not data.text_key:
+      raise ValueError("config.data.text_key must name the caption feature")
+    builder = None
+  else:
+    if not data.image_key or not data.text_key:
+      raise ValueError("config.data.image_key and text_key must name the "
+                       "image and caption features")
+    builder = builder_for(data, prepare=False)
+    keys = {"config.data.image_key": data.image_key,
+            "config.data.text_key": data.text_key,
+            "config.data.label_key": data.label_key}
+    check_split_and_keys(builder, data.split, keys, "config.data.split")
+    check_split_and_keys(builder, data.eval_split, keys, "config.data.eval_split")
+  if data.zeroshot_name:
+    zs = zeroshot_builder_for(data)
+    check_split_and_keys(zs, data.zeroshot_split, {
+        "config.data.zeroshot_image_key": data.zeroshot_image_key,
+        "config.data.zeroshot_label_key": data.zeroshot_label_key,
+    }, "config.data.zeroshot_split")
+    if not isinstance(feature_at(zs.info.features, data.zeroshot_label_key),
+                      _tfds().features.ClassLabel):
+      raise ValueError(f"config.data.zeroshot_label_key="
+                       f"{data.zeroshot_label_key!r} must be a ClassLabel "
+                       "(its names are the zero-shot class names)")

@@ -1,0 +1,339 @@
+"""synthetic_shapes: a procedurally rendered image-caption dataset.
+
+Each image is a colored shape (8 shapes x 8 colors, 3 sizes, 3x3 positions)
+drawn with Pillow on one of 3 backgrounds with a brightness gradient and pixel
+noise; each caption describes it compositionally ("a small red circle on the
+left") through several templates and synonyms. Everything is a pure function
+of (seed, split, index), so the dataset is the same on every machine.
+
+Held out for evaluation, never seen in training:
+  * 16 of the 64 (shape, color) combinations: shape i never appears in
+    training with colors i and i + 4 (mod 8); the `test` split contains only
+    these combinations.
+  * the zero-shot prompt templates (`ZEROSHOT_TEMPLATES`), which name only the
+    shape ("a photo of a star."): no training caption uses them.
+So zero-shot shape classification on `test` measures transfer to new
+attribute combinations and new phrasings (chance: 1/8).
+
+The dataset is written as a TFDS dataset (array_record files) into a data
+directory by `prepare()`, then read back by the same TFDS data-source code
+path as any other TFDS dataset (see pipeline.py).
+"""
+
+import fcntl
+import logging
+import os
+
+import numpy as np
+
+NAME = "synthetic_shapes"
+VERSION = "1.0.0"
+
+SHAPES = ("circle", "square", "triangle", "star", "diamond", "cross",
+          "hexagon", "ring")
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 60),
+    "blue": (50, 90, 235),
+    "yellow": (235, 220, 50),
+    "purple": (150, 60, 200),
+    "orange": (245, 140, 30),
+    "cyan": (40, 205, 215),
+    "white": (240, 240, 240),
+}
+COLOR_NAMES = tuple(COLORS)
+BACKGROUNDS = {"black": (15, 15, 20), "gray": (115, 115, 115),
+               "brown": (85, 55, 35)}
+BACKGROUND_NAMES = tuple(BACKGROUNDS)
+SIZES = ("small", "medium", "large")
+# Diameter as a fraction of the image side.
+_SIZE_FRACTION = {"small": 0.32, "medium": 0.46, "large": 0.62}
+HPOS = ("left", "center", "right")
+VPOS = ("top", "middle", "bottom")
+
+_SIZE_WORDS = {"small": ("small", "tiny", "little"),
+               "medium": ("medium", "medium-sized", "mid-sized"),
+               "large": ("large", "big", "huge")}
+
+# Training caption templates. Placeholders: {a} article for the next word,
+# {size} {color} {shape} {pos} {bg}; {Pos} is {pos} capitalized-free variant
+# used at the start of a caption.
+TRAIN_TEMPLATES = (
+    "{a} {size} {color} {shape} {pos}",
+    "{a} {color} {shape} {pos} on a {bg} background",
+    "{pos}, {a} {size} {color} {shape}",
+    "{a} {shape} that is {color}",
+    "the {color} {shape} is {size}",
+    "{a} {size} {shape} {pos}",
+    "there is {a} {color} {shape} {pos}",
+    "{color} {shape}, {size}, {bg} background",
+    "{a} {shape} {pos}",
+)
+# Canonical caption of a test image, used for retrieval (one per image).
+RETRIEVAL_TEMPLATE = "{a} {size} {color} {shape} {pos} on a {bg} background"
+# Held-out prompt templates for zero-shot classification ({} = shape name).
+ZEROSHOT_TEMPLATES = (
+    "a photo of a {}.",
+    "a rendering of the {}.",
+    "an image containing a {}.",
+    "this is a {}.",
+)
+
+CAPTIONS_PER_TRAIN_IMAGE = 3
+_SUPERSAMPLE = 4  # draw at 4x and box-filter down: anti-aliased edges
+_SPLIT_CODES = {"train": 1, "test": 2}
+
+
+def is_heldout(shape: int, color: int) -> bool:
+  """Whether the (shape, color) combination is reserved for evaluation."""
+  return color in (shape % 8, (shape + 4) % 8)
+
+
+def _allowed_combos(split: str) -> list[tuple[int, int]]:
+  want_heldout = split == "test"
+  return [(s, c) for s in range(len(SHAPES)) for c in range(len(COLORS))
+          if is_heldout(s, c) == want_heldout]
+
+
+def _pos_phrase(v: str, h: str, rng) -> str:
+  if v == "middle" and h == "center":
+    return rng.choice(["in the center", "in the middle"])
+  if v == "middle":
+    return rng.choice([f"on the {h}", f"on the {h} side"])
+  if h == "center":
+    return rng.choice([f"at the {v}", f"near the {v}"])
+  return rng.choice([f"in the {v} {h}", f"in the {v} {h} corner"])
+
+
+def _article(word: str) -> str:
+  return "an" if word[0] in "aeiou" else "a"
+
+
+def _fill(template: str, attrs: dict, rng, canonical: bool = False) -> str:
+  size = (_SIZE_WORDS[attrs["size"]][0] if canonical
+          else rng.choice(_SIZE_WORDS[attrs["size"]]))
+  pos = (_pos_phrase(attrs["vpos"], attrs["hpos"], np.random.default_rng(0))
+         if canonical else _pos_phrase(attrs["vpos"], attrs["hpos"], rng))
+  words = dict(size=size, color=attrs["color"], shape=attrs["shape"], pos=pos,
+               bg=attrs["bg"])
+  # The article agrees with whatever word follows "{a} ".
+  follow = template.split("{a} ", 1)[1].split(" ", 1)[0] if "{a} " in template else "{shape}"
+  words["a"] = _article(follow.format(**words))
+  return template.format(**words)
+
+
+def _polygon(shape: str, cx: float, cy: float, r: float, angle: float):
+  """Vertices of a regular-ish polygon shape, in canvas pixels."""
+  def ring(n, radius, phase, rx=1.0):
+    t = phase + angle + np.arange(n) * 2 * np.pi / n
+    return np.stack([cx + rx * radius * np.cos(t), cy + radius * np.sin(t)], 1)
+  if shape == "square":
+    pts = ring(4, r, np.pi / 4)
+  elif shape == "triangle":
+    pts = ring(3, r, -np.pi / 2)
+    pts[:, 1] += 0.2 * r  # center the triangle's bounding box vertically
+  elif shape == "diamond":
+    pts = ring(4, r, 0.0, rx=0.65)
+  elif shape == "hexagon":
+    pts = ring(6, r, 0.0)
+  elif shape == "star":
+    outer, inner = ring(5, r, -np.pi / 2), ring(5, 0.45 * r, -np.pi / 2 + np.pi / 5)
+    pts = np.stack([outer, inner], 1).reshape(10, 2)
+  elif shape == "cross":
+    w = 0.34 * r
+    base = np.array([(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w),
+                     (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)])
+    c, s = np.cos(angle), np.sin(angle)
+    pts = base @ np.array([[c, s], [-s, c]]) + np.array([cx, cy])
+  else:
+    raise ValueError(f"no polygon for shape {shape!r}")
+  return [tuple(p) for p in pts]
+
+
+def render_example(seed: int, split: str, index: int, image_size: int):
+  """Renders one example: (uint8 image [S, S, 3], attribute dict, rng).
+
+  Pure function of its arguments, so examples can be generated in any order
+  (or in parallel) with identical results.
+  """
+  from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng([seed, _SPLIT_CODES[split], index])
+  combos = _allowed_combos(split)
+  shape_id, color_id = combos[rng.integers(len(combos))]
+  attrs = dict(shape=SHAPES[shape_id], color=COLOR_NAMES[color_id],
+               size=SIZES[rng.integers(3)], hpos=HPOS[rng.integers(3)],
+               vpos=VPOS[rng.integers(3)], bg=BACKGROUND_NAMES[rng.integers(3)],
+               shape_id=shape_id, color_id=color_id)
+  # Background at the final resolution: base color plus a random linear
+  # brightness gradient.
+  bg = np.array(BACKGROUNDS[attrs["bg"]], np.float32)
+  yy, xx = np.mgrid[0:image_size, 0:image_size].astype(np.float32)
+  yy, xx = yy / image_size - 0.5, xx / image_size - 0.5
+  gdir = rng.normal(size=2)
+  grad = (xx * gdir[0] + yy * gdir[1]) * rng.uniform(10, 40)
+  background = bg[None, None] + grad[..., None]
+  # The shape is drawn as a coverage mask at 4x and box-filtered down, which
+  # anti-aliases its edges; then it is alpha-composited over the background.
+  big = image_size * _SUPERSAMPLE
+  mask = Image.new("L", (big, big), 0)
+  draw = ImageDraw.Draw(mask)
+  diameter = _SIZE_FRACTION[attrs["size"]] * rng.uniform(0.9, 1.1) * big
+  r = diameter / 2
+  # Nominal cell center, jittered, then clamped so the shape stays inside.
+  cx = (0.2 + 0.3 * HPOS.index(attrs["hpos"]) + rng.uniform(-0.04, 0.04)) * big
+  cy = (0.2 + 0.3 * VPOS.index(attrs["vpos"]) + rng.uniform(-0.04, 0.04)) * big
+  cx, cy = np.clip([cx, cy], r + 1, big - r - 1)
+  color = np.clip(np.array(COLORS[attrs["color"]]) + rng.integers(-18, 19, 3),
+                  0, 255).astype(np.float32)
+  angle = rng.uniform(-0.25, 0.25)  # radians; small, so square != diamond
+  shape = attrs["shape"]
+  if shape in ("circle", "ring"):
+    draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
+    if shape == "ring":
+      ri = 0.55 * r
+      draw.ellipse([cx - ri, cy - ri, cx + ri, cy + ri], fill=0)
+  else:
+    draw.polygon(_polygon(shape, cx, cy, r, angle), fill=255)
+  alpha = np.asarray(mask.reduce(_SUPERSAMPLE), np.float32)[..., None] / 255
+  small = background * (1 - alpha) + color[None, None] * alpha
+  small += rng.normal(0, rng.uniform(2, 10), small.shape)
+  return np.clip(np.round(small), 0, 255).astype(np.uint8), attrs, rng
+
+
+def make_captions(attrs: dict, rng, split: str) -> list[str]:
+  """Captions of one example: random training templates, or the canonical one.
+
+  Train images get CAPTIONS_PER_TRAIN_IMAGE captions from distinct templates
+  (the pipeline samples one per epoch); test images get the canonical
+  retrieval caption first.
+  """
+  if split == "test":
+    return [_fill(RETRIEVAL_TEMPLATE, attrs, rng, canonical=True)]
+  picks = rng.choice(len(TRAIN_TEMPLATES), CAPTIONS_PER_TRAIN_IMAGE,
+                     replace=False)
+  return [_fill(TRAIN_TEMPLATES[int(t)], attrs, rng) for t in picks]
+
+
+def generate_examples(seed: int, split: str, num: int, image_size: int):
+  """Yields (key, example) pairs in the TFDS feature layout of the builder."""
+  for i in range(num):
+    image, attrs, rng = render_example(seed, split, i, image_size)
+    yield i, {
+        "image": image,
+        "captions": {"text": make_captions(attrs, rng, split)},
+        "label": attrs["shape_id"],
+        "color": attrs["color_id"],
+        "size": SIZES.index(attrs["size"]),
+        "hpos": HPOS.index(attrs["hpos"]),
+        "vpos": VPOS.index(attrs["vpos"]),
+        "background": BACKGROUND_NAMES.index(attrs["bg"]),
+    }
+
+
+def config_name(image_size: int, num_train: int, num_test: int, seed: int):
+  """TFDS config name: the generation parameters, so each lands separately."""
+  return f"s{image_size}_n{num_train}_t{num_test}_seed{seed}"
+
+
+def dataset_dir(data_dir, image_size, num_train, num_test, seed) -> str:
+  """Where `prepare` writes the dataset (a TFDS dataset version directory)."""
+  return os.path.join(os.fspath(data_dir), NAME,
+                      config_name(image_size, num_train, num_test, seed),
+                      VERSION)
+
+
+def _make_builder_class():
+  """Defines the TFDS builder lazily, so importing this module stays cheap."""
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+
+  class SyntheticShapes(tfds.core.GeneratorBasedBuilder):
+    """TFDS builder of synthetic_shapes; parameters come from the config."""
+    VERSION = tfds.core.Version(globals()["VERSION"])
+    # Never touch the network: no GCS lookup of dataset info.
+    _GCS_ENABLED = False
+
+    def __init__(self, *, image_size, num_train, num_test, seed, **kwargs):
+      self._params = (image_size, num_train, num_test, seed)
+      config = tfds.core.BuilderConfig(
+          name=config_name(image_size, num_train, num_test, seed),
+          description="procedural shapes with compositional captions")
+      super().__init__(config=config, **kwargs)
+
+    def _info(self):
+      image_size = self._params[0]
+      label = lambda names: tfds.features.ClassLabel(names=list(names))
+      return self.dataset_info_from_configs(
+          description=__doc__,
+          features=tfds.features.FeaturesDict({
+              "image": tfds.features.Image(shape=(image_size, image_size, 3)),
+              "captions": tfds.features.Sequence(
+                  {"text": tfds.features.Text()}),
+              "label": label(SHAPES),
+              "color": label(COLOR_NAMES),
+              "size": label(SIZES),
+              "hpos": label(HPOS),
+              "vpos": label(VPOS),
+              "background": label(BACKGROUND_NAMES),
+          }),
+          supervised_keys=None)
+
+    def _split_generators(self, dl_manager):
+      del dl_manager  # nothing to download
+      image_size, num_train, num_test, seed = self._params
+      return {"train": self._generate_examples(seed, "train", num_train,
+                                               image_size),
+              "test": self._generate_examples(seed, "test", num_test,
+                                              image_size)}
+
+    def _generate_examples(self, seed, split, num, image_size):
+      for key, ex in generate_examples(seed, split, num, image_size):
+        # A PIL image is PNG-encoded by TFDS without TensorFlow (a numpy
+        # array would go through tf.image.encode_png).
+        ex["image"] = Image.fromarray(ex["image"])
+        yield key, ex
+
+  return SyntheticShapes
+
+
+_BUILDER_CLASS = None
+
+
+def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
+            seed: int = 0) -> str:
+  """Generates the dataset into `data_dir` once; returns its directory.
+
+  Safe when several processes call it at once (a file lock serializes them;
+  the later ones find the dataset ready).
+  """
+  global _BUILDER_CLASS
+  path = dataset_dir(data_dir, image_size, num_train, num_test, seed)
+  if os.path.exists(os.path.join(path, "dataset_info.json")):
+    return path
+  os.makedirs(data_dir, exist_ok=True)
+  lock_path = os.path.join(os.fspath(data_dir), f".{NAME}.lock")
+  with open(lock_path, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if not os.path.exists(os.path.join(path, "dataset_info.json")):
+        import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+        logging.info("Generating %s into %s (once; later runs reuse it)",
+                     NAME, path)
+        if _BUILDER_CLASS is None:
+          _BUILDER_CLASS = _make_builder_class()
+        builder = _BUILDER_CLASS(image_size=image_size, num_train=num_train,
+                                 num_test=num_test, seed=seed,
+                                 data_dir=os.fspath(data_dir),
+                                 file_format="array_record")
+        # Generation is quick; TFDS's per-split progress bars are noise.
+        tfds.disable_progress_bar()
+        try:
+          builder.download_and_prepare(
+              download_config=tfds.download.DownloadConfig(
+                  try_download_gcs=False))  # nothing to download: stay local
+        finally:
+          tfds.enable_progress_bar()
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+  return path
+
