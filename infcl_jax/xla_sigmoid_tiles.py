@@ -87,11 +87,15 @@ class XlaSigmoidTiles:
         t = jnp.where(rv[:, None] & cv[None, :], softplus(u), 0.0)
         return row_total + jnp.sum(t), None
 
-      row_total, _ = lax.scan(col_block, jnp.zeros((), F32),
+      # Inside shard_map a constant carry must be typed device-varying like
+      # the inputs, or lax.scan rejects it (see tile_backend.vary_like).
+      row_init = tile_backend.vary_like(jnp.zeros((), F32), total, x_blk)
+      row_total, _ = lax.scan(col_block, row_init,
                               (jnp.arange(nk), yb, col_valid))
       return total + row_total, None
 
-    total, _ = lax.scan(row_block, jnp.zeros((), F32),
+    init = tile_backend.vary_like(jnp.zeros((), F32), x, y, scale, bias)
+    total, _ = lax.scan(row_block, init,
                         (jnp.arange(xb.shape[0]), xb, row_valid))
     return total
 
@@ -149,12 +153,13 @@ class XlaSigmoidTiles:
         dy = dy.at[kb].add(g_max * _dot(gc.T, x_blk, prec))
         return (dx, dy, dsc, dbi), None
 
-      dx0 = jnp.zeros((bq, d), F32)
+      dx0 = tile_backend.vary_like(jnp.zeros((bq, d), F32), carry, x_blk)
       (dx, dy, dsc, dbi), _ = lax.scan(
           col_block, (dx0, dy, dsc, dbi), (jnp.arange(nk), yb, col_valid))
       return (dy, dsc, dbi), dx
 
     init = (jnp.zeros(yb.shape, F32), jnp.zeros((), F32), jnp.zeros((), F32))
+    init = tile_backend.vary_like(init, x, y, scale, bias, coef)
     (dy, dsc, dbi), dx = lax.scan(
         row_block, init, (jnp.arange(xb.shape[0]), xb, row_valid))
     dx = dx.reshape(-1, d)[:n] * (scale * coef)

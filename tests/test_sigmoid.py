@@ -294,6 +294,32 @@ def test_tile_ops_without_diagonal_on_rectangular_block_pair():
     kernel.sigmoid_grad(x, y, t, b, coef, has_diagonal=True, block_sizes=tiles)
 
 
+def test_tile_ops_inside_shard_map():
+  # The ring calls the tile ops on per-device shards, where shard_map types
+  # values as device-varying (check_vma): the scan carries must follow.
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+  rng = np.random.default_rng(12)
+  x, y = _rand_emb(rng, 21, 5, jnp.float32), _rand_emb(rng, 21, 5, jnp.float32)
+  kernel = tile_backend.get_backend("xla", "sigmoid")
+  tiles = BlockSizes(block_q=8, block_k=16)
+
+  def f(x, y, t, b):
+    total = kernel.sigmoid_sum(x, y, t, b, has_diagonal=True,
+                               block_sizes=tiles)
+    dx, dy, dt, db = kernel.sigmoid_grad(x, y, t, b, 1.0 / 21,
+                                         has_diagonal=True, block_sizes=tiles)
+    return total[None], dx, dy, dt[None], db[None]
+
+  out = jax.jit(jax.shard_map(
+      f, mesh=mesh, in_specs=(P("d"), P("d"), P(), P()),
+      out_specs=(P("d"),) * 5))(x, y, jnp.float32(3.0), jnp.float32(-2.0))
+  ref = np_sigmoid_loss_and_grads(_as64(x), _as64(y), 3.0, -2.0)
+  _assert_rel_close(out[0][0] / 21, ref[0], rtol=2e-5, what="sum")
+  for g, r, name in zip(out[1:], ref[1:], ("dx", "dy", "dscale", "dbias")):
+    _assert_rel_close(np.reshape(g, np.shape(r)), r, rtol=2e-5, what=name)
+
+
 def test_softplus_is_stable():
   u = jnp.asarray([-80.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 1000.0])
   got = np.asarray(xla_sigmoid_tiles.softplus(u), np.float64)
