@@ -62,10 +62,6 @@ def _versions(path: str) -> list[str]:
 
 def resolve_dataset_dir(name: str, data_dir: str, what: str = "config.data.name") -> str:
   """The prepared TFDS directory of `name` ("ds", "ds/config", "ds:1.0.0")."""
-  if not os.path.isdir(data_dir):
-    raise ValueError(f"data_dir {data_dir!r} (for {what}={name!r}) does not "
-                     "exist; set config.data.data_dir to the TFDS data "
-                     "directory where the dataset was prepared")
   base, _, version = name.partition(":")
   if version and not _VERSION_RE.match(version):
     raise ValueError(f"{what}={name!r}: version {version!r} is not X.Y.Z")
@@ -73,6 +69,14 @@ def resolve_dataset_dir(name: str, data_dir: str, what: str = "config.data.name"
   if len(parts) > 2 or not all(parts):
     raise ValueError(f"{what}={name!r} must look like 'dataset', "
                      "'dataset/config' or 'dataset/config:1.2.3'")
+  if not os.path.isdir(data_dir):
+    if parts[0] not in _known_tfds_names():
+      raise ValueError(f"{what}={name!r} is neither a TFDS dataset nor "
+                       f"{synthetic.NAME!r} (and data_dir {data_dir!r} does "
+                       "not exist)")
+    raise ValueError(f"data_dir {data_dir!r} (for {what}={name!r}) does not "
+                     "exist; set config.data.data_dir to the TFDS data "
+                     "directory where the dataset was prepared")
   path = os.path.join(data_dir, *parts)
   if not os.path.isdir(path):
     if parts[0] in _known_tfds_names():
@@ -137,28 +141,41 @@ def zeroshot_builder_for(data):
       data.zeroshot_name, data_dir_of(data), what="config.data.zeroshot_name"))
 
 
+def _walk(node, key: str, children, done: str = ""):
+  """Follows a '/'-separated key down nested mappings.
+
+  TFDS feature names may contain '/' themselves (coco's "image/id"), so at
+  each level the longest prefix of the remaining key that is present wins.
+  `children(node)` gives a node's mapping of sub-nodes, or None for a leaf.
+  """
+  if not key:
+    return node
+  mapping = children(node)
+  parts = key.split("/")
+  for j in range(len(parts), 0, -1):
+    name = "/".join(parts[:j])
+    if mapping is not None and name in mapping:
+      return _walk(mapping[name], "/".join(parts[j:]), children,
+                   f"{done}/{name}" if done else name)
+  choices = sorted(mapping.keys()) if mapping is not None else []
+  raise KeyError(f"no {parts[0]!r} at {done or '<top>'} (available: {choices})")
+
+
 def feature_at(features, key: str):
-  """The TFDS feature at a '/'-separated key; ValueError listing choices."""
+  """The TFDS feature at a '/'-separated key; KeyError listing choices."""
   tfds = _tfds()
-  feature = features
-  for i, part in enumerate(key.split("/")):
+
+  def children(feature):
     while isinstance(feature, tfds.features.Sequence):
-      feature = feature.feature
-    if not isinstance(feature, tfds.features.FeaturesDict) or part not in feature.keys():
-      here = "/".join(key.split("/")[:i]) or "<top>"
-      choices = (sorted(feature.keys())
-                 if isinstance(feature, tfds.features.FeaturesDict) else [])
-      raise KeyError(f"{key!r} has no {part!r} at {here} (available: {choices})")
-    feature = feature[part]
-  return feature
+      feature = feature.feature  # a sequence of dicts: look inside
+    return feature if isinstance(feature, tfds.features.FeaturesDict) else None
+
+  return _walk(features, key, children)
 
 
 def value_at(example, key: str):
   """The decoded value at a '/'-separated key of a decoded example."""
-  value = example
-  for part in key.split("/"):
-    value = value[part]
-  return value
+  return _walk(example, key, lambda v: v if isinstance(v, dict) else None)
 
 
 def check_split_and_keys(builder, split: str, keys: dict, where: str) -> None:

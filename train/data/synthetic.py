@@ -263,7 +263,8 @@ def _make_builder_class():
     def _info(self):
       image_size = self._params[0]
       label = lambda names: tfds.features.ClassLabel(names=list(names))
-      return self.dataset_info_from_configs(
+      return tfds.core.DatasetInfo(
+          builder=self,
           description=__doc__,
           features=tfds.features.FeaturesDict({
               "image": tfds.features.Image(shape=(image_size, image_size, 3)),
