@@ -1,0 +1,137 @@
+"""A Flax linen module that owns the temperature (and bias) and calls the loss.
+
+Any Flax train step can drop it in::
+
+    head = ContrastiveLoss(loss="softmax")          # or "sigmoid"
+    head_vars = head.init(rng, img_emb, txt_emb)    # {"params": {"log_scale", ...}}
+    loss = head.apply(head_vars, img_emb, txt_emb)
+
+Inside ``jax.shard_map`` pass ``axis_name`` and give each device its local
+shard of the embeddings: the loss is then the global loss over all shards, and
+the embedding gradients are the exact partial derivatives of that global loss
+with respect to each device's shard (sum parameter gradients, do not average).
+
+The module holds the *log* of the scale, ``t' = log t``, so that ``t`` stays
+positive, and clamps it to ``[min_log_scale, max_log_scale]`` in the forward
+(CLIP caps the scale at 100). Defaults follow the papers:
+
+* softmax (CLIP): ``t' = log(1 / 0.07)``, no bias.
+* sigmoid (SigLIP): ``t' = log 10``, bias ``b = -10``.
+
+This module needs flax, so ``infcl_jax/__init__.py`` does not import it;
+``import infcl_jax`` stays jax/numpy-only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from infcl_jax.api import contrastive_loss
+from infcl_jax.block_sizes import BlockSizes
+
+LOSSES = ("softmax", "sigmoid")
+_DEFAULT_LOG_SCALE = {"softmax": math.log(1 / 0.07), "sigmoid": math.log(10.0)}
+_DEFAULT_BIAS = {"softmax": 0.0, "sigmoid": -10.0}
+_DEFAULT_USE_BIAS = {"softmax": False, "sigmoid": True}
+
+
+def _sigmoid_loss():
+  # Imported lazily: the sigmoid loss is a separate module of the library.
+  from infcl_jax.sigmoid import sigmoid_loss  # pylint: disable=g-import-not-at-top
+  return sigmoid_loss
+
+
+def l2_normalize(x, eps=1e-6):
+  """x / ||x|| row-wise; the norm is taken in float32 for low-precision x."""
+  x32 = x.astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps * eps)
+  return (x32 * inv).astype(x.dtype)
+
+
+class ContrastiveLoss(nn.Module):
+  """Learnable log-temperature (+ optional bias) in front of an exact loss.
+
+  Attributes:
+    loss: "softmax" (CLIP, ``infcl_jax.contrastive_loss``) or "sigmoid"
+      (SigLIP, ``infcl_jax.sigmoid_loss``).
+    init_log_scale: initial ``t'``; None picks the paper default of ``loss``.
+    use_bias: learn a bias added to every logit; None: only for "sigmoid".
+    init_bias: initial bias; None picks the paper default (-10 for sigmoid).
+    min_log_scale, max_log_scale: clamp of ``t'`` in the forward pass.
+    normalize: L2-normalize both embeddings first (cosine similarities).
+    direction: softmax only; see ``contrastive_loss``.
+    axis_name: mesh axis name(s) when called inside ``shard_map``.
+    backend: tile backend name, "auto" by default.
+    block_sizes: optional ``BlockSizes`` of the tiled backends.
+  """
+  loss: str = "softmax"
+  init_log_scale: float | None = None
+  use_bias: bool | None = None
+  init_bias: float | None = None
+  min_log_scale: float = 0.0
+  max_log_scale: float = math.log(100.0)
+  normalize: bool = True
+  direction: str = "both"
+  axis_name: Any = None
+  backend: str = "auto"
+  block_sizes: BlockSizes | None = None
+
+  def _check(self):
+    if self.loss not in LOSSES:
+      raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+    if self.loss == "sigmoid" and self.direction != "both":
+      raise ValueError("direction applies to the softmax loss only; the "
+                       f"sigmoid loss is symmetric, got {self.direction!r}")
+    if self.min_log_scale > self.max_log_scale:
+      raise ValueError(f"min_log_scale {self.min_log_scale} > max_log_scale "
+                       f"{self.max_log_scale}")
+
+  def setup(self):
+    self._check()
+    init_t = (_DEFAULT_LOG_SCALE[self.loss] if self.init_log_scale is None
+              else float(self.init_log_scale))
+    self.log_scale = self.param("log_scale", nn.initializers.constant(init_t),
+                                (), jnp.float32)
+    use_bias = (_DEFAULT_USE_BIAS[self.loss] if self.use_bias is None
+                else self.use_bias)
+    self.bias = None
+    if use_bias:
+      init_b = (_DEFAULT_BIAS[self.loss] if self.init_bias is None
+                else float(self.init_bias))
+      self.bias = self.param("bias", nn.initializers.constant(init_b), (),
+                             jnp.float32)
+
+  def _scalars(self):
+    """(scale, bias or None); the scale is exp of the clamped log-scale."""
+    scale = jnp.exp(jnp.clip(self.log_scale, self.min_log_scale,
+                             self.max_log_scale))
+    return scale, self.bias
+
+  def __call__(self, image_emb, text_emb):
+    """Returns the scalar float32 loss of the (local shard of the) batch."""
+    scale, bias = self._scalars()
+    if self.normalize:
+      image_emb, text_emb = l2_normalize(image_emb), l2_normalize(text_emb)
+    if self.loss == "softmax":
+      return contrastive_loss(image_emb, text_emb, scale, logit_bias=bias,
+                              direction=self.direction,
+                              axis_name=self.axis_name, backend=self.backend,
+                              block_sizes=self.block_sizes)
+    if bias is None:
+      # SigLIP without a learnable bias: a fixed zero bias.
+      bias = jnp.zeros((), jnp.float32)
+    return _sigmoid_loss()(image_emb, text_emb, scale, bias,
+                           axis_name=self.axis_name, backend=self.backend,
+                           block_sizes=self.block_sizes)
+
+  def scale_and_bias(self):
+    """The clamped scale ``t`` and the bias (0 when there is none).
+
+    Call with ``head.apply(variables, method=ContrastiveLoss.scale_and_bias)``.
+    """
+    scale, bias = self._scalars()
+    return scale, jnp.zeros((), jnp.float32) if bias is None else bias

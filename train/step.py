@@ -1,0 +1,294 @@
+"""The LiT train step: optimizer, data-parallel GradCache step, embedding fns.
+
+Pure JAX / Flax / optax (no ml_collections, no data pipeline), so the GPU
+benchmark can build the exact step the trainer runs.
+
+Parameters are one dict ``{"img": ..., "txt": ..., "head": ...}``: the image
+tower, the text tower and the loss head (``infcl_jax.flax.ContrastiveLoss``:
+log-temperature and bias). The train state is ``{"step", "params",
+"opt_state"}``.
+
+Data parallelism: the whole gradient computation runs inside ``shard_map``
+over the 1-D mesh axis ``"data"``; each device embeds its own shard. With more
+than one device the loss sees the local shards and ``axis_name="data"`` (the
+ring), so it is the *global* loss, and its embedding gradients are the exact
+partial derivatives of the global loss with respect to each device's shard;
+for the replicated scale and bias each device gets its share (its tiles).
+Every parameter gradient is therefore **summed** over devices (``psum``), not
+averaged (``shard_map`` runs with ``check_vma=False``, so the sum is explicit
+here rather than inserted by JAX).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from train import gradcache
+
+AXIS = "data"
+
+
+# ----------------------------------------------------------------- optimizer
+
+
+def make_schedule(*, lr: float, total_steps: int, warmup_steps: int,
+                  end_lr_ratio: float = 0.0):
+  """Linear warmup from 0 to ``lr``, then cosine decay to ``lr*end_lr_ratio``."""
+  warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
+      decay_steps=max(total_steps, warmup_steps + 1),
+      end_value=lr * end_lr_ratio)
+
+
+def param_labels(params, *, image_locked: bool):
+  """"frozen" for every leaf of a locked image tower, "train" elsewhere."""
+  return {k: jax.tree.map(
+      lambda _, k=k: "frozen" if (k == "img" and image_locked) else "train",
+      v) for k, v in params.items()}
+
+
+def make_optimizer(*, name: str, schedule, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   grad_clip_norm: float = 0.0, params, image_locked: bool):
+  """AdamW or AdaFactor on the trainable params; the locked tower is frozen.
+
+  Freezing is an optax mask (``multi_transform`` with ``set_to_zero``), so a
+  locked tower gets exactly zero updates (no weight decay either) and needs no
+  optimizer state. Weight decay skips biases, norms and scalars (ndim < 2).
+  Gradient clipping is by the global norm of the trainable gradients.
+  """
+  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+  parts = []
+  if grad_clip_norm and grad_clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(grad_clip_norm))
+  if name == "adamw":
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps,
+                             weight_decay=weight_decay, mask=decay_mask))
+  elif name == "adafactor":
+    parts.append(optax.adafactor(
+        learning_rate=schedule, weight_decay_rate=weight_decay or None,
+        weight_decay_mask=decay_mask))
+  else:
+    raise ValueError(
+        f"config.optim.name must be 'adamw' or 'adafactor', got {name!r}")
+  return optax.multi_transform(
+      {"train": optax.chain(*parts), "frozen": optax.set_to_zero()},
+      param_labels(params, image_locked=image_locked))
+
+
+# ----------------------------------------------------------------- the loss
+
+
+def ring_available(head, mesh) -> bool:
+  """Whether the loss of ``head`` runs with ``axis_name`` (the ring) here."""
+  if mesh.size == 1:
+    return False
+  ringed = head.clone(axis_name=AXIS)
+
+  def f(hp, x, y):
+    return ringed.apply({"params": hp}, x, y)
+
+  x = jax.ShapeDtypeStruct((mesh.size * 2, 8), jnp.float32)
+  hp = jax.eval_shape(lambda x: head.init(jax.random.key(0), x, x), x)["params"]
+  try:
+    jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
+                                 out_specs=P(), check_vma=False), hp, x, x)
+  except NotImplementedError:
+    return False
+  return True
+
+
+def _gathered_loss(head):
+  """Global loss of local shards via all_gather (fallback without the ring).
+
+  Every device computes the full loss; the backward hands each device the
+  rows of the embedding gradient that belong to its shard and 1/N of the
+  scale / bias gradients, so that, as with the ring, the sum over devices of
+  every gradient is the gradient of the global loss.
+  """
+  def full(hp, x, y):
+    return head.apply({"params": hp}, x, y)
+
+  def gather(x, y):
+    return (jax.lax.all_gather(x, AXIS, tiled=True),
+            jax.lax.all_gather(y, AXIS, tiled=True))
+
+  @jax.custom_vjp
+  def loss(hp, x, y):
+    return full(hp, *gather(x, y))
+
+  def fwd(hp, x, y):
+    return loss(hp, x, y), (hp, x, y)
+
+  def bwd(res, g):
+    hp, x, y = res
+    ghp, gx, gy = jax.grad(full, argnums=(0, 1, 2))(hp, *gather(x, y))
+    k = jax.lax.axis_index(AXIS)
+    gx = jax.lax.dynamic_slice_in_dim(gx, k * x.shape[0], x.shape[0])
+    gy = jax.lax.dynamic_slice_in_dim(gy, k * y.shape[0], y.shape[0])
+    n = jax.lax.axis_size(AXIS)
+    scale = lambda t, c: jax.tree.map(lambda a: (a * c).astype(a.dtype), t)
+    return scale(ghp, g / n), scale(gx, g), scale(gy, g)
+
+  loss.defvjp(fwd, bwd)
+  return loss
+
+
+def make_loss_fn(head, mesh, use_ring: bool):
+  """``loss(head_params, img_emb_local, txt_emb_local)`` inside shard_map."""
+  if mesh.size == 1:
+    return lambda hp, x, y: head.apply({"params": hp}, x, y)
+  if use_ring:
+    ringed = head.clone(axis_name=AXIS)
+    return lambda hp, x, y: ringed.apply({"params": hp}, x, y)
+  return _gathered_loss(head)
+
+
+# ----------------------------------------------------------------- the step
+
+
+def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
+                 head: nn.Module, microbatch_size: int, global_batch: int,
+                 precomputed: bool, image_locked: bool,
+                 use_ring: bool | None = None):
+  """Builds ``grad_fn(params, batch) -> (loss, grads)`` (not jitted).
+
+  Args:
+    mesh: 1-D mesh with axis "data" over all devices.
+    image_tower, text_tower, head: the Flax modules (head without axis_name).
+    microbatch_size: global micro-batch of GradCache; 0 or >= global_batch
+      runs the plain un-chunked step.
+    global_batch: global batch size.
+    precomputed: batches carry "image_emb" (b, D) instead of "image".
+    image_locked: the image tower gets no gradient (it is frozen by the
+      optimizer mask; skipping its backward only saves compute).
+    use_ring: use ``axis_name`` in the loss; None: when the ring is available.
+
+  Returns:
+    A function of replicated params and a batch (dict of arrays sharded on
+    "data") giving the global loss and the gradients of the global loss.
+  """
+  n_dev = mesh.size
+  if global_batch % n_dev:
+    raise ValueError(f"batch_size {global_batch} is not divisible by the "
+                     f"{n_dev} devices")
+  chunked = 0 < microbatch_size < global_batch
+  num_chunks = 1
+  if chunked:
+    if global_batch % microbatch_size or microbatch_size % n_dev:
+      raise ValueError(
+          f"microbatch_size {microbatch_size} must divide batch_size "
+          f"{global_batch} and be divisible by the {n_dev} devices")
+    num_chunks = global_batch // microbatch_size
+  if use_ring is None:
+    use_ring = ring_available(head, mesh)
+  loss_fn = make_loss_fn(head, mesh, use_ring)
+  image_key = "image_emb" if precomputed else "image"
+
+  def embed_img(p, x):
+    return image_tower.apply({"params": p}, x)
+
+  def embed_txt(p, t):
+    return text_tower.apply({"params": p}, t)
+
+  def local_grads(params, batch):
+    """Loss and gradients of one device's shard (inside shard_map)."""
+    if chunked:
+      embed_fns = {"txt": embed_txt}
+      tower_params = {"txt": params["txt"]}
+      if not precomputed:
+        embed_fns["img"] = embed_img
+        tower_params["img"] = params["img"]
+      loss, g_head, g_towers = gradcache.value_and_grad(
+          lambda hp, e: loss_fn(hp, e["img"], e["txt"]), embed_fns,
+          params["head"], tower_params,
+          {"img": batch[image_key], "txt": batch["text"]},
+          num_chunks=num_chunks,
+          trainable={"img": not image_locked, "txt": True})
+      grads = {"head": g_head, "txt": g_towers["txt"],
+               "img": g_towers.get("img")}
+    else:
+      def full_loss(params):
+        if precomputed:
+          x = batch[image_key]
+        else:
+          x = embed_img(params["img"], batch[image_key])
+          if image_locked:
+            x = jax.lax.stop_gradient(x)  # Skips the frozen tower's backward.
+        return loss_fn(params["head"], x, embed_txt(params["txt"],
+                                                    batch["text"]))
+      loss, grads = jax.value_and_grad(full_loss)(params)
+    if grads["img"] is None:  # Precomputed embeddings: the tower is unused.
+      grads["img"] = jax.tree.map(jnp.zeros_like, params["img"])
+    # Gradient convention: every grad is this shard's share of the gradient of
+    # the global loss -> sum over devices (a mean would be N times too small).
+    return loss, jax.lax.psum(grads, AXIS)
+
+  return jax.shard_map(
+      local_grads, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()),
+      check_vma=False)
+
+
+def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule):
+  """Builds the jitted ``train_step(state, batch) -> (state, metrics)``.
+
+  Args:
+    grad_fn: from ``make_grad_fn``.
+    head: the loss head module (to report the clamped scale and bias).
+    optimizer, schedule: from ``make_optimizer`` / ``make_schedule``.
+  """
+  def train_step(state, batch):
+    loss, grads = grad_fn(state["params"], batch)
+    updates, opt_state = optimizer.update(grads, state["opt_state"],
+                                          state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    scale, bias = head.apply({"params": params["head"]},
+                             method=type(head).scale_and_bias)
+    metrics = {
+        "loss": loss,
+        "logit_scale": scale,
+        "temperature": 1.0 / scale,
+        "logit_bias": bias,
+        "grad_norm": optax.global_norm({"txt": grads["txt"],
+                                        "head": grads["head"]}),
+        "lr": schedule(state["step"]),
+    }
+    return {"step": state["step"] + 1, "params": params,
+            "opt_state": opt_state}, metrics
+
+  return jax.jit(train_step, donate_argnums=(0,))
+
+
+def make_embed_fn(mesh, tower: nn.Module):
+  """Jitted data-parallel ``embed(params, inputs) -> (b, D)`` for eval etc."""
+  sharding = NamedSharding(mesh, P(AXIS))
+
+  @jax.jit
+  def embed(params, x):
+    x = jax.lax.with_sharding_constraint(x, sharding)
+    return tower.apply({"params": params}, x)
+
+  return embed
+
+
+def init_state(mesh, params, optimizer) -> dict[str, Any]:
+  """A fresh train state, replicated over the mesh (as the step returns it,
+  so the first and later steps share one compiled program)."""
+  state = {"step": jnp.zeros((), jnp.int32), "params": params,
+           "opt_state": optimizer.init(params)}
+  return jax.device_put(state, NamedSharding(mesh, P()))
+
+
+def shard_batch(mesh, batch: dict):
+  """Process-local numpy batch -> global arrays sharded on "data"."""
+  sharding = NamedSharding(mesh, P(AXIS))
+  return {k: jax.make_array_from_process_local_data(sharding, v)
+          for k, v in batch.items()}
+
