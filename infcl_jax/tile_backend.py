@@ -40,7 +40,8 @@ Tile ops also run inside ``jax.shard_map`` (the ring and gather losses
 call them on per-device shards), where JAX types every value as varying or
 not over each mesh axis (``check_vma=True``, the default). A loop carry
 started from a constant must then get the inputs' varying axes, or
-``lax.scan`` rejects it: build such carries with ``vary_like``.
+``lax.scan`` rejects it: build such carries with ``vary_like``, and the
+output structs of a ``pallas_call`` with ``out_struct``.
 
 A backend is any object with its family's two methods plus ``name`` and
 ``default_block_sizes(platform, dtype)``; it is registered under
@@ -130,6 +131,22 @@ def vary_like(tree, *refs):
     missing = tuple(sorted(want - varying_axes(a)))
     return jax.lax.pcast(a, missing, to="varying") if missing else a
   return jax.tree_util.tree_map(cast, tree)
+
+
+def out_struct(shape, dtype, *refs):
+  """``jax.ShapeDtypeStruct`` for a kernel output computed from ``refs``.
+
+  Inside ``shard_map`` with ``check_vma=True``, ``pallas_call`` needs every
+  output's varying mesh axes: those of its inputs.
+  """
+  want = frozenset()
+  for r in jax.tree_util.tree_leaves(refs):
+    want |= varying_axes(r)
+  mat_type = getattr(jax.sharding, "ManualAxisType", None)
+  if mat_type is None:  # Older JAX: no manual axis types on the struct.
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              manual_axis_type=mat_type(varying=want))
 
 
 def get_backend(name: str, family: str = "softmax") -> TileBackend:

@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax.tile_backend import out_struct
+
 F32 = jnp.float32
 
 
@@ -92,11 +94,12 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
                              precision=precision)
   # Grid axis 0 (row blocks) varies fastest on the GPU: consecutive programs
   # share one y tile, and the whole x panel stays in L2.
+  ins = (params, x, y, r2, c2)
   g, dsc, dbi = pl.pallas_call(
       kernel,
-      out_shape=[jax.ShapeDtypeStruct((r_rows, m_pad), g_dtype),
-                 jax.ShapeDtypeStruct((ni, nj), F32),
-                 jax.ShapeDtypeStruct((ni, nj), F32)],
+      out_shape=[out_struct((r_rows, m_pad), g_dtype, *ins),
+                 out_struct((ni, nj), F32, *ins),
+                 out_struct((ni, nj), F32, *ins)],
       grid=(ni, nj),
       in_specs=[
           pl.BlockSpec((4,), lambda i, j: (0,)),

@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax.tile_backend import out_struct
+
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -144,9 +146,9 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   params = jnp.stack([scale * LOG2E, bias * LOG2E]).astype(F32)
   out_shape = []
   if rows:
-    out_shape.append(jax.ShapeDtypeStruct((n_pad,), F32))
+    out_shape.append(out_struct((n_pad,), F32, params, x, y))
   if cols:
-    out_shape += [jax.ShapeDtypeStruct((nprog * m_pad,), F32)] * 2
+    out_shape += [out_struct((nprog * m_pad,), F32, params, x, y)] * 2
   kernel = functools.partial(
       _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nrb=nrb,
       nkb=nkb, nprog=nprog, m_pad=m_pad, rows=rows, cols=cols,
