@@ -9,15 +9,17 @@ import jax.numpy as jnp
 from infcl_jax import _checks
 from infcl_jax import contrastive
 from infcl_jax import reference
+from infcl_jax import sharded
 from infcl_jax import tile_backend
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("direction", "axis_name", "backend", "block_sizes"))
+    static_argnames=("direction", "axis_name", "strategy", "backend",
+                     "block_sizes"))
 def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
-                     direction="both", axis_name=None, backend="auto",
-                     block_sizes=None):
+                     direction="both", axis_name=None, strategy="ring",
+                     backend="auto", block_sizes=None):
   """Exact CLIP (softmax / InfoNCE) loss without the B x B logit matrix.
 
   Logits are ``s_ij = logit_scale * <image_emb_i, text_emb_j> + logit_bias``.
@@ -33,7 +35,14 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
       "image_to_text" (B_y >= B_x; the first B_x texts are the positives) or
       "text_to_image" (B_x >= B_y; the first B_y images are the positives).
     axis_name: mesh axis name (or tuple) when called inside ``shard_map``;
-      the loss is then the global loss over all shards.
+      the arrays are then this device's shards and the loss is the global
+      loss over the shards concatenated in axis order (positives: global
+      pairs (i, i)), the same on every device. Each device's gradients are
+      the exact partial derivatives of that global loss w.r.t. its own
+      shards; a replicated parameter's gradient is the SUM over devices
+      (see ``infcl_jax.ring``), not the mean.
+    strategy: with ``axis_name``: "ring" (ppermute ring, O(b * D) memory
+      per device) or "gather" (all-gather + reduce-scatter, O(B * D)).
     backend: "auto", "reference", "xla" or "pallas".
     block_sizes: optional ``BlockSizes`` for the tiled backends.
 
@@ -48,9 +57,11 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
   x = image_emb.astype(dtype)
   y = text_emb.astype(dtype)
+  sharded.check_strategy(strategy)
   if axis_name is not None:
-    raise NotImplementedError(
-        "axis_name (the cross-device ring) is not implemented yet")
+    return sharded.shard_local_loss(
+        x, y, scale, bias, axis_name=axis_name, direction=direction,
+        strategy=strategy, backend=backend, block_sizes=block_sizes)
   if backend == "reference":
     return reference.contrastive_loss_reference(
         x, y, scale, logit_bias=bias, direction=direction).astype(jnp.float32)
