@@ -20,3 +20,11 @@ def _pallas_softmax():
 
 
 _tile_backend.register("pallas", _pallas_softmax, family="softmax")
+
+
+def _pallas_sigmoid():
+  from infcl_jax import pallas_sigmoid_tiles
+  return pallas_sigmoid_tiles.PallasSigmoidTiles()
+
+
+_tile_backend.register("pallas", _pallas_sigmoid, family="sigmoid")

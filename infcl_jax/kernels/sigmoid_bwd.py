@@ -1,0 +1,141 @@
+"""Backward gradient-panel kernel of the sigmoid family, for R rows.
+
+The backward is a hybrid, like the softmax one (``lse_bwd``): this kernel
+recomputes each (bwd_block_q, bwd_block_k) logit tile of a panel of R rows
+once (matmul over D in ``block_d`` steps), forms
+
+    G_ij = (-z_ij) * sigmoid(-z_ij * s_ij)        (in [-1, 1])
+
+and writes ``G * g_scale`` to HBM in the input dtype, together with each
+tile's partial sums of G * (x y^T) and of G (the scale and bias gradients,
+from the float32 G). The library GEMMs then form dx = G y and dy += G^T x
+(``infcl_jax.pallas_sigmoid_tiles``). The same design reasons apply as for
+the softmax panel: a fully fused dX / dY kernel at D = 768 spills its
+float32 accumulators, and writing G once lets cuBLAS run both products.
+
+``mode="max"`` runs the same recompute but writes only each tile's largest
+|G| (no panel): the float16 pre-pass that picks ``g_scale`` so that a panel
+whose every |G| is tiny (a well-separated batch, tiny loss) does not flush
+to zero in float16's 5-bit exponent.
+
+Positives and padding are located by global indices: ``row_ids`` holds each
+panel row's global row index (-1 on padding rows), and columns are
+``j * block_k + lane``, valid below ``m``. Padding must be masked here (a
+zero row's logit is the bias, whose sigmoid is not zero).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from infcl_jax.tile_backend import out_struct
+
+F32 = jnp.float32
+MODES = ("g", "max")
+
+
+def _kernel(params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd, m,
+            mask, has_diagonal, mode, precision):
+  i = pl.program_id(0)
+  j = pl.program_id(1)
+  scale = params_ref[0]
+  bias = params_ref[1]
+  g_scale = params_ref[2]
+
+  def d_step(kd, acc):
+    xa = x_ref[pl.ds(i * bq, bq), pl.ds(kd * bd, bd)]
+    yb = y_ref[pl.ds(j * bk, bk), pl.ds(kd * bd, bd)]
+    return acc + lax.dot_general(
+        xa, yb, (((1,), (1,)), ((), ())), preferred_element_type=F32,
+        precision=precision)
+
+  s0 = lax.fori_loop(0, nd, d_step, jnp.zeros((bq, bk), F32))
+  s = s0 * scale + bias
+  rid = rid_ref[...]  # (bq,) global row index, -1 on padding
+  cid = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+  if has_diagonal:
+    pos = rid[:, None] == cid[None, :]
+    u = jnp.where(pos, -s, s)
+    # sigmoid(u) = 1 / (1 + e^-u): exact to rounding for any u (e^-u
+    # overflows to inf for u << 0 and gives 0, never NaN).
+    sg = 1.0 / (1.0 + jnp.exp(-u))
+    g = jnp.where(pos, -sg, sg)
+  else:
+    g = 1.0 / (1.0 + jnp.exp(-s))
+  if mask:
+    g = jnp.where((rid >= 0)[:, None] & (cid < m)[None, :], g, 0.0)
+  # Triton reduces one axis at a time.
+  if mode == "max":
+    (max_ref,) = out_refs
+    max_ref[...] = jnp.max(jnp.max(jnp.abs(g), axis=1), axis=0)
+    return
+  g_ref, dsc_ref, dbi_ref = out_refs
+  g_ref[...] = (g * g_scale).astype(g_ref.dtype)
+  dsc_ref[...] = jnp.sum(jnp.sum(g * s0, axis=1), axis=0)
+  dbi_ref[...] = jnp.sum(jnp.sum(g, axis=1), axis=0)
+
+
+def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
+            block_q, block_k, block_d, num_warps, num_stages, precision,
+            interpret):
+  """The (R, m_pad) gradient panel and its scalar partials, or its max |G|.
+
+  Args:
+    x: (R, Dp) panel of zero-padded image rows.
+    y: (m_pad, Dp) zero-padded text rows.
+    row_ids: (R,) int32 global row index of each panel row, -1 on padding.
+    params: (4,) float32 [scale, bias, g_scale, unused].
+    m: valid rows of y (static).
+    mask: whether any row or column padding exists (static).
+    has_diagonal: whether the pairs (i, i) are the positives (static).
+    mode: "g" for the panel, "max" for its largest |G| only.
+
+  Returns:
+    mode "g": G * g_scale (R, m_pad) of ``g_dtype``, and the sums of
+    G * (x y^T) and of G (float32 scalars, unscaled).
+    mode "max": the largest |G| of the panel (float32 scalar).
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  r_rows, d_pad = x.shape
+  m_pad = y.shape[0]
+  ni, nj, nd = r_rows // block_q, m_pad // block_k, d_pad // block_d
+  kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
+                             nd=nd, m=m, mask=mask, has_diagonal=has_diagonal,
+                             mode=mode, precision=precision)
+  # Inside shard_map the outputs carry their inputs' varying mesh axes.
+  ins = (params, x, y, row_ids)
+  scalar = out_struct((ni, nj), F32, *ins)
+  scalar_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
+  if mode == "max":
+    out_shape, out_specs = [scalar], [scalar_spec]
+  else:
+    out_shape = [out_struct((r_rows, m_pad), g_dtype, *ins), scalar, scalar]
+    out_specs = [pl.BlockSpec((block_q, block_k), lambda i, j: (i, j)),
+                 scalar_spec, scalar_spec]
+  # Grid axis 0 (row blocks) varies fastest on the GPU: consecutive programs
+  # share one y tile, and the whole x panel stays in L2.
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(ni, nj),
+      in_specs=[
+          pl.BlockSpec((4,), lambda i, j: (0,)),
+          pl.BlockSpec((r_rows, d_pad), lambda i, j: (0, 0)),
+          pl.BlockSpec((m_pad, d_pad), lambda i, j: (0, 0)),
+          pl.BlockSpec((block_q,), lambda i, j: (i,)),
+      ],
+      out_specs=out_specs,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name=f"infcl_sigmoid_bwd_{mode}",
+  )(*ins)
+  if mode == "max":
+    return jnp.max(outs[0])
+  g, dsc, dbi = outs
+  return g, jnp.sum(dsc), jnp.sum(dbi)
