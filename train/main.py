@@ -1,0 +1,67 @@
+"""Command line: ``python -m train.main --config configs/lit_demo.py --workdir DIR``.
+
+``--config`` takes a config file and an optional argument after a colon
+(``configs/lit_demo.py:tiny``); ``--config.<key>=<value>`` overrides any key.
+Running the same command again resumes from the newest checkpoint in DIR.
+
+Usage errors (unknown config keys, missing dataset or checkpoint files, a
+batch that does not fit the devices) print one ``error: ...`` line and exit
+with status 2 instead of a traceback (set INFCL_TRACEBACK=1 to see it).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py), optionally with ':arg'.",
+    lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here; "
+                    "an existing workdir is resumed.")
+
+# Errors that describe a bad invocation, not a bug: reported in one line.
+USAGE_ERRORS = (ValueError, FileNotFoundError, KeyError, AttributeError,
+                TypeError)
+
+
+def _error(msg) -> None:
+  print(f"error: {msg}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _parse_flags(argv):
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+  except USAGE_ERRORS as e:  # Raised by config files / overrides.
+    _error(f"{type(e).__name__}: {e}".splitlines()[0])
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    _error(f"unexpected arguments: {' '.join(argv[1:])}")
+  if FLAGS.config is None:
+    _error("--config is required, e.g. --config configs/lit_demo.py")
+  if not FLAGS.workdir:
+    _error("--workdir is required")
+  if not FLAGS["verbosity"].present:
+    # orbax logs every save at INFO; the trainer's own progress is printed.
+    logging.set_verbosity(logging.WARNING)
+  from train import train  # pylint: disable=g-import-not-at-top
+  try:
+    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except (ValueError, FileNotFoundError) as e:
+    if os.environ.get("INFCL_TRACEBACK"):
+      raise
+    _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,312 @@
+"""LiT training, top to bottom: config -> model -> data -> loop -> summary.
+
+``train_and_evaluate(config, workdir)`` is everything ``train.main`` runs:
+
+1. Check the config (unknown keys, sizes, devices) before any work.
+2. Build the towers and the loss head; load the locked image tower.
+3. Build the optimizer (locked tower masked out) and the train state.
+4. Resume from the newest checkpoint in ``workdir`` if there is one (train
+   state and data iterator state), else start fresh.
+5. Loop: next batch -> (cached image embeddings) -> train step -> metrics
+   (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
+   checkpoint every M steps.
+6. Final checkpoint, final eval, and a summary with zero-shot vs chance.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from infcl_jax.block_sizes import BlockSizes
+from infcl_jax.flax import ContrastiveLoss
+from train import checkpoint as checkpoint_lib
+from train import config_base
+from train import data as data_lib
+from train import embedding_cache
+from train import evaluate
+from train import models
+from train import step as step_lib
+
+
+# ----------------------------------------------------------------- logging
+
+
+class MetricWriter:
+  """metrics.jsonl (one JSON object per line) + TensorBoard scalars."""
+
+  def __init__(self, workdir: str, start_step: int, enabled: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if not enabled:
+      return
+    # A resumed run drops the lines a killed run wrote after its checkpoint,
+    # so the file reads like one uninterrupted run.
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        keep = [l for l in f if l.strip() and
+                json.loads(l).get("step", 0) <= start_step]
+      with open(self.path, "w") as f:
+        f.writelines(keep)
+    try:
+      import tensorboardX  # pylint: disable=g-import-not-at-top
+      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
+    except ImportError:
+      logging.warning("tensorboardX not installed: no TensorBoard scalars")
+
+  def write(self, step: int, metrics: dict) -> None:
+    if not self.enabled:
+      return
+    row = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for k, v in metrics.items():
+        self._tb.add_scalar(k, float(v), step)
+      self._tb.flush()
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _progress_bar(config, total, initial, enabled):
+  if not (config.progress_bar and enabled):
+    return None
+  try:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+              smoothing=0.1)
+
+
+# ----------------------------------------------------------------- model
+
+
+def make_head(config, axis_name=None) -> ContrastiveLoss:
+  """The loss head of ``config.loss`` (temperature, bias, loss, backend)."""
+  lc = config.loss
+  block_sizes = (BlockSizes(lc.block_q, lc.block_k) if lc.block_q > 0
+                 else None)
+  return ContrastiveLoss(
+      loss=lc.name, init_log_scale=lc.init_log_scale, use_bias=lc.use_bias,
+      init_bias=lc.init_bias, min_log_scale=lc.min_log_scale,
+      max_log_scale=lc.max_log_scale, backend=lc.backend,
+      block_sizes=block_sizes, axis_name=axis_name)
+
+
+def make_models(config, tokenizer):
+  dtype = jnp.dtype(config.model.dtype)
+  image_tower = models.make_image_tower(config.model.image,
+                                        config.model.embed_dim, dtype)
+  text_tower = models.make_text_tower(
+      config.model.text, tokenizer.vocab_size, tokenizer.max_len,
+      config.model.embed_dim, dtype, pad_id=tokenizer.pad_id)
+  return image_tower, text_tower, make_head(config)
+
+
+def init_params(config, image_tower, text_tower, head, tokenizer):
+  """Fresh text tower and head; the image tower from its checkpoint."""
+  rng_img, rng_txt, rng_head = jax.random.split(jax.random.key(config.seed), 3)
+  s = config.data.image_size
+  img = image_tower.init(rng_img, jnp.zeros((1, s, s, 3)))["params"]
+  txt = text_tower.init(
+      rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
+  e = jnp.zeros((2, config.model.embed_dim))
+  hp = head.init(rng_head, e, e)["params"]
+  path = os.path.expanduser(config.model.image.init)
+  if path:
+    if not os.path.exists(path) and config.model.image.pretrain_steps > 0:
+      from train import pretrain_image_tower  # pylint: disable=g-import-not-at-top
+      logging.info("image tower checkpoint %s not found: pretraining it "
+                   "(%d steps, supervised on the training split)", path,
+                   config.model.image.pretrain_steps)
+      print(f"[lit] pretraining the image tower -> {path}", flush=True)
+      pretrain_image_tower.pretrain(config, path,
+                                    steps=config.model.image.pretrain_steps)
+    if not os.path.exists(path):
+      raise FileNotFoundError(
+          f"config.model.image.init: image tower checkpoint not found: {path} "
+          "(create it with `python -m train.pretrain_image_tower --config "
+          "<config> --out <path>`, or set config.model.image.pretrain_steps)")
+    img = models.load_image_tower(path, img)
+    logging.info("image tower loaded from %s", path)
+  else:
+    logging.warning("config.model.image.init is empty: the image tower is "
+                    "randomly initialized")
+  return {"img": img, "txt": txt, "head": hp}
+
+
+# ----------------------------------------------------------------- checks
+
+
+def check_devices(config) -> None:
+  """One-line errors for batch sizes that do not fit the devices."""
+  n_dev, n_proc = jax.device_count(), jax.process_count()
+  if config.batch_size % n_dev:
+    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
+                     f"by the device count {n_dev}")
+  if config.batch_size % n_proc:
+    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
+                     f"by the process count {n_proc}")
+  mb = config.microbatch_size
+  if 0 < mb < config.batch_size and mb % n_dev:
+    raise ValueError(f"config.microbatch_size={mb} is not divisible by the "
+                     f"device count {n_dev}")
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+# ----------------------------------------------------------------- main loop
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains (or resumes) the LiT model of ``config`` in ``workdir``.
+
+  Returns:
+    The final metrics: last train metrics, eval metrics, steps, wall time.
+  """
+  t_start = time.time()
+  config_base.check_config(config)
+  data_lib.check_data_config(config)
+  check_devices(config)
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+
+  # Model, params, optimizer, state.
+  mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+  tokenizer = data_lib.make_tokenizer(config)
+  image_tower, text_tower, head = make_models(config, tokenizer)
+  params = init_params(config, image_tower, text_tower, head, tokenizer)
+  schedule = step_lib.make_schedule(
+      lr=config.optim.lr, total_steps=config.total_steps,
+      warmup_steps=config.optim.warmup_steps,
+      end_lr_ratio=config.optim.end_lr_ratio)
+  optimizer = step_lib.make_optimizer(
+      name=config.optim.name, schedule=schedule,
+      weight_decay=config.optim.weight_decay, b1=config.optim.b1,
+      b2=config.optim.b2, eps=config.optim.eps,
+      grad_clip_norm=config.optim.grad_clip_norm, params=params,
+      image_locked=config.model.image.locked)
+  state = step_lib.init_state(mesh, params, optimizer)
+  del params
+
+  # Data: each process reads its own shard.
+  train_iter = data_lib.make_train_iterator(
+      config, batch_size=config.batch_size // jax.process_count(),
+      process_index=jax.process_index(), process_count=jax.process_count(),
+      seed=config.seed, tokenizer=tokenizer)
+
+  # Resume.
+  ckpt = checkpoint_lib.Checkpointer(
+      os.path.join(workdir, "checkpoints"),
+      every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
+  start_step = 0
+  if ckpt.latest_step() is not None:
+    state, data_state = ckpt.restore(state)
+    train_iter.set_state(data_state)
+    start_step = int(state["step"])
+    print(f"[lit] resumed from the checkpoint of step {start_step} in "
+          f"{workdir}", flush=True)
+
+  # The step.
+  grad_fn = step_lib.make_grad_fn(
+      mesh=mesh, image_tower=image_tower, text_tower=text_tower, head=head,
+      microbatch_size=config.microbatch_size, global_batch=config.batch_size,
+      precomputed=config.precompute_image_embeddings,
+      image_locked=config.model.image.locked)
+  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                        optimizer=optimizer, schedule=schedule)
+  embed_img = step_lib.make_embed_fn(mesh, image_tower)
+  embed_txt = step_lib.make_embed_fn(mesh, text_tower)
+  eval_bs = _round_up(config.eval.batch_size, mesh.size)
+  cache = None
+  if config.precompute_image_embeddings:
+    # A copy: the train step donates (frees) the state's buffers each step.
+    cache = embedding_cache.ImageEmbeddingCache(
+        embed_img, jax.tree.map(jnp.copy, state["params"]["img"]), eval_bs)
+  zs, rs = data_lib.make_eval_sets(config, tokenizer)
+
+  def run_eval():
+    return evaluate.evaluate(embed_img, embed_txt, state["params"], tokenizer,
+                             zs, rs, eval_bs)
+
+  writer = MetricWriter(workdir, start_step, enabled=is_main)
+  pbar = _progress_bar(config, config.total_steps, start_step, is_main)
+  train_metrics = {}
+  t_loop, steps_run = time.time(), 0
+  for step in range(start_step + 1, config.total_steps + 1):
+    batch = next(train_iter)
+    inputs = {"text": batch["text"]}
+    if cache is not None:
+      inputs["image_emb"] = cache(batch["image"])
+    else:
+      inputs["image"] = batch["image"]
+    state, metrics = train_step(state, step_lib.shard_batch(mesh, inputs))
+    steps_run += 1
+    if pbar is not None:
+      pbar.update(1)
+    if step % config.log_every_steps == 0 or step == config.total_steps:
+      train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
+      writer.write(step, train_metrics)
+      if pbar is not None:
+        pbar.set_postfix(loss=f"{train_metrics['loss']:.4f}",
+                         temp=f"{train_metrics['temperature']:.4f}")
+    if (config.eval.every_steps and step % config.eval.every_steps == 0
+        and step < config.total_steps):
+      writer.write(step, {f"eval/{k}": v for k, v in run_eval().items()})
+    if ckpt.should_save(step) or step == config.total_steps:
+      ckpt.save(step, state, train_iter.get_state())
+  if pbar is not None:
+    pbar.close()
+  ckpt.save(config.total_steps, state, train_iter.get_state())
+  ckpt.close()
+
+  eval_metrics = run_eval()
+  writer.write(config.total_steps, {f"eval/{k}": v
+                                    for k, v in eval_metrics.items()})
+  writer.close()
+  summary = {"steps": config.total_steps, "resumed_from": start_step,
+             "wall_s": time.time() - t_start, **train_metrics,
+             **{f"eval/{k}": v for k, v in eval_metrics.items()}}
+  if cache is not None:
+    summary["image_embeddings_cached"] = len(cache)
+  if is_main:
+    print_summary(summary)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+  return summary
+
+
+def print_summary(s: dict) -> None:
+  lines = [f"[lit] done: {s['steps']} steps in {s['wall_s']:.0f}s"
+           + (f" (resumed from step {s['resumed_from']})"
+              if s["resumed_from"] else "")]
+  if "loss" in s:
+    lines.append(f"[lit] final train loss {s['loss']:.4f}, temperature "
+                 f"{s['temperature']:.4f}")
+  if "eval/zeroshot_top1" in s:
+    acc, chance = s["eval/zeroshot_top1"], s["eval/zeroshot_chance"]
+    n = int(s["eval/zeroshot_num_classes"])
+    lines.append(f"[lit] zero-shot top-1 {100 * acc:.1f}% on the held-out split "
+                 f"({n} classes) vs chance {100 * chance:.1f}% "
+                 f"({acc / max(chance, 1e-9):.1f}x chance)")
+  if "eval/i2t_r1" in s:
+    lines.append("[lit] retrieval R@1/5/10 image->text "
+                 + "/".join(f"{100 * s[f'eval/i2t_r{k}']:.1f}"
+                            for k in (1, 5, 10))
+                 + ", text->image "
+                 + "/".join(f"{100 * s[f'eval/t2i_r{k}']:.1f}"
+                            for k in (1, 5, 10)))
+  print("\n".join(lines), flush=True)
