@@ -54,6 +54,9 @@ class BlockSizes:
     f32_precision: Pallas, float32 inputs only: "tf32" runs the matmuls on
       the tensor cores in TF32 (10-bit mantissa: logits carry ~1e-3 relative
       error); "highest" keeps full float32 (CUDA cores, several times slower).
+    single_exp: Pallas: one exponential per logit where a tile's range
+      allows (a shared shift for row and column terms; the kernels check
+      this per tile and fall back to the exact two-exponential form).
   """
   block_q: int
   block_k: int
@@ -68,6 +71,7 @@ class BlockSizes:
   panel_rows: int = 4096
   bwd_impl: str = "pallas"
   f32_precision: str = "tf32"
+  single_exp: bool = True
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "block_d", "num_warps", "num_stages",
@@ -81,6 +85,9 @@ class BlockSizes:
                           or isinstance(n, bool) or n < 1):
       raise ValueError(
           f"BlockSizes.num_programs must be None or a positive int, got {n!r}")
+    if not isinstance(self.single_exp, bool):
+      raise ValueError(
+          f"BlockSizes.single_exp must be a bool, got {self.single_exp!r}")
     if self.bwd_impl not in BWD_IMPLS:
       raise ValueError(
           f"BlockSizes.bwd_impl must be one of {BWD_IMPLS}, got {self.bwd_impl!r}")

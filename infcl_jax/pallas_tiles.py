@@ -116,7 +116,7 @@ class PallasTiles:
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
         num_stages=bs.num_stages, precision=self._precision(bs, x.dtype),
-        interpret=self.interpret)
+        interpret=self.interpret, single_exp=bs.single_exp)
 
   def _panel_rows(self, bs, n, m_pad):
     """Rows per panel: at most panel_rows, few padded rows, int32-safe."""
@@ -170,7 +170,7 @@ class PallasTiles:
             g_dtype=g_dtype, block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
             block_d=bs.block_d, num_warps=bs.bwd_num_warps,
             num_stages=bs.bwd_num_stages, precision=prec,
-            interpret=self.interpret)
+            interpret=self.interpret, single_exp=bs.single_exp)
       else:
         g, dsc_p, dbi_p = _xla_g_panel(x_p, yp, r_p, c2, params, rows, cols,
                                        mask, g_dtype, prec)

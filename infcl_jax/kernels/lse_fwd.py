@@ -18,6 +18,13 @@ Different programs never touch the same workspace row, so there are no races
 and no atomics; the wrapper merges the P partial rows with a stable
 log-sum-exp in XLA. The workspace is P * B_y, linear in B.
 
+Exponentials: the row and the column statistics need different shifts, so
+the plain update takes two exponentials per logit. Where the tile allows it
+(every row's and column's maximum within ~64 binary orders of magnitude of
+the tile's maximum, checked per tile from the sums), one shared shift, the
+tile max, serves both, with one exponential per logit; otherwise the tile is
+recomputed and takes the exact two-exponential path.
+
 Everything is in base 2 (exp2 / log2 with log2(e) folded into scale and
 bias), which is what the GPU's special-function unit computes natively.
 """
@@ -37,6 +44,7 @@ from infcl_jax.tile_backend import out_struct
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+_MIN_SUM = 2.0**-64
 
 
 def _safe(m):
@@ -45,7 +53,7 @@ def _safe(m):
 
 
 def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
-            nkb, nprog, m_pad, rows, cols, precision, barrier):
+            nkb, nprog, m_pad, rows, cols, precision, barrier, single_exp):
   out_refs = list(out_refs)
   row_ref = out_refs.pop(0) if rows else None
   cm_ref, cl_ref = (out_refs if cols else (None, None))
@@ -56,6 +64,13 @@ def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
   mask_rows = n % bq != 0
   mask_cols = m % bk != 0
 
+  def sync():
+    if barrier:
+      # The next row block re-reads the workspace slice just written,
+      # possibly from other threads of the program: make the stores
+      # visible to them.
+      plgpu.debug_barrier()
+
   if cols:
     def init(j, c):
       sl = pl.ds(ws + j * bk, bk)
@@ -63,8 +78,7 @@ def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
       cl_ref[sl] = jnp.zeros((bk,), F32)
       return c
     lax.fori_loop(0, nkb, init, 0)
-    if barrier:
-      plgpu.debug_barrier()
+    sync()
 
   def tile(rb, j):
     """The (bq, bk) base-2 logit tile of row block rb, column block j."""
@@ -89,9 +103,8 @@ def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
   def row_block(t, c):
     rb = pid + t * nprog
 
-    def col_step(j, carry):
-      m_i, l_i = carry
-      s = tile(rb, j)
+    def exact_update(s, j, m_i, l_i):
+      """Per-row and per-column shifts: two exponentials per logit."""
       if rows:
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         sh = _safe(m_new)
@@ -107,11 +120,44 @@ def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
         lc = jnp.sum(jnp.exp2(s - sh[None, :]), axis=0)
         cl_ref[sl] = old_l * jnp.exp2(old_m - sh) + lc
         cm_ref[sl] = new_m
-        if barrier:
-          # The next row block re-reads this slice, possibly from other
-          # threads of the program: make the stores visible to them.
-          plgpu.debug_barrier()
+        sync()
       return m_i, l_i
+
+    def shared_update(j, m_i, l_i, big, lr, lc):
+      """Merges tile sums taken with one shift ``big`` for the whole tile."""
+      m_new = jnp.maximum(m_i, big)
+      sh = _safe(m_new)
+      l_i = l_i * jnp.exp2(m_i - sh) + lr * jnp.exp2(big - sh)
+      sl = pl.ds(ws + j * bk, bk)
+      old_m = cm_ref[sl]
+      old_l = cl_ref[sl]
+      new_m = jnp.maximum(old_m, big)
+      shc = _safe(new_m)
+      cl_ref[sl] = old_l * jnp.exp2(old_m - shc) + lc * jnp.exp2(big - shc)
+      cm_ref[sl] = new_m
+      sync()
+      return m_new, l_i
+
+    def col_step(j, carry):
+      m_i, l_i = carry
+      s = tile(rb, j)
+      if not (single_exp and rows and cols):
+        return exact_update(s, j, m_i, l_i)
+      # One exponential per logit: shift the whole tile by its max. Exact
+      # (to float32 rounding) as long as every row's and every column's
+      # largest term stays far above the underflow threshold, which the
+      # sums show: each is >= 2^-64 iff that row's / column's max is within
+      # ~64 + log2(tile) of the tile max. Otherwise (rare: an extreme logit
+      # range inside one tile, or padding) recompute the tile and take the
+      # exact two-exponential path.
+      big = jnp.max(jnp.max(s, axis=1), axis=0)
+      p = jnp.exp2(s - _safe(big))
+      lr = jnp.sum(p, axis=1)
+      lc = jnp.sum(p, axis=0)
+      ok = (jnp.min(lr, axis=0) >= _MIN_SUM) & (jnp.min(lc, axis=0) >= _MIN_SUM)
+      return lax.cond(
+          ok, lambda: shared_update(j, m_i, l_i, big, lr, lc),
+          lambda: exact_update(tile(rb, j), j, m_i, l_i))
 
     init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
     m_i, l_i = lax.fori_loop(0, nkb, col_step, init)
@@ -126,7 +172,7 @@ def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
 
 def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
             block_d, num_programs, num_warps, num_stages, precision,
-            interpret):
+            interpret, single_exp=True):
   """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
 
   Args:
@@ -135,6 +181,8 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
     scale, bias: float32 scalars.
     rows, cols: which statistics to compute (static).
     num_programs: persistent programs (clipped to the number of row blocks).
+    single_exp: with both statistics, one exponential per logit (a shared
+      tile shift) where that is exact, two otherwise.
 
   Returns:
     (row_lse (n,) or None, col_lse (m,) or None), float32, natural log.
@@ -152,7 +200,8 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   kernel = functools.partial(
       _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nrb=nrb,
       nkb=nkb, nprog=nprog, m_pad=m_pad, rows=rows, cols=cols,
-      precision=precision, barrier=cols and not interpret)
+      precision=precision, barrier=cols and not interpret,
+      single_exp=single_exp)
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
