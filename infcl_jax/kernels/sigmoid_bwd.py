@@ -38,10 +38,27 @@ F32 = jnp.float32
 MODES = ("g", "max")
 
 
-def _kernel(params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd, m,
-            mask, has_diagonal, mode, precision):
+def _kernel(*refs, interpret, **kw):
   i = pl.program_id(0)
   j = pl.program_id(1)
+  if not interpret:
+    _body(i, j, *refs, **kw)
+    return
+  # Interpret mode: run the body inside a loop whose trip count (1) is only
+  # known at run time. Inside shard_map the interpreter evaluates the kernel
+  # on device-varying values, and jax 0.11.2 then rejects straight-line
+  # primitives that mix them with the kernel's own constants; a while loop's
+  # body is not re-checked that way. Triton gets the plain body.
+  once = jnp.minimum(i, 0) + 1
+
+  def run(t, c):
+    _body(i, j, *refs, **kw)
+    return c
+  lax.fori_loop(0, once, run, 0)
+
+
+def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
+          m, mask, has_diagonal, mode, precision):
   scale = params_ref[0]
   bias = params_ref[1]
   g_scale = params_ref[2]
@@ -106,7 +123,8 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
   ni, nj, nd = r_rows // block_q, m_pad // block_k, d_pad // block_d
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, m=m, mask=mask, has_diagonal=has_diagonal,
-                             mode=mode, precision=precision)
+                             mode=mode, precision=precision,
+                             interpret=interpret)
   # Inside shard_map the outputs carry their inputs' varying mesh axes.
   ins = (params, x, y, row_ids)
   scalar = out_struct((ni, nj), F32, *ins)
