@@ -74,6 +74,23 @@ def _ring_perm(n):
   return [(i, (i + 1) % n) for i in range(n)]
 
 
+def run_ring(n_dev, state, step):
+  """Runs ``state = step(n, state, last)`` for the ring steps n = 1 .. N-1.
+
+  Step 0 (the home tile) is the caller's, unrolled, so that its outputs give
+  the loop state its shapes and device-varying types. The middle steps are
+  one ``lax.scan`` (the program does not grow with N); the last step is
+  unrolled too, since it sends no next shard (``last=True``).
+  """
+  if n_dev > 2:
+    def body(state, n):
+      return step(n, state, False), None
+    state, _ = lax.scan(body, state, jnp.arange(1, n_dev - 1))
+  if n_dev > 1:
+    state = step(n_dev - 1, state, True)
+  return state
+
+
 def _weights(mode, n_q, n_k):
   direction = "both" if mode == "both" else "image_to_text"
   return contrastive.direction_weights(direction, n_q, n_k)
@@ -141,30 +158,17 @@ def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
       pos = scale * dots + bias * count
     return row, col, pos
 
-  def step(n, kc, carry, last):
+  def step(n, state, last):
     """One ring step: start the transfers, then compute the held tile."""
-    r, c_prev, pos = carry
+    kc, (r, c_prev, pos) = state
     k_next = send(kc) if not last else None
     c_in = send(c_prev) if cols else None
     row, col, pos_t = tile(kc, (me - n) % n_dev)
     c_out = jnp.logaddexp(c_in, col) if cols else None
     return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
 
-  # Step 0 (the home tile) is unrolled: its outputs give the loop carry its
-  # shapes and device-varying types.
-  k_next = send(k) if n_dev > 1 else None
-  row, col, pos = tile(k, me)
-  carry = (row, col, pos)
-  if n_dev > 2:
-    def body(state, n):
-      kc, carry = state
-      kc, carry = step(n, kc, carry, last=False)
-      return (kc, carry), None
-    (k_next, carry), _ = lax.scan(body, (k_next, carry),
-                                  jnp.arange(1, n_dev - 1))
-  if n_dev > 1:
-    _, carry = step(n_dev - 1, k_next, carry, last=True)
-  r, c_out, pos = carry
+  k_next = send(k) if n_dev > 1 else None  # Issued before the home tile.
+  _, (r, c_out, pos) = run_ring(n_dev, (k_next, tile(k, me)), step)
   # After N - 1 hops the column statistics held here belong to shard k + 1;
   # one more hop takes every shard's statistics home.
   c_home = (send(c_out) if n_dev > 1 else c_out) if cols else None
@@ -208,28 +212,17 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
       dbi = dbi - w_pos * count
     return dq, dk, dsc, dbi
 
-  def step(n, kv, carry, last):
+  def step(n, state, last):
     """Start the next shard's and the previous accumulator's transfers."""
-    dq, dk_prev, dsc, dbi = carry
+    kv, (dq, dk_prev, dsc, dbi) = state
     kv_next = send(kv) if not last else None
     dk_in = send(dk_prev)
     kc, cc = kv
     dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, (me - n) % n_dev)
     return kv_next, (dq + dq_t, dk_in + dk_t, dsc + dsc_t, dbi + dbi_t)
 
-  kv = (k, c_home)
-  kv_next = send(kv) if n_dev > 1 else None
-  carry = tile(k, c_home, me)
-  if n_dev > 2:
-    def body(state, n):
-      kv, carry = state
-      kv, carry = step(n, kv, carry, last=False)
-      return (kv, carry), None
-    (kv_next, carry), _ = lax.scan(body, (kv_next, carry),
-                                   jnp.arange(1, n_dev - 1))
-  if n_dev > 1:
-    _, carry = step(n_dev - 1, kv_next, carry, last=True)
-  dq, dk, dsc, dbi = carry
+  kv_next = send((k, c_home)) if n_dev > 1 else None
+  _, (dq, dk, dsc, dbi) = run_ring(n_dev, (kv_next, tile(k, c_home, me)), step)
   if n_dev > 1:
     dk = send(dk)  # The accumulator of shard k + 1 goes home.
   if home_pos:
