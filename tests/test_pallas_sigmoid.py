@@ -27,6 +27,12 @@ from tests.helpers import as64, assert_rel_close, rand_emb, tol
 TINY = BlockSizes(block_q=16, block_k=32, block_d=16, num_programs=5,
                   bwd_block_q=16, bwd_block_k=32, panel_rows=32,
                   f32_precision="highest")
+# The same checks compiled by Triton on a GPU: 32-wide blocks and 4 warps,
+# the smallest shapes its tensor-core dot is comfortable with.
+GPU_SMALL = dataclasses.replace(TINY, block_q=32, block_k=32, block_d=32,
+                                bwd_block_q=32, bwd_block_k=32, panel_rows=64,
+                                num_warps=4, num_stages=2, bwd_num_warps=4,
+                                bwd_num_stages=2)
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -234,7 +240,7 @@ def test_sigmoid_loss_backend_pallas(B, D, dtype, t, b):
   # interpret mode on CPU, compiled Triton on a GPU.
   rng = np.random.default_rng(B + D)
   x, y = rand_emb(rng, B, D, dtype), rand_emb(rng, B, D, dtype)
-  check_loss(x, y, t, b, TINY, rtol=tol(dtype),
+  check_loss(x, y, t, b, GPU_SMALL if ON_GPU else TINY, rtol=tol(dtype),
              loss_rtol=min(tol(dtype), 2e-5))
 
 
@@ -252,12 +258,7 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
   """Everything above compiled through Triton, plus real sizes."""
 
   INTERPRET = False
-  # The inherited checks, compiled: 32-wide blocks and 4 warps, the
-  # smallest shapes Triton's tensor-core dot is comfortable with.
-  bs = dataclasses.replace(TINY, block_q=32, block_k=32, block_d=32,
-                           bwd_block_q=32, bwd_block_k=32, panel_rows=64,
-                           num_warps=4, num_stages=2, bwd_num_warps=4,
-                           bwd_num_stages=2)
+  bs = GPU_SMALL
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
   def test_b4096_matches_float64(self, dtype):
