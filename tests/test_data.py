@@ -183,16 +183,28 @@ def test_prepare_is_cached_and_reproducible(data_dir, tmp_path):
   assert synthetic.prepare(data_dir, image_size=IMAGE_SIZE, num_train=NUM_TRAIN,
                            num_test=NUM_TEST, seed=0) == path
   assert os.path.getmtime(os.path.join(path, "dataset_info.json")) == stamp
-  # A second generation elsewhere reads back identical examples.
-  synthetic.prepare(tmp_path, image_size=IMAGE_SIZE, num_train=32, num_test=8)
-  other = sources.builder_for(_config(tmp_path, **{"data.num_train_examples": 32,
-                                                   "data.num_eval_examples": 8}).data)
-  again = sources._builder_from_dir(
-      sources.resolve_dataset_dir(f"{synthetic.NAME}/s16_n32_t8_seed0", str(tmp_path)))
-  a, b = other.as_data_source(split="test"), again.as_data_source(split="test")
-  assert len(a) == 8
-  for i in range(8):
-    assert np.array_equal(a[i]["image"], b[i]["image"])
+  # Two processes generating into one directory at once (multi-process
+  # start-up) both succeed; a generation in another directory reads back
+  # identical examples (deterministic generation and TFDS write order).
+  code = ("import sys; from train.data import synthetic; "
+          "print(synthetic.prepare(sys.argv[1], image_size=8, num_train=48, "
+          "num_test=8))")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  dirs = [tmp_path / "a", tmp_path / "a", tmp_path / "b"]
+  procs = [subprocess.Popen([sys.executable, "-c", code, str(d)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for d in dirs]
+  outs = [p.communicate(timeout=120) for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs
+  assert outs[0][0] == outs[1][0]
+  builders = [sources._builder_from_dir(out.strip().splitlines()[-1])
+              for out, _ in (outs[0], outs[2])]
+  for split, n in (("train", 48), ("test", 8)):
+    a, b = (bld.as_data_source(split=split) for bld in builders)
+    assert len(a) == len(b) == n
+    for i in range(n):
+      assert np.array_equal(a[i]["image"], b[i]["image"])
+      assert a[i]["captions"]["text"] == b[i]["captions"]["text"]
 
 
 # ------------------------------------------------------------------ pipeline

@@ -20,14 +20,19 @@ directory by `prepare()`, then read back by the same TFDS data-source code
 path as any other TFDS dataset (see pipeline.py).
 """
 
+import contextlib
 import fcntl
+import functools
+import io
 import logging
 import os
 
 import numpy as np
 
 NAME = "synthetic_shapes"
-VERSION = "1.0.0"
+# Bump on any change of the generated content: prepared copies are cached by
+# version, so stale data is never reused.
+VERSION = "1.1.0"
 
 SHAPES = ("circle", "square", "triangle", "star", "diamond", "cross",
           "hexagon", "ring")
@@ -89,20 +94,26 @@ def is_heldout(shape: int, color: int) -> bool:
   return color in (shape % 8, (shape + 4) % 8)
 
 
-def _allowed_combos(split: str) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=None)
+def _allowed_combos(split: str) -> tuple[tuple[int, int], ...]:
   want_heldout = split == "test"
-  return [(s, c) for s in range(len(SHAPES)) for c in range(len(COLORS))
-          if is_heldout(s, c) == want_heldout]
+  return tuple((s, c) for s in range(len(SHAPES)) for c in range(len(COLORS))
+               if is_heldout(s, c) == want_heldout)
 
 
-def _pos_phrase(v: str, h: str, rng) -> str:
+def _pick(options, rng, canonical=False):
+  """One of `options`: the first if canonical, else a random one."""
+  return options[0] if canonical else options[int(rng.integers(len(options)))]
+
+
+def _pos_phrases(v: str, h: str) -> tuple[str, str]:
   if v == "middle" and h == "center":
-    return rng.choice(["in the center", "in the middle"])
+    return ("in the center", "in the middle")
   if v == "middle":
-    return rng.choice([f"on the {h}", f"on the {h} side"])
+    return (f"on the {h}", f"on the {h} side")
   if h == "center":
-    return rng.choice([f"at the {v}", f"near the {v}"])
-  return rng.choice([f"in the {v} {h}", f"in the {v} {h} corner"])
+    return (f"at the {v}", f"near the {v}")
+  return (f"in the {v} {h}", f"in the {v} {h} corner")
 
 
 def _article(word: str) -> str:
@@ -110,10 +121,8 @@ def _article(word: str) -> str:
 
 
 def _fill(template: str, attrs: dict, rng, canonical: bool = False) -> str:
-  size = (_SIZE_WORDS[attrs["size"]][0] if canonical
-          else rng.choice(_SIZE_WORDS[attrs["size"]]))
-  pos = (_pos_phrase(attrs["vpos"], attrs["hpos"], np.random.default_rng(0))
-         if canonical else _pos_phrase(attrs["vpos"], attrs["hpos"], rng))
+  size = _pick(_SIZE_WORDS[attrs["size"]], rng, canonical)
+  pos = _pick(_pos_phrases(attrs["vpos"], attrs["hpos"]), rng, canonical)
   words = dict(size=size, color=attrs["color"], shape=attrs["shape"], pos=pos,
                bg=attrs["bg"])
   # The article agrees with whatever word follows "{a} ".
@@ -150,6 +159,12 @@ def _polygon(shape: str, cx: float, cy: float, r: float, angle: float):
   return [tuple(p) for p in pts]
 
 
+@functools.lru_cache(maxsize=8)
+def _unit_grid(size: int):
+  yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+  return yy / size - 0.5, xx / size - 0.5
+
+
 def render_example(seed: int, split: str, index: int, image_size: int):
   """Renders one example: (uint8 image [S, S, 3], attribute dict, rng).
 
@@ -167,8 +182,7 @@ def render_example(seed: int, split: str, index: int, image_size: int):
   # Background at the final resolution: base color plus a random linear
   # brightness gradient.
   bg = np.array(BACKGROUNDS[attrs["bg"]], np.float32)
-  yy, xx = np.mgrid[0:image_size, 0:image_size].astype(np.float32)
-  yy, xx = yy / image_size - 0.5, xx / image_size - 0.5
+  yy, xx = _unit_grid(image_size)
   gdir = rng.normal(size=2)
   grad = (xx * gdir[0] + yy * gdir[1]) * rng.uniform(10, 40)
   background = bg[None, None] + grad[..., None]
@@ -289,9 +303,12 @@ def _make_builder_class():
 
     def _generate_examples(self, seed, split, num, image_size):
       for key, ex in generate_examples(seed, split, num, image_size):
-        # A PIL image is PNG-encoded by TFDS without TensorFlow (a numpy
-        # array would go through tf.image.encode_png).
-        ex["image"] = Image.fromarray(ex["image"])
+        # PNG bytes are stored as given, without TensorFlow (a numpy array
+        # would go through tf.image.encode_png); fast zlib level: the noisy
+        # pixels barely compress anyway.
+        buf = io.BytesIO()
+        Image.fromarray(ex["image"]).save(buf, format="png", compress_level=1)
+        ex["image"] = buf.getvalue()
         yield key, ex
 
   return SyntheticShapes
@@ -322,16 +339,22 @@ def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
                      NAME, path)
         if _BUILDER_CLASS is None:
           _BUILDER_CLASS = _make_builder_class()
+          # TFDS warns that a config not in BUILDER_CONFIGS is "custom": here
+          # every config is generated from its parameters, by design.
+          logging.getLogger("absl").addFilter(
+              lambda r: "Using custom data configuration" not in r.getMessage())
         builder = _BUILDER_CLASS(image_size=image_size, num_train=num_train,
                                  num_test=num_test, seed=seed,
                                  data_dir=os.fspath(data_dir),
                                  file_format="array_record")
-        # Generation is quick; TFDS's per-split progress bars are noise.
+        # Generation takes seconds; TFDS's progress bars and its printed
+        # "Downloading and preparing" lines (nothing is downloaded) are noise.
         tfds.disable_progress_bar()
         try:
-          builder.download_and_prepare(
-              download_config=tfds.download.DownloadConfig(
-                  try_download_gcs=False))  # nothing to download: stay local
+          with contextlib.redirect_stdout(io.StringIO()):
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(
+                    try_download_gcs=False))  # nothing to download: stay local
         finally:
           tfds.enable_progress_bar()
     finally:
