@@ -468,4 +468,8 @@ def test_config_errors(tmp_path, tfds_dir):
   assert "image_size" in _error(_config(tmp_path, **{"data.image_size": 0}))
   msg = _error(_config(tmp_path, **{"data.split": "validation"}))
   assert "'train' and 'test'" in msg
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  assert "cannot create" in _error(_config(blocker / "sub"))
   D.check_data_config(_config(tmp_path))  # the defaults are valid
+  D.check_data_config(_config(tmp_path / "not" / "yet" / "there"))

@@ -215,11 +215,13 @@ def check_sources(data) -> None:
     if data.image_size < 8:
       raise ValueError(f"config.data.image_size={data.image_size} is too "
                        f"small for {synthetic.NAME} (>= 8)")
-    data_dir = data_dir_of(data)
-    parent = os.path.dirname(os.path.abspath(data_dir)) or "/"
-    if not os.path.isdir(data_dir) and not os.access(parent, os.W_OK):
-      raise ValueError(f"config.data.data_dir={data_dir!r} does not exist and "
-                       "cannot be created")
+    data_dir = os.path.abspath(data_dir_of(data))
+    existing = data_dir
+    while not os.path.exists(existing):  # nearest existing ancestor
+      existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+      raise ValueError(f"config.data.data_dir={data_dir!r}: cannot create or "
+                       f"write it ({existing!r} is not a writable directory)")
     for key in ("image_key", "text_key", "label_key"):
       want = {"image_key": "image", "text_key": "captions/text",
               "label_key": "label"}[key]
