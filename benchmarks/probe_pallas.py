@@ -153,6 +153,7 @@ def time_gpanel_only(b, d, dtype, bs):
           g_dtype=x.dtype, block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
           block_d=bs.block_d, num_warps=bs.bwd_num_warps,
           num_stages=bs.bwd_num_stages, precision=lax.Precision.DEFAULT,
+          single_exp=bs.single_exp,
           interpret=False)
       return c + s1 + s2 + g[0, 0].astype(jnp.float32), None
     return lax.scan(body, jnp.float32(0), xp)[0]
@@ -160,16 +161,18 @@ def time_gpanel_only(b, d, dtype, bs):
   return f"{ms:.2f} ms  {2 * b * b * d / ms / 1e9:.0f} TFLOP/s(2BBD)"
 
 
-def time_gemms_only(b, d, dtype, rr):
+def time_gemms_only(b, d, dtype, rr, precision=None):
   x, y = inputs(b, d, dtype)
   g = jax.random.uniform(jax.random.key(5), (rr, b), jnp.float32).astype(dtype)
   xp = x.reshape(b // rr, rr, d)
   def f(xp, y, g):
     def body(dy, xs):
       dx = lax.dot_general(g, y, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=jnp.float32,
+                           precision=precision)
       dy = dy + lax.dot_general(g, xs, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=jnp.float32,
+                                precision=precision)
       return dy, dx
     return lax.scan(body, jnp.zeros((b, d), jnp.float32), xp)
   ms = bench(jax.jit(f), xp, y, g)
@@ -196,9 +199,12 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--b", type=int, default=65536)
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--set", default="v1")
   args = ap.parse_args()
   b, d = args.b, 768
   print(jax.devices(), jax.__version__, flush=True)
+  if args.set == "v2":
+    return probe_v2(b, d)
   record("matmul_ceiling_bf16", matmul_ceiling)
   for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
     record(f"f64check_B4096_{jnp.dtype(dt).name}", lambda dt=dt: check_f64(dt))
@@ -239,6 +245,47 @@ def main():
     for name, kw in bvariants.items():
       bs = dataclasses.replace(dflt, **kw)
       record(f"{name}_B{b}_bf16", lambda bs=bs: time_bwd(b, d, jnp.bfloat16, bs))
+  stats = jax.devices()[0].memory_stats() or {}
+  print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
+  print("\n==== SUMMARY ====")
+  for name, out in RESULTS:
+    print(f"{name:45s} {out}")
+
+
+def probe_v2(b, d):
+  """Second round: single-exp paths, backward tiles, float32 stages."""
+  bf, f32 = jnp.bfloat16, jnp.float32
+  dflt = BlockSizes.get_default("pallas", "gpu", bf)
+  dflt32 = BlockSizes.get_default("pallas", "gpu", f32)
+  no1 = dataclasses.replace(dflt, single_exp=False)
+  rep = dataclasses.replace
+  record("matmul_ceiling_bf16", matmul_ceiling)
+  record("full_pallas_bf16", lambda: time_full(b, d, bf, "pallas"))
+  record("full_pallas_bf16_twoexp", lambda: time_full(b, d, bf, "pallas", no1))
+  record("fwd_bf16", lambda: time_fwd(b, d, bf, dflt))
+  record("fwd_bf16_twoexp", lambda: time_fwd(b, d, bf, no1))
+  record("fwd_bf16_rows_only", lambda: time_fwd(b, d, bf, dflt, cols=False))
+  record("bwd_bf16", lambda: time_bwd(b, d, bf, dflt))
+  record("bwd_bf16_twoexp", lambda: time_bwd(b, d, bf, no1))
+  record("gpanel_bf16", lambda: time_gpanel_only(b, d, bf, dflt))
+  record("gpanel_bf16_twoexp", lambda: time_gpanel_only(b, d, bf, no1))
+  record("gpanel_bf16_d128_s2", lambda: time_gpanel_only(
+      b, d, bf, rep(dflt, block_d=128, bwd_num_stages=2)))
+  record("gpanel_bf16_256x128", lambda: time_gpanel_only(
+      b, d, bf, rep(dflt, bwd_block_q=256, bwd_block_k=128)))
+  record("gpanel_bf16_128x128_w8", lambda: time_gpanel_only(
+      b, d, bf, rep(dflt, bwd_block_k=128)))
+  record("fwd_bf16_s4", lambda: time_fwd(b, d, bf, rep(dflt, num_stages=4)))
+  record("full_pallas_f32", lambda: time_full(b, d, f32, "pallas"))
+  record("fwd_f32", lambda: time_fwd(b, d, f32, dflt32))
+  record("fwd_f32_128x256", lambda: time_fwd(b, d, f32, rep(dflt32, block_k=256)))
+  record("bwd_f32", lambda: time_bwd(b, d, f32, dflt32))
+  record("gemms_f32_default", lambda: time_gemms_only(b, d, f32, 2048))
+  record("gemms_f32_tf32alg", lambda: time_gemms_only(
+      b, d, f32, 2048, lax.DotAlgorithmPreset.TF32_TF32_F32))
+  record("gpanel_f32", lambda: time_gpanel_only(b, d, f32, dflt32))
+  record("gpanel_f32_128x256", lambda: time_gpanel_only(
+      b, d, f32, rep(dflt32, bwd_block_k=256)))
   stats = jax.devices()[0].memory_stats() or {}
   print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
   print("\n==== SUMMARY ====")
