@@ -232,7 +232,7 @@ def test_determinism_and_seed(data_dir):
   assert not np.array_equal(a[0]["image"], c[0]["image"])
   # Reader threads and the in-memory cache do not change the batches.
   config1 = _config(data_dir, **{"data.num_threads": 1,
-                                 "data.cache_max_examples": 0})
+                                 "data.cache_max_mb": 0})
   d = _take(D.make_train_iterator(config1, batch_size=16, seed=5), 6)
   assert _same_batches(a, d)
 

@@ -50,9 +50,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   # Input pipeline: reader threads and batches prefetched ahead.
   c.num_threads = 2
   c.prefetch_batches = 2
-  # A process's shard with at most this many examples is decoded once and
-  # kept in memory (synthetic_shapes: ~3 KB per 32x32 example); 0 = never.
-  c.cache_max_examples = 50_000
+  # A process's shard is decoded and resized once and kept in memory when
+  # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
+  # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.
+  c.cache_max_mb = 1024
   return c
 
 
@@ -88,10 +89,10 @@ def check_data_config(config) -> None:
     _check_keys(config.tokenizer, default_tokenizer_config(), "config.tokenizer")
     tokenizer_lib.check_tokenizer_config(config.tokenizer)
   for key in ("image_size", "num_eval_examples", "num_threads",
-              "prefetch_batches", "num_train_examples", "cache_max_examples"):
+              "prefetch_batches", "num_train_examples", "cache_max_mb"):
     value = data.get(key)
     low = 0 if key in ("num_eval_examples", "prefetch_batches",
-                       "cache_max_examples") else 1
+                       "cache_max_mb") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
   for tmpl in data.zeroshot_templates:

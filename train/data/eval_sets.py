@@ -61,17 +61,15 @@ def make_eval_sets(config, tokenizer):
   source = builder.as_data_source(split=data.eval_split)
   limit = data.num_eval_examples if data.name != synthetic.NAME else 0
   n = len(source) if not limit else min(limit, len(source))
-  fn = pipeline.ExampleFn(image_key=data.image_key, text_key=data.text_key,
-                          label_key=data.label_key, image_size=data.image_size,
-                          tokenizer=tokenizer, first_caption=True)
+  compact = pipeline.Compact(image_key=data.image_key, text_key=data.text_key,
+                             label_key=data.label_key,
+                             image_size=data.image_size)
   images, captions, labels = [], [], []
   for i in range(n):
-    ex = source[i]
-    item = fn(i, ex)
-    images.append(item["image"])
+    item = compact(source[i])
+    images.append(pipeline.to_float(item["image"]))
     labels.append(item["label"])
-    caps = sources.value_at(ex, data.text_key)
-    captions.append(_decode(caps if isinstance(caps, (bytes, str)) else caps[0]))
+    captions.append(_decode(item["captions"][0] if item["captions"] else b""))
   images = np.stack(images)
   retrieval = RetrievalSet(images=images, texts=tokenizer.encode(captions),
                            captions=captions)

@@ -1,10 +1,12 @@
 """The training input pipeline: TFDS array_record source -> grain -> batches.
 
     source (random access, one process's shard: examples p, p+P, p+2P, ...)
+      -> map: decode, keep image/captions/label, resize + central crop to
+         image_size (uint8); done once and kept in memory when the shard
+         fits in cache_max_mb
       -> shuffle(seed) + repeat: a fresh permutation every epoch
-      -> map_with_index: decode, resize/crop to image_size, scale to [-1, 1],
-         pick one caption (random per position, so it varies across epochs),
-         tokenize
+      -> map_with_index: pick one caption (random per position, so it varies
+         across epochs), tokenize, scale the image to [-1, 1]
       -> batch(per-process batch size)
       -> threaded prefetch
 
@@ -20,12 +22,13 @@ import numpy as np
 from train.data import sources
 
 
-def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
-  """uint8 [H, W, C] -> float32 [size, size, 3] in [-1, 1].
+def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
+  """uint8 [H, W, C] -> uint8 [size, size, 3].
 
   Resizes the shorter side to `size` (bicubic, antialiased), then takes the
   central square crop; grayscale is repeated to RGB and alpha dropped.
   """
+  image = np.asarray(image)
   if image.ndim == 2:
     image = image[..., None]
   if image.shape[-1] == 1:
@@ -40,7 +43,17 @@ def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
         (nw, nh), Image.BICUBIC, reducing_gap=None if scale >= 1 else 2.0))
     top, left = (nh - size) // 2, (nw - size) // 2
     image = image[top:top + size, left:left + size]
+  return np.ascontiguousarray(image, dtype=np.uint8)
+
+
+def to_float(image: np.ndarray) -> np.ndarray:
+  """uint8 -> float32 in [-1, 1]."""
   return image.astype(np.float32) * (2.0 / 255.0) - 1.0
+
+
+def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
+  """uint8 [H, W, C] -> float32 [size, size, 3] in [-1, 1] (resize_crop)."""
+  return to_float(resize_crop(image, size))
 
 
 def _as_text_list(value) -> list:
@@ -49,13 +62,36 @@ def _as_text_list(value) -> list:
   return list(value)
 
 
-class ExampleFn:
-  """Turns a decoded TFDS example into {"image", "text", "label"}."""
+class Compact:
+  """A decoded TFDS example -> {"image": uint8 [S, S, 3], "captions", "label"}.
 
-  def __init__(self, *, image_key, text_key, label_key, image_size, tokenizer,
-               seed=0, stream=0, first_caption=False):
+  Keeps only what training needs, at the final resolution, so a cached
+  split costs S*S*3 bytes per example whatever the original image size.
+  """
+
+  def __init__(self, *, image_key, text_key, label_key, image_size):
     self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
-    self.image_size, self.tokenizer = image_size, tokenizer
+    self.image_size = image_size
+
+  def __call__(self, example: dict) -> dict:
+    return {
+        "image": resize_crop(sources.value_at(example, self.image_key),
+                             self.image_size),
+        "captions": _as_text_list(sources.value_at(example, self.text_key)),
+        "label": (int(sources.value_at(example, self.label_key))
+                  if self.label_key else -1),
+    }
+
+
+class Finalize:
+  """A compact example at stream position p -> {"image", "text", "label"}.
+
+  Picks one caption (random, seeded by (seed, stream, p): it varies across
+  epochs but is the same on every run), tokenizes it and scales the image.
+  """
+
+  def __init__(self, tokenizer, *, seed=0, stream=0, first_caption=False):
+    self.tokenizer = tokenizer
     self.seed, self.stream, self.first_caption = seed, stream, first_caption
 
   def pick_caption(self, captions: list, position: int):
@@ -66,20 +102,15 @@ class ExampleFn:
     rng = np.random.default_rng([self.seed, self.stream, position])
     return captions[int(rng.integers(len(captions)))]
 
-  def __call__(self, position: int, example: dict) -> dict:
-    image = preprocess_image(np.asarray(sources.value_at(example, self.image_key)),
-                             self.image_size)
-    caption = self.pick_caption(
-        _as_text_list(sources.value_at(example, self.text_key)), position)
-    label = (int(sources.value_at(example, self.label_key))
-             if self.label_key else -1)
-    return {"image": image,
+  def __call__(self, position: int, compact: dict) -> dict:
+    caption = self.pick_caption(compact["captions"], position)
+    return {"image": to_float(compact["image"]),
             "text": self.tokenizer.encode([caption])[0],
-            "label": np.int32(label)}
+            "label": np.int32(compact["label"])}
 
 
 class _InMemorySource:
-  """Decoded examples held in memory: a random-access source for grain.
+  """Compact examples held in memory: a random-access source for grain.
 
   Small datasets (synthetic_shapes) are decoded once instead of once per
   epoch; decoding (protobuf parse + PNG) is most of the per-example cost.
@@ -95,10 +126,11 @@ class _InMemorySource:
     return self._examples[index]
 
 
-def _read_all(source, indices: list, chunk: int = 256) -> list:
+def _read_compact(source, indices, compact, chunk: int = 256) -> list:
   out = []
   for start in range(0, len(indices), chunk):
-    out.extend(source.__getitems__(indices[start:start + chunk]))
+    out.extend(compact(ex) for ex in
+               source.__getitems__(list(indices[start:start + chunk])))
   return out
 
 
@@ -185,16 +217,19 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if len(source) < process_count:
     raise ValueError(f"split {data.split!r} has {len(source)} examples, fewer "
                      f"than process_count={process_count}")
-  fn = ExampleFn(image_key=data.image_key, text_key=data.text_key,
-                 label_key=data.label_key, image_size=data.image_size,
-                 tokenizer=tokenizer, seed=seed, stream=process_index)
+  compact = Compact(image_key=data.image_key, text_key=data.text_key,
+                    label_key=data.label_key, image_size=data.image_size)
   shard = range(process_index, len(source), process_count)
-  if len(shard) <= data.cache_max_examples:
-    ds = grain.MapDataset.source(_InMemorySource(_read_all(source, list(shard))))
+  cache_bytes = len(shard) * data.image_size ** 2 * 3
+  if cache_bytes <= data.cache_max_mb * 2**20:
+    ds = grain.MapDataset.source(
+        _InMemorySource(_read_compact(source, shard, compact)))
   else:
     ds = grain.MapDataset.source(source)[process_index::process_count]
+    ds = ds.map(compact)
   ds = ds.shuffle(seed=seed).repeat(None)
-  ds = ds.map_with_index(fn).batch(batch_size, drop_remainder=True)
+  ds = ds.map_with_index(Finalize(tokenizer, seed=seed, stream=process_index))
+  ds = ds.batch(batch_size, drop_remainder=True)
   read_options = grain.ReadOptions(num_threads=data.num_threads,
                                    prefetch_buffer_size=data.prefetch_batches)
   fingerprint = {"dataset": builder.info.full_name, "split": data.split,
