@@ -428,7 +428,8 @@ def test_tfds_zeroshot_dataset(tfds_dir):
   assert sorted(zeroshot.labels.tolist()) == [0] * 5 + [1] * 5
   # Red images of class 0, blue of class 1: the pixels went through.
   for image, label in zip(zeroshot.images, zeroshot.labels):
-    assert (image[..., 2 * label] > 0.5).all() and (image[..., 2 - 2 * label] < -0.9).all()
+    assert (image[..., 2 * label] > 0.5).all()
+    assert (image[..., 2 - 2 * label] < -0.9).all()
   assert len(retrieval.captions) == 12
 
 
@@ -443,7 +444,8 @@ def _error(config):
 
 
 def test_config_errors(tmp_path, tfds_dir):
-  assert "is not a TFDS dataset" in _error(_config(tmp_path, **{"data.name": "no_such_dataset"}))
+  assert "is not a TFDS dataset" in _error(
+      _config(tmp_path, **{"data.name": "no_such_dataset"}))
   assert "is neither a TFDS dataset" in _error(
       _config(tmp_path / "missing", **{"data.name": "no_such_dataset"}))
   msg = _error(_config(tmp_path, **{"data.name": "coco_captions"}))

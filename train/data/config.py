@@ -68,7 +68,8 @@ def default_tokenizer_config() -> ml_collections.ConfigDict:
 def _check_keys(section, defaults, where):
   unknown = sorted(set(section.keys()) - set(defaults.keys()))
   if unknown:
-    raise ValueError(f"unknown config key(s) {', '.join(where + '.' + k for k in unknown)}; "
+    names = ", ".join(f"{where}.{k}" for k in unknown)
+    raise ValueError(f"unknown config key(s) {names}; "
                      f"known: {', '.join(sorted(defaults.keys()))}")
 
 

@@ -20,6 +20,7 @@ uninterrupted run, whatever the number of threads.
 import numpy as np
 
 from train.data import sources
+from train.data import tokenizer as tokenizer_lib
 
 
 def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -204,7 +205,6 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     tokenizer: defaults to make_tokenizer(config).
   """
   import grain  # pylint: disable=import-outside-toplevel
-  from train.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
     raise ValueError(f"batch_size={batch_size} must be >= 1")
   if not 0 <= process_index < process_count:

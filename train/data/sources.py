@@ -48,7 +48,8 @@ def _tfds():
 
 def _known_tfds_names() -> list[str]:
   # The builders TFDS ships (imported, not constructed: no TensorFlow needed).
-  from tensorflow_datasets.core import registered  # pylint: disable=import-outside-toplevel
+  _tfds()
+  from tensorflow_datasets.core import registered  # pylint: disable=g-import-not-at-top
   return registered.list_imported_builders()
 
 

@@ -126,8 +126,9 @@ def _fill(template: str, attrs: dict, rng, canonical: bool = False) -> str:
   words = dict(size=size, color=attrs["color"], shape=attrs["shape"], pos=pos,
                bg=attrs["bg"])
   # The article agrees with whatever word follows "{a} ".
-  follow = template.split("{a} ", 1)[1].split(" ", 1)[0] if "{a} " in template else "{shape}"
-  words["a"] = _article(follow.format(**words))
+  if "{a} " in template:
+    follow = template.split("{a} ", 1)[1].split(" ", 1)[0]
+    words["a"] = _article(follow.format(**words))
   return template.format(**words)
 
 
