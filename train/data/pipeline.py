@@ -12,7 +12,8 @@
 
 Each batch is a pure function of (seed, shard, batch index): grain computes
 the permutation from the position alone and the caption pick is seeded by it.
-The iterator's state is therefore just the next batch index, and
+The iterator's state is therefore just the next batch index (resuming slices
+the batch dataset there), and
 `set_state(get_state())` continues with bitwise the same batches as an
 uninterrupted run, whatever the number of threads.
 """
@@ -151,9 +152,10 @@ class TrainIterator:
 
   def _ensure_iter(self):
     if self._iter is None:
-      self._iter = iter(self._dataset.to_iter_dataset(self._read_options))
-      if self._next_batch:
-        self._iter.set_state({"next_index": self._next_batch})
+      # Batches are indexed by position, so resuming is slicing: no reliance
+      # on the format of grain's own iterator state.
+      self._iter = iter(self._dataset[self._next_batch:].to_iter_dataset(
+          self._read_options))
 
   def __iter__(self):
     return self
@@ -181,10 +183,9 @@ class TrainIterator:
     if next_batch < 0:
       raise ValueError(f"data iterator state next_batch={next_batch} < 0")
     self._next_batch = next_batch
-    if self._iter is not None:
-      # Drop the running iterator (and its prefetched batches); the next
-      # __next__ starts a fresh one at the restored position.
-      self._iter.set_state({"next_index": next_batch})
+    # Drop a running iterator (and its prefetched batches); the next
+    # __next__ starts a fresh one at the restored position.
+    self._iter = None
 
   def close(self):
     self._iter = None
