@@ -128,6 +128,7 @@ class PallasSigmoidTiles:
     row_ids = jnp.where(ids < n, ids, -1)
     mask = n_pad != n or m_pad != m
     kw = dict(m=m, mask=mask, has_diagonal=has_diagonal, g_dtype=g_dtype,
+              scaled=rescale,
               block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
               block_d=bs.block_d, num_warps=bs.bwd_num_warps,
               num_stages=bs.bwd_num_stages, precision=prec,

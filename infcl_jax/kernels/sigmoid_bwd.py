@@ -58,10 +58,9 @@ def _kernel(*refs, interpret, **kw):
 
 
 def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
-          m, mask, has_diagonal, mode, precision):
+          m, mask, has_diagonal, mode, scaled, precision):
   scale = params_ref[0]
   bias = params_ref[1]
-  g_scale = params_ref[2]
 
   def d_step(kd, acc):
     xa = x_ref[pl.ds(i * bq, bq), pl.ds(kd * bd, bd)]
@@ -91,13 +90,16 @@ def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
     max_ref[...] = jnp.max(jnp.max(jnp.abs(g), axis=1), axis=0)
     return
   g_ref, dsc_ref, dbi_ref = out_refs
-  g_ref[...] = (g * g_scale).astype(g_ref.dtype)
+  # The scalar partials come from the unscaled float32 G.
   dsc_ref[...] = jnp.sum(jnp.sum(g * s0, axis=1), axis=0)
   dbi_ref[...] = jnp.sum(jnp.sum(g, axis=1), axis=0)
+  if scaled:
+    g = g * params_ref[2]
+  g_ref[...] = g.astype(g_ref.dtype)
 
 
 def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
-            block_q, block_k, block_d, num_warps, num_stages, precision,
+            scaled, block_q, block_k, block_d, num_warps, num_stages, precision,
             interpret):
   """The (R, m_pad) gradient panel and its scalar partials, or its max |G|.
 
@@ -110,6 +112,8 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
     mask: whether any row or column padding exists (static).
     has_diagonal: whether the pairs (i, i) are the positives (static).
     mode: "g" for the panel, "max" for its largest |G| only.
+    scaled: whether to multiply G by g_scale before the cast (static; only
+      float16 panels need it).
 
   Returns:
     mode "g": G * g_scale (R, m_pad) of ``g_dtype``, and the sums of
@@ -123,7 +127,7 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
   ni, nj, nd = r_rows // block_q, m_pad // block_k, d_pad // block_d
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, m=m, mask=mask, has_diagonal=has_diagonal,
-                             mode=mode, precision=precision,
+                             mode=mode, scaled=scaled, precision=precision,
                              interpret=interpret)
   # Inside shard_map the outputs carry their inputs' varying mesh axes.
   ins = (params, x, y, row_ids)
