@@ -118,8 +118,9 @@ def _builder_from_dir(path: str):
     raise ValueError(
         f"dataset at {path!r} is stored as {file_format}; the "
         "input pipeline reads array_record (random access, no TensorFlow): "
-        f"convert it with `tfds convert_format --dataset_dir {path} "
-        "--out_file_format array_record`")
+        "convert it (where TensorFlow is installed) with `tfds convert_format "
+        f"--dataset_version_dir={path} --out_file_format=array_record "
+        "--out_dir=<new_data_dir>/<same name/config/version>`")
   return builder
 
 
