@@ -4,6 +4,7 @@ eval sets and config errors. Everything is generated locally (no network)."""
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -462,6 +463,13 @@ def test_config_errors(tmp_path, tfds_dir):
   assert "9.9.9 not prepared" in msg
   msg = _error(_coco_config(tfds_dir, **{"data.zeroshot_name": "nothing_here"}))
   assert "config.data.zeroshot_name='nothing_here'" in msg
+  # A dataset prepared as tfrecord (needs TensorFlow to read): told to convert.
+  tf_dir = tmp_path / "tfrecord_dir"
+  shutil.copytree(tfds_dir / "tiny_coco_captions", tf_dir / "tiny_coco_captions")
+  info = tf_dir / "tiny_coco_captions" / "1.1.0" / "dataset_info.json"
+  info.write_text(info.read_text().replace('"array_record"', '"tfrecord"'))
+  msg = _error(_coco_config(tf_dir))
+  assert "stored as tfrecord" in msg and "tfds convert_format" in msg
   config = _config(tmp_path)
   config.data.shuffle_bufer = 10
   assert "config.data.shuffle_bufer" in _error(config)
