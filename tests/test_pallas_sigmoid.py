@@ -244,6 +244,29 @@ def test_sigmoid_loss_backend_pallas(B, D, dtype, t, b):
              loss_rtol=min(tol(dtype), 2e-5))
 
 
+def test_default_block_sizes_and_vmap():
+  # block_sizes=None takes the platform's defaults; vmap adds a grid axis
+  # to the kernels and must not mix the problems.
+  rng = np.random.default_rng(17)
+  xs = jnp.stack([rand_emb(rng, 21, 6, jnp.float32) for _ in range(2)])
+  ys = jnp.stack([rand_emb(rng, 21, 6, jnp.float32) for _ in range(2)])
+  bs = None if not ON_GPU else dataclasses.replace(
+      BlockSizes.get_default("pallas", "gpu", jnp.float32),
+      f32_precision="highest")
+
+  def f(x, y, t):
+    return sigmoid_loss(x, y, t, -1.0, backend="pallas", block_sizes=bs)
+
+  ts = jnp.asarray([3.0, 12.0], jnp.float32)
+  vals, (dxs, dts) = jax.vmap(jax.value_and_grad(f, argnums=(0, 2)))(
+      xs, ys, ts)
+  for k in range(2):
+    ref = np_sigmoid(as64(xs[k]), as64(ys[k]), float(ts[k]), -1.0, True)
+    assert_rel_close(vals[k], ref[0] / 21, rtol=2e-5, what="loss")
+    assert_rel_close(dxs[k], ref[1] / 21, rtol=5e-5, what="d image")
+    assert_rel_close(dts[k], ref[3] / 21, rtol=1e-4, what="d scale")
+
+
 def test_pallas_is_registered_for_sigmoid():
   be = tile_backend.get_backend("pallas", "sigmoid")
   assert isinstance(be, pallas_sigmoid_tiles.PallasSigmoidTiles)
