@@ -184,6 +184,15 @@ def test_prepare_is_cached_and_reproducible(data_dir, tmp_path):
   assert synthetic.prepare(data_dir, image_size=IMAGE_SIZE, num_train=NUM_TRAIN,
                            num_test=NUM_TEST, seed=0) == path
   assert os.path.getmtime(os.path.join(path, "dataset_info.json")) == stamp
+  # A generation killed midway leaves TFDS's temporary directory; the next
+  # prepare removes it and generates the dataset.
+  stale = synthetic.dataset_dir(tmp_path / "k", 8, 16, 4, 0)
+  partial = os.path.join(os.path.dirname(stale), "incomplete.ABC123_1.1.0")
+  os.makedirs(partial)
+  assert synthetic.prepare(tmp_path / "k", image_size=8, num_train=16,
+                           num_test=4) == stale
+  assert not os.path.exists(partial)
+  assert len(sources._builder_from_dir(stale).as_data_source(split="train")) == 16
   # Two processes generating into one directory at once (multi-process
   # start-up) both succeed; a generation in another directory reads back
   # identical examples (deterministic generation and TFDS write order).

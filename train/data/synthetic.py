@@ -26,6 +26,7 @@ import functools
 import io
 import logging
 import os
+import shutil
 
 import numpy as np
 
@@ -318,6 +319,17 @@ def _make_builder_class():
 _BUILDER_CLASS = None
 
 
+def _remove_stale_partials(config_dir: str) -> None:
+  """Deletes TFDS's temporary "incomplete.*" directories of a killed run.
+
+  Called under the exclusive lock, so no other process is writing them.
+  """
+  if os.path.isdir(config_dir):
+    for name in os.listdir(config_dir):
+      if name.startswith("incomplete."):
+        shutil.rmtree(os.path.join(config_dir, name), ignore_errors=True)
+
+
 def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
             seed: int = 0) -> str:
   """Generates the dataset into `data_dir` once; returns its directory.
@@ -335,6 +347,7 @@ def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
     fcntl.flock(lock, fcntl.LOCK_EX)
     try:
       if not os.path.exists(os.path.join(path, "dataset_info.json")):
+        _remove_stale_partials(os.path.dirname(path))
         import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
         logging.info("Generating %s into %s (once; later runs reuse it)",
                      NAME, path)
