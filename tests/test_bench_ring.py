@@ -1,0 +1,112 @@
+"""Smoke test of benchmarks/bench_ring.py on host CPU devices, tiny sizes.
+
+Runs the benchmark's ``main`` in this process on 1, 2 and 4 of the CPU
+devices that conftest.py asks XLA for (every section: scaling, overlap, HLO
+schedule, max batch), and once with a fresh process per case (the GPU
+path's isolation) on 2 devices. Checks the CSV's columns, that the three
+strategies report the same loss, that the loss is the float64 reference
+loss of the generated inputs, and the derived columns.
+"""
+import csv
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import bench_ring
+from benchmarks import ring_steps
+from tests import np_reference
+
+# Tiles smaller than a shard, so that multi-tile and padded paths run.
+TINY = ["--b-local", "40", "--dims", "16", "--dtype", "float32",
+        "--block-q", "16", "--block-k", "32", "--budget-s", "0.01",
+        "--time-budget-s", "0"]
+
+
+def _need(n):
+  if len(jax.devices()) < n:
+    pytest.skip(f"needs {n} host devices (conftest.py sets XLA_FLAGS)")
+
+
+def _read_csv(out):
+  with open(os.path.join(out, "bench_ring.csv")) as fh:
+    reader = csv.DictReader(fh)
+    return reader.fieldnames, list(reader)
+
+
+def test_main_all_sections(tmp_path):
+  _need(4)
+  out = str(tmp_path)
+  rows, meta = bench_ring.main(
+      TINY + ["--devices", "1,2,4", "--isolate", "no", "--out", out])
+  header, csv_rows = _read_csv(out)
+  assert header == bench_ring.FIELDS
+  assert len(csv_rows) == len(rows)
+  for name in ("bench_ring.png", "bench_ring_meta.json", "ring_hlo.txt"):
+    assert os.path.getsize(os.path.join(out, name)) > 0, name
+
+  scaling = [r for r in csv_rows if r["section"] == "scaling"]
+  assert {(r["strategy"], r["n_dev"]) for r in scaling} == {
+      (s, str(n)) for s in ("ring", "gather", "plain") for n in (1, 2, 4)}
+  assert all(r["status"] == "ok" for r in scaling), scaling
+  for r in csv_rows:  # The CSV holds what main returned.
+    same = [q for q in rows if q["section"] == r["section"]
+            and q["strategy"] == r["strategy"] and str(q["n_dev"]) == r["n_dev"]
+            and str(q["b_local"]) == r["b_local"]]
+    assert same and all(q["status"] == r["status"] for q in same)
+    if r["loss"]:
+      assert float(r["loss"]) == pytest.approx(same[0]["loss"], rel=1e-6)
+  for n in (1, 2, 4):
+    losses = [r["loss"] for r in rows
+              if r["section"] == "scaling" and r["n_dev"] == n]
+    assert len(losses) == 3
+    np.testing.assert_allclose(losses, losses[0], rtol=2e-5)
+    mesh = ring_steps.make_mesh(n)
+    x, y = ring_steps.make_inputs(mesh, 40, 16, jnp.float32)
+    ref = np_reference.clip_loss_and_grads(
+        np.asarray(x, np.float64), np.asarray(y, np.float64),
+        ring_steps.LOGIT_SCALE)[0]
+    np.testing.assert_allclose(losses[0], ref, rtol=2e-5)
+  for r in scaling:
+    assert float(r["ms"]) > 0 and float(r["xla_total_gb"]) > 0
+    eff = float(r["efficiency"])
+    assert eff == 1.0 if r["n_dev"] == "1" else eff > 0
+    if r["strategy"] == "ring":
+      assert float(r["time_over_ring"]) == 1.0
+
+  overlap = {r["strategy"]: r for r in csv_rows if r["section"] == "overlap"}
+  assert set(overlap) == {"ring", "compute_only", "transfer_only"}
+  assert all(r["status"] == "ok" and r["n_dev"] == "4"
+             for r in overlap.values())
+  assert meta["overlap"]["sum_ms"] > 0
+  # The CPU runtime keeps collectives synchronous: the ring's ppermutes are
+  # found, and found synchronous.
+  assert meta["hlo"]["status"] == "ok" and meta["hlo"]["n_sync"] > 0
+  assert meta["hlo"]["n_async"] == 0
+
+  maxb = [r for r in csv_rows if r["section"] == "maxbatch"]
+  assert [int(r["b_local"]) for r in maxb] == [40, 80, 160]  # cap 4 x b.
+  assert all(r["status"] == "ok" for r in maxb)
+  assert meta["maxbatch"]["run_b_local"] == 160
+  assert len(meta["targets"]) == 4
+  with open(os.path.join(out, "bench_ring_meta.json")) as fh:
+    assert json.load(fh)["platform"] == "cpu"
+
+
+def test_main_isolated_and_resume(tmp_path):
+  """A fresh process per case (as on GPUs), then --resume reuses the rows."""
+  _need(2)
+  out = str(tmp_path)
+  args = TINY + ["--devices", "2", "--strategies", "ring,plain",
+                 "--sections", "scaling", "--isolate", "yes", "--out", out]
+  rows, meta = bench_ring.main(args)
+  assert meta["isolate"] is True
+  assert [r["status"] for r in rows] == ["ok", "ok"], rows
+  assert rows[0]["loss"] == pytest.approx(rows[1]["loss"], rel=2e-5)
+  rows2, _ = bench_ring.main(args + ["--resume"])
+  assert [r["wall_s"] for r in rows2] == [r["wall_s"] for r in rows]
+  header, csv_rows = _read_csv(out)
+  assert header == bench_ring.FIELDS and len(csv_rows) == 2
