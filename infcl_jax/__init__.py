@@ -5,10 +5,11 @@ from infcl_jax.api import contrastive_loss
 from infcl_jax import tile_backend as _tile_backend
 from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.sharded import sharded_contrastive_loss
+from infcl_jax.sharded import sharded_sigmoid_loss
 from infcl_jax.sigmoid import sigmoid_loss
 
 __all__ = ["BlockSizes", "contrastive_loss", "reference",
-           "sharded_contrastive_loss", "sigmoid_loss"]
+           "sharded_contrastive_loss", "sharded_sigmoid_loss", "sigmoid_loss"]
 __version__ = "0.1.0"
 
 

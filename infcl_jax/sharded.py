@@ -127,28 +127,11 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     ValueError: an axis name not in the mesh, or a global batch that the
       number of devices on the axis does not divide.
   """
-  axes = _axes.normalize(axis_name)
-  unknown = [a for a in axes if a not in mesh.axis_names]
-  if unknown:
-    raise ValueError(f"unknown axis name(s) {unknown} in axis_name="
-                     f"{axis_name!r}; the mesh has axes {list(mesh.axis_names)}")
+  axes = _check_mesh_batch(mesh, axis_name, image_emb, text_emb)
   check_strategy(strategy)
-  _checks.check_embeddings(image_emb, text_emb)
   _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0])
-  n_dev = math.prod(mesh.shape[a] for a in axes)
-  for name, a in (("image_emb", image_emb), ("text_emb", text_emb)):
-    if a.shape[0] % n_dev:
-      raise ValueError(
-          f"{name} has global batch {a.shape[0]} (shape {tuple(a.shape)}), "
-          f"not divisible by the {n_dev} devices of axis_name={axis_name!r}; "
-          "shard_map needs equal shards, so pad or drop rows")
   scale = _checks.check_scalar("logit_scale", logit_scale)
   bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
-  batch = P(_spec_entry(axes))
-  x = jax.sharding.reshard(image_emb, NamedSharding(mesh, batch)) \
-      if _explicit(mesh) else image_emb
-  y = jax.sharding.reshard(text_emb, NamedSharding(mesh, batch)) \
-      if _explicit(mesh) else text_emb
 
   from infcl_jax import api  # api imports this module.
 
@@ -158,10 +141,63 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
         axis_name=axes if len(axes) > 1 else axes[0], strategy=strategy,
         backend=backend, block_sizes=block_sizes)
 
+  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)
+
+
+def _check_mesh_batch(mesh, axis_name, image_emb, text_emb):
+  """Validates the mesh axes and the batch split; returns the axis tuple."""
+  axes = _axes.normalize(axis_name)
+  unknown = [a for a in axes if a not in mesh.axis_names]
+  if unknown:
+    raise ValueError(f"unknown axis name(s) {unknown} in axis_name="
+                     f"{axis_name!r}; the mesh has axes {list(mesh.axis_names)}")
+  _checks.check_embeddings(image_emb, text_emb)
+  n_dev = math.prod(mesh.shape[a] for a in axes)
+  for name, a in (("image_emb", image_emb), ("text_emb", text_emb)):
+    if a.shape[0] % n_dev:
+      raise ValueError(
+          f"{name} has global batch {a.shape[0]} (shape {tuple(a.shape)}), "
+          f"not divisible by the {n_dev} devices of axis_name={axis_name!r}; "
+          "shard_map needs equal shards, so pad or drop rows")
+  return axes
+
+
+def _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias):
+  """Shards the batch over ``axes`` and runs ``local`` under shard_map."""
+  batch = P(_spec_entry(axes))
+  x = jax.sharding.reshard(image_emb, NamedSharding(mesh, batch)) \
+      if _explicit(mesh) else image_emb
+  y = jax.sharding.reshard(text_emb, NamedSharding(mesh, batch)) \
+      if _explicit(mesh) else text_emb
   args = (x, y, scale) + (() if bias is None else (bias,))
   in_specs = (batch, batch, P()) + (() if bias is None else (P(),))
   return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
                        out_specs=P())(*args)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("mesh", "axis_name", "backend", "block_sizes"))
+def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
+                         axis_name="data", backend="auto", block_sizes=None):
+  """``sigmoid_loss`` on globally sharded arrays: the SigLIP ring for you.
+
+  The value equals ``sigmoid_loss`` on the whole arrays; ``jax.grad`` of it
+  gives the ordinary gradients of the global arrays. Arguments as in
+  ``sharded_contrastive_loss`` and ``sigmoid_loss``.
+  """
+  axes = _check_mesh_batch(mesh, axis_name, image_emb, text_emb)
+  _checks.check_equal_batch(image_emb, text_emb)
+  scale = _checks.check_scalar("logit_scale", logit_scale)
+  bias = _checks.check_scalar("logit_bias", logit_bias)
+
+  from infcl_jax import sigmoid  # sigmoid imports the ring lazily too.
+
+  def local(x, y, s, b):
+    return sigmoid.sigmoid_loss(
+        x, y, s, b, axis_name=axes if len(axes) > 1 else axes[0],
+        backend=backend, block_sizes=block_sizes)
+
+  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)
 
 
 def _explicit(mesh):

@@ -171,3 +171,29 @@ def test_memory_per_device_flat_in_n_and_linear_in_local_batch():
   by_b = {64: by_n[4], 128: _temp_bytes(4, 128), 256: _temp_bytes(4, 256)}
   step1, step2 = by_b[128] - by_b[64], by_b[256] - by_b[128]
   assert step1 > 0 and abs(step2 - 2 * step1) <= 0.2 * step2, by_b
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_sharded_sigmoid_loss_on_global_arrays(n):
+  from infcl_jax import sharded_sigmoid_loss
+  mesh = mesh_of(n)
+  rng = np.random.default_rng(40 + n)
+  x = rand_emb(rng, 5 * n, 12, jnp.float32)
+  y = rand_emb(rng, 5 * n, 12, jnp.float32)
+  t, b = jnp.float32(7.0), jnp.float32(-3.0)
+  f = lambda *a: sharded_sigmoid_loss(*a, mesh=mesh, block_sizes=TILES)
+  got = jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x, y, t, b)
+  check((got[0],) + got[1], x, y, t, b, jnp.float32)
+
+
+def test_sharded_sigmoid_loss_errors():
+  from infcl_jax import sharded_sigmoid_loss
+  mesh = mesh_of(4)
+  x = jnp.ones((6, 4))
+  with pytest.raises(ValueError, match="not divisible by the 4 devices"):
+    sharded_sigmoid_loss(x, x, 1.0, 0.0, mesh=mesh)
+  with pytest.raises(ValueError, match="unknown axis name"):
+    sharded_sigmoid_loss(jnp.ones((8, 4)), jnp.ones((8, 4)), 1.0, 0.0,
+                         mesh=mesh, axis_name="model")
+  with pytest.raises(ValueError, match="equal batch"):
+    sharded_sigmoid_loss(jnp.ones((8, 4)), jnp.ones((12, 4)), 1.0, 0.0, mesh=mesh)
