@@ -203,6 +203,8 @@ class TestPallasSigmoidInterpret:
     be = self.backend()
 
     def f(x, y, t, b):
+      # The ring makes the scalars device-varying too.
+      t, b = jax.lax.pcast((t, b), "d", to="varying")
       total = be.sigmoid_sum(x, y, t, b, has_diagonal=False,
                              block_sizes=self.bs)
       dx, dy, dt, db = be.sigmoid_grad(x, y, t, b, 1.0, has_diagonal=False,

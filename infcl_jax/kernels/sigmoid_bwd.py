@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax.kernels import interpret_vma
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -39,22 +40,8 @@ MODES = ("g", "max")
 
 
 def _kernel(*refs, interpret, **kw):
-  i = pl.program_id(0)
-  j = pl.program_id(1)
-  if not interpret:
-    _body(i, j, *refs, **kw)
-    return
-  # Interpret mode: run the body inside a loop whose trip count (1) is only
-  # known at run time. Inside shard_map the interpreter evaluates the kernel
-  # on device-varying values, and jax 0.11.2 then rejects straight-line
-  # primitives that mix them with the kernel's own constants; a while loop's
-  # body is not re-checked that way. Triton gets the plain body.
-  once = jnp.minimum(i, 0) + 1
-
-  def run(t, c):
-    _body(i, j, *refs, **kw)
-    return c
-  lax.fori_loop(0, once, run, 0)
+  interpret_vma.run_body(functools.partial(_body, **kw), refs, num_ids=2,
+                         interpret=interpret)
 
 
 def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax.kernels import interpret_vma
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -41,10 +42,13 @@ def softplus(u):
   return jnp.maximum(u, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(u)))
 
 
-def _kernel(params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd, nkb,
-            per, has_diagonal, precision):
-  i = pl.program_id(0)
-  c = pl.program_id(1)
+def _kernel(*refs, interpret, **kw):
+  interpret_vma.run_body(functools.partial(_body, **kw), refs, num_ids=2,
+                         interpret=interpret)
+
+
+def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
+          nkb, per, has_diagonal, precision):
   scale = params_ref[0]
   bias = params_ref[1]
   mask_rows = n % bq != 0
@@ -121,7 +125,8 @@ def sigmoid_row_sums(x, y, scale, bias, *, n, m, has_diagonal, block_q,
   params = jnp.stack([scale, bias]).astype(F32)
   kernel = functools.partial(
       _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nkb=nkb,
-      per=per, has_diagonal=has_diagonal, precision=precision)
+      per=per, has_diagonal=has_diagonal, precision=precision,
+      interpret=interpret)
   # Grid axis 0 (row blocks) varies fastest: concurrently running programs
   # walk the same column blocks of y, which then stay in L2.
   out = pl.pallas_call(
