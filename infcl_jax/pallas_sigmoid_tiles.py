@@ -12,6 +12,11 @@ same plan as the softmax Pallas backend (``pallas_tiles``):
   G = (-z) sigmoid(-z s) in the input dtype, with the scale and bias
   partial sums; the library GEMMs then form dx = G y and dy += G^T x.
 
+``BlockSizes`` fields mean what they mean for the softmax backend, and the
+defaults are the same; ``num_programs`` (None: one per SM) is the forward's
+target grid size, reached by splitting the columns when there are fewer
+row blocks than that (a ring shard of a few thousand rows).
+
 The positives are the *global* diagonal of the block pair (``has_diagonal``),
 located by global row / column indices, so it crosses tile and panel borders
 correctly. B and D are zero-padded to the block sizes and the kernels mask
