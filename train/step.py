@@ -256,7 +256,7 @@ def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule):
         "logit_scale": scale,
         "temperature": 1.0 / scale,
         "logit_bias": bias,
-        "grad_norm": optax.global_norm({"txt": grads["txt"],
+        "grad_norm": optax.tree.norm({"txt": grads["txt"],
                                         "head": grads["head"]}),
         "lr": schedule(state["step"]),
     }

@@ -1,0 +1,345 @@
+"""The LiT trainer: GradCache, data parallelism, precomputed embeddings, the
+optimizer mask, evaluation, the command line, errors, and kill/resume.
+
+Tiny towers and the demo's ``:tiny`` mode keep this to a few CPU minutes.
+tests/conftest.py gives the process (and its subprocesses) 8 CPU devices.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace as NS
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from infcl_jax import BlockSizes
+from infcl_jax.flax import ContrastiveLoss
+from train import embedding_cache
+from train import evaluate
+from train import models
+from train import step as step_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, L, S, D = 32, 8, 16, 16
+
+
+def _towers(loss="softmax"):
+  img = models.make_image_tower(NS(kind="cnn", cnn_features=(4, 8)), D,
+                                jnp.float32)
+  txt = models.make_text_tower(NS(width=16, depth=1, num_heads=2, mlp_dim=32),
+                               50, L, D, jnp.float32)
+  head = ContrastiveLoss(loss=loss, backend="xla",
+                         block_sizes=BlockSizes(8, 16))
+  return img, txt, head
+
+
+def _batch(seed=0, n=B):
+  rng = np.random.default_rng(seed)
+  images = rng.uniform(-1, 1, (n, S, S, 3)).astype(np.float32)
+  tokens = rng.integers(1, 50, (n, L)).astype(np.int32)
+  tokens[:, L - 2:] = 0  # Padding.
+  return images, tokens
+
+
+def _params(img, txt, head, images, tokens):
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  e = jnp.zeros((2, D))
+  return {"img": img.init(k1, images[:1])["params"],
+          "txt": txt.init(k2, tokens[:1])["params"],
+          "head": head.init(k3, e, e)["params"]}
+
+
+def _mesh(n):
+  return Mesh(np.array(jax.devices()[:n]), (step_lib.AXIS,))
+
+
+def _assert_grads_close(got, want, rtol=1e-4):
+  """Per tower, max abs error relative to the tower's largest gradient (a
+  per-leaf relative check would fail on leaves whose exact gradient is 0,
+  such as attention key biases, where only rounding noise remains)."""
+  for name in want:
+    scale = max(float(np.max(np.abs(v))) for v in jax.tree.leaves(want[name]))
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(got[name]),
+                              jax.tree.leaves(want[name])))
+    assert err <= rtol * scale + 1e-12, (name, err, scale)
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_gradcache_and_data_parallel_grads_equal_the_plain_step(loss):
+  """Un-chunked 1-device step == GradCache (4 chunks) == 8 devices (ring)
+  with and without GradCache; the image tower is unlocked here so that both
+  towers go through the chunked backward."""
+  img, txt, head = _towers(loss)
+  images, tokens = _batch()
+  params = _params(img, txt, head, images, tokens)
+  out = {}
+  for n_dev, mb in ((1, 0), (1, 8), (8, 0), (8, 16)):
+    if jax.device_count() < n_dev:
+      pytest.skip("needs 8 devices (tests/conftest.py)")
+    mesh = _mesh(n_dev)
+    fn = step_lib.make_grad_fn(
+        mesh=mesh, image_tower=img, text_tower=txt, head=head,
+        microbatch_size=mb, global_batch=B, precomputed=False,
+        image_locked=False)
+    out[(n_dev, mb)] = jax.device_get(jax.jit(fn)(
+        params, step_lib.shard_batch(mesh, {"image": images,
+                                            "text": tokens})))
+  loss0, g0 = out[(1, 0)]
+  assert all(np.any(np.asarray(v) != 0) for v in jax.tree.leaves(g0["img"])
+             if np.asarray(v).size > 1)
+  for key, (l, g) in out.items():
+    np.testing.assert_allclose(l, loss0, rtol=1e-5, err_msg=str(key))
+    _assert_grads_close(g, g0)
+
+
+def test_sum_convention_not_mean():
+  """Data-parallel grads are the gradient of the global loss: a mean over 8
+  devices would be 8x too small and fail the equality above; check it
+  explicitly on the head's scalar."""
+  img, txt, head = _towers()
+  images, tokens = _batch(1)
+  params = _params(img, txt, head, images, tokens)
+  grads = {}
+  for n in (1, 8):
+    mesh = _mesh(n)
+    fn = step_lib.make_grad_fn(mesh=mesh, image_tower=img, text_tower=txt,
+                               head=head, microbatch_size=0, global_batch=B,
+                               precomputed=False, image_locked=True)
+    grads[n] = jax.jit(fn)(params, step_lib.shard_batch(
+        mesh, {"image": images, "text": tokens}))[1]
+  np.testing.assert_allclose(grads[8]["head"]["log_scale"],
+                             grads[1]["head"]["log_scale"], rtol=1e-4)
+  # The locked tower's gradient is not computed at all.
+  assert all(not np.any(np.asarray(v)) for v in jax.tree.leaves(grads[8]["img"]))
+
+
+def _train(params, optimizer, schedule, batches, *, precomputed, mb, mesh):
+  img, txt, head = _towers()
+  fn = step_lib.make_grad_fn(mesh=mesh, image_tower=img, text_tower=txt,
+                             head=head, microbatch_size=mb, global_batch=B,
+                             precomputed=precomputed, image_locked=True)
+  train_step = step_lib.make_train_step(grad_fn=fn, head=head,
+                                        optimizer=optimizer, schedule=schedule)
+  state = step_lib.init_state(mesh, jax.tree.map(jnp.copy, params), optimizer)
+  cache = embedding_cache.ImageEmbeddingCache(
+      step_lib.make_embed_fn(mesh, img), params["img"], 16)
+  for images, tokens in batches:
+    inputs = {"text": tokens}
+    if precomputed:
+      inputs["image_emb"] = cache(images)
+    else:
+      inputs["image"] = images
+    state, _ = train_step(state, step_lib.shard_batch(mesh, inputs))
+  return jax.device_get(state), cache
+
+
+def test_precomputed_embeddings_train_like_the_on_the_fly_path():
+  img, txt, head = _towers()
+  pool_images, pool_tokens = _batch(2, n=48)
+  params = _params(img, txt, head, pool_images, pool_tokens)
+  rng = np.random.default_rng(3)
+  # Batches drawn from a pool of 48 images: images repeat across steps.
+  batches = []
+  for _ in range(4):
+    idx = rng.choice(48, B, replace=False)
+    batches.append((pool_images[idx], pool_tokens[idx]))
+  schedule = step_lib.make_schedule(lr=1e-2, total_steps=4, warmup_steps=1)
+  optimizer = step_lib.make_optimizer(name="adamw", schedule=schedule,
+                                      weight_decay=1e-2, grad_clip_norm=1.0,
+                                      params=params, image_locked=True)
+  mesh = _mesh(2)
+  on_the_fly, _ = _train(params, optimizer, schedule, batches,
+                         precomputed=False, mb=0, mesh=mesh)
+  # Same micro-batching on both paths: Adam turns rounding-level gradient
+  # differences of parameters whose exact gradient is 0 (attention key
+  # biases) into lr-sized steps, which would hide what is compared here.
+  cached, cache = _train(params, optimizer, schedule, batches,
+                         precomputed=True, mb=0, mesh=mesh)
+  assert cache.hits > 0 and cache.misses == len(cache) <= 48
+  for a, b in zip(jax.tree.leaves(on_the_fly["params"]),
+                  jax.tree.leaves(cached["params"])):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+  # Training moved the text tower; the locked image tower did not move at
+  # all, although AdamW's weight decay is on.
+  moved = [np.any(a != b) for a, b in zip(
+      jax.tree.leaves(params["txt"]), jax.tree.leaves(cached["params"]["txt"]))]
+  assert all(moved)
+  for a, b in zip(jax.tree.leaves(params["img"]),
+                  jax.tree.leaves(cached["params"]["img"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_adafactor_and_frozen_tower_has_no_optimizer_state():
+  img, txt, head = _towers()
+  images, tokens = _batch(4)
+  params = _params(img, txt, head, images, tokens)
+  schedule = step_lib.make_schedule(lr=1e-2, total_steps=3, warmup_steps=0)
+  opt = step_lib.make_optimizer(name="adafactor", schedule=schedule,
+                                weight_decay=1e-3, params=params,
+                                image_locked=True)
+  state = step_lib.init_state(_mesh(1), params, opt)
+  n_img = len(jax.tree.leaves(params["img"]))
+  n_all = len(jax.tree.leaves(params))
+  # Optimizer state exists for the trainable leaves only (masked nodes are
+  # empty); a frozen tower costs no optimizer memory.
+  inner = state["opt_state"].inner_states
+  assert set(inner) == {"train", "frozen"}
+  assert not jax.tree.leaves(inner["frozen"])
+  assert len(jax.tree.leaves(inner["train"])) >= n_all - n_img
+  with pytest.raises(ValueError, match="adamw.*adafactor"):
+    step_lib.make_optimizer(name="sgd", schedule=schedule, params=params,
+                            image_locked=True)
+
+
+def test_recall_and_zero_shot_template_averaging():
+  sim = np.array([[0.9, 0.1, 0.0], [0.8, 0.5, 0.1], [0.0, 0.2, 0.1]])
+  r = evaluate.recall_at_k(sim, ks=(1, 2, 3))
+  # Ranks of the matches: row0 -> 0, row1 -> 1, row2 -> 1.
+  assert r == {1: 1 / 3, 2: 1.0, 3: 1.0}
+
+  # A fake text tower whose "tokens" are the embeddings themselves: one-hot
+  # of the class plus a template-dependent nuisance that the averaging over
+  # templates cancels.
+  names = ["a", "b", "c"]
+  templates = ["{} x", "{} yy"]
+
+  def fake(params, tok):
+    del params
+    return tok
+  prompts = [t.format(c) for c in names for t in templates]
+  table = {}
+  for p in prompts:
+    cls = names.index(p[0])
+    v = np.zeros(4, np.float32)
+    v[cls] = 1.0
+    v[3] = 1.0 if p.endswith("x") else -1.0
+    table[p] = v
+
+  class Tok:
+    def encode(self, texts):
+      return np.stack([table[t] for t in texts])
+
+  cls = evaluate.class_embeddings(fake, None, Tok(), names, templates, 4)
+  np.testing.assert_allclose(cls, np.eye(3, 4), atol=1e-6)
+  zs = NS(images=np.eye(3, 4, dtype=np.float32)[[2, 0, 1, 1]],
+          labels=np.array([2, 0, 1, 0]), classnames=names, templates=templates)
+  out = evaluate.zero_shot(fake, fake, {"img": None, "txt": None}, Tok(),
+                           zs, 4)
+  assert out["zeroshot_top1"] == 0.75
+  assert out["zeroshot_chance"] == 0.5
+
+
+# ------------------------------------------------------- command line
+
+
+def _cmd(workdir, data_dir, *extra):
+  return [sys.executable, "-m", "train.main",
+          "--config", os.path.join(ROOT, "configs/lit_demo.py") + ":tiny",
+          "--workdir", str(workdir), f"--config.data.data_dir={data_dir}",
+          *extra]
+
+
+def _run(cmd, **kw):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--config.total_stepz=3"], "total_stepz"),
+    (["--config.model.image.init=/nonexistent/tower.npz"],
+     "image tower checkpoint not found"),
+    (["--config.batch_size=12"], "not divisible by the device count 8"),
+    (["--config.data.name=no_such_dataset"], "no_such_dataset"),
+])
+def test_usage_errors_are_one_clear_line(tmp_path, data_dir, extra, message):
+  r = _run(_cmd(tmp_path / "w", data_dir, *extra))
+  assert r.returncode == 2, r.stderr[-2000:]
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+  assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+
+
+def _final_params(workdir):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+  with ocp.PyTreeCheckpointer() as c:
+    state = c.restore(os.path.join(ckpt_dir, str(steps[-1]), "state"))
+  return steps, state
+
+
+def _metrics_step(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    steps = [json.loads(l).get("step", 0) for l in f if l.strip()]
+  return max(steps, default=0)
+
+
+def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path, data_dir):
+  # Uninterrupted reference run.
+  ref = _run(_cmd(tmp_path / "ref", data_dir))
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  assert "zero-shot top-1" in ref.stdout and "chance" in ref.stdout
+  with open(tmp_path / "ref" / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["steps"] == 8 and summary["resumed_from"] == 0
+  ref_steps, ref_state = _final_params(tmp_path / "ref")
+  assert ref_steps[-1] == 8 and len(ref_steps) <= 3  # keep-last-K (K=3).
+
+  # Same command, SIGKILLed once it has logged a random step (3..7; the
+  # checkpoints are every 2 steps, so there is always one to resume from).
+  kill_at = random.Random(os.urandom(8)).randint(3, 7)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  work = tmp_path / "killed"
+  proc = subprocess.Popen(_cmd(work, data_dir), cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  t0 = time.time()
+  while _metrics_step(work) < kill_at and proc.poll() is None:
+    assert time.time() - t0 < 300, "training did not reach the kill step"
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, f"finished before the kill at {kill_at}"
+  # Every checkpoint left behind restores (orbax commits atomically).
+  steps_left, _ = _final_params(work)
+  assert steps_left and steps_left[-1] < 8, steps_left
+  for s in steps_left:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    with ocp.PyTreeCheckpointer() as c:
+      c.restore(os.path.join(work, "checkpoints", str(s), "state"))
+
+  resumed = _run(_cmd(work, data_dir))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from the checkpoint of step" in resumed.stdout, (
+      kill_at, resumed.stdout)
+  steps, state = _final_params(work)
+  assert steps[-1] == 8
+  flat_ref = jax.tree_util.tree_flatten_with_path(ref_state["params"])[0]
+  flat = jax.tree_util.tree_flatten_with_path(state["params"])[0]
+  assert [p for p, _ in flat] == [p for p, _ in flat_ref]
+  for (path, a), (_, b) in zip(flat, flat_ref):
+    np.testing.assert_array_equal(a, b, err_msg=f"{path} (kill at {kill_at})")
+  for a, b in zip(jax.tree.leaves(state["opt_state"]),
+                  jax.tree.leaves(ref_state["opt_state"])):
+    np.testing.assert_array_equal(a, b)
+  # The metrics log reads like one uninterrupted run.
+  with open(work / "metrics.jsonl") as f:
+    train_steps = [json.loads(l)["step"] for l in f
+                   if "loss" in json.loads(l)]
+  assert train_steps == list(range(1, 9))
