@@ -341,12 +341,18 @@ _TINY_BUILDERS = textwrap.dedent('''
     import tensorflow_datasets as tfds
     from PIL import Image
 
-    class TinyCocoCaptions(tfds.core.GeneratorBasedBuilder):
-      """coco_captions' layout: variable-size images, several captions each."""
+    class FakeCocoCaptions(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+      """Written where and as TFDS writes coco_captions (data_dir/coco_captions/
+      2017/1.1.0, same feature layout: JPEG images of varying size, "image/id",
+      several captions each), so `name="coco_captions"` reads it exactly as
+      it would read the real one."""
+      name = "coco_captions"
       VERSION = tfds.core.Version("1.1.0")
+      BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="2017")]
       def _info(self):
         return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-            "image": tfds.features.Image(shape=(None, None, 3)),
+            "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
+            "image/filename": tfds.features.Text(),
             "image/id": tfds.features.Scalar(np.int64),
             "captions": tfds.features.Sequence({
                 "id": tfds.features.Scalar(np.int64),
@@ -361,6 +367,7 @@ _TINY_BUILDERS = textwrap.dedent('''
           h, w = rng.integers(20, 60, 2)
           img = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
           yield i, {"image": Image.fromarray(img), "image/id": i,
+                    "image/filename": f"{i:012d}.jpg",
                     "captions": {"id": [2 * i, 2 * i + 1],
                                  "text": [f"photo {split} {i}", f"alt {split} {i}"]}}
 
@@ -378,7 +385,7 @@ _TINY_BUILDERS = textwrap.dedent('''
           img = np.zeros((24, 24, 3), np.uint8); img[..., 2 * (i % 2)] = 200
           yield i, {"image": Image.fromarray(img), "label": i % 2}
 
-    for cls in (TinyCocoCaptions, TinyClassification):
+    for cls in (FakeCocoCaptions, TinyClassification):
       cls(data_dir=sys.argv[1], file_format="array_record").download_and_prepare()
 ''')
 
@@ -396,7 +403,7 @@ def tfds_dir(tmp_path_factory):
 
 
 def _coco_config(tfds_dir, **overrides):
-  base = {"data.name": "tiny_coco_captions", "data.eval_split": "val",
+  base = {"data.name": "coco_captions", "data.eval_split": "val",
           "data.label_key": "", "data.num_eval_examples": 5,
           "data.image_size": 16}
   base.update(overrides)
@@ -426,6 +433,13 @@ def test_tfds_dataset_from_files(tfds_dir):
   assert len(set(retrieval.captions)) == 5
   assert all(c.startswith("photo 1 ") for c in retrieval.captions)
   assert retrieval.images.shape == (5, 16, 16, 3)
+  # The explicit config/version names the same data; and nothing on this
+  # path needed TensorFlow (TFDS's own coco_captions class would).
+  explicit = _coco_config(tfds_dir, **{"data.name": "coco_captions/2017:1.1.0"})
+  assert _same_batches(
+      _take(D.make_train_iterator(explicit, batch_size=8, seed=0), 2),
+      batches[:2])
+  assert "tensorflow" not in sys.modules
 
 
 def test_tfds_zeroshot_dataset(tfds_dir):
@@ -468,14 +482,16 @@ def test_config_errors(tmp_path, tfds_dir):
   assert "is a Scalar, not an Image feature" in msg  # "image/id" is one key
   msg = _error(_coco_config(tfds_dir, **{"data.split": "validation"}))
   assert "split 'validation'" in msg and "val" in msg
-  msg = _error(_coco_config(tfds_dir, **{"data.name": "tiny_coco_captions:9.9.9"}))
+  msg = _error(_coco_config(tfds_dir, **{"data.name": "coco_captions/2017:9.9.9"}))
   assert "9.9.9 not prepared" in msg
+  msg = _error(_coco_config(tfds_dir, **{"data.name": "coco_captions/2014"}))
+  assert "config '2014' is not prepared" in msg and "['2017']" in msg
   msg = _error(_coco_config(tfds_dir, **{"data.zeroshot_name": "nothing_here"}))
   assert "config.data.zeroshot_name='nothing_here'" in msg
   # A dataset prepared as tfrecord (needs TensorFlow to read): told to convert.
   tf_dir = tmp_path / "tfrecord_dir"
-  shutil.copytree(tfds_dir / "tiny_coco_captions", tf_dir / "tiny_coco_captions")
-  info = tf_dir / "tiny_coco_captions" / "1.1.0" / "dataset_info.json"
+  shutil.copytree(tfds_dir / "coco_captions", tf_dir / "coco_captions")
+  info = tf_dir / "coco_captions" / "2017" / "1.1.0" / "dataset_info.json"
   info.write_text(info.read_text().replace('"array_record"', '"tfrecord"'))
   msg = _error(_coco_config(tf_dir))
   assert "stored as tfrecord" in msg and "tfds convert_format" in msg

@@ -79,6 +79,12 @@ def resolve_dataset_dir(name: str, data_dir: str, what: str = "config.data.name"
                      "exist; set config.data.data_dir to the TFDS data "
                      "directory where the dataset was prepared")
   path = os.path.join(data_dir, *parts)
+  if len(parts) == 2 and os.path.isdir(os.path.join(data_dir, parts[0])):
+    if not os.path.isdir(path):
+      configs = sorted(c for c in os.listdir(os.path.join(data_dir, parts[0]))
+                       if _versions(os.path.join(data_dir, parts[0], c)))
+      raise ValueError(f"{what}={name!r}: config {parts[1]!r} is not prepared "
+                       f"under data_dir {data_dir!r} (prepared: {configs})")
   if not os.path.isdir(path):
     if parts[0] in _known_tfds_names():
       raise ValueError(
