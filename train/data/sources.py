@@ -145,8 +145,9 @@ def builder_for(data, *, prepare: bool = True):
 
 
 def zeroshot_builder_for(data):
+  data_dir = data.data_dir or default_data_dir(data.zeroshot_name)
   return _builder_from_dir(resolve_dataset_dir(
-      data.zeroshot_name, data_dir_of(data), what="config.data.zeroshot_name"))
+      data.zeroshot_name, data_dir, what="config.data.zeroshot_name"))
 
 
 def _walk(node, key: str, children, done: str = ""):
