@@ -11,6 +11,12 @@ kernels of ``infcl_jax.kernels``:
   the probability panel G in the input dtype, and the library GEMMs form
   dx = G y and dy += G^T x. The panel is the only buffer of R * B elements.
 
+Both kernels take one exponential per logit where a tile's logit range
+allows it and fall back, per tile, to the exact two-exponential form
+(``BlockSizes.single_exp``). Measured on an H200 (B=65536, D=768, bf16):
+forward 15 ms, backward 38 ms (panel kernel 18 ms + GEMMs 20 ms); see
+BENCHMARKS.md.
+
 On a GPU the kernels lower through Pallas' Triton backend; on any other
 platform they run with ``interpret=True`` (slow, for tests). The wrapper
 pads B and D with zeros and the kernels mask the padding, so any shape works.

@@ -17,6 +17,12 @@ H200 (82-180 ms for dX alone); splitting D across programs recomputes s
 three times. Writing G once in bf16 costs ~2 bytes per logit of HBM traffic
 and lets cuBLAS run the two big products near its peak.
 
+One exponential per logit: with both statistics, G factors as
+2^(s - K) * (a_r 2^(K - r_i) + a_c 2^(K - c_j)) for a per-tile K, which is
+exact to float32 rounding whenever the tile's statistics span at most 2^64;
+the kernel checks that per tile (from the r and c vectors alone) and uses
+the two-exponential form otherwise.
+
 Padding: the row / column statistics of padded rows / columns arrive as
 +inf, which makes exp(s - lse) vanish there; a masked tile also zeroes the
 other term's contribution.
