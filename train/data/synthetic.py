@@ -61,9 +61,9 @@ _SIZE_WORDS = {"small": ("small", "tiny", "little"),
                "medium": ("medium", "medium-sized", "mid-sized"),
                "large": ("large", "big", "huge")}
 
-# Training caption templates. Placeholders: {a} article for the next word,
-# {size} {color} {shape} {pos} {bg}; {Pos} is {pos} capitalized-free variant
-# used at the start of a caption.
+# Training caption templates. Placeholders: {a} is "a"/"an" for the word that
+# follows it; {size} {color} {shape} {pos} {bg} the attributes, {size} and
+# {pos} drawn from synonyms ("tiny", "in the top left corner", ...).
 TRAIN_TEMPLATES = (
     "{a} {size} {color} {shape} {pos}",
     "{a} {color} {shape} {pos} on a {bg} background",
@@ -91,7 +91,11 @@ _SPLIT_CODES = {"train": 1, "test": 2}
 
 
 def is_heldout(shape: int, color: int) -> bool:
-  """Whether the (shape, color) combination is reserved for evaluation."""
+  """Whether the (shape, color) combination is reserved for evaluation.
+
+  Each shape loses 2 of its 8 colors and each color 2 of its 8 shapes, so
+  neither attribute alone reveals whether an image is held out.
+  """
   return color in (shape % 8, (shape + 4) % 8)
 
 
