@@ -80,7 +80,8 @@ def check_f64(dtype, b=4096, d=768):
   np.fill_diagonal(z, 1.0)
   loss = np.sum(np.logaddexp(0.0, -z * s)) / b
   gm = -z * np.exp(-np.logaddexp(0.0, z * s)) / b
-  return {"loss": rel(v, loss), "dx": rel(g[0].astype(jnp.float32), t * gm @ y64),
+  return {"loss": rel(v, loss),
+          "dx": rel(g[0].astype(jnp.float32), t * gm @ y64),
           "dy": rel(g[1].astype(jnp.float32), t * gm.T @ x64),
           "dt": rel(g[2], np.sum(gm * s0)), "db": rel(g[3], np.sum(gm))}
 
@@ -136,13 +137,15 @@ def main():
                  "fwd_128x256_s4": dict(num_stages=4)}
     for name, kw in fvariants.items():
       bs = dataclasses.replace(dflt, **kw)
-      record(f"{name}_B{b}_bf16", lambda bs=bs: time_fwd(b, d, jnp.bfloat16, bs))
+      record(f"{name}_B{b}_bf16",
+             lambda bs=bs: time_fwd(b, d, jnp.bfloat16, bs))
     bvariants = {"bwd_128x128": dict(bwd_block_k=128),
                  "bwd_xla_panel": dict(bwd_impl="xla"),
                  "bwd_panel8192": dict(panel_rows=8192)}
     for name, kw in bvariants.items():
       bs = dataclasses.replace(dflt, **kw)
-      record(f"{name}_B{b}_bf16", lambda bs=bs: time_bwd(b, d, jnp.bfloat16, bs))
+      record(f"{name}_B{b}_bf16",
+             lambda bs=bs: time_bwd(b, d, jnp.bfloat16, bs))
   stats = jax.devices()[0].memory_stats() or {}
   print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
   print("\n==== SUMMARY ====")

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 
 def run_body(body, refs, *, num_ids, interpret):
-  """Calls ``body(*program_ids, *refs)``, in a one-trip loop if ``interpret``."""
+  """Calls ``body(*program_ids, *refs)``; in a one-trip loop if interpret."""
   ids = tuple(pl.program_id(a) for a in range(num_ids))
   if not interpret:
     body(*ids, *refs)
