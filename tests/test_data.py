@@ -501,6 +501,7 @@ def test_config_errors(tmp_path, tfds_dir):
   assert "tokenizer.kind" in _error(_config(tmp_path, **{"tokenizer.kind": "words"}))
   assert "spm_path" in _error(_config(tmp_path, **{"tokenizer.kind": "sentencepiece"}))
   assert "image_size" in _error(_config(tmp_path, **{"data.image_size": 0}))
+  assert "test split" in _error(_config(tmp_path, **{"data.num_eval_examples": 0}))
   msg = _error(_config(tmp_path, **{"data.split": "validation"}))
   assert "'train' and 'test'" in msg
   blocker = tmp_path / "a_file"

@@ -224,6 +224,9 @@ def check_sources(data) -> None:
     if data.image_size < 8:
       raise ValueError(f"config.data.image_size={data.image_size} is too "
                        f"small for {synthetic.NAME} (>= 8)")
+    if data.num_eval_examples < 1:
+      raise ValueError(f"config.data.num_eval_examples must be >= 1 for "
+                       f"{synthetic.NAME} (the size of its test split)")
     data_dir = os.path.abspath(data_dir_of(data))
     existing = data_dir
     while not os.path.exists(existing):  # nearest existing ancestor
