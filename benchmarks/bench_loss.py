@@ -13,7 +13,9 @@ counter starts from zero:
   warm-up run (fewer repetitions for steps longer than a few seconds; the
   CSV says how many);
 * peak device memory beyond the inputs (``peak_bytes_in_use`` minus the
-  bytes in use once the inputs exist; gradients and workspaces count);
+  bytes in use once the inputs exist; gradients and workspaces count, and so
+  would any scratch that compilation's GEMM autotuning left as the peak, so
+  it is an upper bound);
 * effective TFLOP/s, counting 8 * B^2 * D flops per step (forward logits,
   backward recompute, dx and dy), and that rate as a fraction of the bf16
   matmul ceiling measured in the same run.
@@ -22,6 +24,14 @@ A case that runs out of memory is recorded as "oom". It writes
 ``bench_loss.csv`` and ``bench_loss.png`` (time and memory vs B, log-log)
 into --out and prints a short table last. ``--loss softmax,sigmoid`` adds
 the SigLIP loss (``infcl_jax.sigmoid_loss``) where it exists.
+
+The CSV is rewritten after every case and ``--resume`` keeps the finished
+cases of an earlier run in --out, so a sweep longer than one command's time
+limit (the full softmax sweep took ~7.5 min on an H200; softmax + sigmoid
+about twice that) can be split:
+
+  python benchmarks/bench_loss.py --out R --loss softmax
+  python benchmarks/bench_loss.py --out R --loss softmax,sigmoid --resume
 """
 from __future__ import annotations
 
@@ -158,6 +168,38 @@ def _spawn(argv, timeout_s):
   return dict(status=status)
 
 
+FIELDS = ["loss", "backend", "dtype", "B", "D", "status", "ms", "reps",
+          "peak_extra_gb", "tflops", "frac_ceiling", "wall_s"]
+
+
+def _key(r):
+  return (r["loss"], r["backend"], r["dtype"], int(r["B"]), int(r["D"]))
+
+
+def _write_csv(path, rows):
+  with open(path, "w", newline="") as fh:
+    w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+      w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v)
+                  for k, v in r.items()})
+
+
+def _read_csv(path):
+  rows = []
+  with open(path, newline="") as fh:
+    for r in csv.DictReader(fh):
+      out = {}
+      for k, v in r.items():
+        if v in ("", None):
+          continue
+        out[k] = int(v) if k in ("B", "D", "reps") else (
+            float(v) if k in ("ms", "peak_extra_gb", "tflops", "frac_ceiling",
+                              "wall_s") else v)
+      rows.append(out)
+  return rows
+
+
 def _fits_reference(b, dtype):
   # The reference materialises (B, B) float32 logits, their exp and grads:
   # ~4 such buffers. Skip cases that cannot fit 139 GiB instead of
@@ -215,6 +257,9 @@ def main():
   ap.add_argument("--timeout-s", type=int, default=400)
   ap.add_argument("--quick", action="store_true",
                   help="B in {16k, 64k}, bf16 only")
+  ap.add_argument("--resume", action="store_true",
+                  help="keep the finished cases of --out/bench_loss.csv "
+                  "(the CSV is rewritten after every case), run the rest")
   ap.add_argument("--case", help=argparse.SUPPRESS)
   ap.add_argument("--ceiling", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args()
@@ -236,9 +281,30 @@ def main():
   batches = [int(v) for v in args.batches.split(",")]
   os.makedirs(args.out, exist_ok=True)
 
-  ceiling = _spawn(["--ceiling"], args.timeout_s)
+  csv_path = os.path.join(args.out, "bench_loss.csv")
+  meta_path = os.path.join(args.out, "bench_loss_meta.json")
+  done, ceiling, earlier = {}, None, None
+  if args.resume and os.path.exists(csv_path):
+    # Keep finished cases of an earlier (e.g. time-limited) run; retry the
+    # ones that timed out, crashed or errored.
+    for r in _read_csv(csv_path):
+      if not r["status"].startswith(("timeout", "crash", "error")):
+        done[_key(r)] = r
+    if os.path.exists(meta_path):
+      with open(meta_path) as fh:
+        earlier = json.load(fh)
+      ceiling = earlier.get("ceiling")
+  if not ceiling or ceiling.get("status") != "ok":
+    ceiling = _spawn(["--ceiling"], args.timeout_s)
   print(f"bf16 matmul ceiling: {ceiling}", flush=True)
   peak = ceiling.get("tflops") if ceiling.get("status") == "ok" else None
+  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"), command=" ".join(sys.argv), ceiling=ceiling)
+  if args.resume and earlier:
+    meta["resumed_from"] = {k: earlier.get(k) for k in
+                            ("date", "command", "resumed_from")}
+  with open(meta_path, "w") as fh:
+    json.dump(meta, fh, indent=1)
 
   rows = []
   for loss in losses:
@@ -246,7 +312,9 @@ def main():
       for backend in backends:
         for b in batches:
           base = dict(loss=loss, backend=backend, dtype=dt, B=b, D=args.d)
-          if backend == "reference" and not _fits_reference(b, dt):
+          if _key(base) in done:
+            r = done.pop(_key(base))
+          elif backend == "reference" and not _fits_reference(b, dt):
             r = dict(base, status="skipped (B^2 logits do not fit)")
           elif backend == "xla" and b > args.xla_max_b:
             r = dict(base, status=f"skipped (B > --xla-max-b {args.xla_max_b})")
@@ -256,24 +324,14 @@ def main():
                 ["--case", f"{loss},{backend},{dt},{b}", "--d", str(args.d),
                  "--budget-s", str(args.budget_s)], args.timeout_s))
             r["wall_s"] = round(time.time() - t0, 1)
-          if r.get("status") == "ok" and peak:
-            r["frac_ceiling"] = r["tflops"] / peak
+            if r.get("status") == "ok" and peak:
+              r["frac_ceiling"] = r["tflops"] / peak
           rows.append(r)
           print(json.dumps(r), flush=True)
+          # Written after every case: a run cut short keeps what it measured.
+          _write_csv(csv_path, rows + list(done.values()))
+  rows += list(done.values())  # Earlier cases outside this selection.
 
-  fields = ["loss", "backend", "dtype", "B", "D", "status", "ms", "reps",
-            "peak_extra_gb", "tflops", "frac_ceiling", "wall_s"]
-  csv_path = os.path.join(args.out, "bench_loss.csv")
-  with open(csv_path, "w", newline="") as fh:
-    w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-      w.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v)
-                  for k, v in r.items()})
-  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"), command=" ".join(sys.argv), ceiling=ceiling)
-  with open(os.path.join(args.out, "bench_loss_meta.json"), "w") as fh:
-    json.dump(meta, fh, indent=1)
   try:
     plot(rows, os.path.join(args.out, "bench_loss.png"))
   except Exception as e:  # pylint: disable=broad-except
