@@ -74,6 +74,16 @@ def _dot(a, b, contract, precision):
                          preferred_element_type=F32, precision=precision)
 
 
+def _check_int32(**sizes):
+  """Triton indexes with int32: every array the kernels see must fit."""
+  for what, elems in sizes.items():
+    if elems > _MAX_PANEL_ELEMS:
+      raise ValueError(
+          f"backend='pallas': {what} has {elems} elements (padded), over the "
+          f"2**31 that Triton's int32 indexing allows; use backend='xla' or "
+          f"shard the batch (axis_name)")
+
+
 def _num_sms():
   try:
     return int(getattr(jax.devices()[0], "core_count", 0)) or 132
@@ -117,6 +127,9 @@ class PallasTiles:
     xp = _pad2(x, _round_up(n, bs.block_q), d_pad)
     yp = _pad2(y, _round_up(m, bs.block_k), d_pad)
     nprog = bs.num_programs or _num_sms()
+    _check_int32(image_emb=xp.size, text_emb=yp.size,
+                 column_workspace=min(nprog, xp.shape[0] // bs.block_q)
+                 * yp.shape[0])
     return lse_fwd.lse_fwd(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
@@ -158,6 +171,7 @@ class PallasTiles:
     n_pad = r_rows * n_panels
     xp = _pad2(x, n_pad, d_pad)
     yp = _pad2(y, m_pad, d_pad)
+    _check_int32(image_emb=xp.size, text_emb=yp.size)
     # Base-2 statistics, +inf on padding; an unused direction gets zeros
     # (its exp term is compiled out) but keeps +inf on padding for masking.
     r2 = (row_lse.astype(F32) * LOG2E) if rows else jnp.zeros((n,), F32)

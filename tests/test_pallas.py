@@ -230,3 +230,11 @@ def test_block_sizes_validation():
     for platform in ("cpu", "gpu"):
       BlockSizes.get_default("pallas", platform, dt).check_pallas()
   assert BlockSizes.get_default("xla", "gpu") == BlockSizes(2048, 8192)
+
+
+def test_int32_index_limit_is_an_error():
+  """Arrays past Triton's int32 indexing fail loudly, not silently wrong."""
+  be = pallas_tiles.PallasTiles(platform="cpu")
+  big = jax.ShapeDtypeStruct((3_000_000, 768), jnp.bfloat16)
+  with pytest.raises(ValueError, match="image_emb has 2304000000 elements"):
+    jax.eval_shape(lambda x: be.lse(x, x, 1.0, 0.0, rows=True, cols=True), big)
