@@ -54,6 +54,10 @@ class BlockSizes:
     f32_precision: Pallas, float32 inputs only: "tf32" runs the matmuls on
       the tensor cores in TF32 (10-bit mantissa: logits carry ~1e-3 relative
       error); "highest" keeps full float32 (CUDA cores, several times slower).
+      ``None`` (the default) follows JAX's own switch for float32 matmuls,
+      ``jax.default_matmul_precision`` / ``jax_default_matmul_precision``:
+      "highest" or "float32" there gives "highest", anything else TF32, as
+      XLA's own float32 GEMMs on the GPU do.
     single_exp: Pallas: one exponential per logit where a tile's range
       allows (a shared shift for row and column terms; the kernels check
       this per tile and fall back to the exact two-exponential form).
@@ -70,7 +74,7 @@ class BlockSizes:
   bwd_num_stages: int = 3
   panel_rows: int = 4096
   bwd_impl: str = "pallas"
-  f32_precision: str = "tf32"
+  f32_precision: str | None = None
   single_exp: bool = True
 
   def __post_init__(self):
@@ -91,7 +95,7 @@ class BlockSizes:
     if self.bwd_impl not in BWD_IMPLS:
       raise ValueError(
           f"BlockSizes.bwd_impl must be one of {BWD_IMPLS}, got {self.bwd_impl!r}")
-    if self.f32_precision not in F32_PRECISIONS:
+    if self.f32_precision is not None and self.f32_precision not in F32_PRECISIONS:
       raise ValueError(f"BlockSizes.f32_precision must be one of "
                        f"{F32_PRECISIONS}, got {self.f32_precision!r}")
 
@@ -108,6 +112,15 @@ class BlockSizes:
         raise ValueError(
             f"BlockSizes.panel_rows ({self.panel_rows}) must be a multiple of "
             f"{name} ({getattr(self, name)})")
+
+  def resolved_f32_precision(self) -> str:
+    """"tf32" or "highest": the explicit setting, else JAX's matmul switch."""
+    if self.f32_precision is not None:
+      return self.f32_precision
+    import jax  # Read at trace time, so a `with jax.default_matmul_precision`
+    # block around the call takes effect (it is part of jit's cache key).
+    setting = jax.config.jax_default_matmul_precision
+    return "highest" if setting in ("highest", "float32", "fastest_float32_off") else "tf32"
 
   @classmethod
   def get_default(cls, backend: str = "xla", platform: str = "cpu",

@@ -84,7 +84,7 @@ class PallasSigmoidTiles:
     return bs
 
   def _precision(self, bs, dtype):
-    if jnp.dtype(dtype) == jnp.float32 and bs.f32_precision == "highest":
+    if jnp.dtype(dtype) == jnp.float32 and bs.resolved_f32_precision() == "highest":
       return lax.Precision.HIGHEST
     # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
     return lax.Precision.DEFAULT

@@ -24,9 +24,11 @@ pads B and D with zeros and the kernels mask the padding, so any shape works.
 Precision: bf16 / f16 inputs run on the tensor cores with float32
 accumulation; G is stored in the input dtype, normalised so that its
 largest coefficient is 1 (a float16 G cannot underflow for large B).
-float32 inputs use TF32 matmuls by default (``BlockSizes.f32_precision``,
-"tf32"): logits then carry ~1e-3 relative error, and so do the loss and the
-gradients; "highest" keeps full float32 at several times the cost. On a
+float32 inputs use TF32 matmuls by default, like XLA's own float32 GEMMs on
+the GPU: logits then carry ~1e-3 relative error, and so do the loss and the
+gradients. ``BlockSizes(f32_precision="highest")``, or JAX's own switch
+``with jax.default_matmul_precision("highest"):``, keeps full float32 at
+several times the cost. On a
 CPU (interpret mode) the matmuls are exact float32 either way.
 
 A Mosaic GPU (``plgpu.kernel``) or jax-triton version replaces the kernels
@@ -112,7 +114,7 @@ class PallasTiles:
     return bs
 
   def _precision(self, bs, dtype):
-    if jnp.dtype(dtype) == jnp.float32 and bs.f32_precision == "highest":
+    if jnp.dtype(dtype) == jnp.float32 and bs.resolved_f32_precision() == "highest":
       return lax.Precision.HIGHEST
     # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
     return lax.Precision.DEFAULT

@@ -238,3 +238,15 @@ def test_int32_index_limit_is_an_error():
   big = jax.ShapeDtypeStruct((3_000_000, 768), jnp.bfloat16)
   with pytest.raises(ValueError, match="image_emb has 2304000000 elements"):
     jax.eval_shape(lambda x: be.lse(x, x, 1.0, 0.0, rows=True, cols=True), big)
+
+
+def test_f32_precision_follows_jax_matmul_precision_switch():
+  bs = BlockSizes(block_q=8, block_k=8)
+  assert bs.resolved_f32_precision() == "tf32"
+  with jax.default_matmul_precision("highest"):
+    assert bs.resolved_f32_precision() == "highest"
+  explicit = BlockSizes(block_q=8, block_k=8, f32_precision="tf32")
+  with jax.default_matmul_precision("highest"):
+    assert explicit.resolved_f32_precision() == "tf32"
+  with pytest.raises(ValueError, match="f32_precision"):
+    BlockSizes(block_q=8, block_k=8, f32_precision="fp16")
