@@ -1,0 +1,307 @@
+"""Benchmark of the LiT train step: step time, loss share, largest batch.
+
+    python benchmarks/bench_train.py --out benchmarks/results        # GPU
+    python benchmarks/bench_train.py --quick --out /tmp/bench_train  # CPU smoke
+
+It builds the trainer's own step (``train.step``: GradCache over the text
+tower, the ``infcl_jax.flax`` loss head, AdamW with the locked image tower
+masked out) with ViT-B/16-size towers and synthetic random inputs (no
+dataset, no TFDS or ml_collections needed), and runs each case in a fresh
+subprocess so that peak memory starts from zero and an out-of-memory case
+cannot take the others down:
+
+* ``step`` cases (default B = 65536): median time of a full train step,
+  device-synchronized after compilation and a warm-up step, and the time of
+  the loss alone (forward + backward of the head on (B, D) embeddings, the
+  same backend) -> the loss's share of the step. Two modes: precomputed image
+  embeddings (LiT: text tower + loss only) and the locked ViT-B/16 image
+  tower run on the fly at 224 px (forward only, in micro-batches).
+* ``max_batch`` ladder (default 262144, 1048576): precomputed image
+  embeddings + GradCache micro-batches; the largest global batch whose step
+  runs is the result ("oom" marks those that do not fit).
+
+Writes ``bench_train.csv`` and ``bench_train.json`` into --out and prints a
+table. Text: 16 tokens (as in LiT), vocabulary 32000, towers in bfloat16.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT_TAG = "BENCH_TRAIN_RESULT "
+
+# ViT-B/16-size towers; embed_dim 768.
+FULL = dict(embed_dim=768, text_len=16, vocab=32000, text_width=768,
+            text_depth=12, text_heads=12, text_mlp=3072, image_size=224,
+            vit_patch=16, vit_width=768, vit_depth=12, vit_heads=12,
+            vit_mlp=3072, dtype="bfloat16")
+QUICK = dict(embed_dim=32, text_len=8, vocab=300, text_width=32, text_depth=1,
+             text_heads=2, text_mlp=64, image_size=32, vit_patch=8,
+             vit_width=32, vit_depth=1, vit_heads=2, vit_mlp=64,
+             dtype="float32")
+
+
+# ----------------------------------------------------------------- child
+
+
+def _build(spec):
+  """The trainer's step for ``spec`` plus functions making random inputs."""
+  from types import SimpleNamespace as NS  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
+  from train import models  # pylint: disable=g-import-not-at-top
+  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+
+  m = spec["model"]
+  dtype = jnp.dtype(m["dtype"])
+  img = models.make_image_tower(
+      NS(kind="vit", patch_size=m["vit_patch"], width=m["vit_width"],
+         depth=m["vit_depth"], num_heads=m["vit_heads"], mlp_dim=m["vit_mlp"]),
+      m["embed_dim"], dtype)
+  txt = models.make_text_tower(
+      NS(width=m["text_width"], depth=m["text_depth"],
+         num_heads=m["text_heads"], mlp_dim=m["text_mlp"]),
+      m["vocab"], m["text_len"], m["embed_dim"], dtype)
+  head = ContrastiveLoss(loss=spec["loss"], backend=spec["backend"])
+  mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+  k = jax.random.split(jax.random.key(0), 3)
+  s = m["image_size"]
+  params = {
+      "img": img.init(k[0], jnp.zeros((1, s, s, 3)))["params"],
+      "txt": txt.init(k[1], jnp.ones((1, m["text_len"]), jnp.int32))["params"],
+      "head": head.init(k[2], jnp.zeros((2, m["embed_dim"])),
+                        jnp.zeros((2, m["embed_dim"])))["params"]}
+  schedule = step_lib.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
+  optimizer = step_lib.make_optimizer(
+      name="adamw", schedule=schedule, weight_decay=1e-4, grad_clip_norm=1.0,
+      params=params, image_locked=True)
+  precomputed = spec["mode"] == "precomputed"
+  grad_fn = step_lib.make_grad_fn(
+      mesh=mesh, image_tower=img, text_tower=txt, head=head,
+      microbatch_size=spec["microbatch"], global_batch=spec["batch"],
+      precomputed=precomputed, image_locked=True)
+  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                        optimizer=optimizer, schedule=schedule)
+  head_params = jax.tree.map(jnp.copy, params["head"])
+  state = step_lib.init_state(mesh, params, optimizer)
+  sharded = NamedSharding(mesh, P(step_lib.AXIS))
+  b, d = spec["batch"], m["embed_dim"]
+
+  @jax.jit
+  def make_batch(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    tokens = jax.random.randint(k1, (b, m["text_len"]), 1, m["vocab"])
+    lengths = jax.random.randint(k2, (b, 1), 4, m["text_len"] + 1)
+    tokens = jnp.where(jnp.arange(m["text_len"])[None] < lengths, tokens, 0)
+    batch = {"text": jax.lax.with_sharding_constraint(tokens, sharded)}
+    if precomputed:
+      emb = jax.random.normal(k3, (b, d), jnp.float32).astype(dtype)
+      batch["image_emb"] = jax.lax.with_sharding_constraint(emb, sharded)
+    else:
+      im = jax.random.uniform(k3, (b, s, s, 3), dtype, -1.0, 1.0)
+      batch["image"] = jax.lax.with_sharding_constraint(im, sharded)
+    return batch
+
+  def loss_only():
+    """(fn, args): forward + backward of the loss head alone."""
+    hp = head_params  # A copy: the train step donates the state's params.
+    kx, ky = jax.random.split(jax.random.key(1))
+    x = jax.device_put(jax.random.normal(kx, (b, d), jnp.float32).astype(dtype))
+    y = jax.device_put(jax.random.normal(ky, (b, d), jnp.float32).astype(dtype))
+    fn = jax.jit(jax.value_and_grad(
+        lambda hp, x, y: head.apply({"params": hp}, x, y), argnums=(0, 1, 2)))
+    return fn, (hp, x, y)
+
+  return train_step, state, make_batch, loss_only
+
+
+def _peak_bytes():
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    return max(int(dev.memory_stats().get("peak_bytes_in_use", 0))
+               for dev in jax.local_devices())
+  except Exception:  # pylint: disable=broad-except
+    return 0  # CPU: no memory stats.
+
+
+def _timed(fn, reps):
+  import jax  # pylint: disable=g-import-not-at-top
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  times.sort()
+  return times[len(times) // 2], times
+
+
+def child(spec) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  out = dict(spec, model=None)
+  t0 = time.perf_counter()
+  train_step, state, make_batch, loss_only = _build(spec)
+  batches = [make_batch(jax.random.key(i)) for i in range(2)]
+  jax.block_until_ready(batches)
+  holder = {"state": state}
+
+  def one_step(i=[0]):  # pylint: disable=dangerous-default-value
+    holder["state"], metrics = train_step(holder["state"], batches[i[0] % 2])
+    i[0] += 1
+    return metrics["loss"]
+
+  t1 = time.perf_counter()
+  jax.block_until_ready(one_step())          # Compile + first step.
+  out["compile_and_first_step_s"] = time.perf_counter() - t1
+  out["step_s"], out["step_all_s"] = _timed(one_step, spec["reps"])
+  out["loss_value"] = float(one_step())
+  out["peak_gib"] = _peak_bytes() / 2**30
+  if spec.get("measure_loss"):
+    fn, args = loss_only()
+    jax.block_until_ready(fn(*args))
+    out["loss_s"], _ = _timed(lambda: fn(*args), spec["reps"])
+    out["loss_share"] = out["loss_s"] / out["step_s"]
+  out["device"] = jax.devices()[0].device_kind
+  out["num_devices"] = jax.device_count()
+  out["jax"] = jax.__version__
+  out["total_s"] = time.perf_counter() - t0
+  out["status"] = "ok"
+  return out
+
+
+# ----------------------------------------------------------------- parent
+
+
+def run_case(spec, timeout_s) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
+             os.environ.get("PYTHONPATH", ""))
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+  t0 = time.time()
+  try:
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                       timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return dict(spec, model=None, status="timeout", total_s=time.time() - t0)
+  for line in r.stdout.splitlines():
+    if line.startswith(RESULT_TAG):
+      return json.loads(line[len(RESULT_TAG):])
+  text = r.stderr + r.stdout
+  oom = any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory",
+                                "out of memory", "OOM"))
+  tail = text.strip().splitlines()[-3:]
+  return dict(spec, model=None, status="oom" if oom else "error",
+              error=" | ".join(tail)[-500:], total_s=time.time() - t0)
+
+
+def _fmt(v, f="{:.3f}"):
+  return "-" if v is None else f.format(v)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny towers and batches: a CPU smoke test")
+  ap.add_argument("--step_batches", default=None,
+                  help="comma-separated global batches for the step cases "
+                  "(default 65536; quick: 256)")
+  ap.add_argument("--ladder", default=None,
+                  help="comma-separated global batches for the largest-batch "
+                  "search (default 262144,1048576; quick: 512,1024)")
+  ap.add_argument("--microbatch", type=int, default=None,
+                  help="GradCache micro-batch (default 8192; quick: 64)")
+  ap.add_argument("--modes", default="precomputed,image_tower",
+                  help="step-case modes: precomputed, image_tower")
+  ap.add_argument("--loss", default="softmax", help="softmax or sigmoid")
+  ap.add_argument("--backend", default="auto")
+  ap.add_argument("--reps", type=int, default=None)
+  ap.add_argument("--timeout_s", type=int, default=900)
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args()
+
+  if args.child:
+    spec = json.loads(args.child)
+    print(RESULT_TAG + json.dumps(child(spec)), flush=True)
+    return
+
+  quick = args.quick
+  model = QUICK if quick else FULL
+  step_batches = [int(x) for x in (args.step_batches or
+                                   ("256" if quick else "65536")).split(",")]
+  ladder = [int(x) for x in (args.ladder or ("512,1024" if quick else
+                                             "262144,1048576")).split(",") if x]
+  micro = args.microbatch or (64 if quick else 8192)
+  reps = args.reps or (2 if quick else 3)
+  cases = []
+  for b in step_batches:
+    for mode in args.modes.split(","):
+      cases.append(dict(kind="step", batch=b, mode=mode,
+                        microbatch=min(micro, b), measure_loss=True, reps=reps))
+  for b in ladder:
+    cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
+                      microbatch=min(micro, b), measure_loss=False,
+                      reps=max(1, reps - 1)))
+  os.makedirs(args.out, exist_ok=True)
+  results = []
+  for case in cases:
+    spec = dict(case, model=model, loss=args.loss, backend=args.backend)
+    print(f"[bench_train] {case['kind']} B={case['batch']} mode={case['mode']}"
+          f" microbatch={case['microbatch']} ...", flush=True)
+    r = run_case(spec, args.timeout_s)
+    r.pop("model", None)
+    results.append(r)
+    print(f"[bench_train]   -> {r['status']}"
+          + (f" step {r['step_s']:.3f}s" if r.get("step_s") else "")
+          + (f", loss share {100 * r['loss_share']:.1f}%"
+             if r.get("loss_share") is not None else "")
+          + (f" ({r.get('error', '')})" if r["status"] == "error" else ""),
+          flush=True)
+    if case["kind"] == "max_batch" and r["status"] != "ok":
+      break  # Larger batches will not fit either.
+
+  fits = [r["batch"] for r in results
+          if r["kind"] == "max_batch" and r["status"] == "ok"]
+  summary = {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "model": model, "loss": args.loss, "backend": args.backend,
+      "largest_batch_ok": max(fits) if fits else None,
+      "results": results}
+  cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
+          "loss_s", "loss_share", "peak_gib", "compile_and_first_step_s",
+          "loss_value", "device", "num_devices", "jax"]
+  with open(os.path.join(args.out, "bench_train.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in results:
+      w.writerow(r)
+  with open(os.path.join(args.out, "bench_train.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+
+  print()
+  print(f"{'kind':<10}{'mode':<13}{'B':>9}{'micro':>7}{'status':>8}"
+        f"{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}")
+  for r in results:
+    share = r.get("loss_share")
+    print(f"{r['kind']:<10}{r['mode']:<13}{r['batch']:>9}{r['microbatch']:>7}"
+          f"{r['status']:>8}{_fmt(r.get('step_s')):>9}"
+          f"{_fmt(r.get('loss_s')):>9}"
+          f"{_fmt(None if share is None else 100 * share, '{:.1f}'):>8}"
+          f"{_fmt(r.get('peak_gib'), '{:.1f}'):>10}")
+  dev = next((r["device"] for r in results if r.get("device")), "?")
+  print(f"\nlargest global batch that trains here ({dev}, precomputed image "
+        f"embeddings, GradCache micro-batch {micro}): "
+        f"{summary['largest_batch_ok']}")
+  print(f"results: {os.path.join(args.out, 'bench_train.csv')}")
+
+
+if __name__ == "__main__":
+  main()
