@@ -39,9 +39,11 @@ Memory: on GPUs each case runs in a fresh process that sees only its N
 devices (``--isolate``, the default there), and the peak is the device
 allocator's ``peak_bytes_in_use`` beyond the bytes in use once the inputs
 exist, the largest over the N devices. XLA's compile-time plan per device
-(``memory_analysis``: temporaries; arguments + outputs + temporaries) is
-reported for every case; on CPUs, which keep no device memory statistics,
-it is the only memory figure.
+(``memory_analysis``: ``xla_temp_gb`` temporaries, ``xla_plan_gb`` outputs
++ temporaries, i.e. beyond the inputs like the peak, ``xla_total_gb`` with
+the inputs) is reported for every case; on CPUs, which keep no device
+memory statistics, ``xla_plan_gb`` is the memory figure of the table, the
+targets and the plot.
 
 XLA flags: ``--xla_gpu_enable_latency_hiding_scheduler=true`` is added to
 XLA_FLAGS unless XLA_FLAGS already sets it (the ring's overlap depends on
@@ -77,7 +79,7 @@ RESULT_TAG = "BENCH_RING "
 LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "backend", "status", "ms", "reps", "loss", "efficiency",
-          "time_over_ring", "peak_gb", "xla_temp_gb", "xla_total_gb",
+          "time_over_ring", "peak_gb", "xla_temp_gb", "xla_plan_gb", "xla_total_gb",
           "mem_source", "wall_s"]
 # Targets of the issue, checked in ``targets``.
 EFF_TARGET, PLAIN_SPEEDUP_TARGET, MEM_FLAT_TOL = 0.90, 1.3, 1.10
@@ -93,7 +95,12 @@ def _block_sizes(spec):
 
 
 def _mem_plan(compiled):
-  """XLA's per-device memory plan of a compiled SPMD program, in GB."""
+  """XLA's per-device memory plan of a compiled SPMD program, in GB.
+
+  xla_temp_gb: temporaries; xla_plan_gb: outputs + temporaries, i.e. the
+  plan's bytes beyond the inputs (comparable with peak_gb); xla_total_gb:
+  inputs too (what must fit in the device's memory).
+  """
   try:
     m = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except
@@ -102,7 +109,9 @@ def _mem_plan(compiled):
     return {}
   total = (m.argument_size_in_bytes + m.output_size_in_bytes
            + m.temp_size_in_bytes - m.alias_size_in_bytes)
-  return dict(xla_temp_gb=m.temp_size_in_bytes / 1e9, xla_total_gb=total / 1e9)
+  return dict(xla_temp_gb=m.temp_size_in_bytes / 1e9,
+              xla_plan_gb=(total - m.argument_size_in_bytes) / 1e9,
+              xla_total_gb=total / 1e9)
 
 
 def _device_bytes(devices, key):
@@ -154,12 +163,20 @@ def run_case(spec):
       return dict(res, status=f"oom (XLA plan {res['xla_total_gb']:.3g} GB "
                   f"> limit {res['bytes_limit_gb']:.3g} GB; not run)")
   if kind == "hlo":
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-      n_async, n_overlapped, n_sync = ring_hlo.report(compiled.as_text())
+    hlo, buf = compiled.as_text(), io.StringIO()
+    try:
+      with contextlib.redirect_stdout(buf):
+        n_async, n_overlapped, n_sync = ring_hlo.report(hlo)
+    except Exception as e:  # pylint: disable=broad-except
+      # Keep the schedule for reading by hand rather than lose it.
+      if spec.get("hlo_path"):
+        with open(spec["hlo_path"], "w") as fh:
+          fh.write(f"ring_hlo.report failed: {e!r}\n\n{hlo}")
+      return dict(res, status=f"error: ring_hlo.report: {e!r}"[:300])
     if spec.get("hlo_path"):
       with open(spec["hlo_path"], "w") as fh:
-        fh.write(buf.getvalue())
+        fh.write(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n"
+                 + buf.getvalue())
     return dict(res, status="ok", n_async=n_async, n_overlapped=n_overlapped,
                 n_sync=n_sync)
   if not spec.get("run", True):
@@ -191,16 +208,19 @@ def _jaxlib_version():
     return ""
 
 
-def probe():
-  """What the backend sees: platform, device kind and count, versions."""
+def probe(backend):
+  """What the backend sees: platform, device kind and count, versions, and
+  the tile backend that ``backend`` resolves to there."""
   import jax  # pylint: disable=import-outside-toplevel
+  from infcl_jax import tile_backend  # pylint: disable=import-outside-toplevel
   devs = jax.devices()
   stats = devs[0].memory_stats() or {}
   return dict(status="ok", platform=devs[0].platform,
               device_kind=devs[0].device_kind, n_devices=len(devs),
               jax=jax.__version__, jaxlib=_jaxlib_version(),
               bytes_limit_gb=stats.get("bytes_limit", 0) / 1e9 or None,
-              xla_flags=os.environ.get("XLA_FLAGS", ""))
+              xla_flags=os.environ.get("XLA_FLAGS", ""),
+              backend=tile_backend.resolve_name(backend, devs[0].platform))
 
 
 # ----------------------------------------------------- case isolation
@@ -363,7 +383,10 @@ class Job:
     else:
       t = time.time()
       if self.isolate:
-        r = spawn(spec, self.info["platform"], self.args.timeout_s)
+        timeout = self.args.timeout_s
+        if budget:  # Leave time to write the summary and the plot.
+          timeout = int(max(30, min(timeout, budget + 45 - (t - self.t0))))
+        r = spawn(spec, self.info["platform"], timeout)
       else:
         r = run_case(spec)
       row.update(r, wall_s=round(time.time() - t, 1))
@@ -409,7 +432,7 @@ def mem_of(r):
   """Memory per device: runtime peak where measured, else XLA's plan."""
   if r.get("peak_gb") is not None:
     return r["peak_gb"]
-  return r.get("xla_total_gb")
+  return r.get("xla_plan_gb")
 
 
 def targets(rows, b0, n_max):
@@ -587,7 +610,7 @@ def max_batch(job, n, b0, cap, max_step_s):
               and row["xla_total_gb"] <= limit)
       row["status"] = (f"compiled, not run (est. {est_s:.0f}s > "
                        f"--max-step-s); XLA plan "
-                       f"{row.get('xla_total_gb', float('nan')):.3g} GB/dev "
+                       f"{row.get('xla_total_gb', float('nan')):.3g} GB/dev with inputs "
                        + (f"{'<=' if fits else '>'} limit {limit:.3g} GB"
                           if limit else "(no device memory limit known)"))
       job.write_csv()
@@ -616,7 +639,8 @@ def main(argv=None):
   args = parse_args(argv)
   if args.case:
     spec = json.loads(args.case)
-    r = probe() if spec.get("kind") == "probe" else run_case(spec)
+    r = (probe(spec["backend"]) if spec.get("kind") == "probe"
+         else run_case(spec))
     print(RESULT_TAG + json.dumps(r), flush=True)
     return None
   started = _backend_started()
@@ -634,15 +658,14 @@ def main(argv=None):
   else:
     isolate = args.isolate == "yes"
   if isolate:
-    info = spawn({"kind": "probe"}, "", args.timeout_s)
+    info = spawn({"kind": "probe", "backend": args.backend}, "",
+                 args.timeout_s)
     if info.get("status") != "ok":
       raise RuntimeError(f"device probe failed: {info}")
     if info["platform"] == "cpu" and args.isolate == "auto":
       isolate = False
   if not isolate:
-    info = probe()
-  from infcl_jax import tile_backend  # pylint: disable=import-outside-toplevel
-  info["backend"] = tile_backend.resolve_name(args.backend, info["platform"])
+    info = probe(args.backend)
   job = Job(args, info, isolate)
 
   n_all = info["n_devices"]
@@ -668,7 +691,8 @@ def main(argv=None):
   meta["mem_note"] = (
       "peak_bytes_in_use beyond inputs, max over devices, fresh process per "
       "case" if job.fresh_runtime_peak else
-      "XLA memory_analysis plan per device (arguments + outputs + temps): "
+      "XLA memory_analysis plan per device beyond the inputs (outputs + "
+      "temporaries), not a runtime peak: "
       + ("CPU devices keep no memory statistics" if info["platform"] == "cpu"
          else "not isolated, so the allocator's peak is not per case"))
 

@@ -71,7 +71,7 @@ def test_main_all_sections(tmp_path):
         ring_steps.LOGIT_SCALE)[0]
     np.testing.assert_allclose(losses[0], ref, rtol=2e-5)
   for r in scaling:
-    assert float(r["ms"]) > 0 and float(r["xla_total_gb"]) > 0
+    assert float(r["ms"]) > 0 and float(r["xla_plan_gb"]) > 0 < float(r["xla_total_gb"])
     eff = float(r["efficiency"])
     assert eff == 1.0 if r["n_dev"] == "1" else eff > 0
     if r["strategy"] == "ring":
@@ -110,3 +110,33 @@ def test_main_isolated_and_resume(tmp_path):
   assert [r["wall_s"] for r in rows2] == [r["wall_s"] for r in rows]
   header, csv_rows = _read_csv(out)
   assert header == bench_ring.FIELDS and len(csv_rows) == 2
+
+
+def test_memory_limit_paths(tmp_path, monkeypatch):
+  """The GPU-only branches, driven by a fake device memory limit of 100 kB:
+  a case whose XLA plan exceeds it is not run, and max batch compiles the
+  steps it would not run and stops at the first plan over the limit."""
+  _need(4)
+  real = bench_ring._device_bytes  # pylint: disable=protected-access
+
+  def fake(devices, key):
+    return [100e3] * len(devices) if key == "bytes_limit" else real(devices, key)
+  monkeypatch.setattr(bench_ring, "_device_bytes", fake)
+  rows, meta = bench_ring.main(
+      TINY + ["--devices", "2,4", "--strategies", "ring,plain", "--sections",
+              "scaling,maxbatch", "--max-step-s", "0", "--isolate", "no",
+              "--out", str(tmp_path)])
+  by = {(r["section"], r["strategy"], r["n_dev"], r["b_local"]): r
+        for r in rows}
+  for n in (2, 4):  # The ring's plan at b = 40 is ~50 kB per device.
+    assert by[("scaling", "ring", n, 40)]["status"] == "ok"
+  plain4 = by[("scaling", "plain", 4, 40)]  # b x 4b logits: ~160 kB.
+  assert plain4["status"].startswith("oom (XLA plan"), plain4
+  assert plain4["xla_total_gb"] > 100e3 / 1e9 and "ms" not in plain4
+  maxb = [r for r in rows if r["section"] == "maxbatch"]
+  assert [r["b_local"] for r in maxb] == [40, 80, 160]
+  assert maxb[0]["status"] == "ok"
+  assert maxb[1]["status"].startswith("compiled, not run") and "<= limit" in maxb[1]["status"]
+  assert maxb[2]["status"].startswith("compiled, not run") and "> limit" in maxb[2]["status"]
+  assert meta["maxbatch"]["run_b_local"] == 40
+  assert meta["maxbatch"]["planned_b_local"] == 80
