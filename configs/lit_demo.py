@@ -24,7 +24,7 @@ def get_config(arg=None):
     raise ValueError(f"configs/lit_demo.py takes no argument or ':tiny', got "
                      f"{arg!r}")
   c.seed = 0
-  c.total_steps = 1200
+  c.total_steps = 800
   c.batch_size = 128
   c.microbatch_size = 0
   c.precompute_image_embeddings = True
