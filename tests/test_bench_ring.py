@@ -26,6 +26,22 @@ TINY = ["--b-local", "40", "--dims", "16", "--dtype", "float32",
         "--time-budget-s", "0"]
 
 
+@pytest.fixture(autouse=True)
+def _keep_env():
+  """main() may set XLA / JAX variables (when the backend has not started
+  yet); later tests of this worker, and their subprocesses, must not see
+  them."""
+  keys = ("XLA_FLAGS", "JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE",
+          "XLA_PYTHON_CLIENT_MEM_FRACTION")
+  saved = {k: os.environ.get(k) for k in keys}
+  yield
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+
+
 def _need(n):
   if len(jax.devices()) < n:
     pytest.skip(f"needs {n} host devices (conftest.py sets XLA_FLAGS)")
