@@ -24,6 +24,10 @@ config_flags.DEFINE_config_file(
     lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here; "
                     "an existing workdir is resumed.")
+flags.DEFINE_bool("jax_distributed", False, "Multi-process run: call "
+                  "jax.distributed.initialize() (cluster auto-detected: SLURM, "
+                  "Open MPI, ...) before anything else; each process then "
+                  "reads its own shard of the data.")
 
 # Errors that describe a bad invocation, not a bug: reported in one line.
 USAGE_ERRORS = (ValueError, FileNotFoundError, KeyError, AttributeError,
@@ -54,6 +58,9 @@ def main(argv) -> None:
   if not FLAGS["verbosity"].present:
     # orbax logs every save at INFO; the trainer's own progress is printed.
     logging.set_verbosity(logging.WARNING)
+  if FLAGS.jax_distributed:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize()
   from train import train  # pylint: disable=g-import-not-at-top
   try:
     train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
