@@ -343,3 +343,33 @@ def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path, data_dir):
     train_steps = [json.loads(l)["step"] for l in f
                    if "loss" in json.loads(l)]
   assert train_steps == list(range(1, 9))
+
+
+@pytest.mark.parametrize("name,arg", [("lit_demo", None), ("lit_demo", "tiny"),
+                                      ("lit_coco", None), ("lit_coco", "tiny"),
+                                      ("lit_b16_large_batch", None)])
+def test_configs_load_and_pass_the_key_check(name, arg):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from train import config_base  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(
+      f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
+  config_base.check_config(config)
+  if name == "lit_b16_large_batch":
+    assert config.batch_size >= 256 * 1024
+    assert 0 < config.microbatch_size < config.batch_size
+    assert config.precompute_image_embeddings
+
+
+def test_config_check_names_the_bad_key():
+  from train import config_base  # pylint: disable=g-import-not-at-top
+  c = config_base.base_config()
+  c.optim.warmup_step = 5  # Typo of warmup_steps.
+  with pytest.raises(ValueError, match="optim.warmup_step.*did you mean"):
+    config_base.check_config(c)
+  c = config_base.base_config()
+  c.microbatch_size = 100
+  with pytest.raises(ValueError, match="microbatch_size=100 must divide"):
+    config_base.check_config(c)
