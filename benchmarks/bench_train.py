@@ -150,12 +150,15 @@ def child(spec) -> dict:
   out = dict(spec, model=None)
   t0 = time.perf_counter()
   train_step, state, make_batch, loss_only = _build(spec)
-  batches = [make_batch(jax.random.key(i)) for i in range(2)]
+  # Two batches alternate (one when they are raw 224 px images: 19 GiB at 64k).
+  batches = [make_batch(jax.random.key(i))
+             for i in range(2 if spec["mode"] == "precomputed" else 1)]
   jax.block_until_ready(batches)
   holder = {"state": state}
 
   def one_step(i=[0]):  # pylint: disable=dangerous-default-value
-    holder["state"], metrics = train_step(holder["state"], batches[i[0] % 2])
+    holder["state"], metrics = train_step(holder["state"],
+                                          batches[i[0] % len(batches)])
     i[0] += 1
     return metrics["loss"]
 
@@ -184,6 +187,8 @@ def child(spec) -> dict:
 def run_case(spec, timeout_s) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
              os.environ.get("PYTHONPATH", ""))
+  # Let one case use (nearly) the whole GPU, not JAX's default 75 %.
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
   cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
   t0 = time.time()
   try:
@@ -235,10 +240,11 @@ def main():
 
   quick = args.quick
   model = QUICK if quick else FULL
-  step_batches = [int(x) for x in (args.step_batches or
-                                   ("256" if quick else "65536")).split(",")]
-  ladder = [int(x) for x in (args.ladder or ("512,1024" if quick else
-                                             "262144,1048576")).split(",") if x]
+  def ints(arg, default):  # "" means none.
+    text = default if arg is None else arg
+    return [int(x) for x in text.split(",") if x.strip()]
+  step_batches = ints(args.step_batches, "256" if quick else "65536")
+  ladder = ints(args.ladder, "512,1024" if quick else "262144,1048576")
   micro = args.microbatch or (64 if quick else 8192)
   reps = args.reps or (2 if quick else 3)
   cases = []
@@ -252,6 +258,28 @@ def main():
                       reps=max(1, reps - 1)))
   os.makedirs(args.out, exist_ok=True)
   results = []
+  cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
+          "loss_s", "loss_share", "peak_gib", "compile_and_first_step_s",
+          "loss_value", "device", "num_devices", "jax"]
+
+  def write():
+    """CSV + JSON after every case, so a cut-off run keeps what it measured."""
+    fits = [r["batch"] for r in results
+            if r["kind"] == "max_batch" and r["status"] == "ok"]
+    summary = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "model": model, "loss": args.loss, "backend": args.backend,
+        "microbatch": micro, "largest_batch_ok": max(fits) if fits else None,
+        "results": results}
+    with open(os.path.join(args.out, "bench_train.csv"), "w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+      w.writeheader()
+      for r in results:
+        w.writerow(r)
+    with open(os.path.join(args.out, "bench_train.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    return summary
+
   for case in cases:
     spec = dict(case, model=model, loss=args.loss, backend=args.backend)
     print(f"[bench_train] {case['kind']} B={case['batch']} mode={case['mode']}"
@@ -259,6 +287,7 @@ def main():
     r = run_case(spec, args.timeout_s)
     r.pop("model", None)
     results.append(r)
+    write()
     print(f"[bench_train]   -> {r['status']}"
           + (f" step {r['step_s']:.3f}s" if r.get("step_s") else "")
           + (f", loss share {100 * r['loss_share']:.1f}%"
@@ -268,24 +297,7 @@ def main():
     if case["kind"] == "max_batch" and r["status"] != "ok":
       break  # Larger batches will not fit either.
 
-  fits = [r["batch"] for r in results
-          if r["kind"] == "max_batch" and r["status"] == "ok"]
-  summary = {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "model": model, "loss": args.loss, "backend": args.backend,
-      "largest_batch_ok": max(fits) if fits else None,
-      "results": results}
-  cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
-          "loss_s", "loss_share", "peak_gib", "compile_and_first_step_s",
-          "loss_value", "device", "num_devices", "jax"]
-  with open(os.path.join(args.out, "bench_train.csv"), "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-    w.writeheader()
-    for r in results:
-      w.writerow(r)
-  with open(os.path.join(args.out, "bench_train.json"), "w") as f:
-    json.dump(summary, f, indent=1)
-
+  summary = write()
   print()
   print(f"{'kind':<10}{'mode':<13}{'B':>9}{'micro':>7}{'status':>8}"
         f"{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}")

@@ -373,3 +373,16 @@ def test_config_check_names_the_bad_key():
   c.microbatch_size = 100
   with pytest.raises(ValueError, match="microbatch_size=100 must divide"):
     config_base.check_config(c)
+
+
+def test_bench_train_quick_smoke(tmp_path):
+  r = _run([sys.executable, os.path.join(ROOT, "benchmarks/bench_train.py"),
+            "--quick", "--modes", "precomputed", "--ladder", "", "--reps", "1",
+            "--out", str(tmp_path)])
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(tmp_path / "bench_train.json") as f:
+    out = json.load(f)
+  (row,) = out["results"]
+  assert row["status"] == "ok", row
+  assert row["step_s"] > 0 and 0 < row["loss_s"] and row["loss_share"] > 0
+  assert "loss %" in r.stdout
