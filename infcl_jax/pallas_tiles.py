@@ -202,6 +202,9 @@ class PallasTiles:
 
     init = (jnp.zeros((m_pad, d_pad), F32), jnp.zeros((), F32),
             jnp.zeros((), F32))
+    # Inside shard_map the carry must vary over the same mesh axes as what
+    # the panels add to it (see tile_backend.vary_like).
+    init = tile_backend.vary_like(init, xp, yp, r2, c2, params)
     (dy, dsc, dbi), dx = lax.scan(
         panel, init, (xp.reshape(n_panels, r_rows, d_pad),
                       r2.reshape(n_panels, r_rows)))

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import infcl_jax
 from infcl_jax import BlockSizes, contrastive_loss, sharded_contrastive_loss
+from infcl_jax import pallas_tiles, sharded, tile_backend
 from tests import np_reference
 from tests.helpers import as64, assert_rel_close, rand_emb, tol
 
@@ -216,6 +217,41 @@ def test_pallas_backend_through_the_ring():
       step, mesh=mesh, in_specs=(P("data"), P("data"), P()),
       out_specs=(P(), (P("data"), P("data"), P())), check_vma=False))(x, y, t)
   _check_against_reference(val, grads, x, y, t, None, "both", jnp.float32)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "gather"])
+def test_compiled_pallas_grad_traces_inside_shard_map(strategy, monkeypatch):
+  """The GPU configuration of the Pallas tiles (compiled, not interpreted)
+  traces under jax.grad inside shard_map with check_vma=True.
+
+  Tracing only (no lowering), so this runs on a CPU: it catches type errors
+  of the varying mesh axes (e.g. a scan carry that does not vary like what
+  the panels add to it) that the interpret-mode tests cannot see, because
+  interpret mode runs the kernel bodies differently (kernels/interpret_vma).
+  The backend is registered under a test-only name, so no cached trace of
+  "pallas" is reused, and monkeypatch removes it afterwards.
+  """
+  name = "pallas_compiled_for_test"
+  monkeypatch.setitem(tile_backend._REGISTRY, (name, "softmax"),
+                      lambda: pallas_tiles.PallasTiles(platform="gpu"))
+  assert not tile_backend.get_backend(name).interpret
+  mesh = mesh_of(2)
+  x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.bfloat16)
+  t = jax.ShapeDtypeStruct((), jnp.float32)
+
+  def local_loss(x, y, t, b):
+    return sharded.shard_local_loss(
+        x, y, t, b, axis_name="data", direction="both", strategy=strategy,
+        backend=name, block_sizes=None)
+
+  step = jax.shard_map(
+      jax.grad(local_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+      in_specs=(P("data"), P("data"), P(), P()),
+      out_specs=(P("data"), P("data"), P(), P()))
+  jaxpr = str(jax.make_jaxpr(step)(x, x, t, t))
+  # Both kernels were traced, compiled: no interpreter in the jaxpr.
+  assert "infcl_lse_fwd" in jaxpr and "infcl_lse_bwd_panel" in jaxpr
+  assert "interpret=False" in jaxpr and "interpret=True" not in jaxpr
 
 
 # --- Errors -----------------------------------------------------------------
