@@ -75,24 +75,30 @@ def _assert_grads_close(got, want, rtol=1e-4):
 @pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
 def test_gradcache_and_data_parallel_grads_equal_the_plain_step(loss):
   """Un-chunked 1-device step == GradCache (4 chunks) == 8 devices (ring)
-  with and without GradCache; the image tower is unlocked here so that both
-  towers go through the chunked backward."""
+  with and without GradCache (== the all_gather fallback); the image tower
+  is unlocked here so that both towers go through the chunked backward."""
   img, txt, head = _towers(loss)
   images, tokens = _batch()
   params = _params(img, txt, head, images, tokens)
   out = {}
-  for n_dev, mb in ((1, 0), (1, 8), (8, 0), (8, 16)):
+  # (devices, micro-batch, ring): ring=False is the all_gather fallback.
+  cases = [(1, 0, None), (1, 8, None), (8, 0, True), (8, 16, True)]
+  if loss == "softmax":
+    cases.append((8, 16, False))
+  for n_dev, mb, ring in cases:
     if jax.device_count() < n_dev:
       pytest.skip("needs 8 devices (tests/conftest.py)")
+    if ring and not step_lib.ring_available(head, _mesh(n_dev)):
+      pytest.skip(f"the {loss} ring is not available")
     mesh = _mesh(n_dev)
     fn = step_lib.make_grad_fn(
         mesh=mesh, image_tower=img, text_tower=txt, head=head,
         microbatch_size=mb, global_batch=B, precomputed=False,
-        image_locked=False)
-    out[(n_dev, mb)] = jax.device_get(jax.jit(fn)(
+        image_locked=False, use_ring=ring)
+    out[(n_dev, mb, ring)] = jax.device_get(jax.jit(fn)(
         params, step_lib.shard_batch(mesh, {"image": images,
                                             "text": tokens})))
-  loss0, g0 = out[(1, 0)]
+  loss0, g0 = out[(1, 0, None)]
   assert all(np.any(np.asarray(v) != 0) for v in jax.tree.leaves(g0["img"])
              if np.asarray(v).size > 1)
   for key, (l, g) in out.items():
