@@ -279,8 +279,10 @@ def test_memory_is_linear_in_batch():
     g = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))
     return g.lower(s, s, t, t).compile().memory_analysis().temp_size_in_bytes
 
-  t0, t1 = temp(8192), temp(16384)
-  assert t1 < 0.25 * 16384 ** 2 * 4, t1
+  # 16k and 32k: on the GPU one default panel (4096 rows) is already a
+  # quarter of an 8k x 8k matrix, so smaller sizes say nothing.
+  t0, t1 = temp(16384), temp(32768)
+  assert t1 < 0.25 * 32768 ** 2 * 4, t1
   assert 1.5 < t1 / t0 < 2.3, (t0, t1)
 
 

@@ -190,33 +190,35 @@ def test_nan_gives_nan(strategy):
   assert np.isnan(float(val))
 
 
-def test_pallas_backend_through_the_ring():
-  """The ring only calls the tile seam, so the Pallas tiles (interpret mode
-  on CPU) plug in unchanged.
-
-  check_vma=False: JAX 0.11's Pallas interpreter rejects the varying types
-  of shard_map's default (a JAX limitation of interpret mode only); this
-  also covers the no-type-check convention (the user psums the scale grad).
-  """
+@pytest.mark.parametrize("strategy", ["ring", "gather"])
+def test_pallas_backend_through_the_ring(strategy):
+  """The strategies only call the tile seam, so the Pallas tiles (interpret
+  mode on CPU) plug in unchanged, inside shard_map's default check_vma=True
+  (replicated inputs' grads summed by the type system)."""
   if not infcl_jax._tile_backend.available("pallas"):
     pytest.skip("no Pallas backend here")
   mesh = mesh_of(2)
   rng = np.random.default_rng(2)
-  x = rand_emb(rng, 16, 16, jnp.float32)
-  y = rand_emb(rng, 16, 16, jnp.float32)
-  t = jnp.float32(10.0)
+  # Odd shards of 21 rows, D = 20: several row / column blocks, D steps and
+  # panels per tile, all with padding.
+  x = rand_emb(rng, 42, 20, jnp.float32)
+  y = rand_emb(rng, 42, 20, jnp.float32)
+  t, b = jnp.float32(10.0), jnp.float32(-1.5)
+  bs = BlockSizes(block_q=16, block_k=16, block_d=16, num_programs=2,
+                  bwd_block_q=16, bwd_block_k=16, panel_rows=16,
+                  f32_precision="highest")
 
-  def step(x, y, t):
-    val, (dx, dy, dt) = jax.value_and_grad(
-        lambda x, y, t: contrastive_loss(x, y, t, axis_name="data",
-                                         backend="pallas"),
-        argnums=(0, 1, 2))(x, y, t)
-    return val, (dx, dy, jax.lax.psum(dt, "data"))
+  def step(x, y, t, b):
+    return jax.value_and_grad(
+        lambda x, y, t, b: contrastive_loss(
+            x, y, t, logit_bias=b, axis_name="data", strategy=strategy,
+            backend="pallas", block_sizes=bs),
+        argnums=(0, 1, 2, 3))(x, y, t, b)
 
   val, grads = jax.jit(jax.shard_map(
-      step, mesh=mesh, in_specs=(P("data"), P("data"), P()),
-      out_specs=(P(), (P("data"), P("data"), P())), check_vma=False))(x, y, t)
-  _check_against_reference(val, grads, x, y, t, None, "both", jnp.float32)
+      step, mesh=mesh, in_specs=(P("data"), P("data"), P(), P()),
+      out_specs=(P(), (P("data"), P("data"), P(), P()))))(x, y, t, b)
+  _check_against_reference(val, grads, x, y, t, b, "both", jnp.float32)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "gather"])

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
+from infcl_jax import pallas_sigmoid_tiles, sigmoid_ring
 from tests.helpers import as64, assert_rel_close, rand_emb, tol
 
 TILES = BlockSizes(block_q=4, block_k=8)
@@ -115,11 +116,8 @@ def test_reference_backend_across_devices():
 
 
 def test_pallas_sigmoid_through_the_ring():
-  """Pallas sigmoid tiles (interpret mode on CPU) through the same ring.
-
-  check_vma=False: JAX 0.11's Pallas interpreter rejects shard_map's varying
-  types (interpret mode only).
-  """
+  """Pallas sigmoid tiles (interpret mode on CPU) through the same ring,
+  inside shard_map's default check_vma=True."""
   if not tile_backend.available("pallas", "sigmoid"):
     pytest.skip("no Pallas sigmoid backend here")
   mesh = mesh_of(2)
@@ -128,8 +126,50 @@ def test_pallas_sigmoid_through_the_ring():
   y = rand_emb(rng, 16, 16, jnp.float32)
   t, b = jnp.float32(10.0), jnp.float32(-10.0)
   check(ring_value_and_grads(mesh, x, y, t, b, backend="pallas",
-                             block_sizes=None, check_vma=False),
+                             block_sizes=None),
         x, y, t, b, jnp.float32)
+
+
+def test_user_psum_convention_without_check_vma():
+  """check_vma=False: each device gets its share of the replicated scale and
+  bias grads, and the user's psum gives the totals."""
+  mesh = mesh_of(4)
+  rng = np.random.default_rng(4)
+  x = rand_emb(rng, 20, 8, jnp.float32)
+  y = rand_emb(rng, 20, 8, jnp.float32)
+  t, b = jnp.float32(10.0), jnp.float32(-10.0)
+  check(ring_value_and_grads(mesh, x, y, t, b, check_vma=False),
+        x, y, t, b, jnp.float32)
+
+
+def test_compiled_pallas_grad_traces_inside_shard_map(monkeypatch):
+  """The GPU configuration of the Pallas sigmoid tiles (compiled, not
+  interpreted) traces under jax.grad inside shard_map with check_vma=True.
+
+  Tracing only, so this runs on a CPU and catches varying-axes type errors
+  that the interpret-mode test cannot see. Registered under a test-only
+  name (no cached "pallas" trace is reused); monkeypatch removes it.
+  """
+  name = "pallas_compiled_for_test"
+  monkeypatch.setitem(
+      tile_backend._REGISTRY, (name, "sigmoid"),
+      lambda: pallas_sigmoid_tiles.PallasSigmoidTiles(platform="gpu"))
+  assert not tile_backend.get_backend(name, "sigmoid").interpret
+  mesh = mesh_of(2)
+  x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.float16)
+  t = jax.ShapeDtypeStruct((), jnp.float32)
+
+  def local_loss(x, y, t, b):
+    return sigmoid_ring.ring_sigmoid_loss(x, y, t, b, axis_name="data",
+                                          backend=name, block_sizes=None)
+
+  step = jax.shard_map(
+      jax.grad(local_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+      in_specs=(P("data"), P("data"), P(), P()),
+      out_specs=(P("data"), P("data"), P(), P()))
+  jaxpr = str(jax.make_jaxpr(step)(x, x, t, t))
+  assert "infcl_sigmoid_fwd" in jaxpr and "infcl_sigmoid_bwd_g" in jaxpr
+  assert "interpret=False" in jaxpr and "interpret=True" not in jaxpr
 
 
 def test_nan_gives_nan():

@@ -37,16 +37,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax.kernels import interpret_vma
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
 _MAX_SPREAD = 64.0
 
 
-def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, dsc_ref, dbi_ref,
-            *, bq, bk, bd, nd, rows, cols, mask, precision, single_exp):
-  i = pl.program_id(0)
-  j = pl.program_id(1)
+def _kernel(*refs, interpret, **kw):
+  interpret_vma.run_body(functools.partial(_body, **kw), refs, num_ids=2,
+                         interpret=interpret)
+
+
+def _body(i, j, params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, dsc_ref,
+          dbi_ref, *, bq, bk, bd, nd, rows, cols, mask, precision, single_exp):
   scale2 = params_ref[0]  # scale * log2(e)
   bias2 = params_ref[1]   # bias * log2(e)
   a_r = params_ref[2]
@@ -123,7 +127,8 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
   ni, nj, nd = r_rows // block_q, m_pad // block_k, d_pad // block_d
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, rows=rows, cols=cols, mask=mask,
-                             precision=precision, single_exp=single_exp)
+                             precision=precision, single_exp=single_exp,
+                             interpret=interpret)
   # Grid axis 0 (row blocks) varies fastest on the GPU: consecutive programs
   # share one y tile, and the whole x panel stays in L2.
   ins = (params, x, y, r2, c2)

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax.kernels import interpret_vma
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -52,12 +53,16 @@ def _safe(m):
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def _kernel(params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
-            nkb, nprog, m_pad, rows, cols, precision, barrier, single_exp):
+def _kernel(*refs, interpret, **kw):
+  interpret_vma.run_body(functools.partial(_body, **kw), refs, num_ids=1,
+                         interpret=interpret)
+
+
+def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
+          nkb, nprog, m_pad, rows, cols, precision, barrier, single_exp):
   out_refs = list(out_refs)
   row_ref = out_refs.pop(0) if rows else None
   cm_ref, cl_ref = (out_refs if cols else (None, None))
-  pid = pl.program_id(0)
   scale2 = params_ref[0]  # scale * log2(e)
   bias2 = params_ref[1]   # bias * log2(e)
   ws = pid * m_pad        # this program's row of the column workspace
@@ -201,7 +206,7 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
       _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nrb=nrb,
       nkb=nkb, nprog=nprog, m_pad=m_pad, rows=rows, cols=cols,
       precision=precision, barrier=cols and not interpret,
-      single_exp=single_exp)
+      single_exp=single_exp, interpret=interpret)
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
