@@ -4,7 +4,9 @@ LiT needs a *useful* locked image tower, and nothing may be downloaded, so
 this script makes one: a short supervised run of the tower of
 ``config.model.image`` on synthetic_shapes' training split, with one linear
 classifier per attribute the dataset records (shape, color, size, horizontal
-and vertical position, background). Only the training split is used, so the
+and vertical position, background), half of each batch with permuted color
+channels for the color-invariant attributes (so shape is not read from
+color). Only the training split is used, so the
 (shape, color) combinations held out for zero-shot evaluation are never seen
 here either. The classifiers are dropped; the tower's output (the
 pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
@@ -17,6 +19,7 @@ is missing and ``config.model.image.pretrain_steps > 0``.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -34,6 +37,8 @@ from train.data.pipeline import preprocess_image
 # Attribute features of synthetic_shapes and their number of classes.
 ATTRIBUTES = {"label": 8, "color": 8, "size": 3, "hpos": 3, "vpos": 3,
               "background": 3}
+# Attributes that do not change when the color channels are permuted.
+COLOR_INVARIANT = ("label", "size", "hpos", "vpos")
 
 
 class _Classifier(nn.Module):
@@ -92,14 +97,23 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
   tx = optax.adamw(schedule, weight_decay=1e-4)
   opt_state = tx.init(params)
 
-  def loss_fn(params, x, y):
-    logits = model.apply({"params": params}, x)
+  def ce(logits, y, keys):
     return sum(optax.softmax_cross_entropy_with_integer_labels(
-        logits[k], y[k]).mean() for k in logits)
+        logits[k], y[k]).mean() for k in keys if k in logits)
+
+  def loss_fn(params, x, y, x_perm, y_perm):
+    # Held-out evaluation pairs shapes with colors they never had in
+    # training, so a shape feature that leans on color fails there. The
+    # second half of the batch has its RGB channels permuted (new colors)
+    # and trains only the color-invariant heads: shape must be read from
+    # the outline.
+    logits = model.apply({"params": params}, x)
+    logits_perm = model.apply({"params": params}, x_perm)
+    return ce(logits, y, logits) + ce(logits_perm, y_perm, COLOR_INVARIANT)
 
   @jax.jit
-  def train_step(params, opt_state, x, y):
-    loss, g = jax.value_and_grad(loss_fn)(params, x, y)
+  def train_step(params, opt_state, x, y, x_perm, y_perm):
+    loss, g = jax.value_and_grad(loss_fn)(params, x, y, x_perm, y_perm)
     updates, opt_state = tx.update(g, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -110,14 +124,20 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
 
   rng = np.random.default_rng(seed)
   n = images.shape[0]
+  channel_perms = np.array([p for p in itertools.permutations(range(3))
+                            if p != (0, 1, 2)])
   perm, pos = rng.permutation(n), 0
+  half = batch_size // 2
   for i in range(steps):
     if pos + batch_size > n:
       perm, pos = rng.permutation(n), 0
-    idx = perm[pos:pos + batch_size]
+    idx, idx_p = perm[pos:pos + half], perm[pos + half:pos + batch_size]
     pos += batch_size
+    cp = channel_perms[rng.integers(len(channel_perms), size=len(idx_p))]
+    x_perm = np.take_along_axis(images[idx_p], cp[:, None, None, :], axis=-1)
     params, opt_state, loss = train_step(
-        params, opt_state, images[idx], {k: v[idx] for k, v in labels.items()})
+        params, opt_state, images[idx], {k: v[idx] for k, v in labels.items()},
+        x_perm, {k: v[idx_p] for k, v in labels.items()})
     if (i + 1) % max(steps // 5, 1) == 0:
       log(f"[pretrain] step {i + 1}/{steps} loss {float(loss):.3f} "
           f"({time.time() - t0:.0f}s)")
