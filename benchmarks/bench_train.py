@@ -135,14 +135,14 @@ def _peak_bytes():
 
 
 def _timed(fn, reps):
+  """(median seconds, all seconds, last result) of ``reps`` synced calls."""
   import jax  # pylint: disable=g-import-not-at-top
-  times = []
+  times, result = [], None
   for _ in range(reps):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn())
+    result = jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
-  times.sort()
-  return times[len(times) // 2], times
+  return sorted(times)[len(times) // 2], times, result
 
 
 def child(spec) -> dict:
@@ -165,13 +165,13 @@ def child(spec) -> dict:
   t1 = time.perf_counter()
   jax.block_until_ready(one_step())          # Compile + first step.
   out["compile_and_first_step_s"] = time.perf_counter() - t1
-  out["step_s"], out["step_all_s"] = _timed(one_step, spec["reps"])
-  out["loss_value"] = float(one_step())
+  out["step_s"], out["step_all_s"], loss = _timed(one_step, spec["reps"])
+  out["loss_value"] = float(loss)
   out["peak_gib"] = _peak_bytes() / 2**30
   if spec.get("measure_loss"):
     fn, args = loss_only()
     jax.block_until_ready(fn(*args))
-    out["loss_s"], _ = _timed(lambda: fn(*args), spec["reps"])
+    out["loss_s"], _, _ = _timed(lambda: fn(*args), spec["reps"])
     out["loss_share"] = out["loss_s"] / out["step_s"]
   out["device"] = jax.devices()[0].device_kind
   out["num_devices"] = jax.device_count()

@@ -43,7 +43,10 @@ def _parse_flags(argv):
   try:
     return FLAGS(argv)
   except flags.Error as e:
-    _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    # config_flags wraps errors raised in a config file: keep the cause too.
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    _error(" ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+           or type(e).__name__)
   except USAGE_ERRORS as e:  # Raised by config files / overrides.
     _error(f"{type(e).__name__}: {e}".splitlines()[0])
 
