@@ -392,3 +392,24 @@ def test_bench_train_quick_smoke(tmp_path):
   assert row["status"] == "ok", row
   assert row["step_s"] > 0 and 0 < row["loss_s"] and row["loss_share"] > 0
   assert "loss %" in r.stdout
+
+
+def test_image_tower_loads_from_npz_and_orbax_and_rejects_mismatch(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  img, _, _ = _towers()
+  images, _ = _batch(5, n=2)
+  trained = img.init(jax.random.key(1), images)["params"]
+  fresh = img.init(jax.random.key(2), images)["params"]
+  models.save_npz(str(tmp_path / "tower.npz"), trained)
+  with ocp.PyTreeCheckpointer() as c:
+    c.save(str(tmp_path / "tower_orbax"), trained)
+  for path in ("tower.npz", "tower_orbax"):
+    loaded = models.load_image_tower(str(tmp_path / path), fresh)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
+      np.testing.assert_array_equal(a, b)
+  other = models.make_image_tower(NS(kind="cnn", cnn_features=(4, 6)), D,
+                                  jnp.float32).init(jax.random.key(0), images)
+  with pytest.raises(ValueError, match="shape"):
+    models.load_image_tower(str(tmp_path / "tower.npz"), other["params"])
+  with pytest.raises(FileNotFoundError, match="not found"):
+    models.load_image_tower(str(tmp_path / "missing.npz"), fresh)
