@@ -220,11 +220,26 @@ def train_and_evaluate(config, workdir: str) -> dict:
           f"{workdir}", flush=True)
 
   # The step.
+  use_ring = step_lib.ring_available(head, mesh)
   grad_fn = step_lib.make_grad_fn(
       mesh=mesh, image_tower=image_tower, text_tower=text_tower, head=head,
       microbatch_size=config.microbatch_size, global_batch=config.batch_size,
       precomputed=config.precompute_image_embeddings,
-      image_locked=config.model.image.locked)
+      image_locked=config.model.image.locked, use_ring=use_ring)
+  if is_main:
+    mb = config.microbatch_size
+    across = ("" if mesh.size == 1 else ", ring across devices" if use_ring
+              else ", all_gather across devices")
+    print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
+          f"{jax.process_count()} process(es); global batch "
+          f"{config.batch_size}"
+          + (f", GradCache micro-batch {mb}" if 0 < mb < config.batch_size
+             else "")
+          + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
+          + f"; image tower {config.model.image.kind}"
+          + (" locked" if config.model.image.locked else " trained")
+          + (", precomputed embeddings" if config.precompute_image_embeddings
+             else ""), flush=True)
   train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
                                         optimizer=optimizer, schedule=schedule)
   embed_img = step_lib.make_embed_fn(mesh, image_tower)
