@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -70,6 +71,25 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract),
         data=ocp.args.JsonRestore()))
     return out["state"], out["data"]
+
+  def restore_params(self, step: int | None = None):
+    """The params of ``step``'s checkpoint (default: the newest).
+
+    Restored from the checkpoint's own metadata (no target state needed), as
+    host arrays.
+
+    Raises:
+      FileNotFoundError: the directory holds no checkpoint (or not ``step``).
+    """
+    steps = self.all_steps()
+    step = max(steps, default=None) if step is None else step
+    if step is None or step not in steps:
+      raise FileNotFoundError(
+          f"no checkpoint {'' if step is None else f'of step {step} '}in "
+          f"{self._mngr.directory} (steps: {sorted(steps)})")
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))
+    return jax.tree.map(np.asarray, out["state"]["params"])
 
   def close(self) -> None:
     self._mngr.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Callable
 
 from absl import logging
 import jax
@@ -39,10 +40,16 @@ from train import step as step_lib
 
 
 class MetricWriter:
-  """metrics.jsonl (one JSON object per line) + TensorBoard scalars."""
+  """metrics.jsonl (one JSON object per line) + TensorBoard scalars.
 
-  def __init__(self, workdir: str, start_step: int, enabled: bool = True):
+  ``on_write(step, row)``, if given, is called after each row is written (the
+  notebook redraws its live loss curve from it).
+  """
+
+  def __init__(self, workdir: str, start_step: int, enabled: bool = True,
+               on_write: Callable[[int, dict], None] | None = None):
     self.enabled = enabled
+    self.on_write = on_write
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = None
     if not enabled:
@@ -71,6 +78,8 @@ class MetricWriter:
       for k, v in metrics.items():
         self._tb.add_scalar(k, float(v), step)
       self._tb.flush()
+    if self.on_write is not None:
+      self.on_write(int(step), row)
 
   def close(self):
     if self._tb is not None:
@@ -170,8 +179,19 @@ def _round_up(x, m):
 # ----------------------------------------------------------------- main loop
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, *,
+                       on_metrics: Callable[[int, dict], None] | None = None
+                       ) -> dict:
   """Trains (or resumes) the LiT model of ``config`` in ``workdir``.
+
+  Args:
+    config: the run's config (``configs/*.py``).
+    workdir: checkpoints, metrics.jsonl, TensorBoard logs and summary.json.
+    on_metrics: optional ``on_metrics(step, row)``, called on the main process
+      after each row of metrics.jsonl is written (train metrics every
+      ``log_every_steps``, ``eval/...`` metrics at each evaluation), e.g. to
+      draw a live loss curve. ``load_params(workdir)`` reads the trained
+      parameters afterwards.
 
   Returns:
     The final metrics: last train metrics, eval metrics, steps, wall time.
@@ -256,7 +276,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return evaluate.evaluate(embed_img, embed_txt, state["params"], tokenizer,
                              zs, rs, eval_bs)
 
-  writer = MetricWriter(workdir, start_step, enabled=is_main)
+  writer = MetricWriter(workdir, start_step, enabled=is_main,
+                        on_write=on_metrics)
   pbar = _progress_bar(config, config.total_steps, start_step, is_main)
   train_metrics = {}
   t_loop, steps_run = time.time(), 0
@@ -302,6 +323,23 @@ def train_and_evaluate(config, workdir: str) -> dict:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
   return summary
+
+
+def load_params(workdir: str, step: int | None = None) -> dict:
+  """The parameters ``{"img", "txt", "head"}`` saved in ``workdir``.
+
+  Reads the newest checkpoint (or ``step``'s) without rebuilding the train
+  state, as host-side arrays, e.g. to evaluate or inspect a finished run
+  with the towers of ``make_models``.
+  """
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoints in {workdir} (train it first)")
+  ckpt = checkpoint_lib.Checkpointer(directory, every_steps=0, keep=1)
+  try:
+    return ckpt.restore_params(step)
+  finally:
+    ckpt.close()
 
 
 def print_summary(s: dict) -> None:
