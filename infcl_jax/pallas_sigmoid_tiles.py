@@ -38,56 +38,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from infcl_jax import pallas_common
 from infcl_jax import tile_backend
-from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.kernels import sigmoid_bwd
 from infcl_jax.kernels import sigmoid_fwd
-from infcl_jax.pallas_tiles import _MAX_PANEL_ELEMS
-from infcl_jax.pallas_tiles import _dot
-from infcl_jax.pallas_tiles import _num_sms
-from infcl_jax.pallas_tiles import _pad2
-from infcl_jax.pallas_tiles import _round_up
+from infcl_jax.pallas_common import dot as _dot
+from infcl_jax.pallas_common import num_sms as _num_sms
+from infcl_jax.pallas_common import pad2 as _pad2
+from infcl_jax.pallas_common import panel_rows as _panel_rows
+from infcl_jax.pallas_common import round_up as _round_up
 from infcl_jax.xla_sigmoid_tiles import _check_diagonal
 
 F32 = jnp.float32
 
 
-def _panel_rows(bs, n, m_pad):
-  """Rows per panel: at most panel_rows, few padded rows, int32-safe."""
-  bq = bs.bwd_block_q
-  cap = max(bq, (_MAX_PANEL_ELEMS // m_pad) // bq * bq)
-  r = min(bs.panel_rows, cap, _round_up(n, bq))
-  n_panels = -(-n // r)
-  # Spread the rows evenly so that the last panel is not mostly padding.
-  r = _round_up(-(-n // n_panels), bq)
-  return r, n_panels
-
-
-class PallasSigmoidTiles:
+class PallasSigmoidTiles(pallas_common.PallasBackend):
   """The fused Pallas backend (``backend="pallas"``), sigmoid family."""
-
-  name = "pallas"
-
-  def __init__(self, platform: str | None = None):
-    self.platform = platform or tile_backend.default_platform()
-    # Anything but a GPU runs the same kernels through the interpreter.
-    self.interpret = self.platform != "gpu"
-
-  def default_block_sizes(self, platform, dtype):
-    return BlockSizes.get_default("pallas", platform, dtype)
-
-  def _block_sizes(self, block_sizes, dtype):
-    bs = block_sizes
-    if bs is None:
-      bs = self.default_block_sizes(self.platform, dtype)
-    bs.check_pallas()
-    return bs
-
-  def _precision(self, bs, dtype):
-    if jnp.dtype(dtype) == jnp.float32 and bs.resolved_f32_precision() == "highest":
-      return lax.Precision.HIGHEST
-    # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
-    return lax.Precision.DEFAULT
 
   def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
     """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""

@@ -38,86 +38,27 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
+from infcl_jax import pallas_common
 from infcl_jax import tile_backend
-from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.kernels import lse_bwd
 from infcl_jax.kernels import lse_fwd
+from infcl_jax.pallas_common import check_int32 as _check_int32
+from infcl_jax.pallas_common import dot as _dot
+from infcl_jax.pallas_common import num_sms as _num_sms
+from infcl_jax.pallas_common import pad1 as _pad1
+from infcl_jax.pallas_common import pad2 as _pad2
+from infcl_jax.pallas_common import panel_rows
+from infcl_jax.pallas_common import round_up as _round_up
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
-# Triton computes element offsets in int32: a panel of R x B_pad elements
-# must stay below 2**31.
-_MAX_PANEL_ELEMS = 2**31 - 1
 
 
-def _round_up(v, k):
-  return -(-v // k) * k
-
-
-def _pad2(a, rows, cols):
-  r, c = a.shape
-  if (r, c) == (rows, cols):
-    return a
-  return jnp.pad(a, ((0, rows - r), (0, cols - c)))
-
-
-def _pad1(v, n, fill):
-  if v.shape[0] == n:
-    return v
-  return jnp.pad(v, (0, n - v.shape[0]), constant_values=fill)
-
-
-def _dot(a, b, contract, precision):
-  return lax.dot_general(a, b, (contract, ((), ())),
-                         preferred_element_type=F32, precision=precision)
-
-
-def _check_int32(**sizes):
-  """Triton indexes with int32: every array the kernels see must fit."""
-  for what, elems in sizes.items():
-    if elems > _MAX_PANEL_ELEMS:
-      raise ValueError(
-          f"backend='pallas': {what} has {elems} elements (padded), over the "
-          f"2**31 that Triton's int32 indexing allows; use backend='xla' or "
-          f"shard the batch (axis_name)")
-
-
-def _num_sms():
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except RuntimeError:
-    return 132
-
-
-class PallasTiles:
+class PallasTiles(pallas_common.PallasBackend):
   """The fused Pallas backend (``backend="pallas"``), softmax family."""
-
-  name = "pallas"
-
-  def __init__(self, platform: str | None = None):
-    self.platform = platform or tile_backend.default_platform()
-    # Anything but a GPU runs the same kernels through the interpreter.
-    self.interpret = self.platform != "gpu"
-
-  def default_block_sizes(self, platform, dtype):
-    return BlockSizes.get_default("pallas", platform, dtype)
-
-  def _block_sizes(self, block_sizes, dtype):
-    bs = block_sizes
-    if bs is None:
-      bs = self.default_block_sizes(self.platform, dtype)
-    bs.check_pallas()
-    return bs
-
-  def _precision(self, bs, dtype):
-    if jnp.dtype(dtype) == jnp.float32 and bs.resolved_f32_precision() == "highest":
-      return lax.Precision.HIGHEST
-    # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
-    return lax.Precision.DEFAULT
 
   def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
     if not (rows or cols):
@@ -139,16 +80,6 @@ class PallasTiles:
         num_stages=bs.num_stages, precision=self._precision(bs, x.dtype),
         interpret=self.interpret, single_exp=bs.single_exp)
 
-  def _panel_rows(self, bs, n, m_pad):
-    """Rows per panel: at most panel_rows, few padded rows, int32-safe."""
-    bq = bs.bwd_block_q
-    cap = max(bq, (_MAX_PANEL_ELEMS // m_pad) // bq * bq)
-    r = min(bs.panel_rows, cap, _round_up(n, bq))
-    n_panels = -(-n // r)
-    # Spread the rows evenly so that the last panel is not mostly padding.
-    r = _round_up(-(-n // n_panels), bq)
-    return r, n_panels
-
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
                *, block_sizes=None):
     bs = self._block_sizes(block_sizes, x.dtype)
@@ -169,7 +100,7 @@ class PallasTiles:
 
     d_pad = _round_up(d, bs.block_d)
     m_pad = _round_up(m, bs.bwd_block_k)
-    r_rows, n_panels = self._panel_rows(bs, n, m_pad)
+    r_rows, n_panels = panel_rows(bs, n, m_pad)
     n_pad = r_rows * n_panels
     xp = _pad2(x, n_pad, d_pad)
     yp = _pad2(y, m_pad, d_pad)

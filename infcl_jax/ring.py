@@ -189,7 +189,6 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
   b_q, b_k = q.shape[0], k.shape[0]
-  cols = mode == "both"
   row_w, col_w, pos_w = _weights(mode, n_dev * b_q, n_dev * b_k)
   home_pos = b_q == b_k
   perm = _ring_perm(n_dev)

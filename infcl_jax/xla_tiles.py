@@ -7,7 +7,6 @@ current row block and the column statistics of all columns (O(B)) are carried.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
