@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) .venv with Python >= 3.12 and the pinned packages.
-# Python is found in this order: $PYTHON, python3.12, python3.13, python3,
-# then pyenv's newest 3.12+. Usage: bash scripts/setup_env.sh
+# Python is found in this order: $PYTHON, python3.12, pyenv's oldest 3.12+
+# (3.12 is what CI tests), then python3.13 or python3 if they are 3.12+.
+# Usage: bash scripts/setup_env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
 
 find_python() {
-  local c
-  for c in "${PYTHON:-}" python3.12 python3.13 python3; do
-    [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && ok "$c" && { command -v "$c"; return; }
-  done
+  local c v
+  if [ -n "${PYTHON:-}" ]; then  # An explicit choice is used or refused, never skipped.
+    if command -v "$PYTHON" >/dev/null 2>&1 && ok "$PYTHON"; then command -v "$PYTHON"; return; fi
+    echo "error: PYTHON=$PYTHON is not a Python >= 3.12 (jax >= 0.11 needs it)" >&2
+    exit 1
+  fi
+  if command -v python3.12 >/dev/null 2>&1 && ok python3.12; then command -v python3.12; return; fi
   if command -v pyenv >/dev/null 2>&1; then
-    local v
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])' | sort -rV); do
+    # The oldest 3.12+ first: 3.12 is the tested version.
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9]|[2-9][0-9])(\.[0-9]+)?$' | sort -V); do
       c="$(pyenv root)/versions/$v/bin/python3"
       ok "$c" && { echo "$c"; return; }
     done
   fi
+  for c in python3.13 python3; do
+    command -v "$c" >/dev/null 2>&1 && ok "$c" && { command -v "$c"; return; }
+  done
   return 1
 }
 
 if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
   py=$(find_python) || {
+    [ -n "${PYTHON:-}" ] && exit 1  # find_python said why.
     echo "error: infcl-jax needs Python >= 3.12 (jax >= 0.11 does). Set PYTHON=/path/to/python3.12," \
          "or install python3.12 (or pyenv install 3.12)." >&2
     exit 1
