@@ -1,4 +1,10 @@
-"""Shared test utilities: random inputs and relative-norm comparisons."""
+"""Shared test utilities: random inputs, relative-norm comparisons, and
+launching several processes (jax.distributed tests)."""
+import socket
+import subprocess
+import tempfile
+import time
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,3 +36,51 @@ def assert_rel_close(actual, ref, rtol, atol=0.0, what=""):
   err = np.linalg.norm((actual - ref).ravel())
   bound = rtol * np.linalg.norm(ref.ravel()) + atol
   assert err <= bound, f"{what}: |err|={err:.3e} > {bound:.3e} (|ref|={np.linalg.norm(ref):.3e})"
+
+
+def free_port():
+  """A TCP port on localhost that is free now (for jax.distributed)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_processes(cmds, *, env, timeout_s, cwd=None):
+  """Runs ``cmds`` at once; stops all as soon as one fails or at the deadline.
+
+  A process that dies leaves its peers blocked in a collective, so waiting
+  for each in turn could hang until the deadline (or forever). Output goes
+  to temporary files, not pipes, so a chatty process never blocks on a full
+  pipe while nobody reads it.
+
+  Returns:
+    (returncodes, outputs, timed_out): outputs are stdout+stderr as text;
+    timed_out is True when no process had failed but some still ran at the
+    deadline (killed, so their return codes are negative).
+  """
+  logs = [tempfile.TemporaryFile("w+") for _ in cmds]
+  procs = [subprocess.Popen(c, env=env, cwd=cwd, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+           for c, log in zip(cmds, logs)]
+  deadline = time.monotonic() + timeout_s
+  timed_out = False
+  try:
+    while any(p.poll() is None for p in procs):
+      if any(p.poll() not in (None, 0) for p in procs):
+        break  # Its peers are killed below, not reported as hung.
+      if time.monotonic() > deadline:
+        timed_out = True
+        break
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for p in procs:
+      p.wait()
+    outputs = []
+    for log in logs:
+      log.seek(0)
+      outputs.append(log.read())
+      log.close()
+  return [p.returncode for p in procs], outputs, timed_out

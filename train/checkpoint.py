@@ -1,8 +1,14 @@
 """Checkpoints: orbax CheckpointManager over (train state, data iterator state).
 
 Each checkpoint is one step directory holding two items: "state" (step,
-params, optimizer state) and "data" (the iterator's small JSON state), so a
+params, optimizer state) and "data" (the iterators' small JSON states), so a
 resumed run reads exactly the batches an uninterrupted run would have read.
+
+Multi-process runs: every process calls ``save`` and ``restore`` (orbax
+writes each array once and synchronizes the processes). Each process reads
+its own data shard, so "data" holds one iterator state per process,
+``{"processes": [state_0, state_1, ...]}``, gathered from all processes
+before the save; ``restore`` hands each process its own.
 
 Orbax writes a checkpoint into a temporary directory and renames it into
 place only when every item is complete; a process killed mid-save leaves a
@@ -12,11 +18,26 @@ a save returns can never lose it.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
+
+
+def _gather_json(obj) -> list:
+  """Every process's JSON-serializable ``obj``, in process order."""
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(
+      np.array([data.size], np.int32))).reshape(-1)
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  rows = np.asarray(multihost_utils.process_allgather(padded))
+  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
 
 
 class Checkpointer:
@@ -47,16 +68,24 @@ class Checkpointer:
     return self.every_steps > 0 and step % self.every_steps == 0
 
   def save(self, step: int, state, data_state: dict) -> None:
-    """Saves (blocking) unless a checkpoint of ``step`` already exists."""
+    """Saves (blocking) unless a checkpoint of ``step`` already exists.
+
+    Args:
+      step: the step number.
+      state: the train state (global arrays).
+      data_state: this process's data iterator state (JSON-serializable).
+    """
     if step in self._mngr.all_steps():
       return
+    data = {"processes": _gather_json(data_state)}
     self._mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state)), force=True)
+        data=ocp.args.JsonSave(data)), force=True)
     self._mngr.wait_until_finished()
 
   def restore(self, like_state, step: int | None = None):
-    """Restores (state, data_state) of ``step`` (default: the newest).
+    """Restores (state, this process's data_state) of ``step`` (default: the
+    newest).
 
     Args:
       like_state: a state with the target structure, shapes, dtypes and
@@ -70,13 +99,21 @@ class Checkpointer:
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract),
         data=ocp.args.JsonRestore()))
-    return out["state"], out["data"]
+    data = out["data"]
+    # A checkpoint without "processes" predates per-process data states.
+    per_process = data["processes"] if "processes" in data else [data]
+    if len(per_process) != jax.process_count():
+      raise ValueError(
+          f"the checkpoint of step {step} in {self._mngr.directory} was "
+          f"written by {len(per_process)} process(es), this run has "
+          f"{jax.process_count()}: resume with the same process count")
+    return out["state"], per_process[jax.process_index()]
 
   def restore_params(self, step: int | None = None):
     """The params of ``step``'s checkpoint (default: the newest).
 
     Restored from the checkpoint's own metadata (no target state needed), as
-    host arrays.
+    host arrays, whatever devices and processes wrote it.
 
     Raises:
       FileNotFoundError: the directory holds no checkpoint (or not ``step``).
@@ -87,8 +124,11 @@ class Checkpointer:
       raise FileNotFoundError(
           f"no checkpoint {'' if step is None else f'of step {step} '}in "
           f"{self._mngr.directory} (steps: {sorted(steps)})")
+    # The saved shardings name the training run's devices; a checkpoint of
+    # another topology (e.g. a multi-process run) goes to one local device.
     out = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))
+        state=ocp.args.StandardRestore(fallback_sharding=(
+            jax.sharding.SingleDeviceSharding(jax.local_devices()[0])))))
     return jax.tree.map(np.asarray, out["state"]["params"])
 
   def close(self) -> None:

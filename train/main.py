@@ -4,6 +4,11 @@
 (``configs/lit_demo.py:tiny``); ``--config.<key>=<value>`` overrides any key.
 Running the same command again resumes from the newest checkpoint in DIR.
 
+Multi-process (one process per host or per GPU): the same command in every
+process with ``--jax_distributed``; outside a detected cluster (SLURM, Open
+MPI, ...) also ``--coordinator_address=HOST:PORT --num_processes=N
+--process_id=P``. Process P reads shard P of the data.
+
 Usage errors (unknown config keys, missing dataset or checkpoint files, a
 batch that does not fit the devices) print one ``error: ...`` line and exit
 with status 2 instead of a traceback (set INFCL_TRACEBACK=1 to see it).
@@ -28,6 +33,13 @@ flags.DEFINE_bool("jax_distributed", False, "Multi-process run: call "
                   "jax.distributed.initialize() (cluster auto-detected: SLURM, "
                   "Open MPI, ...) before anything else; each process then "
                   "reads its own shard of the data.")
+flags.DEFINE_string("coordinator_address", None, "With --jax_distributed "
+                    "outside a detected cluster: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "With --jax_distributed outside "
+                     "a detected cluster: the number of processes.")
+flags.DEFINE_integer("process_id", None, "With --jax_distributed outside a "
+                     "detected cluster: this process's id in "
+                     "[0, num_processes).")
 
 # Errors that describe a bad invocation, not a bug: reported in one line.
 USAGE_ERRORS = (ValueError, FileNotFoundError, KeyError, AttributeError,
@@ -51,6 +63,40 @@ def _parse_flags(argv):
     _error(f"{type(e).__name__}: {e}".splitlines()[0])
 
 
+def _distributed_args() -> dict:
+  names = ("coordinator_address", "num_processes", "process_id")
+  return {n: FLAGS[n].value for n in names if FLAGS[n].value is not None}
+
+
+def _init_distributed() -> None:
+  """jax.distributed.initialize with the explicit flags, if any.
+
+  On a detected cluster (SLURM, Open MPI, ...) no flag is needed; elsewhere
+  (e.g. several processes on one machine) all three must be given.
+  """
+  kw = _distributed_args()
+  if kw and len(kw) != 3:
+    missing = sorted({"coordinator_address", "num_processes", "process_id"}
+                     - set(kw))
+    _error(f"--jax_distributed with explicit flags needs all three of "
+           f"--coordinator_address, --num_processes, --process_id (missing "
+           f"--{', --'.join(missing)})")
+  if kw and not 0 <= kw["process_id"] < kw["num_processes"]:
+    _error(f"--process_id={kw['process_id']} must be in [0, "
+           f"--num_processes={kw['num_processes']})")
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.distributed.initialize(**kw)
+  except (ValueError, RuntimeError) as e:
+    # E.g. no cluster detected and no flags: say what to pass.
+    if os.environ.get("INFCL_TRACEBACK"):
+      raise
+    _error(f"jax.distributed.initialize failed: "
+           f"{str(e).splitlines()[0] if str(e) else type(e).__name__} (outside "
+           f"a detected cluster pass --coordinator_address, --num_processes "
+           f"and --process_id)")
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     _error(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -62,8 +108,9 @@ def main(argv) -> None:
     # orbax logs every save at INFO; the trainer's own progress is printed.
     logging.set_verbosity(logging.WARNING)
   if FLAGS.jax_distributed:
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.distributed.initialize()
+    _init_distributed()
+  elif _distributed_args():
+    _error(f"--{next(iter(_distributed_args()))} needs --jax_distributed")
   from train import train  # pylint: disable=g-import-not-at-top
   try:
     train.train_and_evaluate(FLAGS.config, FLAGS.workdir)

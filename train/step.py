@@ -20,6 +20,7 @@ here rather than inserted by JAX).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -267,10 +268,16 @@ def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule):
 
 
 def make_embed_fn(mesh, tower: nn.Module):
-  """Jitted data-parallel ``embed(params, inputs) -> (b, D)`` for eval etc."""
+  """Jitted data-parallel ``embed(params, inputs) -> (b, D)`` for eval etc.
+
+  ``inputs`` is the same host array in every process of ``mesh`` (each
+  device embeds its rows); the output is replicated, so every process can
+  read all of it (``np.asarray``) even when the mesh spans several processes.
+  ``params`` must live on ``mesh``'s devices (replicated).
+  """
   sharding = NamedSharding(mesh, P(AXIS))
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
   def embed(params, x):
     x = jax.lax.with_sharding_constraint(x, sharding)
     return tower.apply({"params": params}, x)

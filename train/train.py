@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
@@ -267,9 +269,16 @@ def train_and_evaluate(config, workdir: str, *,
   eval_bs = _round_up(config.eval.batch_size, mesh.size)
   cache = None
   if config.precompute_image_embeddings:
-    # A copy: the train step donates (frees) the state's buffers each step.
+    # Each process embeds the images of its own data shard, a different
+    # number per step: on its own devices only, never in a program that
+    # spans (and would wait for) the other processes. A host copy: the train
+    # step donates (frees) the state's buffers each step.
+    local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
     cache = embedding_cache.ImageEmbeddingCache(
-        embed_img, jax.tree.map(jnp.copy, state["params"]["img"]), eval_bs)
+        step_lib.make_embed_fn(local_mesh, image_tower),
+        jax.device_put(jax.device_get(state["params"]["img"]),
+                       NamedSharding(local_mesh, P())),
+        _round_up(config.eval.batch_size, local_mesh.size))
   zs, rs = data_lib.make_eval_sets(config, tokenizer)
 
   def run_eval():

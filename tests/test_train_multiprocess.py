@@ -1,0 +1,199 @@
+"""The trainer's command line as 2 processes x 4 CPU devices (jax.distributed).
+
+The launch a cluster uses (one process per host or per GPU), on localhost:
+``python -m train.main ... --jax_distributed --coordinator_address=...
+--num_processes=2 --process_id=P``, gloo collectives between the processes.
+Checked:
+
+- both processes train to the end; only process 0 writes metrics and the
+  summary;
+- the checkpoints are written once (keep-last-K, no leftover temporary
+  directories) and hold one data-iterator state per process, each for its
+  own shard;
+- the final parameters (and the loss at every step) equal those of one
+  process on 8 devices fed the same global batches: process 0's shard
+  batch followed by process 1's. Two processes reading the same shard, or
+  a process's batch landing on the other's devices, would not match;
+- a run resumed from an earlier checkpoint ends bitwise equal to the
+  uninterrupted 2-process run (each process restores its own data state).
+
+Equality with the 1-process run is to float32 rounding, not bitwise: the
+gradient psum adds the same 8 device values in a different order over gloo,
+and the precomputed image embeddings are computed on each process's 4
+devices rather than on 8 (other batch shapes per device).
+"""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import free_port
+from tests.helpers import run_processes
+from train import data as data_lib
+from train import train as train_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "lit_demo.py")
+NUM_PROCESSES = 2
+TIMEOUT_S = 300
+STEPS = 8  # configs/lit_demo.py:tiny
+
+
+def _launch(workdir, data_dir):
+  """Runs the 2-process command; returns the processes' outputs."""
+  port = free_port()
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  # Each process has 4 devices; conftest's 8 are for the in-process run.
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if "xla_force_host_platform_device_count" not in f]
+  env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
+  cmds = [[sys.executable, "-m", "train.main", "--config", CONFIG + ":tiny",
+           "--workdir", str(workdir), f"--config.data.data_dir={data_dir}",
+           "--jax_distributed", f"--coordinator_address=localhost:{port}",
+           f"--num_processes={NUM_PROCESSES}", f"--process_id={i}"]
+          for i in range(NUM_PROCESSES)]
+  codes, outputs, timed_out = run_processes(cmds, env=env, timeout_s=TIMEOUT_S,
+                                            cwd=ROOT)
+  report = "\n---\n".join(f"process {i} (exit {c}):\n{out[-3000:]}"
+                           for i, (c, out) in enumerate(zip(codes, outputs)))
+  assert not timed_out, f"hung past {TIMEOUT_S}s:\n{report}"
+  assert codes == [0] * NUM_PROCESSES, report
+  return outputs
+
+
+def _tiny_config(data_dir):
+  spec = importlib.util.spec_from_file_location("lit_demo_config", CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("tiny")
+  config.data.data_dir = str(data_dir)
+  return config
+
+
+class _ConcatenatedShards:
+  """One process reading the global batches of a 2-process run.
+
+  ``jax.make_array_from_process_local_data`` puts process p's rows on
+  process p's devices, and the mesh orders devices by process: the global
+  batch is process 0's batch followed by process 1's.
+  """
+
+  def __init__(self, make_iterator, config, tokenizer):
+    self.shards = [make_iterator(
+        config, batch_size=config.batch_size // NUM_PROCESSES,
+        process_index=p, process_count=NUM_PROCESSES, seed=config.seed,
+        tokenizer=tokenizer) for p in range(NUM_PROCESSES)]
+
+  def __next__(self):
+    batches = [next(s) for s in self.shards]
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+
+  def get_state(self):
+    return {"shards": [s.get_state() for s in self.shards]}
+
+
+def _train_losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(l) for l in f if l.strip()]
+  return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def _flat(params):
+  return jax.tree_util.tree_flatten_with_path(params)[0]
+
+
+def test_two_processes_train_like_one_process_on_the_same_batches(
+    tmp_path, monkeypatch):
+  data_dir = tmp_path / "tfds"
+  work = tmp_path / "two_processes"
+  outputs = _launch(work, data_dir)
+
+  # Trained to the end; the summary and the metrics come from process 0 only.
+  assert "2 process(es)" in outputs[0], outputs[0][-3000:]
+  assert f"[lit] done: {STEPS} steps" in outputs[0], outputs[0][-3000:]
+  assert "[lit] done" not in outputs[1], outputs[1][-3000:]
+  losses = _train_losses(work)
+  assert [s for s, _ in losses] == list(range(1, STEPS + 1)), losses
+  with open(work / "summary.json") as f:
+    summary = json.load(f)
+  assert summary["steps"] == STEPS and "eval/zeroshot_top1" in summary
+
+  # Checkpoints: written once each, keep-last-2 (every 2 steps), committed.
+  ckpt_dir = work / "checkpoints"
+  assert sorted(os.listdir(ckpt_dir)) == ["6", "8"], os.listdir(ckpt_dir)
+  for step in ("6", "8"):
+    assert {"_CHECKPOINT_METADATA", "data", "state"} <= set(
+        os.listdir(ckpt_dir / step)), os.listdir(ckpt_dir / step)
+    with open(ckpt_dir / step / "data" / "metadata") as f:  # orbax JsonSave
+      per_process = json.load(f)["processes"]
+    # One iterator state per process, each for its own shard.
+    assert [(s["process_index"], s["process_count"], s["next_batch"])
+            for s in per_process] == [(p, NUM_PROCESSES, int(step))
+                                      for p in range(NUM_PROCESSES)]
+  params = train_lib.load_params(str(work))
+
+  # One process, 8 devices (conftest), the same global batches.
+  assert jax.device_count() == 8 and jax.process_count() == 1
+  make_iterator = data_lib.make_train_iterator
+  monkeypatch.setattr(
+      data_lib, "make_train_iterator",
+      lambda config, tokenizer, **_: _ConcatenatedShards(
+          make_iterator, config, tokenizer))
+  ref_dir = tmp_path / "one_process"
+  train_lib.train_and_evaluate(_tiny_config(data_dir), str(ref_dir))
+  ref_params = train_lib.load_params(str(ref_dir))
+  ref_losses = _train_losses(ref_dir)
+  np.testing.assert_allclose([l for _, l in losses],
+                             [l for _, l in ref_losses], rtol=2e-5)
+  assert [p for p, _ in _flat(params)] == [p for p, _ in _flat(ref_params)]
+  config = _tiny_config(data_dir)
+  for (path, a), (_, b) in zip(_flat(params), _flat(ref_params)):
+    name = jax.tree_util.keystr(path)
+    if "['key']['bias']" in name:
+      # Attention key biases shift every logit of a query equally: their
+      # exact gradient is 0, and AdamW turns the rounding noise left in it
+      # into steps of up to ~lr, whose sign differs between the two runs.
+      # Only their bound is checked.
+      bound = 1.5 * config.optim.lr * STEPS
+      assert np.max(np.abs(a)) <= bound and np.max(np.abs(b)) <= bound, name
+      continue
+    scale = max(float(np.max(np.abs(b))), 1e-6)
+    err = float(np.max(np.abs(np.asarray(a, np.float64) - b)))
+    assert err <= 1e-5 * scale, (name, err, scale)
+
+  # Resumed from step 6 (step 8's checkpoint removed): bitwise the same end.
+  resumed = tmp_path / "resumed"
+  shutil.copytree(work, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "8")
+  outputs = _launch(resumed, data_dir)
+  assert "resumed from the checkpoint of step 6" in outputs[0], outputs[0]
+  assert "resumed from the checkpoint of step 6" in outputs[1], outputs[1]
+  assert _train_losses(resumed) == losses
+  for (path, a), (_, b) in zip(_flat(train_lib.load_params(str(resumed))),
+                               _flat(params)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--process_id=0"], "--process_id needs --jax_distributed"),
+    (["--jax_distributed", "--num_processes=2", "--process_id=0"],
+     "missing --coordinator_address"),
+    (["--jax_distributed", "--coordinator_address=localhost:1",
+      "--num_processes=2", "--process_id=2"], "--process_id=2 must be in"),
+])
+def test_distributed_flag_errors_are_one_clear_line(tmp_path, extra, message):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  r = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config", CONFIG + ":tiny",
+       "--workdir", str(tmp_path / "w"), *extra],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr[-2000:]
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+  assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "w")
