@@ -184,6 +184,7 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
   assert sorted(os.listdir(ckpt_dir)) == ["6", "8"]
   assert _train_losses(work) == losses
 
+
 @pytest.mark.parametrize("extra,message", [
     (["--process_id=0"], "--process_id needs --jax_distributed"),
     (["--jax_distributed", "--num_processes=2", "--process_id=0"],
