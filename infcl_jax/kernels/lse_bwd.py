@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels import tile_dot
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -55,14 +56,8 @@ def _body(i, j, params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, dsc_ref,
   a_r = params_ref[2]
   a_c = params_ref[3]
 
-  def d_step(kd, acc):
-    xa = x_ref[pl.ds(i * bq, bq), pl.ds(kd * bd, bd)]
-    yb = y_ref[pl.ds(j * bk, bk), pl.ds(kd * bd, bd)]
-    return acc + lax.dot_general(
-        xa, yb, (((1,), (1,)), ((), ())), preferred_element_type=F32,
-        precision=precision)
-
-  s0 = lax.fori_loop(0, nd, d_step, jnp.zeros((bq, bk), F32))
+  s0 = tile_dot.tile_dot(x_ref, y_ref, i * bq, j * bk, bq=bq, bk=bk,
+                         bd=bd, nd=nd, precision=precision)
   s = s0 * scale2 + bias2
   r = r_ref[...]  # (bq,) base-2 row LSE, +inf on padding
   c = c_ref[...]  # (bk,) base-2 column LSE, +inf on padding

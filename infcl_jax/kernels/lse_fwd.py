@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels import tile_dot
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -86,13 +87,8 @@ def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
 
   def tile(rb, j):
     """The (bq, bk) base-2 logit tile of row block rb, column block j."""
-    def d_step(kd, acc):
-      xa = x_ref[pl.ds(rb * bq, bq), pl.ds(kd * bd, bd)]
-      yb = y_ref[pl.ds(j * bk, bk), pl.ds(kd * bd, bd)]
-      return acc + lax.dot_general(
-          xa, yb, (((1,), (1,)), ((), ())), preferred_element_type=F32,
-          precision=precision)
-    s0 = lax.fori_loop(0, nd, d_step, jnp.zeros((bq, bk), F32))
+    s0 = tile_dot.tile_dot(x_ref, y_ref, rb * bq, j * bk, bq=bq, bk=bk,
+                           bd=bd, nd=nd, precision=precision)
     s = s0 * scale2 + bias2
     if mask_rows or mask_cols:
       valid = None

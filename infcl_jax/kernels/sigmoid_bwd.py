@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels import tile_dot
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -49,14 +50,8 @@ def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
   scale = params_ref[0]
   bias = params_ref[1]
 
-  def d_step(kd, acc):
-    xa = x_ref[pl.ds(i * bq, bq), pl.ds(kd * bd, bd)]
-    yb = y_ref[pl.ds(j * bk, bk), pl.ds(kd * bd, bd)]
-    return acc + lax.dot_general(
-        xa, yb, (((1,), (1,)), ((), ())), preferred_element_type=F32,
-        precision=precision)
-
-  s0 = lax.fori_loop(0, nd, d_step, jnp.zeros((bq, bk), F32))
+  s0 = tile_dot.tile_dot(x_ref, y_ref, i * bq, j * bk, bq=bq, bk=bk,
+                         bd=bd, nd=nd, precision=precision)
   s = s0 * scale + bias
   rid = rid_ref[...]  # (bq,) global row index, -1 on padding
   cid = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels import tile_dot
 from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
@@ -63,15 +64,8 @@ def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
 
   def col_step(t, acc):
     j = j0 + t
-
-    def d_step(kd, a):
-      xa = x_ref[pl.ds(i * bq, bq), pl.ds(kd * bd, bd)]
-      yb = y_ref[pl.ds(j * bk, bk), pl.ds(kd * bd, bd)]
-      return a + lax.dot_general(
-          xa, yb, (((1,), (1,)), ((), ())), preferred_element_type=F32,
-          precision=precision)
-
-    s0 = lax.fori_loop(0, nd, d_step, jnp.zeros((bq, bk), F32))
+    s0 = tile_dot.tile_dot(x_ref, y_ref, i * bq, j * bk, bq=bq, bk=bk,
+                           bd=bd, nd=nd, precision=precision)
     s = s0 * scale + bias
     col_ids = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     # -z * s: softplus(-s) on the positives, softplus(s) on the negatives.
