@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import tile_backend
-from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.xla_tiles import F32
+from infcl_jax.xla_tiles import XlaBackend
 from infcl_jax.xla_tiles import _blocks
 from infcl_jax.xla_tiles import _dot
 from infcl_jax.xla_tiles import _dot_t
@@ -46,18 +46,8 @@ def _check_diagonal(has_diagonal, n, m):
         f"got x with {n} rows and y with {m} rows")
 
 
-class XlaSigmoidTiles:
+class XlaSigmoidTiles(XlaBackend):
   """The portable tiled sigmoid backend (``backend="xla"``, family "sigmoid")."""
-
-  name = "xla"
-
-  def default_block_sizes(self, platform, dtype):
-    return BlockSizes.get_default("xla", platform, dtype)
-
-  def _block_sizes(self, block_sizes, dtype):
-    if block_sizes is None:
-      return self.default_block_sizes(tile_backend.default_platform(), dtype)
-    return block_sizes
 
   def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
     """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""

@@ -74,8 +74,8 @@ def _tile_sizes(block_sizes, n, m):
   return min(block_sizes.block_q, n), min(block_sizes.block_k, m)
 
 
-class XlaTiles:
-  """The portable tiled backend (``backend="xla"``)."""
+class XlaBackend:
+  """Plumbing shared by the XLA backends of both families."""
 
   name = "xla"
 
@@ -86,6 +86,10 @@ class XlaTiles:
     if block_sizes is None:
       return self.default_block_sizes(tile_backend.default_platform(), dtype)
     return block_sizes
+
+
+class XlaTiles(XlaBackend):
+  """The portable tiled backend (``backend="xla"``), softmax family."""
 
   def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
     bs = self._block_sizes(block_sizes, x.dtype)
