@@ -44,3 +44,28 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both"):
   dx = scale * g @ y
   dy = scale * g.T @ x
   return loss, dx, dy, np.sum(g * s0), np.sum(g)
+
+
+def sigmoid_tile_sums_and_grads(x, y, scale, bias, has_diagonal=True):
+  """Float64 (sum, dx, dy, dscale, dbias) of the sigmoid tile ops, coef = 1.
+
+  sum = sum_ij softplus(-z_ij s_ij) with z = +1 on the diagonal when
+  ``has_diagonal`` (else every pair is a negative); G = -z sigmoid(-z s).
+  """
+  x = np.asarray(x, np.float64)
+  y = np.asarray(y, np.float64)
+  scale = float(scale)
+  s0 = x @ y.T
+  s = scale * s0 + float(bias)
+  z = -np.ones_like(s)
+  if has_diagonal:
+    np.fill_diagonal(z, 1.0)
+  total = np.sum(np.logaddexp(0.0, -z * s))
+  g = -z * np.exp(-np.logaddexp(0.0, z * s))  # -z * sigmoid(-z s), stable
+  return total, scale * g @ y, scale * g.T @ x, np.sum(g * s0), np.sum(g)
+
+
+def sigmoid_loss_and_grads(x, y, scale, bias):
+  """Float64 (loss, dx, dy, dscale, dbias) of the SigLIP loss, 1/B-normalized."""
+  n = np.asarray(x).shape[0]
+  return tuple(v / n for v in sigmoid_tile_sums_and_grads(x, y, scale, bias))

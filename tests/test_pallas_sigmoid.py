@@ -18,6 +18,7 @@ from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
 from infcl_jax import pallas_sigmoid_tiles
 from infcl_jax.kernels import sigmoid_fwd
 
+from tests import np_reference
 from tests.helpers import as64, assert_rel_close, rand_emb, tol
 
 # Every size below is off the block grid; num_programs=5 splits the forward's
@@ -36,22 +37,7 @@ GPU_SMALL = dataclasses.replace(TINY, block_q=32, block_k=32, block_d=32,
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def np_sigmoid(x, y, t, b, has_diagonal):
-  """(sum, dx, dy, dt, db) in float64 of the tile ops with coef = 1.
-
-  sum = sum_ij softplus(-z s); G = (-z) sigmoid(-z s); dx = t G y,
-  dy = t G^T x, dt = sum G * x y^T, db = sum G.
-  """
-  x = np.asarray(x, np.float64)
-  y = np.asarray(y, np.float64)
-  s0 = x @ y.T
-  s = t * s0 + b
-  z = -np.ones_like(s)
-  if has_diagonal:
-    np.fill_diagonal(z, 1.0)
-  total = np.sum(np.logaddexp(0.0, -z * s))
-  g = -z * np.exp(-np.logaddexp(0.0, z * s))  # -z * sigmoid(-z s)
-  return total, t * g @ y, t * g.T @ x, np.sum(g * s0), np.sum(g)
+np_sigmoid = np_reference.sigmoid_tile_sums_and_grads
 
 
 def check_tile_ops(be, x, y, t, b, coef, has_diagonal, bs, rtol, loss_rtol):

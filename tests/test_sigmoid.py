@@ -5,7 +5,6 @@ The numpy reference below has the analytic gradients of shared MATH.md
 against central finite differences and against JAX x64 autodiff of
 ``infcl_jax.reference.sigmoid_loss_reference``.
 """
-import importlib
 import sys
 import types
 
@@ -17,6 +16,8 @@ import pytest
 from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
 from infcl_jax import reference
 from infcl_jax import xla_sigmoid_tiles
+from tests import np_reference
+from tests.helpers import as64, assert_rel_close, rand_emb
 
 # Tiles smaller than the batch, with block_q != block_k, so that padding,
 # several tiles per row / column and a diagonal that crosses tile borders
@@ -27,54 +28,20 @@ TOL = {jnp.float32: 5e-5, jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
 
 # ---------------------------------------------------------------- reference
 
-def _softplus64(u):
-  return np.logaddexp(0.0, u)
-
-
-def _sigmoid64(u):
-  return np.exp(-np.logaddexp(0.0, -u))
-
-
 def np_sigmoid_loss_and_grads(x, y, t, b, has_diagonal=True):
   """(loss, dx, dy, dt, db) in float64, from MATH.md's closed forms.
 
   With ``has_diagonal=False`` every pair is a negative and the "loss" is the
   plain sum (no 1/B), matching the tile op ``sigmoid_sum``.
   """
-  x = np.asarray(x, np.float64)
-  y = np.asarray(y, np.float64)
-  s0 = x @ y.T
-  s = float(t) * s0 + float(b)
-  z = -np.ones_like(s)
-  norm = 1.0
   if has_diagonal:
-    np.fill_diagonal(z, 1.0)
-    norm = 1.0 / x.shape[0]
-  loss = norm * np.sum(_softplus64(-z * s))
-  g = norm * (-z) * _sigmoid64(-z * s)
-  return loss, float(t) * g @ y, float(t) * g.T @ x, np.sum(g * s0), np.sum(g)
+    return np_reference.sigmoid_loss_and_grads(x, y, t, b)
+  return np_reference.sigmoid_tile_sums_and_grads(x, y, t, b, False)
 
 
-def _as64(a):
-  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-
-
-def _rand_emb(rng, n, d, dtype, normalize=True):
-  a = rng.standard_normal((n, d))
-  if normalize:
-    a /= np.linalg.norm(a, axis=1, keepdims=True)
-  return jnp.asarray(a, dtype)
-
-
-def _assert_rel_close(actual, ref, rtol, atol=0.0, what=""):
-  actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-  ref = np.asarray(ref, np.float64)
-  assert actual.shape == ref.shape, (what, actual.shape, ref.shape)
-  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
-  err = np.linalg.norm((actual - ref).ravel())
-  bound = rtol * np.linalg.norm(ref.ravel()) + atol
-  assert err <= bound, (
-      f"{what}: |err|={err:.3e} > {bound:.3e} (|ref|={np.linalg.norm(ref):.3e})")
+_as64 = as64
+_rand_emb = rand_emb
+_assert_rel_close = assert_rel_close
 
 
 def test_np_reference_grads_match_finite_differences():
@@ -323,7 +290,7 @@ def test_tile_ops_inside_shard_map():
 def test_softplus_is_stable():
   u = jnp.asarray([-80.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 1000.0])
   got = np.asarray(xla_sigmoid_tiles.softplus(u), np.float64)
-  want = _softplus64(np.asarray(u, np.float64))
+  want = np.logaddexp(0.0, np.asarray(u, np.float64))
   np.testing.assert_allclose(got, want, rtol=1e-6)
   # Far below f32's range it is 0, never NaN; far above it is u itself.
   np.testing.assert_array_equal(

@@ -12,21 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
 from infcl_jax import pallas_sigmoid_tiles, sigmoid_ring
+from tests import np_reference
 from tests.helpers import as64, assert_rel_close, rand_emb, tol
 
 TILES = BlockSizes(block_q=4, block_k=8)
 
 
-def np_sigmoid(x, y, t, b):
-  """(loss, dx, dy, dt, db) of -(1/B) sum_ij log sigmoid(z_ij s_ij), float64."""
-  s0 = x @ y.T
-  s = t * s0 + b
-  z = -np.ones_like(s)
-  np.fill_diagonal(z, 1.0)
-  n = x.shape[0]
-  loss = np.sum(np.logaddexp(0.0, -z * s)) / n
-  g = -z * np.exp(-np.logaddexp(0.0, z * s)) / n  # -z sigmoid(-z s) / B
-  return loss, t * g @ y, t * g.T @ x, np.sum(g * s0), np.sum(g)
+np_sigmoid = np_reference.sigmoid_loss_and_grads
 
 
 def mesh_of(n):
