@@ -1,0 +1,152 @@
+"""What the Mosaic GPU kernels share: constants, the TMA/wgmma tile layout,
+the producer (memory warpgroup) loop, and the interpret switch.
+
+All kernels here use the same structure (one CTA = three warpgroups):
+
+* warpgroup 2, the *producer*, issues TMA copies of (block_q, block_d) chunks
+  of x and (2 * block_k, block_d) chunks of y into a ring of ``num_stages``
+  shared-memory slots, each completing on its own "full" barrier, and waits on
+  a "consumed" barrier before it overwrites a slot;
+* warpgroups 0 and 1, the *consumers*, each own one half of the y chunk
+  (block_k columns): they wait for a slot, issue ``wgmma`` into a float32
+  (block_q, block_k) accumulator, and release the slot (both consumers arrive
+  on the consumed barrier) once their wgmma on it has completed.
+
+The step sequence (row block, column block, D chunk) is computed identically
+by the producer and the consumers, so the ring needs no other handshake.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NUM_CONSUMERS = 2
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def smem_transforms(dtype, block_d):
+  """Tiling + swizzle for a (rows, block_d) TMA / wgmma operand tile."""
+  swizzle = plgpu.find_swizzle(block_d * jnp.dtype(dtype).itemsize * 8)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def check_inputs(x, y, block_q, block_k, block_d):
+  if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES or x.dtype != y.dtype:
+    raise ValueError(f"mosaic kernels take bf16 / f16 inputs of one dtype, "
+                     f"got {x.dtype} and {y.dtype}")
+  n_pad, d_pad = x.shape
+  m_pad, d2 = y.shape
+  if d2 != d_pad:
+    raise ValueError(f"x and y disagree on D: {x.shape} vs {y.shape}")
+  if block_q % 64 or block_k % 64 or block_d % 64:
+    raise ValueError("block_q, block_k and block_d must be multiples of 64")
+  if n_pad % block_q or m_pad % (NUM_CONSUMERS * block_k) or d_pad % block_d:
+    raise ValueError(
+        f"padded shapes x {x.shape}, y {y.shape} must be multiples of "
+        f"block_q={block_q}, {NUM_CONSUMERS}*block_k={NUM_CONSUMERS * block_k}"
+        f", block_d={block_d}")
+
+
+def interpret_params(interpret):
+  """``interpret`` argument of plgpu.kernel: None (compile) or the params."""
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  if interpret is False or interpret is None:
+    return None
+  return interpret
+
+
+def num_sms():
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except RuntimeError:
+    return 132
+
+
+_FLOOR = -1e30
+
+
+def safe(m):
+  """A max usable as a shift: -inf (a fully masked row / column) becomes a
+  large finite negative number, so that -inf - shift = -inf (exp2 -> 0) and
+  never NaN. A max instead of a select: Mosaic GPU has no implicit scalar
+  broadcast in selects."""
+  return jnp.maximum(m, _FLOOR)
+
+
+def logaddexp2(a, b):
+  """log2(2^a + 2^b), exact for -inf operands."""
+  mx = jnp.maximum(a, b)
+  mn = jnp.minimum(a, b)
+  sh = safe(mx)
+  return sh + jnp.log2(jnp.exp2(mx - sh) + jnp.exp2(mn - sh))
+
+
+def producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed, *,
+             coords, num_tiles, nd, bq, bk2, bd, stages):
+  """The memory warpgroup: TMA copies for ``num_tiles`` tiles of nd chunks.
+
+  ``coords(u)`` maps this program's u-th tile to its (row block, column
+  block); chunk k of tile u is ring step u * nd + k, in slot step % stages.
+  """
+  total = num_tiles * nd
+
+  @pl.loop(0, total)
+  def _(g):
+    slot = lax.rem(g, stages)
+    rb, cb = coords(lax.div(g, nd))
+    k = lax.rem(g, nd)
+
+    @pl.when(g >= stages)
+    def _():
+      plgpu.barrier_wait(consumed.at[slot])
+
+    plgpu.copy_gmem_to_smem(
+        x_ref.at[pl.ds(rb * bq, bq), pl.ds(k * bd, bd)], x_smem.at[slot],
+        x_full.at[slot])
+    plgpu.copy_gmem_to_smem(
+        y_ref.at[pl.ds(cb * bk2, bk2), pl.ds(k * bd, bd)], y_smem.at[slot],
+        y_full.at[slot])
+
+  # Drain: observe the consumers' release of the last slots, so that no
+  # barrier completes unobserved (the interpreter checks this) and the CTA
+  # does not retire with copies still being read.
+  @pl.loop(jnp.maximum(total - stages, 0), total)
+  def _(g):
+    plgpu.barrier_wait(consumed.at[lax.rem(g, stages)])
+
+
+def mma_tile(x_smem, y_smem, x_full, y_full, consumed, *, g0, nd, wg, bq, bk,
+             stages):
+  """One consumer's (bq, bk) float32 tile over nd chunks from ring step g0."""
+
+  def body(acc_ref):
+    def step(k, c):
+      g = g0 + k
+      slot = lax.rem(g, stages)
+      plgpu.barrier_wait(x_full.at[slot])
+      plgpu.barrier_wait(y_full.at[slot])
+      plgpu.wgmma(acc_ref, x_smem.at[slot],
+                  y_smem.at[slot, pl.ds(wg * bk, bk)].transpose((1, 0)))
+      plgpu.wgmma_wait(1)
+
+      @pl.when(k > 0)
+      def _():
+        plgpu.barrier_arrive(consumed.at[lax.rem(g - 1, stages)])
+      return c
+
+    lax.fori_loop(0, nd, step, 0)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(consumed.at[lax.rem(g0 + nd - 1, stages)])
+    return acc_ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC((bq, bk), F32))
