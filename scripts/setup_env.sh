@@ -1,10 +1,34 @@
 #!/usr/bin/env bash
-# Creates (or refreshes) .venv with Python >= 3.12 and the pinned packages.
-# Python is found in this order: $PYTHON, python3.12, pyenv's oldest 3.12+
-# (3.12 is what CI tests), then python3.13 or python3 if they are 3.12+.
-# Usage: bash scripts/setup_env.sh
+# Creates (or refreshes) a virtual environment with Python >= 3.12 and the
+# pinned packages. Python is found in this order: $PYTHON, python3.12, pyenv's
+# oldest 3.12+ (3.12 is what CI tests), then python3.13 or python3 if 3.12+.
+#
+# Usage: bash scripts/setup_env.sh            # .venv: jax 0.11.2, [train,dev]
+#        bash scripts/setup_env.sh jax012     # .venv-jax012: jax 0.12.x, the
+#                                             # library and its tests only
+# The second environment is what CI runs the fast library tests in, so the
+# supported range (pyproject: jax>=0.11.2,<0.13) is tested at both ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+case "${1:-}" in
+  "")
+    venv=.venv
+    constraints=scripts/constraints.txt
+    install=(-e ".[train,dev]")
+    ;;
+  jax012)
+    venv=.venv-jax012
+    constraints=scripts/constraints-jax012.txt
+    # The library, plus what the library tests import (flax: infcl_jax.flax and
+    # the README's Flax snippet). The trainer's packages are not needed.
+    install=(-e . pytest pytest-xdist flax)
+    ;;
+  *)
+    echo "usage: bash scripts/setup_env.sh [jax012]" >&2
+    exit 2
+    ;;
+esac
 
 ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
 
@@ -29,23 +53,23 @@ find_python() {
   return 1
 }
 
-if [ ! -x .venv/bin/python ] || ! ok .venv/bin/python; then
+if [ ! -x "$venv/bin/python" ] || ! ok "$venv/bin/python"; then
   py=$(find_python) || {
     [ -n "${PYTHON:-}" ] && exit 1  # find_python said why.
     echo "error: infcl-jax needs Python >= 3.12 (jax >= 0.11 does). Set PYTHON=/path/to/python3.12," \
          "or install python3.12 (or pyenv install 3.12)." >&2
     exit 1
   }
-  echo "setup: creating .venv with $py ($("$py" --version))" >&2
-  rm -rf .venv
-  "$py" -m venv .venv
+  echo "setup: creating $venv with $py ($("$py" --version))" >&2
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
 fi
 
-stamp=.venv/.infcl-stamp
-want=$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)
+stamp=$venv/.infcl-stamp
+want=$( (cat pyproject.toml "$constraints"; echo "${install[*]}") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing packages into .venv" >&2
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[train,dev]"
+  echo "setup: installing packages into $venv" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -c "$constraints" "${install[@]}"
   echo "$want" > "$stamp"
 fi

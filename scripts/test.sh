@@ -1,7 +1,40 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, then run the CPU test suite.
-# Extra arguments go to pytest (e.g. -m "not slow", -k ring).
+# The README's test command: set up the environment, then run the CPU tests.
+#   bash scripts/test.sh [pytest args]         # .venv, jax 0.11.2: the full suite
+#   bash scripts/test.sh jax012 [pytest args]  # .venv-jax012, jax 0.12.x: the
+#       fast library tests (no trainer, data, notebook, benchmark or
+#       multi-process tests; not slow, not gpu)
+# Extra arguments go to pytest (e.g. -m "not slow", -k ring). pytest's own exit
+# code is returned; 5 (no tests collected) is a failure like any other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+
+if [ "${1:-}" = "jax012" ]; then
+  shift
+  bash scripts/setup_env.sh jax012
+  py=.venv-jax012/bin/python
+  want=0.12.
+  # Library tests = every test file except these, so that renaming or adding a
+  # library test file needs no change here.
+  select=(-m "not slow and not gpu"
+          --ignore-glob="tests/test_train*.py"
+          --ignore-glob="tests/test_data.py"
+          --ignore-glob="tests/test_notebooks.py"
+          --ignore-glob="tests/test_bench_*.py"
+          --ignore-glob="tests/test_multiprocess*.py")
+else
+  bash scripts/setup_env.sh
+  py=.venv/bin/python
+  want=0.11.2
+  select=()
+fi
+
+"$py" - "$want" <<'PY'
+import sys, jax, jaxlib
+want = sys.argv[1]
+print(f"test: jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.version.split()[0]}",
+      file=sys.stderr)
+if not (jax.__version__.startswith(want) and jaxlib.__version__.startswith(want)):
+  sys.exit(f"error: expected jax/jaxlib {want}*, found {jax.__version__}/{jaxlib.__version__}")
+PY
+exec "$py" -m pytest -q -n 2 --dist loadfile "${select[@]}" "$@"
