@@ -212,7 +212,7 @@ def probe(backend):
   """What the backend sees: platform, device kind and count, versions, and
   the tile backend that ``backend`` resolves to there."""
   import jax  # pylint: disable=import-outside-toplevel
-  from infcl_jax import tile_backend  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
   devs = jax.devices()
   stats = devs[0].memory_stats() or {}
   return dict(status="ok", platform=devs[0].platform,
@@ -220,7 +220,7 @@ def probe(backend):
               jax=jax.__version__, jaxlib=_jaxlib_version(),
               bytes_limit_gb=stats.get("bytes_limit", 0) / 1e9 or None,
               xla_flags=os.environ.get("XLA_FLAGS", ""),
-              backend=tile_backend.resolve_name(backend, devs[0].platform))
+              backend=registry.resolve(backend, "softmax", devs[0].platform))
 
 
 # ----------------------------------------------------- case isolation

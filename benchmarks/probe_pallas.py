@@ -12,52 +12,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-import traceback
+import os
+import sys
 
-import jax
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 import infcl_jax
-from infcl_jax import pallas_tiles
+from infcl_jax.backends import registry
 from infcl_jax.block_sizes import BlockSizes
+from benchmarks.probe_harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 from infcl_jax.kernels import lse_bwd
-
-RESULTS = []
-
-
-def bench(f, *args, reps=5, warmup=2):
-  for _ in range(warmup):
-    jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
-
-
-def record(name, fn):
-  try:
-    out = fn()
-    RESULTS.append((name, out))
-    print(f"{name}: {out}", flush=True)
-  except Exception as e:  # pylint: disable=broad-except
-    msg = f"FAILED {type(e).__name__}: {str(e)[:800]}"
-    RESULTS.append((name, msg))
-    print(f"{name}: {msg}", flush=True)
-    traceback.print_exc(limit=3)
-
-
-def inputs(b, d, dtype, seed=0, m=None):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(k1, (b, d), jnp.float32)
-  y = jax.random.normal(k2, (m or b, d), jnp.float32)
-  x = x / jnp.linalg.norm(x, axis=1, keepdims=True)
-  y = y / jnp.linalg.norm(y, axis=1, keepdims=True)
-  return x.astype(dtype), y.astype(dtype)
 
 
 def loss_grads(backend, bs=None, direction="both"):
@@ -92,12 +63,6 @@ def f64_reference(x, y, t, b, direction="both"):
   return loss, t * g @ y, t * g.T @ x, np.sum(g * s0), np.sum(g)
 
 
-def rel(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def check_f64(dtype, b=4096, d=768, bs=None, direction="both", m=None):
   x, y = inputs(b, d, dtype, seed=1, m=m)
   t, bias = jnp.float32(14.3), jnp.float32(-2.1)
@@ -120,7 +85,7 @@ def check_vs_xla(dtype, b, d=768):
 
 def time_fwd(b, d, dtype, bs, rows=True, cols=True):
   x, y = inputs(b, d, dtype)
-  be = pallas_tiles.PallasTiles()
+  be = registry.get("pallas", "softmax")
   f = jax.jit(lambda x, y: be.lse(x, y, 20.0, 0.0, rows=rows, cols=cols,
                                   block_sizes=bs))
   ms = bench(f, x, y)
@@ -130,7 +95,7 @@ def time_fwd(b, d, dtype, bs, rows=True, cols=True):
 
 def time_bwd(b, d, dtype, bs):
   x, y = inputs(b, d, dtype)
-  be = pallas_tiles.PallasTiles()
+  be = registry.get("pallas", "softmax")
   r, c = jax.jit(lambda x, y: be.lse(x, y, 20.0, 0.0, rows=True, cols=True,
                                      block_sizes=bs))(x, y)
   f = jax.jit(lambda x, y, r, c: be.lse_grad(x, y, 20.0, 0.0, r, c, 0.5 / b,
@@ -245,11 +210,7 @@ def main():
     for name, kw in bvariants.items():
       bs = dataclasses.replace(dflt, **kw)
       record(f"{name}_B{b}_bf16", lambda bs=bs: time_bwd(b, d, jnp.bfloat16, bs))
-  stats = jax.devices()[0].memory_stats() or {}
-  print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
-  print("\n==== SUMMARY ====")
-  for name, out in RESULTS:
-    print(f"{name:45s} {out}")
+  summary(45)
 
 
 def probe_v2(b, d):
@@ -286,11 +247,7 @@ def probe_v2(b, d):
   record("gpanel_f32", lambda: time_gpanel_only(b, d, f32, dflt32))
   record("gpanel_f32_128x256", lambda: time_gpanel_only(
       b, d, f32, rep(dflt32, bwd_block_k=256)))
-  stats = jax.devices()[0].memory_stats() or {}
-  print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
-  print("\n==== SUMMARY ====")
-  for name, out in RESULTS:
-    print(f"{name:45s} {out}")
+  summary(45)
 
 
 if __name__ == "__main__":

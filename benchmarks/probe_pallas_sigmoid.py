@@ -12,60 +12,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-import traceback
+import os
+import sys
 
-import jax
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 
 import infcl_jax
-from infcl_jax import pallas_sigmoid_tiles
+from infcl_jax.backends import registry
 from infcl_jax.block_sizes import BlockSizes
-
-RESULTS = []
-
-
-def bench(f, *args, reps=5, warmup=2):
-  for _ in range(warmup):
-    jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
-
-
-def record(name, fn):
-  try:
-    out = fn()
-  except Exception as e:  # pylint: disable=broad-except
-    out = f"FAILED {type(e).__name__}: {str(e)[:800]}"
-    traceback.print_exc(limit=3)
-  RESULTS.append((name, out))
-  print(f"{name}: {out}", flush=True)
-
-
-def inputs(b, d, dtype, seed=0):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(k1, (b, d), jnp.float32)
-  y = jax.random.normal(k2, (b, d), jnp.float32)
-  x = x / jnp.linalg.norm(x, axis=1, keepdims=True)
-  y = y / jnp.linalg.norm(y, axis=1, keepdims=True)
-  return x.astype(dtype), y.astype(dtype)
+from benchmarks.probe_harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 
 
 def loss_grads(backend, bs=None):
   def f(x, y, t, b):
     return infcl_jax.sigmoid_loss(x, y, t, b, backend=backend, block_sizes=bs)
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
-
-
-def rel(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def check_f64(dtype, b=4096, d=768):
@@ -95,7 +62,7 @@ def time_full(b, d, dtype, backend, bs=None):
 
 def time_fwd(b, d, dtype, bs):
   x, y = inputs(b, d, dtype)
-  be = pallas_sigmoid_tiles.PallasSigmoidTiles()
+  be = registry.get("pallas", "sigmoid")
   f = jax.jit(lambda x, y: be.sigmoid_sum(x, y, 10.0, -10.0, has_diagonal=True,
                                           block_sizes=bs))
   ms = bench(f, x, y)
@@ -104,7 +71,7 @@ def time_fwd(b, d, dtype, bs):
 
 def time_bwd(b, d, dtype, bs):
   x, y = inputs(b, d, dtype)
-  be = pallas_sigmoid_tiles.PallasSigmoidTiles()
+  be = registry.get("pallas", "sigmoid")
   f = jax.jit(lambda x, y: be.sigmoid_grad(x, y, 10.0, -10.0, 1.0 / b,
                                            has_diagonal=True, block_sizes=bs))
   ms = bench(f, x, y)
@@ -146,11 +113,7 @@ def main():
       bs = dataclasses.replace(dflt, **kw)
       record(f"{name}_B{b}_bf16",
              lambda bs=bs: time_bwd(b, d, jnp.bfloat16, bs))
-  stats = jax.devices()[0].memory_stats() or {}
-  print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
-  print("\n==== SUMMARY ====")
-  for name, out in RESULTS:
-    print(f"{name:40s} {out}")
+  summary(40)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from infcl_jax import sharded_contrastive_loss
-from infcl_jax import tile_backend
+from infcl_jax.backends import registry
 
 F32 = jnp.float32
 AXIS = "data"
@@ -139,8 +139,7 @@ def overlap_steps(mesh, backend, block_sizes):
     {"compute_only": jit(x, y, t), "transfer_only": jit(x, y, t)}.
   """
   n = mesh.shape[AXIS]
-  name = tile_backend.resolve_name(backend)
-  kernel = tile_backend.get_backend(name)
+  kernel = registry.get(registry.resolve(backend, "softmax"), "softmax")
   perm = [(i, (i + 1) % n) for i in range(n)]
   send = lambda a: lax.ppermute(a, AXIS, perm)
   hop = lambda a: jnp.roll(a, 1, axis=0)

@@ -5,12 +5,17 @@ Errors name the argument and its shape or dtype, so that a user who passes a
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infcl_jax import _axes
+from infcl_jax.backends import registry
+
 DIRECTIONS = ("both", "image_to_text", "text_to_image")
-BACKENDS = ("auto", "reference", "xla", "pallas")
+STRATEGIES = ("ring", "gather")
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -83,9 +88,39 @@ def check_scalar(name, value, *, allow_none=False):
   return jnp.asarray(arr)
 
 
+def backends():
+  """Every accepted ``backend=``: "auto", "reference" and the registered."""
+  return ("auto", "reference") + registry.names()
+
+
 def check_backend(backend):
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend not in backends():
+    raise ValueError(f"backend must be one of {backends()}, got {backend!r}")
+
+
+def check_strategy(strategy):
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def check_mesh_batch(mesh, axis_name, image_emb, text_emb):
+  """Validates the mesh axes and the batch split; returns the axis tuple."""
+  axes = _axes.normalize(axis_name)
+  if not axes:
+    raise ValueError("axis_name must name a mesh axis, got None")
+  unknown = [a for a in axes if a not in mesh.axis_names]
+  if unknown:
+    raise ValueError(f"unknown axis name(s) {unknown} in axis_name="
+                     f"{axis_name!r}; the mesh has axes {list(mesh.axis_names)}")
+  check_embeddings(image_emb, text_emb)
+  n_dev = math.prod(mesh.shape[a] for a in axes)
+  for name, a in (("image_emb", image_emb), ("text_emb", text_emb)):
+    if a.shape[0] % n_dev:
+      raise ValueError(
+          f"{name} has global batch {a.shape[0]} (shape {tuple(a.shape)}), "
+          f"not divisible by the {n_dev} devices of axis_name={axis_name!r}; "
+          "shard_map needs equal shards, so pad or drop rows")
+  return axes
 
 
 def check_equal_batch(image_emb, text_emb, *, loss="sigmoid"):

@@ -1,16 +1,57 @@
-"""Public entry point of the CLIP loss: validation and backend dispatch."""
+"""The public losses: argument checks, then dispatch to a loss layer.
+
+``contrastive_loss`` and ``sigmoid_loss`` take this device's arrays (the
+whole batch, or with ``axis_name`` one shard inside ``jax.shard_map``);
+``sharded_contrastive_loss`` and ``sharded_sigmoid_loss`` take globally
+sharded arrays and build the ``shard_map`` themselves. Everything below this
+module works on validated, cast arrays: ``losses/`` (one ``custom_vjp`` per
+family for 1..N devices, plus the gather strategy) over ``backends/`` (the
+tiles) over ``kernels/``.
+"""
 from __future__ import annotations
 
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from infcl_jax import _axes
 from infcl_jax import _checks
-from infcl_jax import contrastive
 from infcl_jax import reference
-from infcl_jax import sharded
-from infcl_jax import tile_backend
+from infcl_jax.backends import registry
+from infcl_jax.losses import gather
+from infcl_jax.losses import sigmoid as sigmoid_lib
+from infcl_jax.losses import softmax as softmax_lib
+
+F32 = jnp.float32
+
+_AXIS_NAME_DOC = """\
+axis_name: mesh axis name (or tuple) when called inside ``jax.shard_map``.
+      The arrays are then this device's shards, and the loss is the global
+      loss over the shards concatenated in axis order (positives: global
+      pairs (i, i)), the same on every device. Each device's gradients are
+      the exact partial derivatives of that global loss w.r.t. its own
+      shards; a replicated parameter's gradient is the SUM over devices
+      (JAX adds it under ``check_vma=True``; with ``check_vma=False`` take
+      the gradient inside the ``shard_map`` and ``psum`` it), never the
+      mean. See README, "Gradient convention"."""
+
+
+def _as_varying(axes, *arrays):
+  """Casts replicated values to device-varying over ``axes`` (see _axes)."""
+  return tuple(_axes.to_varying(a, axes) for a in arrays)
+
+
+def _gathered(x, y, axes):
+  """Invariant all-gathered copies of the shards (the "reference" backend
+  across devices): the transpose of an invariant all_gather hands each
+  device the gradient of its own slice, the tiled losses' convention."""
+  if not axes:
+    return x, y
+  return (jax.lax.all_gather(x, axes, axis=0, tiled=True, to="invarying"),
+          jax.lax.all_gather(y, axes, axis=0, tiled=True, to="invarying"))
 
 
 @functools.partial(
@@ -34,16 +75,11 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     direction: "both" (CLIP: mean of the two cross-entropies, B_x == B_y),
       "image_to_text" (B_y >= B_x; the first B_x texts are the positives) or
       "text_to_image" (B_x >= B_y; the first B_y images are the positives).
-    axis_name: mesh axis name (or tuple) when called inside ``shard_map``;
-      the arrays are then this device's shards and the loss is the global
-      loss over the shards concatenated in axis order (positives: global
-      pairs (i, i)), the same on every device. Each device's gradients are
-      the exact partial derivatives of that global loss w.r.t. its own
-      shards; a replicated parameter's gradient is the SUM over devices
-      (see ``infcl_jax.ring``), not the mean.
+    AXIS_NAME
     strategy: with ``axis_name``: "ring" (ppermute ring, O(b * D) memory
       per device) or "gather" (all-gather + reduce-scatter, O(B * D)).
-    backend: "auto", "reference", "xla" or "pallas".
+    backend: "auto", "reference" (full matrix, O(B^2)) or a registered tiled
+      backend ("xla", "pallas").
     block_sizes: optional ``BlockSizes`` for the tiled backends.
 
   Returns:
@@ -53,20 +89,168 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   dtype = _checks.check_embeddings(image_emb, text_emb)
   _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0])
   _checks.check_backend(backend)
+  _checks.check_strategy(strategy)
   scale = _checks.check_scalar("logit_scale", logit_scale)
   bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
-  x = image_emb.astype(dtype)
-  y = text_emb.astype(dtype)
-  sharded.check_strategy(strategy)
-  if axis_name is not None:
-    return sharded.shard_local_loss(
-        x, y, scale, bias, axis_name=axis_name, direction=direction,
-        strategy=strategy, backend=backend, block_sizes=block_sizes)
+  x, y = image_emb.astype(dtype), text_emb.astype(dtype)
+  axes = _axes.normalize(axis_name)
+  _axes.axis_size(axes)  # A clear error for an unbound or unknown axis.
   if backend == "reference":
+    xs, ys = _gathered(x, y, axes)
     return reference.contrastive_loss_reference(
-        x, y, scale, logit_bias=bias, direction=direction).astype(jnp.float32)
-  if bias is None:
-    bias = jnp.zeros((), jnp.float32)
-  name = tile_backend.resolve_name(backend)
-  return contrastive.tiled_contrastive_loss(x, y, scale, bias, name, direction,
-                                            block_sizes)
+        xs, ys, scale, logit_bias=bias, direction=direction).astype(F32)
+  name = registry.resolve(backend, softmax_lib.FAMILY)
+  bias = jnp.zeros((), F32) if bias is None else bias
+  scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
+                                  jnp.asarray(bias, F32), x, y)
+  # text_to_image is image_to_text with the towers swapped: the texts are
+  # the queries, the (at least as many) images the keys.
+  if direction == "text_to_image":
+    q, k, mode = y, x, "rows"
+  else:
+    q, k, mode = x, y, ("both" if direction == "both" else "rows")
+  if strategy == "gather" and axes:
+    return gather.gather_loss(q, k, scale, bias, name, mode, block_sizes, axes)
+  return softmax_lib.softmax_loss(q, k, scale, bias, name, mode, block_sizes,
+                                  axes)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("axis_name", "backend", "block_sizes"))
+def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
+                 axis_name=None, backend="auto", block_sizes=None):
+  """Exact SigLIP sigmoid loss without the B x B logit matrix.
+
+  ``L = -(1/B) sum_ij log sigmoid(z_ij * s_ij)`` with
+  ``s_ij = logit_scale * <image_emb_i, text_emb_j> + logit_bias``,
+  ``z_ij = +1`` if ``i == j`` and ``-1`` otherwise, and B the global batch.
+  The embeddings are used as given (normalize them first for cosine
+  similarities) and ``logit_scale`` is the multiplier, not its log. SigLIP
+  learns ``t'`` with ``logit_scale = exp(t')``, initialised at
+  ``t' = log 10`` and ``logit_bias = -10`` (``infcl_jax.flax`` does this).
+
+  Args:
+    image_emb: (B, D) float16 / bfloat16 / float32.
+    text_emb: (B, D), same B and D.
+    logit_scale: scalar multiplier of the logits.
+    logit_bias: scalar added to every logit (required: SigLIP learns it).
+    AXIS_NAME
+    backend: "auto", "reference" (full matrix, O(B^2) memory) or a
+      registered tiled backend ("xla", "pallas").
+    block_sizes: optional ``BlockSizes`` for the tiled backends.
+
+  Returns:
+    The scalar float32 loss. Gradients flow to the embeddings, the scale and
+    the bias; each term is computed per element with the stable identity
+    ``-log sigmoid(u) = max(-u, 0) + log1p(exp(-|u|))``.
+  """
+  dtype = _checks.check_embeddings(image_emb, text_emb)
+  _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
+  _checks.check_backend(backend)
+  scale = _checks.check_scalar("logit_scale", logit_scale)
+  bias = _checks.check_scalar("logit_bias", logit_bias)
+  x, y = image_emb.astype(dtype), text_emb.astype(dtype)
+  axes = _axes.normalize(axis_name)
+  _axes.axis_size(axes)
+  if backend == "reference":
+    xs, ys = _gathered(x, y, axes)
+    return reference.sigmoid_loss_reference(xs, ys, scale, bias).astype(F32)
+  name = registry.resolve(backend, sigmoid_lib.FAMILY)
+  scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
+                                  jnp.asarray(bias, F32), x, y)
+  return sigmoid_lib.sigmoid_loss(x, y, scale, bias, name, block_sizes, axes)
+
+
+for _f in (contrastive_loss, sigmoid_loss):
+  _f.__doc__ = _f.__doc__.replace("AXIS_NAME", _AXIS_NAME_DOC)
+
+
+# ------------------------------------------------ globally sharded arrays
+
+
+def _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias):
+  """Shards the batch over ``axes`` and runs ``local`` under shard_map."""
+  batch = P(axes[0] if len(axes) == 1 else axes)
+  if _explicit(mesh):
+    image_emb = jax.sharding.reshard(image_emb, NamedSharding(mesh, batch))
+    text_emb = jax.sharding.reshard(text_emb, NamedSharding(mesh, batch))
+  args = (image_emb, text_emb, scale) + (() if bias is None else (bias,))
+  in_specs = (batch, batch, P()) + (() if bias is None else (P(),))
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                       out_specs=P())(*args)
+
+
+def _explicit(mesh):
+  """Whether any mesh axis is in JAX's Explicit sharding mode."""
+  types = getattr(mesh, "axis_types", None) or ()
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("mesh", "axis_name", "direction", "strategy", "backend",
+                     "block_sizes"))
+def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
+                             axis_name="data", logit_bias=None,
+                             direction="both", strategy="ring",
+                             backend="auto", block_sizes=None):
+  """``contrastive_loss`` on globally sharded arrays, across the mesh.
+
+  Shards the batch dimension of both embedding arrays over ``axis_name``
+  (other mesh axes, e.g. "model", see replicated copies), runs the chosen
+  cross-device strategy under ``jax.shard_map`` and returns the replicated
+  scalar loss. The value equals ``contrastive_loss`` on the whole arrays,
+  and ``jax.grad`` of it gives the ordinary gradients of the global arrays.
+
+  Args:
+    image_emb: (B_x, D) global image embeddings (any sharding; resharded
+      over ``axis_name`` along the batch if needed).
+    text_emb: (B_y, D) global text embeddings.
+    logit_scale: scalar multiplier of the logits.
+    mesh: the ``jax.sharding.Mesh``.
+    axis_name: mesh axis name, or tuple of names, to shard the batch over.
+    logit_bias, direction, backend, block_sizes: as in ``contrastive_loss``.
+    strategy: "ring" (default) or "gather".
+
+  Returns:
+    The scalar float32 loss.
+
+  Raises:
+    ValueError: an axis name not in the mesh, or a global batch that the
+      number of devices on the axis does not divide.
+  """
+  axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
+  _checks.check_strategy(strategy)
+  _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0])
+  scale = _checks.check_scalar("logit_scale", logit_scale)
+  bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
+
+  def local(x, y, s, *b):
+    return contrastive_loss(
+        x, y, s, logit_bias=b[0] if b else None, direction=direction,
+        axis_name=axes, strategy=strategy, backend=backend,
+        block_sizes=block_sizes)
+
+  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("mesh", "axis_name", "backend", "block_sizes"))
+def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
+                         axis_name="data", backend="auto", block_sizes=None):
+  """``sigmoid_loss`` on globally sharded arrays: the SigLIP ring for you.
+
+  The value equals ``sigmoid_loss`` on the whole arrays; ``jax.grad`` of it
+  gives the ordinary gradients of the global arrays. Arguments as in
+  ``sharded_contrastive_loss`` and ``sigmoid_loss``.
+  """
+  axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
+  _checks.check_equal_batch(image_emb, text_emb)
+  scale = _checks.check_scalar("logit_scale", logit_scale)
+  bias = _checks.check_scalar("logit_bias", logit_bias)
+
+  def local(x, y, s, b):
+    return sigmoid_loss(x, y, s, b, axis_name=axes, backend=backend,
+                        block_sizes=block_sizes)
+
+  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)

@@ -31,18 +31,13 @@ import jax
 import jax.numpy as jnp
 
 from infcl_jax.api import contrastive_loss
+from infcl_jax.api import sigmoid_loss
 from infcl_jax.block_sizes import BlockSizes
 
 LOSSES = ("softmax", "sigmoid")
 _DEFAULT_LOG_SCALE = {"softmax": math.log(1 / 0.07), "sigmoid": math.log(10.0)}
 _DEFAULT_BIAS = {"softmax": 0.0, "sigmoid": -10.0}
 _DEFAULT_USE_BIAS = {"softmax": False, "sigmoid": True}
-
-
-def _sigmoid_loss():
-  # Imported lazily: the sigmoid loss is a separate module of the library.
-  from infcl_jax.sigmoid import sigmoid_loss  # pylint: disable=g-import-not-at-top
-  return sigmoid_loss
 
 
 def l2_normalize(x, eps=1e-6):
@@ -124,7 +119,7 @@ class ContrastiveLoss(nn.Module):
     if bias is None:
       # SigLIP without a learnable bias: a fixed zero bias.
       bias = jnp.zeros((), jnp.float32)
-    return _sigmoid_loss()(image_emb, text_emb, scale, bias,
+    return sigmoid_loss(image_emb, text_emb, scale, bias,
                            axis_name=self.axis_name, backend=self.backend,
                            block_sizes=self.block_sizes)
 

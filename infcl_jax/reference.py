@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from infcl_jax._math import softplus
+
 
 def logits(image_emb, text_emb, logit_scale, logit_bias=None):
   """s_ij = logit_scale * <x_i, y_j> + logit_bias, in float32 (or wider)."""
@@ -64,6 +66,4 @@ def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias):
         f"the sigmoid loss needs equal batch sizes, got image_emb with "
         f"{n_img} rows and text_emb with {n_txt} rows")
   z = jnp.where(jnp.eye(n_img, dtype=bool), 1.0, -1.0).astype(s.dtype)
-  u = -z * s
-  terms = jnp.maximum(u, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(u)))
-  return jnp.sum(terms) / n_img
+  return jnp.sum(softplus(-z * s)) / n_img

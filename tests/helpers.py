@@ -8,7 +8,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-# Relative-norm tolerances by input dtype (see device/METHOD.md): float32
+# Relative-norm tolerances by input dtype: float32
 # arithmetic lands far under 1e-4; bf16 / f16 operands near 1e-2.
 TOL = {jnp.float32: 5e-5, jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
 
@@ -84,3 +84,51 @@ def run_processes(cmds, *, env, timeout_s, cwd=None):
       outputs.append(log.read())
       log.close()
   return [p.returncode for p in procs], outputs, timed_out
+
+
+def pallas_calls(closed_jaxpr):
+  """[(name, interpret)] of every pallas_call in a jaxpr, nested ones too.
+
+  Read from the equations' parameters rather than the printed jaxpr, whose
+  format changes between JAX versions.
+  """
+  found = []
+
+  def subjaxprs(v):
+    if hasattr(v, "eqns"):
+      yield v
+    elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+      yield v.jaxpr
+    elif isinstance(v, (tuple, list)):
+      for u in v:
+        yield from subjaxprs(u)
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append((str(eqn.params["name"]), bool(eqn.params["interpret"])))
+        continue
+      for v in eqn.params.values():
+        for sub in subjaxprs(v):
+          walk(sub)
+
+  walk(closed_jaxpr.jaxpr)
+  return found
+
+
+def compiled_pallas_class():
+  """The Pallas-Triton backend as configured on a GPU, on any platform.
+
+  Registered under a test-only name, it lets a CPU trace the compiled (not
+  interpreted) kernels, e.g. under shard_map. Imported lazily, so that
+  importing this module loads no kernel code.
+  """
+  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+
+  class CompiledPallas(pallas_triton.PallasTritonBackend):
+
+    def __init__(self, platform=None):
+      del platform
+      super().__init__(platform="gpu")
+
+  return CompiledPallas

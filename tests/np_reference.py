@@ -1,4 +1,4 @@
-"""Float64 numpy references with analytic gradients (from shared MATH.md).
+"""Float64 numpy references with analytic (closed-form) gradients.
 
 Independent of JAX, so a bug in the library's reference cannot hide a bug in
 the tiled code. ``test_np_reference.py`` checks these gradients against

@@ -190,8 +190,13 @@ def test_vmap_over_problems():
 
 
 def test_jit_of_grad_and_scale_dtype_roundtrip():
+  """A bfloat16 scale gets a bfloat16 gradient with the float64 value."""
   rng = np.random.default_rng(12)
   x = rand_emb(rng, 10, 4, jnp.bfloat16)
+  y = rand_emb(rng, 10, 4, jnp.bfloat16)
   t = jnp.asarray(3.0, jnp.bfloat16)
-  g = jax.jit(jax.grad(lambda t: contrastive_loss(x, x, t)))(t)
+  g = jax.jit(jax.grad(lambda t: contrastive_loss(x, y, t)))(t)
   assert g.dtype == jnp.bfloat16
+  ref = np_reference.clip_loss_and_grads(as64(x), as64(y), 3.0)[3]
+  # One bfloat16 rounding of the float32 gradient (8 mantissa bits).
+  assert abs(float(g) - ref) <= 2**-7 * abs(ref) + 1e-6, (float(g), ref)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infcl_jax import BlockSizes, contrastive_loss, tile_backend
-from infcl_jax import pallas_tiles
+from infcl_jax import BlockSizes, contrastive_loss
+from infcl_jax.backends import registry
 from tests import np_reference
 from tests.helpers import as64, assert_rel_close, rand_emb, tol
 
@@ -43,18 +43,19 @@ def np_tile_ops(x, y, t, b, row_coef, col_coef):
   return r, c, (t * g @ y, t * g.T @ x, np.sum(g * s0), np.sum(g))
 
 
-def _loss_and_grads(x, y, t, b, direction, block_sizes):
+def _loss_and_grads(x, y, t, b, direction, block_sizes, backend="pallas"):
   def f(x, y, t, b):
     return contrastive_loss(x, y, t, logit_bias=b, direction=direction,
-                            backend="pallas", block_sizes=block_sizes)
+                            backend=backend, block_sizes=block_sizes)
   val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, y, t, b)
   return (val,) + grads
 
 
-def check_loss(x, y, t, b, direction, dtype, block_sizes, rtol=None):
-  """Loss and all four grads of backend="pallas" vs float64 numpy."""
+def check_loss(x, y, t, b, direction, dtype, block_sizes, rtol=None,
+               backend="pallas"):
+  """Loss and all four grads of a tiled backend vs float64 numpy."""
   val, dx, dy, dt, db = _loss_and_grads(x, y, jnp.float32(t), jnp.float32(b),
-                                        direction, block_sizes)
+                                        direction, block_sizes, backend)
   assert val.dtype == jnp.float32 and dx.dtype == x.dtype
   ref = np_reference.clip_loss_and_grads(as64(x), as64(y), t, b, direction)
   r = rtol or tol(dtype)
@@ -72,12 +73,17 @@ def check_loss(x, y, t, b, direction, dtype, block_sizes, rtol=None):
 
 
 class TestPallasSoftmaxInterpret:
+  """The softmax contract of a kernel backend. A new kernel backend
+  subclasses this with its NAME (and BLOCKS), and a GPU twin with
+  INTERPRET = False."""
+  NAME = "pallas"
   INTERPRET = True
   BLOCKS = TINY
 
   def backend(self):
     # Interpret mode on any platform when INTERPRET; compiled otherwise.
-    return pallas_tiles.PallasTiles(platform="cpu" if self.INTERPRET else "gpu")
+    return registry.get(self.NAME, "softmax",
+                        platform="cpu" if self.INTERPRET else "gpu")
 
   @pytest.mark.parametrize("dtype", DTYPES)
   def test_seam_lse_and_grad(self, dtype):
@@ -134,7 +140,8 @@ class TestPallasSoftmaxInterpret:
   def test_loss_matches_float64(self, bx, by, d, direction, dtype):
     rng = np.random.default_rng(bx * 1000 + by)
     x, y = rand_emb(rng, bx, d, dtype), rand_emb(rng, by, d, dtype)
-    check_loss(x, y, 14.3, 0.4, direction, dtype, self.BLOCKS)
+    check_loss(x, y, 14.3, 0.4, direction, dtype, self.BLOCKS,
+               backend=self.NAME)
 
   @pytest.mark.parametrize("single_exp", [True, False])
   def test_extreme_logits_take_exact_path(self, single_exp):
@@ -154,14 +161,14 @@ class TestPallasSoftmaxInterpret:
     y /= np.linalg.norm(y, axis=1, keepdims=True)
     bs = dataclasses.replace(self.BLOCKS, single_exp=single_exp)
     check_loss(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32),
-               100.0, -5.0, "both", jnp.float32, bs)
+               100.0, -5.0, "both", jnp.float32, bs, backend=self.NAME)
 
   def test_default_blocks_and_one_panel(self):
     """The platform's default BlockSizes (None) and a single panel."""
     rng = np.random.default_rng(3)
     x, y = rand_emb(rng, 33, 24, jnp.float32), rand_emb(rng, 33, 24, jnp.float32)
     bs = None if self.INTERPRET else TINY
-    check_loss(x, y, 8.0, 0.0, "both", jnp.float32, bs)
+    check_loss(x, y, 8.0, 0.0, "both", jnp.float32, bs, backend=self.NAME)
 
   def test_nan_input_gives_nan(self):
     rng = np.random.default_rng(4)
@@ -169,7 +176,8 @@ class TestPallasSoftmaxInterpret:
     x[3, 2] = np.nan
     y = rand_emb(rng, 20, 8, jnp.float32)
     val, dx, _, dt, _ = _loss_and_grads(jnp.asarray(x), y, jnp.float32(5.0),
-                                        jnp.float32(0.0), "both", self.BLOCKS)
+                                        jnp.float32(0.0), "both", self.BLOCKS,
+                                        self.NAME)
     assert np.isnan(float(val))
     assert np.isnan(np.asarray(dx)).any() and np.isnan(float(dt))
 
@@ -189,30 +197,30 @@ class TestPallasSoftmaxGpu(TestPallasSoftmaxInterpret):
     x, y = rand_emb(rng, 4096, 768, dtype), rand_emb(rng, 4096, 768, dtype)
     bs = dataclasses.replace(BlockSizes.get_default("pallas", "gpu", dtype),
                              f32_precision=f32_precision)
-    check_loss(x, y, 14.3, -2.0, "both", dtype, bs, rtol=rtol)
+    check_loss(x, y, 14.3, -2.0, "both", dtype, bs, rtol=rtol,
+               backend=self.NAME)
 
   def test_b65536_matches_xla(self):
     rng = np.random.default_rng(6)
     x = rand_emb(rng, 65536, 768, jnp.bfloat16)
     y = rand_emb(rng, 65536, 768, jnp.bfloat16)
     out = {}
-    for backend in ("pallas", "xla"):
+    for backend in (self.NAME, "xla"):
       def f(x, y, t, b, backend=backend):
         return contrastive_loss(x, y, t, logit_bias=b, backend=backend)
       out[backend] = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
           x, y, jnp.float32(20.0), jnp.float32(0.5))
-    (vp, gp), (vx, gx) = out["pallas"], out["xla"]
+    (vp, gp), (vx, gx) = out[self.NAME], out["xla"]
     assert_rel_close(vp, np.asarray(vx), rtol=1e-5, what="loss")
     for a, e, what in zip(gp[:3], gx[:3], ("dx", "dy", "dscale")):
       assert_rel_close(a, np.asarray(jnp.asarray(e, jnp.float32)),
                        rtol=2e-3, what=what)
 
 
-def test_registry_and_auto_on_cpu():
-  """The factory builds on any platform; "auto" never picks Pallas on CPU."""
-  be = tile_backend.get_backend("pallas", "softmax")
-  assert be.name == "pallas"
-  assert tile_backend.resolve_name("auto", "cpu") == "xla"
+def test_auto_never_picks_pallas_on_cpu():
+  """The backend builds on any platform; "auto" never picks it on CPU."""
+  assert registry.get("pallas", "softmax", platform="cpu").interpret
+  assert registry.resolve("auto", "softmax", platform="cpu") == "xla"
 
 
 def test_block_sizes_validation():
@@ -232,12 +240,25 @@ def test_block_sizes_validation():
   assert BlockSizes.get_default("xla", "gpu") == BlockSizes(2048, 8192)
 
 
-def test_int32_index_limit_is_an_error():
-  """Arrays past Triton's int32 indexing fail loudly, not silently wrong."""
-  be = pallas_tiles.PallasTiles(platform="cpu")
+@pytest.mark.parametrize("family", ["softmax", "sigmoid"])
+def test_int32_index_limit_is_the_same_error_in_both_families(family):
+  """Arrays past Triton's int32 indexing fail loudly, not silently wrong, in
+  the forward and the backward of both families, with one message."""
+  be = registry.get("pallas", family, platform="cpu")
   big = jax.ShapeDtypeStruct((3_000_000, 768), jnp.bfloat16)
-  with pytest.raises(ValueError, match="image_emb has 2304000000 elements"):
-    jax.eval_shape(lambda x: be.lse(x, x, 1.0, 0.0, rows=True, cols=True), big)
+  r = jax.ShapeDtypeStruct((3_000_000,), jnp.float32)
+  if family == "softmax":
+    fwd = lambda x: be.lse(x, x, 1.0, 0.0, rows=True, cols=True)
+    bwd = lambda x, r: be.lse_grad(x, x, 1.0, 0.0, r, r, 0.5, 0.5)
+  else:
+    fwd = lambda x: be.sigmoid_sum(x, x, 1.0, 0.0, has_diagonal=True)
+    bwd = lambda x, r: be.sigmoid_grad(x, x, 1.0, 0.0, 1.0, has_diagonal=True)
+  msg = (r"backend='pallas': image_emb has 2304000000 elements \(padded\), "
+         r"over the 2\*\*31")
+  with pytest.raises(ValueError, match=msg):
+    jax.eval_shape(fwd, big)
+  with pytest.raises(ValueError, match=msg):
+    jax.eval_shape(bwd, big, r)
 
 
 def test_f32_precision_follows_jax_matmul_precision_switch():

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
-from infcl_jax import pallas_sigmoid_tiles
+from infcl_jax import BlockSizes, sigmoid_loss
+from infcl_jax.backends import registry
 from infcl_jax.kernels import sigmoid_fwd
 
 from tests import np_reference
@@ -59,8 +59,8 @@ def check_tile_ops(be, x, y, t, b, coef, has_diagonal, bs, rtol, loss_rtol):
     assert_rel_close(g, r, rtol=rt, atol=atol, what=name)
 
 
-def check_loss(x, y, t, b, bs, rtol, loss_rtol):
-  f = lambda x, y, t, b: sigmoid_loss(x, y, t, b, backend="pallas",
+def check_loss(x, y, t, b, bs, rtol, loss_rtol, backend="pallas"):
+  f = lambda x, y, t, b: sigmoid_loss(x, y, t, b, backend=backend,
                                       block_sizes=bs)
   val, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(
       x, y, jnp.float32(t), jnp.float32(b))
@@ -81,15 +81,20 @@ def check_loss(x, y, t, b, bs, rtol, loss_rtol):
 # ------------------------------------------------------------ interpret mode
 
 class TestPallasSigmoidInterpret:
-  """The kernels through the interpreter: runs on CPU (and anywhere)."""
+  """The kernels through the interpreter: runs on CPU (and anywhere).
 
+  The sigmoid contract of a kernel backend: a new kernel backend subclasses
+  this with its NAME, and a GPU twin with INTERPRET = False.
+  """
+
+  NAME = "pallas"
   INTERPRET = True
   bs = TINY
 
   def backend(self):
     # platform="cpu" is what selects interpret=True.
-    return pallas_sigmoid_tiles.PallasSigmoidTiles(
-        platform="cpu" if self.INTERPRET else "gpu")
+    return registry.get(self.NAME, "sigmoid",
+                        platform="cpu" if self.INTERPRET else "gpu")
 
   @pytest.mark.parametrize("n,m,d,dtype,has_diagonal,t,b", [
       (37, 37, 19, jnp.float32, True, 10.0, -10.0),
@@ -273,8 +278,8 @@ def test_memory_is_linear_in_batch():
 
 
 def test_pallas_is_registered_for_sigmoid():
-  be = tile_backend.get_backend("pallas", "sigmoid")
-  assert isinstance(be, pallas_sigmoid_tiles.PallasSigmoidTiles)
+  be = registry.get("pallas", "sigmoid")
+  assert be.name == "pallas" and "sigmoid" in be.families
   assert be.interpret == (not ON_GPU)
 
 
@@ -297,7 +302,7 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
     x, y = rand_emb(rng, 4096, 768, dtype), rand_emb(rng, 4096, 768, dtype)
     f32 = dtype == jnp.float32
     check_loss(x, y, 10.0, -10.0, None, rtol=2e-2 if f32 else tol(dtype),
-               loss_rtol=1e-2 if f32 else 1e-4)
+               loss_rtol=1e-2 if f32 else 1e-4, backend=self.NAME)
 
   def test_b4096_float32_highest_matches_float64(self):
     rng = np.random.default_rng(42)
@@ -306,7 +311,8 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
     bs = dataclasses.replace(
         BlockSizes.get_default("pallas", "gpu", jnp.float32),
         f32_precision="highest")
-    check_loss(x, y, 14.3, -2.1, bs, rtol=1e-4, loss_rtol=2e-5)
+    check_loss(x, y, 14.3, -2.1, bs, rtol=1e-4, loss_rtol=2e-5,
+               backend=self.NAME)
 
   def test_odd_rectangular_off_diagonal_tile(self):
     # A ring-like tile (no positives, n != m, odd D) with the defaults.
@@ -326,7 +332,7 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
       f = lambda x, y, t, b: sigmoid_loss(x, y, t, b, backend=backend)
       return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, y, t, b)
 
-    (vp, gp), (vx, gx) = run("pallas"), run("xla")
+    (vp, gp), (vx, gx) = run(self.NAME), run("xla")
     # xla keeps float32 matmuls at "highest"; pallas defaults to TF32.
     assert_rel_close(vp, as64(vx), rtol=1e-2 if dtype == jnp.float32 else 1e-4,
                      what="loss")

@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 
 import infcl_jax
 from infcl_jax import BlockSizes, contrastive_loss, sharded_contrastive_loss
-from infcl_jax import pallas_tiles, sharded, tile_backend
+from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import as64, assert_rel_close, rand_emb, tol
+from tests.helpers import (as64, assert_rel_close, compiled_pallas_class,
+                           pallas_calls, rand_emb, tol)
 
 # Tiles smaller than a shard, so that padded and multi-tile paths run.
 TILES = BlockSizes(block_q=4, block_k=8)
@@ -195,8 +196,6 @@ def test_pallas_backend_through_the_ring(strategy):
   """The strategies only call the tile seam, so the Pallas tiles (interpret
   mode on CPU) plug in unchanged, inside shard_map's default check_vma=True
   (replicated inputs' grads summed by the type system)."""
-  if not infcl_jax._tile_backend.available("pallas"):
-    pytest.skip("no Pallas backend here")
   mesh = mesh_of(2)
   rng = np.random.default_rng(2)
   # Odd shards of 21 rows, D = 20: several row / column blocks, D steps and
@@ -234,26 +233,24 @@ def test_compiled_pallas_grad_traces_inside_shard_map(strategy, monkeypatch):
   "pallas" is reused, and monkeypatch removes it afterwards.
   """
   name = "pallas_compiled_for_test"
-  monkeypatch.setitem(tile_backend._REGISTRY, (name, "softmax"),
-                      lambda: pallas_tiles.PallasTiles(platform="gpu"))
-  assert not tile_backend.get_backend(name).interpret
+  monkeypatch.setitem(registry._TABLE, name, compiled_pallas_class())
+  assert not registry.get(name, "softmax").interpret
   mesh = mesh_of(2)
   x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.bfloat16)
   t = jax.ShapeDtypeStruct((), jnp.float32)
 
   def local_loss(x, y, t, b):
-    return sharded.shard_local_loss(
-        x, y, t, b, axis_name="data", direction="both", strategy=strategy,
-        backend=name, block_sizes=None)
+    return contrastive_loss(x, y, t, logit_bias=b, axis_name="data",
+                            strategy=strategy, backend=name)
 
   step = jax.shard_map(
       jax.grad(local_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
       in_specs=(P("data"), P("data"), P(), P()),
       out_specs=(P("data"), P("data"), P(), P()))
-  jaxpr = str(jax.make_jaxpr(step)(x, x, t, t))
-  # Both kernels were traced, compiled: no interpreter in the jaxpr.
-  assert "infcl_lse_fwd" in jaxpr and "infcl_lse_bwd_panel" in jaxpr
-  assert "interpret=False" in jaxpr and "interpret=True" not in jaxpr
+  calls = pallas_calls(jax.make_jaxpr(step)(x, x, t, t))
+  # Both kernels were traced, compiled: no interpreter.
+  assert {n for n, _ in calls} == {"infcl_lse_fwd", "infcl_lse_bwd_panel"}
+  assert not any(interpret for _, interpret in calls), calls
 
 
 # --- Errors -----------------------------------------------------------------

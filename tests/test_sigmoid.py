@@ -1,21 +1,19 @@
 """The tiled SigLIP sigmoid loss against a float64 numpy reference.
 
-The numpy reference below has the analytic gradients of shared MATH.md
-(G_ij = -z_ij * sigmoid(-z_ij * s_ij) / B), and is itself checked once
+The numpy reference (tests/np_reference.py) has the analytic gradients
+G_ij = -z_ij * sigmoid(-z_ij * s_ij) / B, and is itself checked once
 against central finite differences and against JAX x64 autodiff of
 ``infcl_jax.reference.sigmoid_loss_reference``.
 """
-import sys
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
+from infcl_jax import BlockSizes, sigmoid_loss
+from infcl_jax import _math
 from infcl_jax import reference
-from infcl_jax import xla_sigmoid_tiles
+from infcl_jax.backends import registry
 from tests import np_reference
 from tests.helpers import as64, assert_rel_close, rand_emb
 
@@ -29,7 +27,7 @@ TOL = {jnp.float32: 5e-5, jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
 # ---------------------------------------------------------------- reference
 
 def np_sigmoid_loss_and_grads(x, y, t, b, has_diagonal=True):
-  """(loss, dx, dy, dt, db) in float64, from MATH.md's closed forms.
+  """(loss, dx, dy, dt, db) in float64, from the closed forms.
 
   With ``has_diagonal=False`` every pair is a negative and the "loss" is the
   plain sum (no 1/B), matching the tile op ``sigmoid_sum``.
@@ -211,7 +209,7 @@ def test_tiny_loss_keeps_relative_accuracy(dtype):
     _assert_rel_close(dy, ref[2], rtol=r, what="d text")
   # A float16 d image of ~2e-9 cannot exist (it rounds to 0 when cast to
   # the input dtype), but the tile op returns float32 and must keep it.
-  kernel = tile_backend.get_backend("xla", "sigmoid")
+  kernel = registry.get("xla", "sigmoid")
   gx, gy, _, _ = kernel.sigmoid_grad(x, y, t, b, jnp.float32(1.0 / n),
                                      has_diagonal=True,
                                      block_sizes=SMALL_TILES)
@@ -244,7 +242,7 @@ def test_tile_ops_without_diagonal_on_rectangular_block_pair():
   # The ring's off-diagonal tiles: every pair negative, n != m.
   rng = np.random.default_rng(9)
   x, y = _rand_emb(rng, 13, 5, jnp.float32), _rand_emb(rng, 29, 5, jnp.float32)
-  kernel = tile_backend.get_backend("xla", "sigmoid")
+  kernel = registry.get("xla", "sigmoid")
   t, b, coef = jnp.float32(10.0), jnp.float32(-3.0), jnp.float32(0.25)
   ref = np_sigmoid_loss_and_grads(_as64(x), _as64(y), 10.0, -3.0,
                                   has_diagonal=False)
@@ -268,7 +266,7 @@ def test_tile_ops_inside_shard_map():
   mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
   rng = np.random.default_rng(12)
   x, y = _rand_emb(rng, 21, 5, jnp.float32), _rand_emb(rng, 21, 5, jnp.float32)
-  kernel = tile_backend.get_backend("xla", "sigmoid")
+  kernel = registry.get("xla", "sigmoid")
   tiles = BlockSizes(block_q=8, block_k=16)
 
   def f(x, y, t, b):
@@ -289,12 +287,12 @@ def test_tile_ops_inside_shard_map():
 
 def test_softplus_is_stable():
   u = jnp.asarray([-80.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 1000.0])
-  got = np.asarray(xla_sigmoid_tiles.softplus(u), np.float64)
+  got = np.asarray(_math.softplus(u), np.float64)
   want = np.logaddexp(0.0, np.asarray(u, np.float64))
   np.testing.assert_allclose(got, want, rtol=1e-6)
   # Far below f32's range it is 0, never NaN; far above it is u itself.
   np.testing.assert_array_equal(
-      np.asarray(xla_sigmoid_tiles.softplus(jnp.asarray([-1e4, 1e30]))),
+      np.asarray(_math.softplus(jnp.asarray([-1e4, 1e30]))),
       np.asarray([0.0, 1e30], np.float32))
 
 
@@ -336,39 +334,6 @@ def test_vmap_over_batch_of_problems():
     _assert_rel_close(vals[k], ref[0], rtol=5e-5, what="loss")
     _assert_rel_close(dxs[k], ref[1], rtol=5e-5, what="d image")
     _assert_rel_close(dts[k], ref[3], rtol=1e-4, what="d scale")
-
-
-def test_pallas_without_sigmoid_kernels_is_a_clear_error(monkeypatch):
-  monkeypatch.delitem(tile_backend._REGISTRY, ("pallas", "sigmoid"),
-                      raising=False)
-  x = jnp.ones((11, 3), jnp.float32)  # A shape no other test traces.
-  with pytest.raises(NotImplementedError, match="pallas.*sigmoid"):
-    sigmoid_loss(x, x, 1.0, 0.0, backend="pallas")
-
-
-def test_axis_name_dispatches_to_sigmoid_ring(monkeypatch):
-  calls = []
-
-  def fake_ring(x, y, scale, bias, *, axis_name, backend, block_sizes):
-    calls.append((x.shape, axis_name, backend, block_sizes))
-    return jnp.sum(x) * 0 + 42.0
-
-  fake = types.ModuleType("infcl_jax.sigmoid_ring")
-  fake.ring_sigmoid_loss = fake_ring
-  monkeypatch.setitem(sys.modules, "infcl_jax.sigmoid_ring", fake)
-  x = jnp.ones((12, 3), jnp.float32)  # A shape no other test traces.
-  out = sigmoid_loss(x, x, 1.0, 0.0, axis_name="data", backend="xla",
-                     block_sizes=SMALL_TILES)
-  assert float(out) == 42.0
-  assert calls == [((12, 3), "data", "xla", SMALL_TILES)]
-
-
-def test_axis_name_without_ring_module_is_a_clear_error(monkeypatch):
-  # None in sys.modules makes the import fail as if the module were absent.
-  monkeypatch.setitem(sys.modules, "infcl_jax.sigmoid_ring", None)
-  x = jnp.ones((13, 3), jnp.float32)
-  with pytest.raises(NotImplementedError, match="sigmoid_ring"):
-    sigmoid_loss(x, x, 1.0, 0.0, axis_name="data")
 
 
 # ------------------------------------------------------------- bad inputs

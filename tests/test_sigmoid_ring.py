@@ -1,7 +1,7 @@
 """The SigLIP sigmoid loss across 1-8 devices (the sigmoid ring) vs float64.
 
 The reference is the single-device loss on the gathered batch (the shards
-concatenated in axis order), with MATH.md's closed-form gradients.
+concatenated in axis order), with the closed-form float64 gradients.
 """
 import jax
 import jax.numpy as jnp
@@ -10,10 +10,11 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from infcl_jax import BlockSizes, sigmoid_loss, tile_backend
-from infcl_jax import pallas_sigmoid_tiles, sigmoid_ring
+from infcl_jax import BlockSizes, sigmoid_loss
+from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import as64, assert_rel_close, rand_emb, tol
+from tests.helpers import (as64, assert_rel_close, compiled_pallas_class,
+                           pallas_calls, rand_emb, tol)
 
 TILES = BlockSizes(block_q=4, block_k=8)
 
@@ -110,8 +111,6 @@ def test_reference_backend_across_devices():
 def test_pallas_sigmoid_through_the_ring():
   """Pallas sigmoid tiles (interpret mode on CPU) through the same ring,
   inside shard_map's default check_vma=True."""
-  if not tile_backend.available("pallas", "sigmoid"):
-    pytest.skip("no Pallas sigmoid backend here")
   mesh = mesh_of(2)
   rng = np.random.default_rng(3)
   x = rand_emb(rng, 16, 16, jnp.float32)
@@ -143,25 +142,24 @@ def test_compiled_pallas_grad_traces_inside_shard_map(monkeypatch):
   name (no cached "pallas" trace is reused); monkeypatch removes it.
   """
   name = "pallas_compiled_for_test"
-  monkeypatch.setitem(
-      tile_backend._REGISTRY, (name, "sigmoid"),
-      lambda: pallas_sigmoid_tiles.PallasSigmoidTiles(platform="gpu"))
-  assert not tile_backend.get_backend(name, "sigmoid").interpret
+  monkeypatch.setitem(registry._TABLE, name, compiled_pallas_class())
+  assert not registry.get(name, "sigmoid").interpret
   mesh = mesh_of(2)
   x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.float16)
   t = jax.ShapeDtypeStruct((), jnp.float32)
 
   def local_loss(x, y, t, b):
-    return sigmoid_ring.ring_sigmoid_loss(x, y, t, b, axis_name="data",
-                                          backend=name, block_sizes=None)
+    return sigmoid_loss(x, y, t, b, axis_name="data", backend=name)
 
   step = jax.shard_map(
       jax.grad(local_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
       in_specs=(P("data"), P("data"), P(), P()),
       out_specs=(P("data"), P("data"), P(), P()))
-  jaxpr = str(jax.make_jaxpr(step)(x, x, t, t))
-  assert "infcl_sigmoid_fwd" in jaxpr and "infcl_sigmoid_bwd_g" in jaxpr
-  assert "interpret=False" in jaxpr and "interpret=True" not in jaxpr
+  calls = pallas_calls(jax.make_jaxpr(step)(x, x, t, t))
+  # float16: the max pre-pass, the panel and the forward, all compiled.
+  assert {n for n, _ in calls} == {"infcl_sigmoid_fwd", "infcl_sigmoid_bwd_max",
+                                   "infcl_sigmoid_bwd_g"}, calls
+  assert not any(interpret for _, interpret in calls), calls
 
 
 def test_nan_gives_nan():

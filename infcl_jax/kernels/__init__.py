@@ -6,7 +6,6 @@ sweep). ``lse_bwd``: the softmax backward's probability-panel kernel.
 ``tile_dot``: the logit tile they all start from. ``interpret_vma``: runs a
 kernel body so that interpret mode works inside ``shard_map``.
 All lower through Pallas' Triton backend on GPU and run with
-``interpret=True`` elsewhere. ``infcl_jax.pallas_tiles`` and
-``infcl_jax.pallas_sigmoid_tiles`` wire them into the tile seam; a Mosaic GPU
-version would be a sibling module here.
+``interpret=True`` elsewhere. ``infcl_jax.backends.pallas_triton`` wires
+them into the tile seam; the Mosaic GPU kernels live in ``mosaic/``.
 """

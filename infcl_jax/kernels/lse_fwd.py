@@ -38,19 +38,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax._axes import out_struct
+from infcl_jax._math import LOG2E
+from infcl_jax._math import safe_max as _safe
 from infcl_jax.kernels import interpret_vma
 from infcl_jax.kernels import tile_dot
-from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _MIN_SUM = 2.0**-64
-
-
-def _safe(m):
-  """A max usable as a shift: -inf (a fully masked row or column) becomes 0."""
-  return jnp.where(m == -jnp.inf, 0.0, m)
 
 
 def _kernel(*refs, interpret, **kw):

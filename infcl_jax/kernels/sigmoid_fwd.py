@@ -31,16 +31,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from infcl_jax._axes import out_struct
+from infcl_jax._math import softplus
 from infcl_jax.kernels import interpret_vma
 from infcl_jax.kernels import tile_dot
-from infcl_jax.tile_backend import out_struct
 
 F32 = jnp.float32
-
-
-def softplus(u):
-  """log(1 + e^u), stable for any u; e^u to full precision for u << 0."""
-  return jnp.maximum(u, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(u)))
 
 
 def _kernel(*refs, interpret, **kw):

@@ -1,7 +1,7 @@
 """The exact CLIP loss across devices by gathering the keys (DisCo-CLIP style).
 
 Runs inside ``jax.shard_map``, with the same shards, global batch,
-positives and gradient convention as ``ring.py`` (read its docstring).
+positives and gradient convention as the ring (``losses.softmax``).
 
 Forward: one ``all_gather`` of the key shards (B_k x D per device), then the
 local b_q x B_k rows through the tile backend in one sweep. That sweep gives
@@ -33,48 +33,43 @@ import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import _axes
-from infcl_jax import contrastive
-from infcl_jax import tile_backend
+from infcl_jax import _math
+from infcl_jax.backends import registry
+from infcl_jax.losses import terms
 
 F32 = jnp.float32
-
-
-def _weights(mode, n_q, n_k):
-  direction = "both" if mode == "both" else "image_to_text"
-  return contrastive.direction_weights(direction, n_q, n_k)
+FAMILY = "softmax"
 
 
 def _global_lse(partial_lse, axes):
   """log sum_devices exp(partial_lse), elementwise, stable."""
-  m = lax.pmax(partial_lse, axes)
-  shift = jnp.where(m == -jnp.inf, 0.0, m)
+  shift = _math.safe_max(lax.pmax(partial_lse, axes))
   return shift + jnp.log(lax.psum(jnp.exp(partial_lse - shift), axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def gather_loss(q, k, scale, bias, backend, mode, block_sizes, axes):
-  """Global CLIP loss by all-gather; arguments as ``ring.ring_loss``."""
+  """Global CLIP loss by all-gather; arguments as ``softmax.softmax_loss``."""
   loss, _ = _fwd(q, k, scale, bias, backend, mode, block_sizes, axes)
   return loss
 
 
-def _positive_keys(keys, me, b_q):
-  """The gathered keys of the local queries' positives (global i <-> i)."""
-  return lax.dynamic_slice_in_dim(keys, me * b_q, b_q, axis=0)
+def _positives(keys, me, b_q):
+  """(idx, valid) of the local queries' positives among the gathered keys."""
+  return terms.shard_positives(me, 0, b_q, keys.shape[0])
 
 
 def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
-  kernel = tile_backend.get_backend(backend)
+  tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
   b_q = q.shape[0]
   cols = mode == "both"
-  row_w, col_w, pos_w = _weights(mode, n_dev * b_q, n_dev * k.shape[0])
+  row_w, col_w, pos_w = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
-  row, col_part = kernel.lse(q, keys, scale, bias, rows=True, cols=cols,
+  row, col_part = tiles.lse(q, keys, scale, bias, rows=True, cols=cols,
                              block_sizes=block_sizes)
-  k_pos = _positive_keys(keys, me, b_q).astype(F32)
-  pos = scale * jnp.sum(q.astype(F32) * k_pos) + bias * b_q
+  pos, _ = terms.positive_sum(q, keys, scale, bias, *_positives(keys, me, b_q))
   loss = lax.psum(row_w * jnp.sum(row) - pos_w * pos, axes)
   col = None
   if cols:
@@ -85,23 +80,22 @@ def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
 
 def _bwd(backend, mode, block_sizes, axes, res, g):
   q, k, scale, bias, row, col = res
-  kernel = tile_backend.get_backend(backend)
+  tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
   b_q = q.shape[0]
-  row_w, col_w, pos_w = _weights(mode, n_dev * b_q, n_dev * k.shape[0])
+  row_w, col_w, pos_w = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
   g = g.astype(F32)
   w_pos = g * pos_w
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
-  dq, dkeys, dsc, dbi = kernel.lse_grad(q, keys, scale, bias, row, col,
+  dq, dkeys, dsc, dbi = tiles.lse_grad(q, keys, scale, bias, row, col,
                                         g * row_w, g * col_w,
                                         block_sizes=block_sizes)
-  k_pos = _positive_keys(keys, me, b_q).astype(F32)
-  q32 = q.astype(F32)
-  dq = dq - (w_pos * scale) * k_pos
-  dkeys = dkeys.at[me * b_q + jnp.arange(b_q)].add(-(w_pos * scale) * q32)
-  dsc = dsc - w_pos * jnp.sum(q32 * k_pos)
-  dbi = dbi - w_pos * b_q
+  idx, valid = _positives(keys, me, b_q)
+  _, k_rows = terms.positive_sum(q, keys, scale, bias, idx, valid)
+  pq, pk, psc, pbi = terms.positive_grads(q, keys, scale, w_pos, k_rows, idx,
+                                          valid)
+  dq, dkeys, dsc, dbi = dq + pq, dkeys + pk, dsc + psc, dbi + pbi
   dk = lax.psum_scatter(dkeys, axes, scatter_dimension=0, tiled=True)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dsc.astype(scale.dtype),
           dbi.astype(bias.dtype))

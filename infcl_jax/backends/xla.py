@@ -1,0 +1,280 @@
+"""Portable tiled backend (``backend="xla"``): both families in plain XLA.
+
+Runs on any JAX platform. Two nested ``lax.scan`` loops walk the tiles: the
+outer one over row blocks of x, the inner one over column blocks of y. Only a
+(block_q, block_k) tile of logits exists at a time; the row statistics of the
+current row block and the column statistics of all columns (O(B)) are
+carried. The backward of both families is one sweep (``_grad_sweep``) that
+recomputes each tile once and differs only in how a tile of G is formed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from infcl_jax import _axes
+from infcl_jax import _math
+from infcl_jax.block_sizes import BlockSizes
+
+F32 = jnp.float32
+
+
+def matmul_precision(dtype):
+  # float32 inputs must not silently drop to TF32 on GPU: the tests hold f32
+  # to ~1e-5. bf16/f16 inputs already run on the tensor cores at full rate.
+  if jnp.dtype(dtype) == jnp.float32:
+    return lax.Precision.HIGHEST
+  return lax.Precision.DEFAULT
+
+
+def _blocks(a, block):
+  """Zero-pads the rows of ``a`` to a multiple of ``block`` and splits them."""
+  n, d = a.shape
+  nb = -(-n // block)
+  pad = nb * block - n
+  if pad:
+    a = jnp.pad(a, ((0, pad), (0, 0)))
+  valid = (jnp.arange(nb * block) < n).reshape(nb, block)
+  return a.reshape(nb, block, d), valid
+
+
+def _vec_blocks(v, block, fill):
+  n = v.shape[0]
+  nb = -(-n // block)
+  return jnp.pad(v, (0, nb * block - n), constant_values=fill).reshape(nb, block)
+
+
+def _dot(a, b, contract, precision):
+  """a . b over the ``contract`` dims, float32 accumulation."""
+  return lax.dot_general(a, b, (contract, ((), ())),
+                         preferred_element_type=F32, precision=precision)
+
+
+def _positive_mask(rb, kb, bq, bk):
+  """Where the global row index equals the global column index in a tile."""
+  rows = rb * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  cols = kb * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  return rows == cols
+
+
+def check_diagonal(has_diagonal, n, m):
+  if has_diagonal and n != m:
+    raise ValueError(
+        "has_diagonal=True needs square block pairs (positives at i == j), "
+        f"got x with {n} rows and y with {m} rows")
+
+
+def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
+                rescale=False):
+  """sum over tiles of (G y, G^T x, sum G * x y^T, sum G), G recomputed.
+
+  ``tile_g(rb, kb, s, r_blk, c_blk)`` forms a float32 tile of G from the
+  logits (padding is masked here). ``row_vec`` / ``col_vec`` are optional
+  per-row / per-column float32 vectors handed to it blockwise. ``rescale``
+  divides each tile by its largest |G| before the cast to the input dtype
+  and multiplies back after the float32-accumulated matmul: float16 has 5
+  exponent bits, and a tile of tiny G (a tiny loss) would flush to zero.
+  The caller applies the scale and its coefficients to the results.
+  """
+  n, m = x.shape[0], y.shape[0]
+  d = x.shape[1]
+  bq, bk = min(bs.block_q, n), min(bs.block_k, m)
+  prec = matmul_precision(x.dtype)
+  g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
+  xb, row_valid = _blocks(x, bq)
+  yb, col_valid = _blocks(y, bk)
+  nk = yb.shape[0]
+  r_in = (_vec_blocks(row_vec, bq, jnp.inf) if row_vec is not None
+          else jnp.zeros(xb.shape[:2], F32))
+  c_in = (_vec_blocks(col_vec, bk, jnp.inf) if col_vec is not None
+          else jnp.zeros(yb.shape[:2], F32))
+
+  def row_block(carry, inputs):
+    dy, dsc, dbi = carry
+    rb, x_blk, rv, r_blk = inputs
+
+    def col_block(carry, inputs):
+      dx, dy, dsc, dbi = carry
+      kb, y_blk, cv, c_blk = inputs
+      s0 = _dot(x_blk, y_blk, ((1,), (1,)), prec)
+      g = tile_g(rb, kb, scale * s0 + bias, r_blk, c_blk)
+      g = jnp.where(rv[:, None] & cv[None, :], g, 0.0)
+      dsc = dsc + jnp.sum(g * s0)
+      dbi = dbi + jnp.sum(g)
+      g_max = 1.0
+      if rescale:
+        g_max = jnp.max(jnp.abs(g))
+        # An all-zero tile keeps factor 1; a NaN max stays NaN on purpose.
+        g_max = jnp.where(g_max == 0, 1.0, g_max)
+        g = g / g_max
+      gc = g.astype(g_dtype)
+      dx = dx + g_max * _dot(gc, y_blk, ((1,), (0,)), prec)
+      dy = dy.at[kb].add(g_max * _dot(gc, x_blk, ((0,), (0,)), prec))
+      return (dx, dy, dsc, dbi), None
+
+    # Inside shard_map a constant carry must vary like what is added to it.
+    dx0 = _axes.vary_like(jnp.zeros((bq, d), F32), carry, inputs)
+    (dx, dy, dsc, dbi), _ = lax.scan(
+        col_block, (dx0, dy, dsc, dbi), (jnp.arange(nk), yb, col_valid, c_in))
+    return (dy, dsc, dbi), dx
+
+  init = (jnp.zeros(yb.shape, F32), jnp.zeros((), F32), jnp.zeros((), F32))
+  init = _axes.vary_like(init, x, y, scale, bias, r_in, c_in)
+  (dy, dsc, dbi), dx = lax.scan(
+      row_block, init, (jnp.arange(xb.shape[0]), xb, row_valid, r_in))
+  return dx.reshape(-1, d)[:n], dy.reshape(-1, d)[:m], dsc, dbi
+
+
+class XlaBackend:
+  """The portable tiled backend, softmax and sigmoid families."""
+
+  name = "xla"
+  families = ("softmax", "sigmoid")
+
+  def __init__(self, platform: str | None = None):
+    self.platform = platform or jax.default_backend()
+
+  def default_block_sizes(self, platform, dtype):
+    return BlockSizes.get_default("xla", platform, dtype)
+
+  def _block_sizes(self, block_sizes, dtype):
+    if block_sizes is None:
+      return self.default_block_sizes(self.platform, dtype)
+    return block_sizes
+
+  def _sweep(self, x, y, scale, bias, block_sizes):
+    """What a forward sweep needs: tile shape, precision, blocked inputs."""
+    bs = self._block_sizes(block_sizes, x.dtype)
+    bq, bk = min(bs.block_q, x.shape[0]), min(bs.block_k, y.shape[0])
+    return (bq, bk, matmul_precision(x.dtype), _blocks(x, bq), _blocks(y, bk),
+            jnp.asarray(scale, F32), jnp.asarray(bias, F32))
+
+  # ------------------------------------------------------------ softmax
+
+  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+    n, m = x.shape[0], y.shape[0]
+    bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
+        x, y, scale, bias, block_sizes)
+    neg = _math.NEG_INF
+
+    def row_block(col_stats, inputs):
+      x_blk, rv = inputs
+
+      def col_block(row_stats, inputs):
+        y_blk, cv = inputs
+        s = scale * _dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        s = jnp.where(rv[:, None] & cv[None, :], s, neg)
+        out = ()
+        if rows:
+          m_t = jnp.max(s, axis=1)
+          l_t = jnp.sum(jnp.exp(s - _math.safe_max(m_t)[:, None]), axis=1)
+          row_stats = _math.merge_stats(*row_stats, m_t, l_t)
+        if cols:
+          mc = jnp.max(s, axis=0)
+          lc = jnp.sum(jnp.exp(s - _math.safe_max(mc)[None, :]), axis=0)
+          out = (mc, lc)
+        return row_stats, out
+
+      init = (jnp.full((bq,), neg, F32), jnp.zeros((bq,), F32))
+      init = _axes.vary_like(init, x, y, scale, bias)
+      (rm, rl), tile_cols = lax.scan(col_block, init, (yb, col_valid))
+      if cols:
+        col_stats = _math.merge_stats(*col_stats, *tile_cols)
+      return col_stats, (_math.stats_to_lse(rm, rl) if rows else ())
+
+    col_init = (jnp.full(yb.shape[:2], neg, F32), jnp.zeros(yb.shape[:2], F32))
+    col_init = _axes.vary_like(col_init, x, y, scale, bias)
+    (cm, cl), row_lse = lax.scan(row_block, col_init, (xb, row_valid))
+    row_out = row_lse.reshape(-1)[:n] if rows else None
+    col_out = _math.stats_to_lse(cm, cl).reshape(-1)[:m] if cols else None
+    return row_out, col_out
+
+  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
+               *, block_sizes=None):
+    bs = self._block_sizes(block_sizes, x.dtype)
+    scale = jnp.asarray(scale, F32)
+    bias = jnp.asarray(bias, F32)
+    # The probabilities are in [0, 1]; the coefficients (~1/B) are applied
+    # after the matmuls, so that a float16 G does not underflow.
+    row_coef = jnp.asarray(row_coef if row_lse is not None else 0.0, F32)
+    col_coef = jnp.asarray(col_coef if col_lse is not None else 0.0, F32)
+    norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
+    norm = jnp.where(norm == 0, 1.0, norm)
+    a_r, a_c = row_coef / norm, col_coef / norm
+
+    def tile_g(rb, kb, s, r_blk, c_blk):
+      del rb, kb
+      g = jnp.zeros_like(s)
+      if row_lse is not None:
+        g = g + a_r * jnp.exp(s - r_blk[:, None])
+      if col_lse is not None:
+        g = g + a_c * jnp.exp(s - c_blk[None, :])
+      return g
+
+    vec = lambda v: None if v is None else v.astype(F32)
+    dx, dy, dsc, dbi = _grad_sweep(x, y, scale, bias, tile_g, bs=bs,
+                                   row_vec=vec(row_lse), col_vec=vec(col_lse))
+    return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
+
+  # ------------------------------------------------------------ sigmoid
+
+  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
+    """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
+    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
+    bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
+        x, y, scale, bias, block_sizes)
+
+    def row_block(total, inputs):
+      rb, x_blk, rv = inputs
+
+      def col_block(row_total, inputs):
+        kb, y_blk, cv = inputs
+        s = scale * _dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        # -z * s: the positives contribute softplus(-s), the negatives
+        # softplus(s), each on its own.
+        u = jnp.where(_positive_mask(rb, kb, bq, bk), -s, s) if has_diagonal else s
+        t = jnp.where(rv[:, None] & cv[None, :], _math.softplus(u), 0.0)
+        return row_total + jnp.sum(t), None
+
+      row_init = _axes.vary_like(jnp.zeros((), F32), total, x_blk)
+      row_total, _ = lax.scan(col_block, row_init,
+                              (jnp.arange(yb.shape[0]), yb, col_valid))
+      return total + row_total, None
+
+    init = _axes.vary_like(jnp.zeros((), F32), x, y, scale, bias)
+    total, _ = lax.scan(row_block, init,
+                        (jnp.arange(xb.shape[0]), xb, row_valid))
+    return total
+
+  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
+                   block_sizes=None):
+    """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32.
+
+    The tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij).
+    """
+    n, m = x.shape[0], y.shape[0]
+    check_diagonal(has_diagonal, n, m)
+    bs = self._block_sizes(block_sizes, x.dtype)
+    bq, bk = min(bs.block_q, n), min(bs.block_k, m)
+    coef = jnp.asarray(coef, F32)
+    scale = jnp.asarray(scale, F32)
+    bias = jnp.asarray(bias, F32)
+
+    def tile_g(rb, kb, s, r_blk, c_blk):
+      del r_blk, c_blk
+      # (-z) * sigmoid(-z * s), in [-1, 1]; coef (~1/B) is applied after the
+      # matmuls so that G stays well scaled.
+      g = jax.nn.sigmoid(s)
+      if has_diagonal:
+        g = jnp.where(_positive_mask(rb, kb, bq, bk), -jax.nn.sigmoid(-s), g)
+      return g
+
+    g_dtype = x.dtype if matmul_precision(x.dtype) == lax.Precision.DEFAULT else F32
+    dx, dy, dsc, dbi = _grad_sweep(
+        x, y, scale, bias, tile_g, bs=bs,
+        rescale=jnp.dtype(g_dtype) == jnp.float16)
+    return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
+
+
+BACKEND = XlaBackend

@@ -1,0 +1,161 @@
+"""The exact CLIP / InfoNCE loss over a ring of N >= 1 devices.
+
+One ``jax.custom_vjp`` for every case: a single device is the ring with
+N = 1 (``axes == ()``). Inside ``jax.shard_map``, device k of N holds a
+query shard q^(k) (b_q rows) and a key shard k^(k) (b_k rows); the global
+batch is the shards concatenated in axis order.
+
+Forward (N steps of ``schedule.Ring``). Step n runs the tile of the local
+queries against the key shard of device (k - n) mod N through the tile
+backend. The row LSE of the local queries merges across steps (logaddexp)
+and stays local; the column LSE belongs to the travelling key shard, travels
+with it and arrives home complete. Only these O(b) statistics are saved.
+
+Backward (the same N steps, recomputing every tile). ``lse_grad`` is given
+the *global* row / column LSE, so each tile's output is exactly that tile's
+share of the global gradient. dq accumulates locally; the dk accumulator
+travels with its key shard (sent at the start of the next step, so the
+transfer overlaps that step's tile) and takes the last hop home.
+
+Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
+any N.
+
+Positives. Global query i pairs with global key i. When b_q == b_k (or on
+one device) they all sit in the home tile; when b_q < b_k (a one-way loss
+with extra keys) the positive of local query r on device k is global key
+k * b_q + r, and each step picks the pairs whose key is in the shard it
+holds (an O(b_q * D) gather).
+
+Gradient convention. The forward returns the global loss L on every device
+(a ``psum``). The backward gives each device the exact partial derivative of
+L with respect to its own shards and its share of dL/dscale and dL/dbias
+(its tiles), so that the sum over devices is the full derivative. The
+callers cast the replicated scalars to device-varying before this
+``custom_vjp``; under ``shard_map``'s default ``check_vma=True`` JAX
+transposes that cast into the ``psum`` that adds the shares up.
+
+Overlap on GPU. XLA turns each ``ppermute`` into an asynchronous
+collective-permute-start / -done pair, and its latency hiding scheduler
+places the tile's kernels between them
+(``--xla_gpu_enable_latency_hiding_scheduler=true``, the default in recent
+jaxlib builds). ``benchmarks/ring_hlo.py`` prints what runs between them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from infcl_jax.backends import registry
+from infcl_jax.losses import terms
+from infcl_jax.losses.schedule import Ring
+
+F32 = jnp.float32
+FAMILY = "softmax"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def softmax_loss(q, k, scale, bias, backend, mode, block_sizes, axes):
+  """Global CLIP loss of the local shards; see the module docstring.
+
+  Args:
+    q: (b_q, D) local queries (images, or texts for ``text_to_image``).
+    k: (b_k, D) local keys; b_k == b_q for mode "both", b_k >= b_q for
+      mode "rows".
+    scale, bias: float32 scalars (device-varying over ``axes``).
+    backend: a registered tile backend name (not "auto").
+    mode: "both" (row and column cross-entropies) or "rows" (queries only).
+    block_sizes: ``BlockSizes`` or None, passed to every tile.
+    axes: tuple of mesh axis names the batch is sharded over; () for one
+      device.
+  """
+  loss, _ = _fwd(q, k, scale, bias, backend, mode, block_sizes, axes)
+  return loss
+
+
+def _aligned(ring, b_q, b_k):
+  """Whether every positive pair is in the home tile, at (r, r)."""
+  return b_q == b_k or ring.size == 1
+
+
+def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
+  tiles = registry.get(backend, FAMILY)
+  ring = Ring(axes)
+  b_q, b_k = q.shape[0], k.shape[0]
+  cols = mode == "both"
+  row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
+  aligned = _aligned(ring, b_q, b_k)
+
+  def tile(kc, src):
+    row, col = tiles.lse(q, kc, scale, bias, rows=True, cols=cols,
+                         block_sizes=block_sizes)
+    pos = jnp.zeros((), F32)
+    if not aligned:
+      idx, valid = terms.shard_positives(ring.me, src, b_q, b_k)
+      pos, _ = terms.positive_sum(q, kc, scale, bias, idx, valid)
+    return row, col, pos
+
+  def step(n, state, last):
+    """One ring step: start the transfers, then compute the held tile."""
+    kc, (r, c_prev, pos) = state
+    k_next = ring.send(kc) if not last else None
+    c_in = ring.send(c_prev) if cols else None
+    row, col, pos_t = tile(kc, ring.source(n))
+    c_out = jnp.logaddexp(c_in, col) if cols else None
+    return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
+
+  k_next = ring.send_next(k)  # Issued before the home tile.
+  _, (r, c_out, pos) = ring.run((k_next, tile(k, ring.me)), step)
+  c_home = ring.hop_home(c_out) if cols else None
+  if aligned:
+    pos, _ = terms.positive_sum(q, k, scale, bias)
+  local = row_w * jnp.sum(r) - pos_w * pos
+  if cols:
+    local = local + col_w * jnp.sum(c_home)
+  return ring.psum(local), (q, k, scale, bias, r, c_home)
+
+
+def _bwd(backend, mode, block_sizes, axes, res, g):
+  q, k, scale, bias, r, c_home = res
+  tiles = registry.get(backend, FAMILY)
+  ring = Ring(axes)
+  b_q, b_k = q.shape[0], k.shape[0]
+  row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
+  aligned = _aligned(ring, b_q, b_k)
+  g = g.astype(F32)
+  w_pos = g * pos_w
+
+  def tile(kc, cc, src):
+    dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, g * row_w,
+                                      g * col_w, block_sizes=block_sizes)
+    if not aligned:
+      # The positive term -w_pos * s_ii of the pairs whose key is here.
+      idx, valid = terms.shard_positives(ring.me, src, b_q, b_k)
+      _, k_rows = terms.positive_sum(q, kc, scale, bias, idx, valid)
+      pq, pk, psc, pbi = terms.positive_grads(q, kc, scale, w_pos, k_rows,
+                                              idx, valid)
+      dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
+    return dq, dk, dsc, dbi
+
+  def step(n, state, last):
+    """Start the next shard's and the previous accumulator's transfers."""
+    kv, (dq, dk_prev, dsc, dbi) = state
+    kv_next = ring.send(kv) if not last else None
+    dk_in = ring.send(dk_prev)
+    kc, cc = kv
+    dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, ring.source(n))
+    return kv_next, (dq + dq_t, dk_in + dk_t, dsc + dsc_t, dbi + dbi_t)
+
+  kv_next = ring.send_next((k, c_home))
+  _, (dq, dk, dsc, dbi) = ring.run((kv_next, tile(k, c_home, ring.me)), step)
+  dk = ring.hop_home(dk)
+  if aligned:
+    _, k_rows = terms.positive_sum(q, k, scale, bias)
+    pq, pk, psc, pbi = terms.positive_grads(q, k, scale, w_pos, k_rows)
+    dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dsc.astype(scale.dtype),
+          dbi.astype(bias.dtype))
+
+
+softmax_loss.defvjp(_fwd, _bwd)

@@ -1,0 +1,84 @@
+"""The O(B * D) terms of the softmax loss: direction weights and positives.
+
+Queries q (images, or texts for ``text_to_image``) and keys k; global query
+i pairs with global key i. The tile backends compute the log-sum-exp terms;
+the positive logits s_ii are computed here, from the rows themselves.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+F32 = jnp.float32
+MODES = ("both", "rows")
+
+
+def weights(mode, n_q, n_k):
+  """Coefficients (row_w, col_w, pos_w) of the global loss
+
+      L = row_w * sum_i r_i + col_w * sum_j c_j - pos_w * sum_i s_ii
+
+  for ``n_q`` global queries and ``n_k`` global keys. Mode "both" is CLIP
+  (n_q == n_k, mean of the two cross-entropies); "rows" is one-way InfoNCE
+  over the queries (n_k >= n_q).
+  """
+  del n_k
+  if mode == "both":
+    w = 0.5 / n_q
+    return w, w, 2 * w
+  if mode == "rows":
+    return 1.0 / n_q, 0.0, 1.0 / n_q
+  raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def shard_positives(me, src, b_q, b_k):
+  """The positive pairs between local queries and the key shard of ``src``.
+
+  Local query r of device ``me`` is global query me * b_q + r; its positive,
+  global key me * b_q + r, sits at row (me * b_q + r) - src * b_k of shard
+  ``src`` when that is in [0, b_k).
+
+  Returns:
+    (idx, valid): (b_q,) int32 key rows (clipped, so always in range) and a
+    (b_q,) bool mask of the queries whose positive is in this shard.
+  """
+  idx = me * b_q + jnp.arange(b_q, dtype=jnp.int32) - src * b_k
+  valid = (idx >= 0) & (idx < b_k)
+  return jnp.clip(idx, 0, b_k - 1), valid
+
+
+def positive_sum(q, k, scale, bias, idx=None, valid=None):
+  """sum over the pairs (r, idx_r) with valid_r of s = scale <q_r, k_idx> + b.
+
+  ``idx=None`` means the pairs (r, r), r < b_q: the home tile of a ring
+  whose query and key shards line up. Returns (sum, k_rows): the float32
+  key row of each pair (zero where not valid), reused by the gradient.
+  """
+  q32 = q.astype(F32)
+  if idx is None:
+    k_rows = k[:q.shape[0]].astype(F32)
+    count = q.shape[0]
+  else:
+    k_rows = jnp.where(valid[:, None], k[idx].astype(F32), 0.0)
+    count = jnp.sum(valid.astype(F32))
+  return scale * jnp.sum(q32 * k_rows) + bias * count, k_rows
+
+
+def positive_grads(q, k, scale, weight, k_rows, idx=None, valid=None):
+  """Gradients of ``-weight * positive_sum`` w.r.t. (q, k, scale, bias).
+
+  ``k_rows`` comes from ``positive_sum`` with the same ``idx`` / ``valid``.
+  """
+  q32 = q.astype(F32)
+  b_q = q.shape[0]
+  if idx is None:
+    q_rows = q32
+    idx = jnp.arange(b_q, dtype=jnp.int32)
+    count = b_q
+  else:
+    q_rows = jnp.where(valid[:, None], q32, 0.0)
+    count = jnp.sum(valid.astype(F32))
+  dq = -(weight * scale) * k_rows
+  dk = jnp.zeros(k.shape, F32).at[idx].add(-(weight * scale) * q_rows)
+  dscale = -weight * jnp.sum(q32 * k_rows)
+  dbias = -weight * count
+  return dq, dk, dscale, dbias
