@@ -71,11 +71,16 @@ def main():
     report("XLA GEMM 8192^3 (ceiling)", 2.0 * 8192**3,
            timeit(mm, a, a, reps=args.reps))
   for st in [int(v) for v in args.fwd_stages.split(",")]:
-    for rows, cols in ((True, True), (True, False)):
-      fn = jax.jit(lambda p, q, st=st, rows=rows, cols=cols: mf.lse_fwd(
-          p, q, scale, bias, n=b, m=b, rows=rows, cols=cols, num_stages=st))
+    for rows, cols, pp, se, rsb in ((1, 1, 1, 1, 0), (1, 1, 1, 1, 16384),
+                                    (1, 1, 1, 0, 16384), (1, 0, 0, 0, 0)):
+      fn = jax.jit(lambda p, q, st=st, rows=rows, cols=cols, pp=pp, se=se,
+                   rsb=rsb: mf.lse_fwd(
+                       p, q, scale, bias, n=b, m=b, rows=bool(rows),
+                       cols=bool(cols), num_stages=st, pingpong=bool(pp),
+                       single_exp=bool(se), reduction_scratch_bytes=rsb))
       try:
-        report(f"mosaic fwd rows={rows} cols={cols} stages={st}", fwd_flops,
+        report(f"mosaic fwd r={rows} c={cols} pp={pp} 1exp={se} rsb={rsb} "
+               f"st={st}", fwd_flops,
                timeit(fn, x, y, reps=args.reps))
       except Exception as e:  # pylint: disable=broad-except
         print(f"mosaic fwd stages={st} failed: {type(e).__name__}: "
@@ -85,12 +90,13 @@ def main():
   c2 = jnp.full((b,), 5.0, jnp.float32)
   params = jnp.asarray([20.0 * LOG2E, -3.0 * LOG2E, 0.5, 0.5], jnp.float32)
   panel_flops = 2.0 * r * b * d
-  for st in [int(v) for v in args.bwd_stages.split(",")]:
-    fn = jax.jit(lambda p, q, rr, cc, st=st: mg.g_panel(
+  for st, pp in [(int(v), pp) for v in args.bwd_stages.split(",")
+                 for pp in (False,)]:
+    fn = jax.jit(lambda p, q, rr, cc, st=st, pp=pp: mg.g_panel(
         p, q, rr, cc, params, rows=True, cols=True, mask=False,
-        num_stages=st))
+        num_stages=st, pingpong=pp))
     try:
-      report(f"mosaic g_panel R={r} stages={st}", panel_flops,
+      report(f"mosaic g_panel R={r} pp={pp:d} stages={st}", panel_flops,
              timeit(fn, xp, y, r2, c2, reps=args.reps))
     except Exception as e:  # pylint: disable=broad-except
       print(f"mosaic g_panel stages={st} failed: {type(e).__name__}: "

@@ -29,6 +29,7 @@ F32 = jnp.float32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NUM_CONSUMERS = 2
+MIN_SUM = 2.0**-64
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -150,3 +151,46 @@ def mma_tile(x_smem, y_smem, x_full, y_full, consumed, *, g0, nd, wg, bq, bk,
     return acc_ref[...]
 
   return pl.run_scoped(body, plgpu.ACC((bq, bk), F32))
+
+
+class Turns:
+  """Strict alternation of the two consumers' epilogues (a ping-pong).
+
+  Consumer w waits on ``turn[w]`` before its epilogue of tile k (except
+  consumer 0 at k = 0) and arrives on ``turn[1 - w]`` after it. Two reasons:
+
+  * correctness: Mosaic GPU's cross-warp reductions (axis 0 of a wgmma
+    tile: the column statistics) use one shared-memory scratch buffer at
+    the same offset for every warpgroup; two consumers reducing at once
+    would race on it;
+  * speed: while one consumer runs its epilogue (exponentials, reductions,
+    stores), the other issues its wgmmas, so the tensor cores stay busy.
+  """
+
+  def __init__(self, turn, wg, enabled):
+    self.turn, self.wg, self.enabled = turn, wg, enabled
+
+  def wait(self, k):
+    if not self.enabled:
+      return
+
+    @pl.when((self.wg != 0) | (k != 0))
+    def _():
+      plgpu.barrier_wait(self.turn.at[self.wg])
+
+  def done(self):
+    if self.enabled:
+      plgpu.barrier_arrive(self.turn.at[1 - self.wg])
+
+  def drain(self, num_tiles):
+    """Consumer 0 observes consumer 1's last arrival."""
+    if not self.enabled:
+      return
+
+    @pl.when((self.wg == 0) & (num_tiles > 0))
+    def _():
+      plgpu.barrier_wait(self.turn.at[0])
+
+
+def turn_barrier():
+  return plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS)

@@ -43,12 +43,54 @@ ROW = plgpu.Layout.WGMMA.reduce(1)   # (block_q,) vector: one value per row
 COL = plgpu.Layout.WGMMA.reduce(0)   # (block_k,) vector: one value per column
 
 
+def _exact(s, m_i, l_i, old_c, rows, cols):
+  """Per-row and per-column shifts: two exponentials per logit."""
+  new_c = None
+  if rows:
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    sh = common.safe(m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(sh, s.shape, [0]))
+    l_i = l_i * jnp.exp2(m_i - sh) + p.sum(axis=1)
+    m_i = m_new
+  if cols:
+    csh = common.safe(s.max(axis=0))
+    pc = jnp.exp2(s - lax.broadcast_in_dim(csh, s.shape, [1]))
+    new_c = common.logaddexp2(old_c, csh + jnp.log2(pc.sum(axis=0)))
+  return m_i, l_i, new_c
+
+
+def _shared_or_exact(s, m_i, l_i, old_c):
+  """One exponential per logit: the whole tile shifted by its max ``big``.
+
+  Exact (to float32 rounding) as long as every row's and every column's
+  largest term stays far above the underflow threshold, which the sums
+  show: each is >= 2^-64 iff that row's / column's max is within ~64 of the
+  tile max. Otherwise (an extreme logit range inside one tile, or padding)
+  the tile takes the exact two-exponential path.
+  """
+  big = common.safe(s.max(axis=1).max(axis=0))
+  p = jnp.exp2(s - big)
+  lr = p.sum(axis=1)
+  lc = p.sum(axis=0)
+  ok = (lr.min(axis=0) >= common.MIN_SUM) & (lc.min(axis=0) >= common.MIN_SUM)
+
+  def shared():
+    m_new = jnp.maximum(m_i, big)
+    sh = common.safe(m_new)
+    l_new = l_i * jnp.exp2(m_i - sh) + lr * jnp.exp2(big - sh)
+    return m_new, l_new, common.logaddexp2(old_c, big + jnp.log2(lc))
+
+  return lax.cond(ok, shared,
+                  lambda: _exact(s, m_i, l_i, old_c, True, True))
+
+
 def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
-            nd, nrb, nkb2, nprog, stages, compute_regs, memory_regs):
+            nd, nrb, nkb2, nprog, stages, compute_regs, memory_regs,
+            pingpong, single_exp):
   refs = list(refs)
   row_ref = refs.pop(0) if rows else None
   col_ref = refs.pop(0) if cols else None
-  x_smem, y_smem, x_full, y_full, consumed = refs
+  x_smem, y_smem, x_full, y_full, consumed, turn = refs
   pid = lax.axis_index("p")
   wg = lax.axis_index("wg")
   num_rounds = lax.div(nrb - pid + nprog - 1, nprog)
@@ -72,6 +114,8 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
     plgpu.set_max_registers(compute_regs, action="increase")
     scale2 = params_ref[0]
     bias2 = params_ref[1]
+    # Column statistics reduce across warps: the consumers must take turns.
+    turns = common.Turns(turn, wg, enabled=cols or pingpong)
 
     if cols:
       @pl.loop(0, nkb2)
@@ -85,6 +129,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
       def col_body(j, rc):
         m_i, l_i = rc
         c0 = j * (2 * bk) + wg * bk
+        old_c = None
         if cols:
           col_slice = col_ref.at[pid, pl.ds(c0, bk)]
           # Issued before the matmul so that its latency hides behind it.
@@ -92,6 +137,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
         g0 = (t * nkb2 + j) * nd
         s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed, g0=g0,
                              nd=nd, wg=wg, bq=bq, bk=bk, stages=stages)
+        turns.wait(t * nkb2 + j)
         s = s0 * scale2 + bias2
         if mask_rows or mask_cols:
           valid = None
@@ -103,18 +149,13 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
             cv = ci + c0 < m
             valid = cv if valid is None else valid & cv
           s = jnp.where(valid, s, jnp.full(s.shape, -jnp.inf, F32))
-        if rows:
-          m_new = jnp.maximum(m_i, s.max(axis=1))
-          sh = common.safe(m_new)
-          p = jnp.exp2(s - lax.broadcast_in_dim(sh, s.shape, [0]))
-          l_i = l_i * jnp.exp2(m_i - sh) + p.sum(axis=1)
-          m_i = m_new
+        if single_exp and rows and cols:
+          m_i, l_i, new_c = _shared_or_exact(s, m_i, l_i, old_c)
+        else:
+          m_i, l_i, new_c = _exact(s, m_i, l_i, old_c, rows, cols)
         if cols:
-          cmax = s.max(axis=0)
-          csh = common.safe(cmax)
-          pc = jnp.exp2(s - lax.broadcast_in_dim(csh, s.shape, [1]))
-          tile_c = csh + jnp.log2(pc.sum(axis=0))
-          col_slice[...] = common.logaddexp2(old_c, tile_c)
+          col_slice[...] = new_c
+        turns.done()
         return m_i, l_i
 
       init = (plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW),
@@ -126,11 +167,13 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
       return carry
 
     lax.fori_loop(0, num_rounds, round_body, 0)
+    turns.drain(num_rounds * nkb2)
 
 
 def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
             block_d=64, num_stages=4, num_programs=None, interpret=False,
-            compute_regs=232, memory_regs=40):
+            compute_regs=232, memory_regs=40, pingpong=True,
+            single_exp=True, reduction_scratch_bytes=None):
   """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
 
   Args:
@@ -143,6 +186,11 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       number of row blocks).
     interpret: True (or an ``InterpretGPUParams``) runs the Mosaic GPU
       interpreter on the CPU.
+    single_exp: with both statistics, one exponential per logit (a shared
+      tile shift) where that is exact, two otherwise.
+    reduction_scratch_bytes: Mosaic GPU's cross-warp reduction scratch.
+    pingpong: alternate the two consumers' epilogues (always on when cols:
+      the column reductions need it for correctness).
 
   Returns:
     (row_lse (n,) or None, col_lse (m,) or None), float32, natural log.
@@ -169,11 +217,16 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
       plgpu.Barrier(num_arrivals=common.NUM_CONSUMERS,
                     num_barriers=num_stages),
+      common.turn_barrier(),
   ]
   kernel = functools.partial(
       _kernel, n=n, m=m, rows=rows, cols=cols, bq=block_q, bk=block_k,
       bd=block_d, nd=nd, nrb=nrb, nkb2=nkb2, nprog=nprog, stages=num_stages,
-      compute_regs=compute_regs, memory_regs=memory_regs)
+      compute_regs=compute_regs, memory_regs=memory_regs, pingpong=pingpong,
+      single_exp=single_exp)
+  cp = dict(approx_math=True)
+  if reduction_scratch_bytes:
+    cp["reduction_scratch_bytes"] = reduction_scratch_bytes
   outs = plgpu.kernel(
       kernel,
       out_type=out_type,
@@ -182,7 +235,7 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       grid_names=("p",),
       num_threads=common.NUM_CONSUMERS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(**cp),
       interpret=common.interpret_params(interpret),
   )(params, x, y)
   outs = list(outs)
