@@ -132,3 +132,32 @@ def compiled_pallas_class():
       super().__init__(platform="gpu")
 
   return CompiledPallas
+
+
+def compiled_kernels_in_shard_map(monkeypatch, mesh, loss_fn, dtype):
+  """[(name, interpret)] of the pallas_calls that jax.grad of ``loss_fn``
+  traces inside shard_map (check_vma=True) with the GPU-configured Pallas
+  backend, on any platform.
+
+  Tracing only (no lowering), so a CPU can check the compiled path for type
+  errors of the varying mesh axes (e.g. a scan carry that does not vary like
+  what the panels add to it), which the interpret-mode tests cannot see:
+  interpret mode runs kernel bodies differently (kernels/interpret_vma).
+  ``loss_fn(x, y, t, b, backend)`` is the local loss; the backend is
+  registered under a test-only name (so no cached trace of "pallas" is
+  reused), and monkeypatch removes it afterwards.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  name = "pallas_compiled_for_test"
+  monkeypatch.setitem(registry._TABLE, name, compiled_pallas_class())
+  n = mesh.shape["data"]
+  x = jax.ShapeDtypeStruct((n * 24, 40), dtype)
+  t = jax.ShapeDtypeStruct((), jnp.float32)
+  step = jax.shard_map(
+      jax.grad(lambda x, y, t, b: loss_fn(x, y, t, b, name),
+               argnums=(0, 1, 2, 3)),
+      mesh=mesh, in_specs=(P("data"), P("data"), P(), P()),
+      out_specs=(P("data"), P("data"), P(), P()))
+  return pallas_calls(jax.make_jaxpr(step)(x, x, t, t))

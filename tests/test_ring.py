@@ -13,12 +13,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import infcl_jax
 from infcl_jax import BlockSizes, contrastive_loss, sharded_contrastive_loss
-from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import (as64, assert_rel_close, compiled_pallas_class,
-                           pallas_calls, rand_emb, tol)
+from tests.helpers import (as64, assert_rel_close,
+                           compiled_kernels_in_shard_map, rand_emb, tol)
 
 # Tiles smaller than a shard, so that padded and multi-tile paths run.
 TILES = BlockSizes(block_q=4, block_k=8)
@@ -223,31 +221,12 @@ def test_pallas_backend_through_the_ring(strategy):
 @pytest.mark.parametrize("strategy", ["ring", "gather"])
 def test_compiled_pallas_grad_traces_inside_shard_map(strategy, monkeypatch):
   """The GPU configuration of the Pallas tiles (compiled, not interpreted)
-  traces under jax.grad inside shard_map with check_vma=True.
-
-  Tracing only (no lowering), so this runs on a CPU: it catches type errors
-  of the varying mesh axes (e.g. a scan carry that does not vary like what
-  the panels add to it) that the interpret-mode tests cannot see, because
-  interpret mode runs the kernel bodies differently (kernels/interpret_vma).
-  The backend is registered under a test-only name, so no cached trace of
-  "pallas" is reused, and monkeypatch removes it afterwards.
-  """
-  name = "pallas_compiled_for_test"
-  monkeypatch.setitem(registry._TABLE, name, compiled_pallas_class())
-  assert not registry.get(name, "softmax").interpret
-  mesh = mesh_of(2)
-  x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.bfloat16)
-  t = jax.ShapeDtypeStruct((), jnp.float32)
-
-  def local_loss(x, y, t, b):
-    return contrastive_loss(x, y, t, logit_bias=b, axis_name="data",
-                            strategy=strategy, backend=name)
-
-  step = jax.shard_map(
-      jax.grad(local_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
-      in_specs=(P("data"), P("data"), P(), P()),
-      out_specs=(P("data"), P("data"), P(), P()))
-  calls = pallas_calls(jax.make_jaxpr(step)(x, x, t, t))
+  traces under jax.grad inside shard_map with check_vma=True."""
+  calls = compiled_kernels_in_shard_map(
+      monkeypatch, mesh_of(2),
+      lambda x, y, t, b, name: contrastive_loss(
+          x, y, t, logit_bias=b, axis_name="data", strategy=strategy,
+          backend=name), jnp.bfloat16)
   # Both kernels were traced, compiled: no interpreter.
   assert {n for n, _ in calls} == {"infcl_lse_fwd", "infcl_lse_bwd_panel"}
   assert not any(interpret for _, interpret in calls), calls

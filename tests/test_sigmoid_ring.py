@@ -11,10 +11,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from infcl_jax import BlockSizes, sigmoid_loss
-from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import (as64, assert_rel_close, compiled_pallas_class,
-                           pallas_calls, rand_emb, tol)
+from tests.helpers import (as64, assert_rel_close,
+                           compiled_kernels_in_shard_map, rand_emb, tol)
 
 TILES = BlockSizes(block_q=4, block_k=8)
 
@@ -135,27 +134,11 @@ def test_user_psum_convention_without_check_vma():
 
 def test_compiled_pallas_grad_traces_inside_shard_map(monkeypatch):
   """The GPU configuration of the Pallas sigmoid tiles (compiled, not
-  interpreted) traces under jax.grad inside shard_map with check_vma=True.
-
-  Tracing only, so this runs on a CPU and catches varying-axes type errors
-  that the interpret-mode test cannot see. Registered under a test-only
-  name (no cached "pallas" trace is reused); monkeypatch removes it.
-  """
-  name = "pallas_compiled_for_test"
-  monkeypatch.setitem(registry._TABLE, name, compiled_pallas_class())
-  assert not registry.get(name, "sigmoid").interpret
-  mesh = mesh_of(2)
-  x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.float16)
-  t = jax.ShapeDtypeStruct((), jnp.float32)
-
-  def local_loss(x, y, t, b):
-    return sigmoid_loss(x, y, t, b, axis_name="data", backend=name)
-
-  step = jax.shard_map(
-      jax.grad(local_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
-      in_specs=(P("data"), P("data"), P(), P()),
-      out_specs=(P("data"), P("data"), P(), P()))
-  calls = pallas_calls(jax.make_jaxpr(step)(x, x, t, t))
+  interpreted) traces under jax.grad inside shard_map with check_vma=True."""
+  calls = compiled_kernels_in_shard_map(
+      monkeypatch, mesh_of(2),
+      lambda x, y, t, b, name: sigmoid_loss(x, y, t, b, axis_name="data",
+                                            backend=name), jnp.float16)
   # float16: the max pre-pass, the panel and the forward, all compiled.
   assert {n for n, _ in calls} == {"infcl_sigmoid_fwd", "infcl_sigmoid_bwd_max",
                                    "infcl_sigmoid_bwd_g"}, calls
