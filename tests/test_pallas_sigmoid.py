@@ -322,6 +322,31 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
     check_tile_ops(self.backend(), x, y, 10.0, -10.0, 1.0 / 5003, False,
                    None, rtol=2e-2, loss_rtol=1e-4)
 
+  def test_past_2_to_the_31_matches_xla(self):
+    """B * D = 65,536 * 32,832 > 2**31 elements per input (bf16): the same
+    check as the softmax family's, against ``xla``'s different tiling."""
+    b, d = 65536, 32832
+    key_x, key_y = jax.random.split(jax.random.key(8))
+    x = jax.random.normal(key_x, (b, d), jnp.bfloat16) / jnp.sqrt(d)
+    y = (x + jax.random.normal(key_y, (b, d), jnp.bfloat16) / jnp.sqrt(d))
+    y = (y / jnp.sqrt(2.0)).astype(jnp.bfloat16)
+    out = {}
+    for backend in (self.NAME, "xla"):
+      f = lambda x, y, t, b, backend=backend: sigmoid_loss(
+          x, y, t, b, backend=backend)
+      val, (dx, dy) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(
+          x, y, jnp.float32(10.0), jnp.float32(-10.0))
+      out[backend] = (float(val), np.asarray(jnp.linalg.norm(
+          dx.astype(jnp.float32), axis=1)), np.asarray(jnp.linalg.norm(
+              dy.astype(jnp.float32), axis=1)))
+      del dx, dy
+    (vp, nxp, nyp), (vx, nxx, nyx) = out[self.NAME], out["xla"]
+    assert abs(vp - vx) <= 1e-4 * abs(vx), (vp, vx)
+    assert_rel_close(nxp, nxx, rtol=2e-2, what="|d image| per row")
+    assert_rel_close(nyp, nyx, rtol=2e-2, what="|d text| per row")
+    tail = slice(2**31 // d, None)
+    assert_rel_close(nxp[tail], nxx[tail], rtol=2e-2, what="tail rows")
+
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
   def test_b65536_matches_xla(self, dtype):
     rng = np.random.default_rng(44)

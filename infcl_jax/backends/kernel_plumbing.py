@@ -2,9 +2,11 @@
 
 * Padding: the kernels take B and D padded to block multiples and mask the
   padding themselves, so any shape works.
-* The int32 guard: Triton computes element offsets in int32, so every array
-  a kernel indexes must stay below 2**31 elements. Both families check the
-  same arrays with the same message.
+* Indexing past 2**31 elements: Pallas' Triton lowering switches a ref's
+  element offsets to 64 bits when the array exceeds 4 GiB, so inputs and
+  panels of any size are indexed correctly (tested on the GPU past 2**31).
+  What stays int32 is index arithmetic a kernel does itself on a flat
+  buffer (the forward's column workspace); ``check_int32`` guards that.
 * The panel backward: per panel of R rows, a kernel recomputes the logits
   once and writes the gradient panel G (R x B, the input dtype), and the
   library GEMMs form dx = G y and dy += G^T x. The loop over panels, its
@@ -51,7 +53,8 @@ def dot(a, b, contract, precision):
 
 
 def check_int32(backend, **sizes):
-  """Every array a kernel indexes must have fewer than 2**31 elements."""
+  """A flat buffer that a kernel indexes with its own int32 arithmetic must
+  have fewer than 2**31 elements."""
   for what, elems in sizes.items():
     if elems > MAX_INT32_ELEMS:
       raise ValueError(
@@ -67,12 +70,11 @@ def num_sms():
     return 132
 
 
-def pad_inputs(backend, x, y, block_q, block_k, block_d):
-  """x, y zero-padded to (block_q | block_k) x block_d multiples, checked."""
+def pad_inputs(x, y, block_q, block_k, block_d):
+  """x, y zero-padded to (block_q | block_k) x block_d multiples."""
   d_pad = round_up(x.shape[1], block_d)
   xp = pad2(x, round_up(x.shape[0], block_q), d_pad)
   yp = pad2(y, round_up(y.shape[0], block_k), d_pad)
-  check_int32(backend, image_emb=xp.size, text_emb=yp.size)
   return xp, yp
 
 
@@ -90,7 +92,8 @@ class PanelLayout:
 
 
 def panel_layout(bs, n, m, d) -> PanelLayout:
-  """At most ``bs.panel_rows`` rows per panel, few padded, int32-safe."""
+  """At most ``bs.panel_rows`` rows per panel, few padded; a panel stays
+  below 2**31 elements."""
   bq = bs.bwd_block_q
   m_pad = round_up(m, bs.bwd_block_k)
   cap = max(bq, (MAX_INT32_ELEMS // m_pad) // bq * bq)
@@ -101,12 +104,10 @@ def panel_layout(bs, n, m, d) -> PanelLayout:
   return PanelLayout(r, n_panels, m_pad, round_up(d, bs.block_d))
 
 
-def panel_backward(backend, x, y, row_vec, g_panel, *, layout, precision,
-                   refs=()):
+def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=()):
   """Sums (G y, G^T x, sum G * x y^T, sum G) over the panels of G.
 
   Args:
-    backend: the backend's name, for error messages.
     x: (n, D), y: (m, D) unpadded inputs.
     row_vec: (layout.n_pad,) per-row input of the panel kernel, padded.
     g_panel: ``g_panel(x_p, yp, vec_p) -> (g, g_mult, dsc, dbi)``: the panel
@@ -126,8 +127,6 @@ def panel_backward(backend, x, y, row_vec, g_panel, *, layout, precision,
   m = y.shape[0]
   xp = pad2(x, layout.n_pad, layout.d_pad)
   yp = pad2(y, layout.m_pad, layout.d_pad)
-  check_int32(backend, image_emb=xp.size, text_emb=yp.size,
-              gradient_panel=layout.rows * layout.m_pad)
 
   def panel(carry, inputs):
     dy, dsc, dbi = carry

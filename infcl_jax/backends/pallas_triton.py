@@ -53,7 +53,7 @@ class PallasTritonBackend(kp.KernelBackend):
       return None, None
     bs = self._block_sizes(block_sizes, x.dtype)
     n, m = x.shape[0], y.shape[0]
-    xp, yp = kp.pad_inputs(self.name, x, y, bs.block_q, bs.block_k, bs.block_d)
+    xp, yp = kp.pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     nprog = bs.num_programs or kp.num_sms()
     kp.check_int32(self.name, column_workspace=min(
         nprog, xp.shape[0] // bs.block_q) * yp.shape[0])
@@ -104,7 +104,7 @@ class PallasTritonBackend(kp.KernelBackend):
       return g, jnp.ones((), F32), dsc, dbi
 
     dx, dy, dsc, dbi = kp.panel_backward(
-        self.name, x, y, r2, g_panel, layout=layout, precision=prec,
+        x, y, r2, g_panel, layout=layout, precision=prec,
         refs=(c2, params))
     return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
@@ -115,7 +115,7 @@ class PallasTritonBackend(kp.KernelBackend):
     n, m = x.shape[0], y.shape[0]
     check_diagonal(has_diagonal, n, m)
     bs = self._block_sizes(block_sizes, x.dtype)
-    xp, yp = kp.pad_inputs(self.name, x, y, bs.block_q, bs.block_k, bs.block_d)
+    xp, yp = kp.pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     rows = sigmoid_fwd.sigmoid_row_sums(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
@@ -163,7 +163,7 @@ class PallasTritonBackend(kp.KernelBackend):
       return g, g_max, dsc, dbi
 
     dx, dy, dsc, dbi = kp.panel_backward(
-        self.name, x, y, row_ids, g_panel, layout=layout, precision=prec,
+        x, y, row_ids, g_panel, layout=layout, precision=prec,
         refs=(scale, bias))
     return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 
