@@ -10,16 +10,22 @@ its own data shard, so "data" holds one iterator state per process,
 ``{"processes": [state_0, state_1, ...]}``, gathered from all processes
 before the save; ``restore`` hands each process its own.
 
-Orbax writes a checkpoint into a temporary directory and renames it into
-place only when every item is complete; a process killed mid-save leaves a
-temporary directory that is ignored (and cleaned up), never a half-written
-checkpoint that would be restored. Saves are synchronous so that a kill after
-a save returns can never lose it.
+Saves are asynchronous: ``save`` returns once the arrays are copied to the
+host, and orbax writes them in a background thread while training goes on
+(the next save, ``wait_until_finished`` and ``close`` wait for it). Orbax
+writes a checkpoint into a temporary directory and renames it into place
+(its atomic finalize) only when every item is complete, and deletes the
+checkpoints beyond keep-last-K only after that. A process killed mid-save
+therefore loses at most the checkpoint in flight: it leaves a temporary
+directory that is ignored (and cleaned up on the next run), never a
+half-written checkpoint that would be restored, and the previous checkpoints
+are still there.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 from jax.experimental import multihost_utils
@@ -49,17 +55,33 @@ class Checkpointer:
     keep: number of most recent checkpoints kept.
   """
 
-  def __init__(self, directory: str, *, every_steps: int, keep: int):
+  def __init__(self, directory: str, *, every_steps: int, keep: int,
+               asynchronous: bool = True):
     self.every_steps = every_steps
+    self.directory = os.path.abspath(directory)
+    self._closed = False
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=False,
+        max_to_keep=keep, create=True,
+        enable_async_checkpointing=asynchronous,
         cleanup_tmp_directories=True)
     self._mngr = ocp.CheckpointManager(
-        os.path.abspath(directory), options=options,
-        item_names=("state", "data"))
+        self.directory, options=options, item_names=("state", "data"))
 
   def latest_step(self) -> int | None:
+    """The newest step saved, including a save still in flight."""
     return self._mngr.latest_step()
+
+  def finalized_steps(self) -> list[int]:
+    """The steps whose checkpoints are complete on disk (orbax renames a
+    checkpoint to its plain step number only when it is complete)."""
+    if not os.path.isdir(self.directory):
+      return []
+    return sorted(int(d) for d in os.listdir(self.directory)
+                  if re.fullmatch(r"\d+", d))
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the save in flight (if any) is written and finalized."""
+    self._mngr.wait_until_finished()
 
   def all_steps(self) -> list[int]:
     return list(self._mngr.all_steps())
@@ -68,7 +90,10 @@ class Checkpointer:
     return self.every_steps > 0 and step % self.every_steps == 0
 
   def save(self, step: int, state, data_state: dict) -> None:
-    """Saves (blocking) unless a checkpoint of ``step`` already exists.
+    """Starts saving unless a checkpoint of ``step`` already exists.
+
+    Returns once the arrays are on the host (the caller may then donate or
+    overwrite ``state``); writing and finalizing go on in the background.
 
     Args:
       step: the step number.
@@ -81,7 +106,6 @@ class Checkpointer:
     self._mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data)), force=True)
-    self._mngr.wait_until_finished()
 
   def restore(self, like_state, step: int | None = None):
     """Restores (state, this process's data_state) of ``step`` (default: the
@@ -132,4 +156,10 @@ class Checkpointer:
     return jax.tree.map(np.asarray, out["state"]["params"])
 
   def close(self) -> None:
+    """Waits for the save in flight, then closes; later calls do nothing (an
+    interrupted close leaves the save to finish, or not, in the background:
+    an incomplete checkpoint is never restored)."""
+    if self._closed:
+      return
+    self._closed = True
     self._mngr.close()

@@ -9,13 +9,20 @@ process with ``--jax_distributed``; outside a detected cluster (SLURM, Open
 MPI, ...) also ``--coordinator_address=HOST:PORT --num_processes=N
 --process_id=P``. Process P reads shard P of the data.
 
-Usage errors (unknown config keys, missing dataset or checkpoint files, a
-batch that does not fit the devices) print one ``error: ...`` line and exit
-with status 2 instead of a traceback (set INFCL_TRACEBACK=1 to see it).
+Usage errors (a missing config file, unknown config keys, a workdir that is
+not a writable directory, missing dataset or checkpoint files, a batch that
+does not fit the devices) print one ``error: ...`` line and exit with status
+2 instead of a traceback (set INFCL_TRACEBACK=1 to see it).
+
+Ctrl-C finishes the checkpoint being written (Ctrl-C again abandons it),
+prints "interrupted at step N; last checkpoint step M; rerun to resume" and
+exits with status 130. A rerun of a finished run trains nothing and says so;
+``--reevaluate`` evaluates its final checkpoint again.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from absl import app
@@ -29,6 +36,10 @@ config_flags.DEFINE_config_file(
     lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here; "
                     "an existing workdir is resumed.")
+flags.DEFINE_bool("reevaluate", False, "When the workdir holds a run "
+                  "finished at config.total_steps: evaluate its final "
+                  "checkpoint again and update summary.json (otherwise a "
+                  "rerun of a finished run only prints its summary).")
 flags.DEFINE_bool("jax_distributed", False, "Multi-process run: call "
                   "jax.distributed.initialize() (cluster auto-detected: SLURM, "
                   "Open MPI, ...) before anything else; each process then "
@@ -51,15 +62,41 @@ def _error(msg) -> None:
   sys.exit(2)
 
 
+def _unknown_key_message(e: Exception, argv) -> str | None:
+  """One line for ml_collections' "unknown key" error of an override.
+
+  ``--config.batchsize=8`` raises ``AttributeError(KeyError("'batchsize'\n
+  Did you mean \"batch_size\" instead of \"batchsize\"?"))``.
+  """
+  inner = e.args[0] if e.args else ""
+  if isinstance(inner, BaseException):
+    inner = inner.args[0] if inner.args else ""
+  if not isinstance(inner, str):
+    return None
+  first, _, rest = inner.partition("\n")
+  key = first.strip().strip("'\"")
+  if not key or " " in key:
+    return None
+  hint = re.search(r'Did you mean "([^"]+)"', rest)
+  flag = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
+               and key in a.split("=")[0].split(".")), None)
+  return (f"{flag or 'config'}: unknown config key {key!r}"
+          + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
+          + "; train/config_base.py lists every key")
+
+
 def _parse_flags(argv):
   try:
     return FLAGS(argv)
+  except (AttributeError, KeyError) as e:  # Unknown key in an override.
+    msg = _unknown_key_message(e, argv)
+    _error(msg or f"{type(e).__name__}: {e}".splitlines()[0])
   except flags.Error as e:
     # config_flags wraps errors raised in a config file: keep the cause too.
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     _error(" ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
            or type(e).__name__)
-  except USAGE_ERRORS as e:  # Raised by config files / overrides.
+  except (*USAGE_ERRORS, SyntaxError) as e:  # Config files, overrides.
     _error(f"{type(e).__name__}: {e}".splitlines()[0])
 
 
@@ -97,13 +134,36 @@ def _init_distributed() -> None:
            f"and --process_id)")
 
 
+def _config():
+  """FLAGS.config, or one line if the config file could not be loaded."""
+  config = FLAGS.config
+  try:
+    if config is not None:
+      config.keys()  # A file that failed to load raises here, not at parsing.
+    return config
+  except OSError as e:
+    name = FLAGS["config"].config_filename or ""
+    if name and not os.path.exists(name):
+      _error(f"--config {name}: no such config file (e.g. --config "
+             "configs/lit_demo.py)")
+    cause = e.__cause__ or e
+    _error(f"--config {name}: cannot load it: "
+           f"{str(cause).strip().splitlines()[-1].strip()}")
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     _error(f"unexpected arguments: {' '.join(argv[1:])}")
-  if FLAGS.config is None:
+  config = _config()
+  if config is None:
     _error("--config is required, e.g. --config configs/lit_demo.py")
   if not FLAGS.workdir:
     _error("--workdir is required")
+  from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  try:
+    workdir_lib.check_workdir(FLAGS.workdir)  # Before any work.
+  except ValueError as e:
+    _error(str(e))
   if not FLAGS["verbosity"].present:
     # orbax logs every save at INFO; the trainer's own progress is printed.
     logging.set_verbosity(logging.WARNING)
@@ -111,13 +171,24 @@ def main(argv) -> None:
     _init_distributed()
   elif _distributed_args():
     _error(f"--{next(iter(_distributed_args()))} needs --jax_distributed")
-  from train import train  # pylint: disable=g-import-not-at-top
   try:
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    from train import train  # pylint: disable=g-import-not-at-top
+    train.train_and_evaluate(config, FLAGS.workdir,
+                             reevaluate=FLAGS.reevaluate)
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("INFCL_TRACEBACK"):
       raise
     _error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+  except KeyboardInterrupt as e:
+    if not getattr(e, "reported", False):
+      print("\n[lit] interrupted before training started; rerun to start",
+            flush=True)
+    # train_and_evaluate has finished (or abandoned) the checkpoint in flight
+    # and said where to resume. Exit at once: a normal interpreter exit would
+    # wait for (or abort) threads that the interrupt left behind.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

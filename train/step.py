@@ -87,69 +87,15 @@ def make_optimizer(*, name: str, schedule, weight_decay: float = 0.0,
 # ----------------------------------------------------------------- the loss
 
 
-def ring_available(head, mesh) -> bool:
-  """Whether the loss of ``head`` runs with ``axis_name`` (the ring) here."""
-  if mesh.size == 1:
-    return False
-  ringed = head.clone(axis_name=AXIS)
+def make_loss_fn(head, mesh):
+  """``loss(head_params, img_emb_local, txt_emb_local)`` inside shard_map.
 
-  def f(hp, x, y):
-    return ringed.apply({"params": hp}, x, y)
-
-  x = jax.ShapeDtypeStruct((mesh.size * 2, 8), jnp.float32)
-  hp = jax.eval_shape(lambda x: head.init(jax.random.key(0), x, x), x)["params"]
-  try:
-    jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
-                                 out_specs=P(), check_vma=False), hp, x, x)
-  except NotImplementedError:
-    return False
-  return True
-
-
-def _gathered_loss(head):
-  """Global loss of local shards via all_gather (fallback without the ring).
-
-  Every device computes the full loss; the backward hands each device the
-  rows of the embedding gradient that belong to its shard and 1/N of the
-  scale / bias gradients, so that, as with the ring, the sum over devices of
-  every gradient is the gradient of the global loss.
+  With more than one device the head gets ``axis_name`` (the ring): the
+  global loss of the local shards.
   """
-  def full(hp, x, y):
-    return head.apply({"params": hp}, x, y)
-
-  def gather(x, y):
-    return (jax.lax.all_gather(x, AXIS, tiled=True),
-            jax.lax.all_gather(y, AXIS, tiled=True))
-
-  @jax.custom_vjp
-  def loss(hp, x, y):
-    return full(hp, *gather(x, y))
-
-  def fwd(hp, x, y):
-    return loss(hp, x, y), (hp, x, y)
-
-  def bwd(res, g):
-    hp, x, y = res
-    ghp, gx, gy = jax.grad(full, argnums=(0, 1, 2))(hp, *gather(x, y))
-    k = jax.lax.axis_index(AXIS)
-    gx = jax.lax.dynamic_slice_in_dim(gx, k * x.shape[0], x.shape[0])
-    gy = jax.lax.dynamic_slice_in_dim(gy, k * y.shape[0], y.shape[0])
-    n = jax.lax.axis_size(AXIS)
-    scale = lambda t, c: jax.tree.map(lambda a: (a * c).astype(a.dtype), t)
-    return scale(ghp, g / n), scale(gx, g), scale(gy, g)
-
-  loss.defvjp(fwd, bwd)
-  return loss
-
-
-def make_loss_fn(head, mesh, use_ring: bool):
-  """``loss(head_params, img_emb_local, txt_emb_local)`` inside shard_map."""
-  if mesh.size == 1:
-    return lambda hp, x, y: head.apply({"params": hp}, x, y)
-  if use_ring:
-    ringed = head.clone(axis_name=AXIS)
-    return lambda hp, x, y: ringed.apply({"params": hp}, x, y)
-  return _gathered_loss(head)
+  if mesh.size > 1:
+    head = head.clone(axis_name=AXIS)
+  return lambda hp, x, y: head.apply({"params": hp}, x, y)
 
 
 # ----------------------------------------------------------------- the step
@@ -157,8 +103,7 @@ def make_loss_fn(head, mesh, use_ring: bool):
 
 def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
                  head: nn.Module, microbatch_size: int, global_batch: int,
-                 precomputed: bool, image_locked: bool,
-                 use_ring: bool | None = None):
+                 precomputed: bool, image_locked: bool):
   """Builds ``grad_fn(params, batch) -> (loss, grads)`` (not jitted).
 
   Args:
@@ -170,7 +115,6 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
     precomputed: batches carry "image_emb" (b, D) instead of "image".
     image_locked: the image tower gets no gradient (it is frozen by the
       optimizer mask; skipping its backward only saves compute).
-    use_ring: use ``axis_name`` in the loss; None: when the ring is available.
 
   Returns:
     A function of replicated params and a batch (dict of arrays sharded on
@@ -188,9 +132,7 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
           f"microbatch_size {microbatch_size} must divide batch_size "
           f"{global_batch} and be divisible by the {n_dev} devices")
     num_chunks = global_batch // microbatch_size
-  if use_ring is None:
-    use_ring = ring_available(head, mesh)
-  loss_fn = make_loss_fn(head, mesh, use_ring)
+  loss_fn = make_loss_fn(head, mesh)
   image_key = "image_emb" if precomputed else "image"
 
   def embed_img(p, x):

@@ -14,7 +14,9 @@
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging as std_logging
 import os
 import time
 from typing import Callable
@@ -36,6 +38,7 @@ from train import embedding_cache
 from train import evaluate
 from train import models
 from train import step as step_lib
+from train import workdir as workdir_lib
 
 
 # ----------------------------------------------------------------- logging
@@ -178,12 +181,46 @@ def _round_up(x, m):
   return -(-x // m) * m
 
 
+def _eval_line(step: int, m: dict) -> str:
+  """One console line for an evaluation in the middle of a run."""
+  parts = []
+  if "zeroshot_top1" in m:
+    parts.append(f"zero-shot top-1 {100 * m['zeroshot_top1']:.1f}% (chance "
+                 f"{100 * m['zeroshot_chance']:.1f}%)")
+  if "i2t_r1" in m:
+    parts.append(f"retrieval R@1 image->text {100 * m['i2t_r1']:.1f}%, "
+                 f"text->image {100 * m['t2i_r1']:.1f}%")
+  return f"[lit] eval at step {step}: " + ("; ".join(parts) or "no eval sets")
+
+
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _last_train_row(workdir: str) -> dict:
+  """The last train-metrics row of metrics.jsonl (without "step"), or {}."""
+  row = {}
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        r = json.loads(line) if line.strip() else {}
+        if "loss" in r:
+          row = {k: v for k, v in r.items() if k != "step"}
+  except (OSError, ValueError):
+    pass
+  return row
+
+
 # ----------------------------------------------------------------- main loop
 
 
 def train_and_evaluate(config, workdir: str, *,
-                       on_metrics: Callable[[int, dict], None] | None = None
-                       ) -> dict:
+                       on_metrics: Callable[[int, dict], None] | None = None,
+                       reevaluate: bool = False) -> dict:
   """Trains (or resumes) the LiT model of ``config`` in ``workdir``.
 
   Args:
@@ -194,17 +231,140 @@ def train_and_evaluate(config, workdir: str, *,
       ``log_every_steps``, ``eval/...`` metrics at each evaluation), e.g. to
       draw a live loss curve. ``load_params(workdir)`` reads the trained
       parameters afterwards.
+    reevaluate: when ``workdir`` already holds a run finished at
+      ``config.total_steps``, evaluate its final checkpoint again and update
+      the eval metrics of summary.json. Without it a finished run is left as
+      it is (its summary is printed and returned).
 
   Returns:
     The final metrics: last train metrics, eval metrics, steps, wall time.
+
+  Raises:
+    KeyboardInterrupt: after an interrupt (Ctrl-C), once the checkpoint in
+      flight is finished (a second interrupt abandons it) and the line
+      "interrupted at step N; last checkpoint step M; rerun to resume" is
+      printed.
   """
   t_start = time.time()
   config_base.check_config(config)
   data_lib.check_data_config(config)
   check_devices(config)
+  workdir_lib.check_workdir(workdir)
   is_main = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
+  ckpt = checkpoint_lib.Checkpointer(
+      os.path.join(workdir, "checkpoints"),
+      every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
+  latest = ckpt.latest_step()
+  if latest is not None and latest >= config.total_steps:
+    try:
+      return _finished_run(config, workdir, ckpt, latest, reevaluate, is_main)
+    finally:
+      ckpt.close()
 
+  # The last step done, and what to close however the run ends.
+  progress = {"step": latest or 0, "pbar": None, "writer": None}
+  try:
+    return _train(config, workdir, ckpt, on_metrics, is_main, t_start,
+                  progress)
+  except KeyboardInterrupt as e:
+    _stop_after_interrupt(ckpt, progress, is_main)
+    e.reported = True  # train.main: the message above is printed.
+    raise
+  finally:
+    for k in ("pbar", "writer"):
+      if progress[k] is not None:
+        progress[k].close()
+    ckpt.close()  # After an error: lets the save in flight finish.
+
+
+class _DropInterrupts(std_logging.Filter):
+  """Drops log records of an exception that is a KeyboardInterrupt."""
+
+  def filter(self, record):
+    return not (record.exc_info and record.exc_info[0] is not None
+                and issubclass(record.exc_info[0], KeyboardInterrupt))
+
+
+def _stop_after_interrupt(ckpt, progress: dict, is_main: bool) -> None:
+  """Finishes (or, on a second Ctrl-C, abandons) the checkpoint in flight."""
+  if progress["pbar"] is not None:
+    progress["pbar"].close()
+    progress["pbar"] = None
+  in_flight = ckpt.latest_step()
+  note = ""
+  # A second Ctrl-C interrupts orbax's wait, which logs it with a traceback.
+  absl_logger = logging.get_absl_logger()
+  quiet = _DropInterrupts()
+  absl_logger.addFilter(quiet)
+  if is_main:
+    print(flush=True)  # After the terminal's "^C".
+  try:
+    if is_main and in_flight is not None and (
+        in_flight not in ckpt.finalized_steps()):
+      print(f"[lit] interrupted: finishing the checkpoint of step "
+            f"{in_flight} (Ctrl-C again to abandon it)", flush=True)
+    # Orbax writes the checkpoint in flight to a temporary directory and
+    # renames it into place (atomically) when complete.
+    ckpt.close()
+  except KeyboardInterrupt:
+    pass  # Abandoned (orbax logs the interrupted wait: not shown).
+  finally:
+    absl_logger.removeFilter(quiet)
+  last = max(ckpt.finalized_steps(), default=None)
+  if in_flight is not None and in_flight != last:
+    note = (f" (the checkpoint of step {in_flight} in flight was abandoned: "
+            "an incomplete checkpoint is never restored, and its temporary "
+            "directory is deleted on the next run)")
+  if is_main:
+    print(f"[lit] interrupted at step {progress['step']}; last checkpoint "
+          f"step {'none' if last is None else last}; rerun to resume{note}",
+          flush=True)
+
+
+def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
+  """A rerun of a finished run: nothing to train; evaluate only if asked (or
+  if the run was stopped before its final evaluation wrote summary.json)."""
+  path = os.path.join(workdir, "summary.json")
+  summary = _read_json(path)
+  n = config.total_steps
+  if is_main:
+    where = ("already at" if latest == n
+             else f"at step {latest}, beyond")
+    print(f"[lit] {workdir} is {where} config.total_steps={n}: nothing to "
+          f"train. To train further, rerun with --config.total_steps=N "
+          f"(N > {latest})"
+          + ("" if reevaluate else "; to evaluate again, add --reevaluate")
+          + ".", flush=True)
+  if summary is None or reevaluate:
+    mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+    tokenizer = data_lib.make_tokenizer(config)
+    image_tower, text_tower, _ = make_models(config, tokenizer)
+    params = jax.device_put(ckpt.restore_params(latest),
+                            NamedSharding(mesh, P()))
+    zs, rs = data_lib.make_eval_sets(config, tokenizer)
+    eval_metrics = evaluate.evaluate(
+        step_lib.make_embed_fn(mesh, image_tower),
+        step_lib.make_embed_fn(mesh, text_tower), params, tokenizer, zs, rs,
+        _round_up(config.eval.batch_size, mesh.size))
+    if summary is None:  # Stopped after the final checkpoint.
+      summary = {"steps": latest, "resumed_from": latest,
+                 **_last_train_row(workdir)}
+    summary.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+    if is_main:
+      with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+  if is_main:
+    print(f"[lit] summary of the finished run ({path}):", flush=True)
+    print_summary(summary, done_line=False)
+  return summary
+
+
+def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
+           progress) -> dict:
+  """The training run of ``train_and_evaluate``. Keeps ``progress["step"]``
+  (the last step done, for the interrupt message) and hands its progress bar
+  and metric writer to the caller via ``progress`` (closed however the run
+  ends)."""
   # Model, params, optimizer, state.
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
   tokenizer = data_lib.make_tokenizer(config)
@@ -230,28 +390,24 @@ def train_and_evaluate(config, workdir: str, *,
       seed=config.seed, tokenizer=tokenizer)
 
   # Resume.
-  ckpt = checkpoint_lib.Checkpointer(
-      os.path.join(workdir, "checkpoints"),
-      every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
   start_step = 0
   if ckpt.latest_step() is not None:
     state, data_state = ckpt.restore(state)
     train_iter.set_state(data_state)
     start_step = int(state["step"])
+    progress["step"] = start_step
     print(f"[lit] resumed from the checkpoint of step {start_step} in "
           f"{workdir}", flush=True)
 
-  # The step.
-  use_ring = step_lib.ring_available(head, mesh)
+  # The step. With more than one device the loss runs the ring.
   grad_fn = step_lib.make_grad_fn(
       mesh=mesh, image_tower=image_tower, text_tower=text_tower, head=head,
       microbatch_size=config.microbatch_size, global_batch=config.batch_size,
       precomputed=config.precompute_image_embeddings,
-      image_locked=config.model.image.locked, use_ring=use_ring)
+      image_locked=config.model.image.locked)
   if is_main:
     mb = config.microbatch_size
-    across = ("" if mesh.size == 1 else ", ring across devices" if use_ring
-              else ", all_gather across devices")
+    across = "" if mesh.size == 1 else ", ring across devices"
     print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
           f"{jax.process_count()} process(es); global batch "
           f"{config.batch_size}"
@@ -288,6 +444,9 @@ def train_and_evaluate(config, workdir: str, *,
   writer = MetricWriter(workdir, start_step, enabled=is_main,
                         on_write=on_metrics)
   pbar = _progress_bar(config, config.total_steps, start_step, is_main)
+  progress.update(pbar=pbar, writer=writer)
+  say = pbar.write if pbar is not None else functools.partial(print,
+                                                              flush=True)
   train_metrics = {}
   t_loop, steps_run = time.time(), 0
   for step in range(start_step + 1, config.total_steps + 1):
@@ -298,6 +457,7 @@ def train_and_evaluate(config, workdir: str, *,
     else:
       inputs["image"] = batch["image"]
     state, metrics = train_step(state, step_lib.shard_batch(mesh, inputs))
+    progress["step"] = step
     steps_run += 1
     if pbar is not None:
       pbar.update(1)
@@ -310,18 +470,21 @@ def train_and_evaluate(config, workdir: str, *,
                          temp=f"{train_metrics['temperature']:.4f}")
     if (config.eval.every_steps and step % config.eval.every_steps == 0
         and step < config.total_steps):
-      writer.write(step, {f"eval/{k}": v for k, v in run_eval().items()})
+      eval_metrics = run_eval()
+      writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
+      if is_main:
+        say(_eval_line(step, eval_metrics))
     if ckpt.should_save(step) or step == config.total_steps:
       ckpt.save(step, state, train_iter.get_state())
   if pbar is not None:
     pbar.close()
+    progress["pbar"] = None
   ckpt.save(config.total_steps, state, train_iter.get_state())
-  ckpt.close()
+  ckpt.close()  # Waits for the last save.
 
   eval_metrics = run_eval()
   writer.write(config.total_steps, {f"eval/{k}": v
                                     for k, v in eval_metrics.items()})
-  writer.close()
   summary = {"steps": config.total_steps, "resumed_from": start_step,
              "wall_s": time.time() - t_start, **train_metrics,
              **{f"eval/{k}": v for k, v in eval_metrics.items()}}
@@ -351,10 +514,12 @@ def load_params(workdir: str, step: int | None = None) -> dict:
     ckpt.close()
 
 
-def print_summary(s: dict) -> None:
-  lines = [f"[lit] done: {s['steps']} steps in {s['wall_s']:.0f}s"
-           + (f" (resumed from step {s['resumed_from']})"
-              if s["resumed_from"] else "")]
+def print_summary(s: dict, done_line: bool = True) -> None:
+  lines = []
+  if done_line:
+    lines.append(f"[lit] done: {s['steps']} steps in {s['wall_s']:.0f}s"
+                 + (f" (resumed from step {s['resumed_from']})"
+                    if s["resumed_from"] else ""))
   if "loss" in s:
     lines.append(f"[lit] final train loss {s['loss']:.4f}, temperature "
                  f"{s['temperature']:.4f}")
