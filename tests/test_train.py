@@ -72,33 +72,28 @@ def _assert_grads_close(got, want, rtol=1e-4):
     assert err <= rtol * scale + 1e-12, (name, err, scale)
 
 
-@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("loss", [
+    pytest.param("softmax", marks=pytest.mark.slow), "sigmoid"])
 def test_gradcache_and_data_parallel_grads_equal_the_plain_step(loss):
-  """Un-chunked 1-device step == GradCache (4 chunks) == 8 devices (ring)
-  with and without GradCache (== the all_gather fallback); the image tower
-  is unlocked here so that both towers go through the chunked backward."""
+  """Un-chunked 1-device step == GradCache (4 chunks) == 8 devices (the
+  ring) with and without GradCache; the image tower is unlocked here so
+  that both towers go through the chunked backward."""
   img, txt, head = _towers(loss)
   images, tokens = _batch()
   params = _params(img, txt, head, images, tokens)
   out = {}
-  # (devices, micro-batch, ring): ring=False is the all_gather fallback.
-  cases = [(1, 0, None), (1, 8, None), (8, 0, True), (8, 16, True)]
-  if loss == "softmax":
-    cases.append((8, 16, False))
-  for n_dev, mb, ring in cases:
+  for n_dev, mb in [(1, 0), (1, 8), (8, 0), (8, 16)]:
     if jax.device_count() < n_dev:
       pytest.skip("needs 8 devices (tests/conftest.py)")
-    if ring and not step_lib.ring_available(head, _mesh(n_dev)):
-      pytest.skip(f"the {loss} ring is not available")
     mesh = _mesh(n_dev)
     fn = step_lib.make_grad_fn(
         mesh=mesh, image_tower=img, text_tower=txt, head=head,
         microbatch_size=mb, global_batch=B, precomputed=False,
-        image_locked=False, use_ring=ring)
-    out[(n_dev, mb, ring)] = jax.device_get(jax.jit(fn)(
+        image_locked=False)
+    out[(n_dev, mb)] = jax.device_get(jax.jit(fn)(
         params, step_lib.shard_batch(mesh, {"image": images,
                                             "text": tokens})))
-  loss0, g0 = out[(1, 0, None)]
+  loss0, g0 = out[(1, 0)]
   assert all(np.any(np.asarray(v) != 0) for v in jax.tree.leaves(g0["img"])
              if np.asarray(v).size > 1)
   for key, (l, g) in out.items():
@@ -253,8 +248,9 @@ def _cmd(workdir, data_dir, *extra):
           *extra]
 
 
-def _run(cmd, **kw):
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+def _run(cmd, env_extra=None, **kw):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             **(env_extra or {}))
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600, **kw)
 
@@ -279,13 +275,71 @@ def test_usage_errors_are_one_clear_line(tmp_path, data_dir, extra, message):
   assert "Traceback" not in r.stderr
 
 
-def _final_params(workdir):
+def _startup_error_cases(tmp):
+  (tmp / "a_file").write_text("")
+  ro = tmp / "read_only"
+  ro.mkdir()
+  ro.chmod(0o555)
+  cfg = os.path.join(ROOT, "configs/lit_demo.py") + ":tiny"
+  cases = {
+      "missing config file": (
+          ["--config", str(tmp / "nope.py"), "--workdir", str(tmp / "w")],
+          f"--config {tmp / 'nope.py'}: no such config file"),
+      "misspelled key": (
+          ["--config", cfg, "--workdir", str(tmp / "w"),
+           "--config.batchsize=8"],
+          "--config.batchsize: unknown config key 'batchsize' (did you mean "
+          "'batch_size'?)"),
+      "misspelled section": (
+          ["--config", cfg, "--workdir", str(tmp / "w"),
+           "--config.model.imag.kind=vit"],
+          "unknown config key 'imag' (did you mean 'image'?)"),
+      "workdir is a file": (
+          ["--config", cfg, "--workdir", str(tmp / "a_file")],
+          f"workdir {tmp / 'a_file'} is an existing file, not a directory"),
+      "workdir cannot be created": (
+          ["--config", cfg, "--workdir", str(tmp / "a_file" / "sub")],
+          f"workdir {tmp / 'a_file' / 'sub'} cannot be created"),
+  }
+  if not os.access(ro, os.W_OK):  # root may write there anyway.
+    cases["read-only workdir"] = (
+        ["--config", cfg, "--workdir", str(ro)],
+        f"workdir {ro} is not writable")
+  return cases
+
+
+def test_startup_errors_are_one_line_before_any_work(tmp_path):
+  """A missing config file, a misspelled key and a workdir that is not a
+  writable directory: one line naming it, exit status 2, at start-up."""
+  try:
+    for name, (args, message) in _startup_error_cases(tmp_path).items():
+      r = _run([sys.executable, "-m", "train.main", *args])
+      assert r.returncode == 2, (name, r.stderr[-2000:])
+      lines = r.stderr.strip().splitlines()
+      assert len(lines) == 1 and lines[0].startswith("error: "), (name, lines)
+      assert message in lines[0] and "\\" not in lines[0], (name, lines)
+      # Checked before JAX is imported, let alone any work.
+      assert not (tmp_path / "w" / "checkpoints").exists(), name
+  finally:
+    (tmp_path / "read_only").chmod(0o755)
+
+
+def _final_params(workdir, step=None):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   ckpt_dir = os.path.join(workdir, "checkpoints")
   steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
   with ocp.PyTreeCheckpointer() as c:
-    state = c.restore(os.path.join(ckpt_dir, str(steps[-1]), "state"))
+    state = c.restore(os.path.join(ckpt_dir, str(steps[-1] if step is None
+                                                 else step), "state"))
   return steps, state
+
+
+def _assert_states_equal(state, want, what):
+  flat_ref = jax.tree_util.tree_flatten_with_path(want)[0]
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  assert [p for p, _ in flat] == [p for p, _ in flat_ref]
+  for (path, a), (_, b) in zip(flat, flat_ref):
+    np.testing.assert_array_equal(a, b, err_msg=f"{path} ({what})")
 
 
 def _metrics_step(workdir):
@@ -297,18 +351,44 @@ def _metrics_step(workdir):
   return max(steps, default=0)
 
 
-def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path, data_dir):
-  # Uninterrupted reference run.
-  ref = _run(_cmd(tmp_path / "ref", data_dir))
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_dir):
+  """An uninterrupted run of the command (8 steps, checkpoints every 2,
+  keep 2): its checkpoints of steps 6 and 8."""
+  work = tmp_path_factory.mktemp("ref")
+  ref = _run(_cmd(work, data_dir))
   assert ref.returncode == 0, ref.stderr[-3000:]
   assert "zero-shot top-1" in ref.stdout and "chance" in ref.stdout
-  with open(tmp_path / "ref" / "summary.json") as f:
+  with open(work / "summary.json") as f:
     summary = json.load(f)
   assert summary["steps"] == 8 and summary["resumed_from"] == 0
-  ref_steps, ref_state = _final_params(tmp_path / "ref")
-  assert ref_steps[-1] == 8 and len(ref_steps) <= 3  # keep-last-K (K=3).
+  steps, _ = _final_params(work)
+  assert steps == [6, 8], steps  # keep-last-K (K=2).
+  return work
 
-  # Same command, SIGKILLed once it has logged a random step (3..7; the
+
+def _assert_resumes_to_the_reference(work, data_dir, reference_run, what):
+  resumed = _run(_cmd(work, data_dir))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resumed from the checkpoint of step" in resumed.stdout, (
+      what, resumed.stdout)
+  steps, state = _final_params(work)
+  assert steps[-1] == 8
+  _, ref_state = _final_params(reference_run)
+  _assert_states_equal(state["params"], ref_state["params"], what)
+  _assert_states_equal(state["opt_state"], ref_state["opt_state"], what)
+  # The metrics log reads like one uninterrupted run.
+  with open(work / "metrics.jsonl") as f:
+    train_steps = [json.loads(l)["step"] for l in f
+                   if "loss" in json.loads(l)]
+  assert train_steps == list(range(1, 9))
+  return resumed
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_is_bitwise_identical(
+    tmp_path, data_dir, reference_run):
+  # The command SIGKILLed once it has logged a random step (3..7; the
   # checkpoints are every 2 steps, so there is always one to resume from).
   kill_at = random.Random(os.urandom(8)).randint(3, 7)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -322,33 +402,110 @@ def test_sigkill_mid_run_then_resume_is_bitwise_identical(tmp_path, data_dir):
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, f"finished before the kill at {kill_at}"
-  # Every checkpoint left behind restores (orbax commits atomically).
+  # Every checkpoint left behind restores (orbax commits atomically; a save
+  # in flight is lost, never half-written).
   steps_left, _ = _final_params(work)
   assert steps_left and steps_left[-1] < 8, steps_left
   for s in steps_left:
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    with ocp.PyTreeCheckpointer() as c:
-      c.restore(os.path.join(work, "checkpoints", str(s), "state"))
+    _final_params(work, s)
+  _assert_resumes_to_the_reference(work, data_dir, reference_run,
+                                   f"kill at {kill_at}")
 
-  resumed = _run(_cmd(work, data_dir))
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert "resumed from the checkpoint of step" in resumed.stdout, (
-      kill_at, resumed.stdout)
-  steps, state = _final_params(work)
-  assert steps[-1] == 8
-  flat_ref = jax.tree_util.tree_flatten_with_path(ref_state["params"])[0]
-  flat = jax.tree_util.tree_flatten_with_path(state["params"])[0]
-  assert [p for p, _ in flat] == [p for p, _ in flat_ref]
-  for (path, a), (_, b) in zip(flat, flat_ref):
-    np.testing.assert_array_equal(a, b, err_msg=f"{path} (kill at {kill_at})")
-  for a, b in zip(jax.tree.leaves(state["opt_state"]),
-                  jax.tree.leaves(ref_state["opt_state"])):
-    np.testing.assert_array_equal(a, b)
-  # The metrics log reads like one uninterrupted run.
-  with open(work / "metrics.jsonl") as f:
-    train_steps = [json.loads(l)["step"] for l in f
-                   if "loss" in json.loads(l)]
-  assert train_steps == list(range(1, 9))
+
+# Runs train.main with orbax patched: the checkpoint of step INTERRUPT_AT
+# waits 2 s before orbax's atomic finalize (the rename of its temporary
+# directory), and SIGINT (Ctrl-C) arrives as soon as its asynchronous save has
+# started, i.e. while it is surely in flight. With INTERRUPT_TWICE, a second
+# SIGINT follows 1 s later, while the trainer waits for that save (delayed
+# 6 s then).
+_INTERRUPTED_MAIN = """
+import os, signal, threading, time
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.checkpointers import async_checkpointer
+from absl import app
+from train import main
+signal.signal(signal.SIGINT, signal.default_int_handler)
+at, twice = int(os.environ["INTERRUPT_AT"]), "INTERRUPT_TWICE" in os.environ
+save, commit = ocp.CheckpointManager.save, async_checkpointer._on_commit_callback
+def slow_commit(tmpdir, *args, **kw):
+  if os.path.basename(str(tmpdir.get())).startswith(f"{at}."):
+    time.sleep(6 if twice else 2)
+  return commit(tmpdir, *args, **kw)
+def save_then_interrupt(self, step, *args, **kw):
+  out = save(self, step, *args, **kw)
+  if step == at:
+    if twice:
+      threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    os.kill(os.getpid(), signal.SIGINT)
+  return out
+async_checkpointer._on_commit_callback = slow_commit
+ocp.CheckpointManager.save = save_then_interrupt
+app.run(main.main, flags_parser=main._parse_flags)
+"""
+
+
+def _run_interrupted(work, data_dir, at, twice=False):
+  env = {"INTERRUPT_AT": str(at), **({"INTERRUPT_TWICE": "1"} if twice else {})}
+  r = _run([sys.executable, "-c", _INTERRUPTED_MAIN, *_cmd(work, data_dir)[3:]],
+           env_extra=env)
+  out = r.stdout + r.stderr
+  assert r.returncode == 130, out[-3000:]
+  assert f"finishing the checkpoint of step {at}" in r.stdout, out[-3000:]
+  for bad in ("Traceback", "Fatal Python error", "terminate called"):
+    assert bad not in out, out[-3000:]
+  return r
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_async_save_finishes_it_and_resumes(
+    tmp_path, data_dir, reference_run):
+  work = tmp_path / "interrupted"
+  r = _run_interrupted(work, data_dir, 6)
+  assert ("interrupted at step 6; last checkpoint step 6; rerun to resume"
+          in r.stdout), r.stdout
+  # The checkpoint in flight was finalized (no temporary directory is left)
+  # and restores to exactly the uninterrupted run's checkpoint of step 6.
+  assert sorted(os.listdir(work / "checkpoints")) == ["4", "6"]
+  _, state = _final_params(work)
+  _, ref_state = _final_params(reference_run, 6)
+  _assert_states_equal(state, ref_state, "checkpoint of step 6")
+  _assert_resumes_to_the_reference(work, data_dir, reference_run,
+                                   "Ctrl-C at step 6")
+  # A rerun of the finished run trains nothing, says how to go on, and
+  # leaves the summary (with its train metrics) and the logs as they are.
+  with open(work / "summary.json") as f:
+    summary = f.read()
+  tb_files = sorted(os.listdir(work / "tb"))
+  again = _run(_cmd(work, data_dir))
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "is already at config.total_steps=8: nothing to train" in again.stdout
+  assert "--config.total_steps=N (N > 8)" in again.stdout
+  assert "final train loss" in again.stdout and "done:" not in again.stdout
+  with open(work / "summary.json") as f:
+    assert f.read() == summary
+  assert sorted(os.listdir(work / "tb")) == tb_files
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_abandons_the_save_in_flight(tmp_path, data_dir):
+  work = tmp_path / "abandoned"
+  r = _run_interrupted(work, data_dir, 4, twice=True)
+  assert ("interrupted at step 4; last checkpoint step 2; rerun to resume "
+          "(the checkpoint of step 4 in flight was abandoned" in r.stdout), (
+              r.stdout)
+  # Orbax never finalized it: what is left is a temporary directory, which
+  # the next run ignores and deletes; the checkpoint of step 2 restores.
+  left = sorted(os.listdir(work / "checkpoints"))
+  assert left[0] == "2" and len(left) == 2 and left[1].startswith("4."), left
+  from train import checkpoint  # pylint: disable=g-import-not-at-top
+  ckpt = checkpoint.Checkpointer(str(work / "checkpoints"), every_steps=2,
+                                 keep=2)
+  try:
+    assert ckpt.latest_step() == 2
+    assert ckpt.restore_params()["head"]
+  finally:
+    ckpt.close()
+  assert os.listdir(work / "checkpoints") == ["2"]
 
 
 @pytest.mark.parametrize("name,arg", [("lit_demo", None), ("lit_demo", "tiny"),
