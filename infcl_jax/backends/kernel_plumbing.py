@@ -12,8 +12,9 @@
   library GEMMs form dx = G y and dy += G^T x. The loop over panels, its
   carry (typed device-varying inside ``shard_map``) and the GEMMs are here;
   a family supplies only the kernel that writes G.
-* ``KernelBackend``: platform -> interpret mode, default block sizes, the
-  matmul precision of float32 inputs.
+* ``KernelBackend``: platform -> interpret mode (with a one-time warning),
+  default block sizes by the GPU's compute capability, the matmul precision
+  of float32 inputs.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import _axes
+from infcl_jax.backends import capability
 from infcl_jax.block_sizes import BlockSizes
 
 F32 = jnp.float32
@@ -158,7 +160,15 @@ def usable_max(g_max):
 
 
 class KernelBackend:
-  """Plumbing of a kernel backend: interpret mode off the GPU, defaults."""
+  """Plumbing of a kernel backend: interpret mode off the GPU, defaults.
+
+  Off the GPU the kernels run through the Pallas interpreter: exact, but
+  several times slower than ``backend="xla"``; the first kernel call in a
+  process warns about it (``capability.InfclPerformanceWarning``). On the
+  GPU the default ``BlockSizes`` follow the device's compute capability
+  (``BlockSizes.get_default(..., capability=)``), so that they fit its
+  shared memory.
+  """
 
   name = "kernel"
   block_sizes_key = "pallas"  # BlockSizes.get_default's backend name.
@@ -168,10 +178,28 @@ class KernelBackend:
     # Anything but a GPU runs the same kernels through the interpreter.
     self.interpret = self.platform != "gpu"
 
+  def warn_if_interpreted(self):
+    """Warns once per process when this backend's kernels are interpreted.
+
+    Called on every kernel op (through ``_block_sizes``), not on
+    construction, so that probing a backend (``registry.available``) is
+    silent.
+    """
+    if self.interpret:
+      capability.warn_once(
+          "interpret",
+          f"infcl_jax: backend={self.name!r} runs its Pallas kernels in "
+          f"interpret mode on platform {self.platform!r} (they are GPU "
+          f"kernels): exact, but several times slower than backend='xla'. "
+          f"Use backend='auto' or 'xla' off the GPU.", stacklevel=4)
+
   def default_block_sizes(self, platform, dtype):
-    return BlockSizes.get_default(self.block_sizes_key, platform, dtype)
+    cc = capability.device_capability() if platform == "gpu" else None
+    return BlockSizes.get_default(self.block_sizes_key, platform, dtype,
+                                  capability=cc)
 
   def _block_sizes(self, block_sizes, dtype):
+    self.warn_if_interpreted()
     bs = block_sizes
     if bs is None:
       bs = self.default_block_sizes(self.platform, dtype)

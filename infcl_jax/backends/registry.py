@@ -38,9 +38,13 @@ the typing rules a backend must follow there.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Protocol
 
 import jax
+
+from infcl_jax import block_sizes
+from infcl_jax.backends import capability
 
 FAMILIES = ("softmax", "sigmoid")
 
@@ -48,6 +52,7 @@ FAMILIES = ("softmax", "sigmoid")
 BUILTIN = {
     "xla": "infcl_jax.backends.xla",
     "pallas": "infcl_jax.backends.pallas_triton",
+    "mosaic": "infcl_jax.backends.mosaic",
 }
 _TABLE: dict[str, object] = dict(BUILTIN)
 
@@ -128,14 +133,74 @@ def default_platform() -> str:
   return jax.default_backend()
 
 
-def resolve(backend: str, family: str, platform: str | None = None) -> str:
-  """Maps "auto" to the best tiled backend of ``family`` for the platform.
+ENV_VAR = "INFCL_JAX_BACKEND"
 
-  "pallas" only on a GPU: elsewhere it runs in interpret mode, for tests.
+
+def env_backend(family: str) -> str | None:
+  """The backend ``INFCL_JAX_BACKEND`` names for "auto", or None if unset.
+
+  Raises a one-line ValueError naming the variable for a value that is not
+  a registered backend of ``family``.
+  """
+  value = os.environ.get(ENV_VAR, "").strip()
+  if not value or value == "auto":
+    return None
+  if value not in _TABLE:
+    raise ValueError(
+        f"{ENV_VAR}={value!r} is not a registered backend; set it to one of "
+        f"{sorted(_TABLE)} or unset it")
+  if not available(value, family):
+    raise ValueError(
+        f"{ENV_VAR}={value!r}: backend {value!r} has no {family} tiles or "
+        f"cannot be built here; set it to one of {sorted(_TABLE)} or unset it")
+  return value
+
+
+def auto_backend(family: str, platform: str | None = None) -> str:
+  """The rule behind "auto", without the environment override.
+
+  * not a GPU (CPU, TPU): "xla" (the Pallas kernels here target GPUs; off
+    the GPU they would only run in the interpreter);
+  * a GPU, by compute capability (``capability.device_info``):
+    sm90 (H100, H200): "mosaic" where it is registered and implements the
+    family (its kernels use Hopper's wgmma), else "pallas";
+    sm80-sm89, sm100/sm103, sm120/sm121: "pallas", with ``BlockSizes``
+    defaults that fit the GPU's shared memory (``block_sizes.triton_config``);
+    below sm80 (no bfloat16 dot in Triton) or an unknown GPU: "xla", with an
+    ``InfclPerformanceWarning`` the first time.
+  """
+  platform = platform or default_platform()
+  if platform != "gpu":
+    return "xla"
+  info = capability.device_info(platform)
+  cc = None if info is None else info.capability
+  if cc is not None and cc[0] == 9 and "mosaic" in _TABLE and available(
+      "mosaic", family):
+    return "mosaic"
+  if (cc is not None and cc >= (8, 0) and block_sizes.smem_limit(cc) is not None
+      and available("pallas", family)):
+    return "pallas"
+  what = info.describe() if info is not None else "this GPU"
+  capability.warn_once(
+      "auto-fallback",
+      f"infcl_jax: backend='auto' uses 'xla' on {what}: the Pallas kernels "
+      f"are tuned and tested for NVIDIA GPUs of compute capability 8.0 to "
+      f"12.1 (Triton has no bfloat16 dot below 8.0). The xla backend is "
+      f"exact but slower; {ENV_VAR}=pallas (or backend='pallas') tries the "
+      f"kernels anyway.")
+  return "xla"
+
+
+def resolve(backend: str, family: str, platform: str | None = None) -> str:
+  """Maps "auto" to the tiled backend of ``family`` to use here.
+
+  ``INFCL_JAX_BACKEND`` (any registered name) overrides the rule; otherwise
+  ``auto_backend``. Read when a loss is traced: set it before the first call
+  of a jitted function. Explicit backend names pass through unchanged.
   """
   if backend != "auto":
     return backend
-  platform = platform or default_platform()
-  if platform == "gpu" and available("pallas", family):
-    return "pallas"
-  return "xla"
+  forced = env_backend(family)
+  if forced is not None:
+    return forced
+  return auto_backend(family, platform)
