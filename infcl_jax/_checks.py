@@ -50,8 +50,10 @@ def check_embeddings(image_emb, text_emb):
   return jnp.promote_types(image_emb.dtype, text_emb.dtype)
 
 
-def check_direction(direction, n_image, n_text, *, what="batch"):
-  """Checks the direction name and that the batch sizes fit it."""
+def check_direction(direction, n_image, n_text, *, what="batch",
+                    labels=False):
+  """Checks the direction name and that the batch sizes fit it (with
+  ``labels``, a one-way direction needs no more keys than queries)."""
   if direction not in DIRECTIONS:
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
   if direction == "both" and n_image != n_text:
@@ -59,16 +61,51 @@ def check_direction(direction, n_image, n_text, *, what="batch"):
         f"direction='both' needs equal {what} sizes, got image_emb with "
         f"{n_image} rows and text_emb with {n_text} rows; use "
         "'image_to_text' (text may be longer) or 'text_to_image'")
-  if direction == "image_to_text" and n_text < n_image:
+  if direction == "image_to_text" and n_text < n_image and not labels:
     raise ValueError(
         f"direction='image_to_text' needs text_emb to have at least as many "
         f"rows as image_emb (positives are the first {n_image} texts), got "
         f"image_emb with {n_image} and text_emb with {n_text} rows")
-  if direction == "text_to_image" and n_image < n_text:
+  if direction == "text_to_image" and n_image < n_text and not labels:
     raise ValueError(
         f"direction='text_to_image' needs image_emb to have at least as many "
         f"rows as text_emb (positives are the first {n_text} images), got "
         f"image_emb with {n_image} and text_emb with {n_text} rows")
+
+
+def check_labels(labels, direction, n_queries, *, n_keys=None, what="batch"):
+  """Checks ``labels=``: one integer key index per query, one-way only.
+
+  ``n_keys`` (the global number of keys) is used to check the values when
+  they are concrete (not traced); traced values are checked by the loss,
+  which turns an out-of-range label into a NaN loss.
+  """
+  if labels is None:
+    return None
+  if direction == "both":
+    raise ValueError(
+        "labels= needs direction='image_to_text' or 'text_to_image' (an "
+        "arbitrary positive per query); direction='both' pairs i with i")
+  if not hasattr(labels, "shape") or not hasattr(labels, "dtype"):
+    labels = np.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(f"labels must be an integer array (key indices), got "
+                    f"dtype {labels.dtype}")
+  if tuple(labels.shape) != (n_queries,):
+    queries = "image_emb" if direction == "image_to_text" else "text_emb"
+    raise ValueError(
+        f"labels must have shape ({n_queries},), one key index per query "
+        f"({queries} has {n_queries} rows in this {what}), got shape "
+        f"{tuple(labels.shape)}")
+  if n_keys is not None and not isinstance(labels, jax.core.Tracer):
+    values = np.asarray(labels)
+    bad = (values < 0) | (values >= n_keys)
+    if bad.any():
+      keys = "text_emb" if direction == "image_to_text" else "image_emb"
+      raise ValueError(
+          f"labels must index the {n_keys} rows of {keys}: got "
+          f"{values[bad][0]} at position {int(np.argmax(bad))}")
+  return jnp.asarray(labels, jnp.int32)
 
 
 def check_scalar(name, value, *, allow_none=False):

@@ -54,13 +54,14 @@ def _gathered(x, y, axes):
           jax.lax.all_gather(y, axes, axis=0, tiled=True, to="invarying"))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("direction", "axis_name", "strategy", "backend",
-                     "block_sizes"))
+def _n_queries_keys(direction, image_emb, text_emb):
+  n_img, n_txt = image_emb.shape[0], text_emb.shape[0]
+  return (n_txt, n_img) if direction == "text_to_image" else (n_img, n_txt)
+
+
 def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
-                     direction="both", axis_name=None, strategy="ring",
-                     backend="auto", block_sizes=None):
+                     direction="both", labels=None, axis_name=None,
+                     strategy="ring", backend="auto", block_sizes=None):
   """Exact CLIP (softmax / InfoNCE) loss without the B x B logit matrix.
 
   Logits are ``s_ij = logit_scale * <image_emb_i, text_emb_j> + logit_bias``.
@@ -75,6 +76,13 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     direction: "both" (CLIP: mean of the two cross-entropies, B_x == B_y),
       "image_to_text" (B_y >= B_x; the first B_x texts are the positives) or
       "text_to_image" (B_x >= B_y; the first B_y images are the positives).
+    labels: one-way directions only: an int array with one entry per query
+      (the image rows for "image_to_text", the text rows for
+      "text_to_image"), the index of its positive among the *global* keys
+      (with ``axis_name``, this device's queries' labels index the keys of
+      all devices, concatenated in axis order). Repeats are allowed. Default:
+      query i pairs with key i. Concrete out-of-range values raise a
+      ValueError; traced ones (inside your ``jit``) give a NaN loss.
     AXIS_NAME
     strategy: with ``axis_name``: "ring" (ppermute ring, O(b * D) memory
       per device) or "gather" (all-gather + reduce-scatter, O(B * D)).
@@ -86,8 +94,27 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     The scalar float32 loss. Gradients flow to the embeddings, the scale and
     the bias.
   """
+  # Checked here, outside jit, where concrete label values can be read.
+  _checks.check_embeddings(image_emb, text_emb)
+  _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0],
+                          labels=labels is not None)
+  n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
+  labels = _checks.check_labels(labels, direction, n_q,
+                                n_keys=None if axis_name is not None else n_k)
+  return _contrastive_loss(
+      image_emb, text_emb, logit_scale, logit_bias=logit_bias,
+      direction=direction, labels=labels, axis_name=axis_name,
+      strategy=strategy, backend=backend, block_sizes=block_sizes)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("direction", "axis_name", "strategy", "backend",
+                     "block_sizes"))
+def _contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias,
+                      direction, labels, axis_name, strategy, backend,
+                      block_sizes):
   dtype = _checks.check_embeddings(image_emb, text_emb)
-  _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0])
   _checks.check_backend(backend)
   _checks.check_strategy(strategy)
   scale = _checks.check_scalar("logit_scale", logit_scale)
@@ -97,22 +124,27 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   _axes.axis_size(axes)  # A clear error for an unbound or unknown axis.
   if backend == "reference":
     xs, ys = _gathered(x, y, axes)
+    ls = labels
+    if labels is not None and axes:
+      ls = jax.lax.all_gather(labels, axes, axis=0, tiled=True, to="invarying")
     return reference.contrastive_loss_reference(
-        xs, ys, scale, logit_bias=bias, direction=direction).astype(F32)
+        xs, ys, scale, logit_bias=bias, direction=direction,
+        labels=ls).astype(F32)
   name = registry.resolve(backend, softmax_lib.FAMILY)
   bias = jnp.zeros((), F32) if bias is None else bias
   scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
                                   jnp.asarray(bias, F32), x, y)
+  if labels is not None:
+    (labels,) = _as_varying(axes, labels)
   # text_to_image is image_to_text with the towers swapped: the texts are
   # the queries, the (at least as many) images the keys.
   if direction == "text_to_image":
     q, k, mode = y, x, "rows"
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
-  if strategy == "gather" and axes:
-    return gather.gather_loss(q, k, scale, bias, name, mode, block_sizes, axes)
-  return softmax_lib.softmax_loss(q, k, scale, bias, name, mode, block_sizes,
-                                  axes)
+  loss_fn = (gather.gather_loss if strategy == "gather" and axes
+             else softmax_lib.softmax_loss)
+  return loss_fn(q, k, scale, bias, labels, name, mode, block_sizes, axes)
 
 
 @functools.partial(jax.jit,
@@ -161,21 +193,26 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
   return sigmoid_lib.sigmoid_loss(x, y, scale, bias, name, block_sizes, axes)
 
 
-for _f in (contrastive_loss, sigmoid_loss):
+for _f in (contrastive_loss, sigmoid_loss):  # pylint: disable=invalid-name
   _f.__doc__ = _f.__doc__.replace("AXIS_NAME", _AXIS_NAME_DOC)
 
 
 # ------------------------------------------------ globally sharded arrays
 
 
-def _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias):
-  """Shards the batch over ``axes`` and runs ``local`` under shard_map."""
+def _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
+                 labels=None):
+  """Shards the batch over ``axes`` and runs ``local`` under shard_map, as
+  ``local(x, y, scale[, labels][, bias])``."""
   batch = P(axes[0] if len(axes) == 1 else axes)
   if _explicit(mesh):
     image_emb = jax.sharding.reshard(image_emb, NamedSharding(mesh, batch))
     text_emb = jax.sharding.reshard(text_emb, NamedSharding(mesh, batch))
-  args = (image_emb, text_emb, scale) + (() if bias is None else (bias,))
-  in_specs = (batch, batch, P()) + (() if bias is None else (P(),))
+  args, in_specs = (image_emb, text_emb, scale), (batch, batch, P())
+  if labels is not None:
+    args, in_specs = args + (labels,), in_specs + (batch,)
+  if bias is not None:
+    args, in_specs = args + (bias,), in_specs + (P(),)
   return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
                        out_specs=P())(*args)
 
@@ -186,13 +223,9 @@ def _explicit(mesh):
   return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("mesh", "axis_name", "direction", "strategy", "backend",
-                     "block_sizes"))
 def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
                              axis_name="data", logit_bias=None,
-                             direction="both", strategy="ring",
+                             direction="both", labels=None, strategy="ring",
                              backend="auto", block_sizes=None):
   """``contrastive_loss`` on globally sharded arrays, across the mesh.
 
@@ -210,6 +243,8 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     mesh: the ``jax.sharding.Mesh``.
     axis_name: mesh axis name, or tuple of names, to shard the batch over.
     logit_bias, direction, backend, block_sizes: as in ``contrastive_loss``.
+    labels: as in ``contrastive_loss``: one global key index per global
+      query, sharded like the queries.
     strategy: "ring" (default) or "gather".
 
   Returns:
@@ -219,19 +254,39 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     ValueError: an axis name not in the mesh, or a global batch that the
       number of devices on the axis does not divide.
   """
+  _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
+  _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0],
+                          labels=labels is not None)
+  n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
+  labels = _checks.check_labels(labels, direction, n_q, n_keys=n_k)
+  return _sharded_contrastive_loss(
+      image_emb, text_emb, logit_scale, mesh=mesh, axis_name=axis_name,
+      logit_bias=logit_bias, direction=direction, labels=labels,
+      strategy=strategy, backend=backend, block_sizes=block_sizes)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("mesh", "axis_name", "direction", "strategy", "backend",
+                     "block_sizes"))
+def _sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
+                              axis_name, logit_bias, direction, labels,
+                              strategy, backend, block_sizes):
   axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
   _checks.check_strategy(strategy)
-  _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0])
   scale = _checks.check_scalar("logit_scale", logit_scale)
   bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
 
-  def local(x, y, s, *b):
+  def local(x, y, s, *rest):
+    rest = list(rest)
+    lab = rest.pop(0) if labels is not None else None
     return contrastive_loss(
-        x, y, s, logit_bias=b[0] if b else None, direction=direction,
-        axis_name=axes, strategy=strategy, backend=backend,
+        x, y, s, logit_bias=rest[0] if rest else None, direction=direction,
+        labels=lab, axis_name=axes, strategy=strategy, backend=backend,
         block_sizes=block_sizes)
 
-  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)
+  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
+                      labels)
 
 
 @functools.partial(

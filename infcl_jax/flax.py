@@ -106,14 +106,21 @@ class ContrastiveLoss(nn.Module):
                              self.max_log_scale))
     return scale, self.bias
 
-  def __call__(self, image_emb, text_emb):
-    """Returns the scalar float32 loss of the (local shard of the) batch."""
+  def __call__(self, image_emb, text_emb, labels=None):
+    """Returns the scalar float32 loss of the (local shard of the) batch.
+
+    ``labels``: softmax with a one-way ``direction`` only; see
+    ``contrastive_loss``.
+    """
     scale, bias = self._scalars()
+    if labels is not None and self.loss != "softmax":
+      raise ValueError("labels= applies to the softmax loss with a one-way "
+                       "direction; the sigmoid loss pairs i with i")
     if self.normalize:
       image_emb, text_emb = l2_normalize(image_emb), l2_normalize(text_emb)
     if self.loss == "softmax":
       return contrastive_loss(image_emb, text_emb, scale, logit_bias=bias,
-                              direction=self.direction,
+                              direction=self.direction, labels=labels,
                               axis_name=self.axis_name, backend=self.backend,
                               block_sizes=self.block_sizes)
     if bias is None:

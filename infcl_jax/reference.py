@@ -26,27 +26,29 @@ def logits(image_emb, text_emb, logit_scale, logit_bias=None):
 
 
 def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,
-                               logit_bias=None, direction="both"):
+                               logit_bias=None, direction="both", labels=None):
   """CLIP / InfoNCE loss on the full logit matrix.
 
   direction="both": mean of the image->text and text->image cross-entropies,
   positives on the diagonal. "image_to_text": rows are queries, the first
-  B_x texts are their positives. "text_to_image": columns are queries, the
-  first B_y images are their positives.
+  B_x texts (or ``text_emb[labels]``) are their positives. "text_to_image":
+  columns are queries, the first B_y images (or ``image_emb[labels]``) are
+  their positives.
   """
   s = logits(image_emb, text_emb, logit_scale, logit_bias)
   n_img, n_txt = s.shape
   n_pos = min(n_img, n_txt)
-  pos = jnp.diagonal(s)[:n_pos]
-  i2t = jnp.mean(jax.nn.logsumexp(s, axis=1)[:n_pos] - pos)
-  t2i = jnp.mean(jax.nn.logsumexp(s, axis=0)[:n_pos] - pos)
   if direction == "both":
-    return 0.5 * (i2t + t2i)
-  if direction == "image_to_text":
-    return i2t
+    pos = jnp.diagonal(s)
+    return 0.5 * (jnp.mean(jax.nn.logsumexp(s, axis=1) - pos)
+                  + jnp.mean(jax.nn.logsumexp(s, axis=0) - pos))
   if direction == "text_to_image":
-    return t2i
-  raise ValueError(f"unknown direction {direction!r}")
+    s, n_img, n_txt = s.T, n_txt, n_img  # The texts are the queries.
+  elif direction != "image_to_text":
+    raise ValueError(f"unknown direction {direction!r}")
+  idx = jnp.arange(n_pos) if labels is None else labels
+  pos = s[jnp.arange(n_img), idx]
+  return jnp.mean(jax.nn.logsumexp(s, axis=1) - pos)
 
 
 def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias):

@@ -13,8 +13,12 @@ def _lse(a, axis):
   return np.squeeze(m, axis) + np.log(np.sum(np.exp(a - m), axis=axis))
 
 
-def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both"):
-  """Returns (loss, dx, dy, dscale, dbias) in float64."""
+def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None):
+  """Returns (loss, dx, dy, dscale, dbias) in float64.
+
+  ``labels`` (one-way directions): query i's positive is key labels[i]
+  (texts for image_to_text, images for text_to_image) instead of key i.
+  """
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
   scale = float(scale)
@@ -23,11 +27,24 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both"):
   s = scale * s0 + bias
   bx, by = s.shape
   n = min(bx, by)
-  diag = np.diagonal(s)[:n]
   r = _lse(s, 1)
   c = _lse(s, 0)
   e = np.zeros_like(s)
-  e[np.arange(n), np.arange(n)] = 1.0
+  if labels is None:
+    e[np.arange(n), np.arange(n)] = 1.0
+  elif direction == "image_to_text":
+    e[np.arange(bx), np.asarray(labels)] = 1.0
+  elif direction == "text_to_image":
+    e[np.asarray(labels), np.arange(by)] = 1.0
+  else:
+    raise ValueError("labels need a one-way direction")
+  # Each query's positive logit (e has one 1 per query row / column).
+  if direction == "image_to_text":
+    diag = np.sum(e * s, axis=1)
+  elif direction == "text_to_image":
+    diag = np.sum(e * s, axis=0)
+  else:
+    diag = np.diagonal(s)[:n]
   p_r = np.exp(s - r[:, None])
   p_c = np.exp(s - c[None, :])
   if direction == "both":

@@ -143,3 +143,18 @@ def test_import_infcl_jax_does_not_import_flax():
           "assert 'infcl_jax.flax' not in sys.modules; "
           "assert 'flax' not in sys.modules, 'flax imported'")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_labels_pass_through_to_the_softmax_loss():
+  x, y = _emb(6, n=9)
+  head = ContrastiveLoss(direction="image_to_text", backend="xla",
+                         block_sizes=BS)
+  v = head.init(jax.random.key(0), x, y)
+  lab = np.array([8, 0, 0, 3, 4, 5, 6, 7, 1])
+  got = head.apply(v, x, y, jnp.asarray(lab))
+  want = np_reference.clip_loss_and_grads(
+      _norm64(x), _norm64(y), 1 / 0.07, 0.0, "image_to_text", lab)[0]
+  np.testing.assert_allclose(got, want, rtol=2e-5)
+  with pytest.raises(ValueError, match="labels= applies to the softmax"):
+    ContrastiveLoss(loss="sigmoid").init(jax.random.key(0), x, y,
+                                         jnp.asarray(lab))

@@ -47,19 +47,21 @@ def _global_lse(partial_lse, axes):
   return shift + jnp.log(lax.psum(jnp.exp(partial_lse - shift), axes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def gather_loss(q, k, scale, bias, backend, mode, block_sizes, axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def gather_loss(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   """Global CLIP loss by all-gather; arguments as ``softmax.softmax_loss``."""
-  loss, _ = _fwd(q, k, scale, bias, backend, mode, block_sizes, axes)
+  loss, _ = _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes)
   return loss
 
 
-def _positives(keys, me, b_q):
+def _positives(keys, labels, me, b_q):
   """(idx, valid) of the local queries' positives among the gathered keys."""
-  return terms.shard_positives(me, 0, b_q, keys.shape[0])
+  if labels is None:
+    labels = terms.default_labels(me, b_q)
+  return terms.shard_positives(labels, 0, keys.shape[0])
 
 
-def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
+def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
@@ -69,17 +71,20 @@ def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   row, col_part = tiles.lse(q, keys, scale, bias, rows=True, cols=cols,
                              block_sizes=block_sizes)
-  pos, _ = terms.positive_sum(q, keys, scale, bias, *_positives(keys, me, b_q))
-  loss = lax.psum(row_w * jnp.sum(row) - pos_w * pos, axes)
+  pos, _ = terms.positive_sum(q, keys, scale, bias,
+                              *_positives(keys, labels, me, b_q))
+  local = row_w * jnp.sum(row) - pos_w * pos
+  local = local + terms.nan_if_out_of_range(labels, keys.shape[0])
+  loss = lax.psum(local, axes)
   col = None
   if cols:
     col = _global_lse(col_part, axes)  # Identical on every device.
     loss = loss + col_w * jnp.sum(col)
-  return loss, (q, k, scale, bias, row, col)
+  return loss, (q, k, scale, bias, labels, row, col)
 
 
 def _bwd(backend, mode, block_sizes, axes, res, g):
-  q, k, scale, bias, row, col = res
+  q, k, scale, bias, labels, row, col = res
   tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
@@ -91,14 +96,15 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
   dq, dkeys, dsc, dbi = tiles.lse_grad(q, keys, scale, bias, row, col,
                                         g * row_w, g * col_w,
                                         block_sizes=block_sizes)
-  idx, valid = _positives(keys, me, b_q)
+  idx, valid = _positives(keys, labels, me, b_q)
   _, k_rows = terms.positive_sum(q, keys, scale, bias, idx, valid)
   pq, pk, psc, pbi = terms.positive_grads(q, keys, scale, w_pos, k_rows, idx,
                                           valid)
   dq, dkeys, dsc, dbi = dq + pq, dkeys + pk, dsc + psc, dbi + pbi
   dk = lax.psum_scatter(dkeys, axes, scatter_dimension=0, tiled=True)
+  dq = dq + terms.nan_if_out_of_range(labels, keys.shape[0])
   return (dq.astype(q.dtype), dk.astype(k.dtype), dsc.astype(scale.dtype),
-          dbi.astype(bias.dtype))
+          dbi.astype(bias.dtype), None)
 
 
 gather_loss.defvjp(_fwd, _bwd)

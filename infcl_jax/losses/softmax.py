@@ -20,11 +20,11 @@ transfer overlaps that step's tile) and takes the last hop home.
 Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
 any N.
 
-Positives. Global query i pairs with global key i. When b_q == b_k (or on
-one device) they all sit in the home tile; when b_q < b_k (a one-way loss
-with extra keys) the positive of local query r on device k is global key
-k * b_q + r, and each step picks the pairs whose key is in the shard it
-holds (an O(b_q * D) gather).
+Positives. Global query i pairs with global key ``labels[i]``, by default
+global key i. By default and when b_q == b_k (or on one device) they all
+sit in the home tile; otherwise (a one-way loss with extra keys, or
+arbitrary labels) each step picks the pairs whose key is in the shard it
+holds (an O(b_q * D) gather), so a positive may live on any device.
 
 Gradient convention. The forward returns the global loss L on every device
 (a ``psum``). The backward gives each device the exact partial derivative of
@@ -55,8 +55,8 @@ F32 = jnp.float32
 FAMILY = "softmax"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def softmax_loss(q, k, scale, bias, backend, mode, block_sizes, axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def softmax_loss(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   """Global CLIP loss of the local shards; see the module docstring.
 
   Args:
@@ -64,35 +64,40 @@ def softmax_loss(q, k, scale, bias, backend, mode, block_sizes, axes):
     k: (b_k, D) local keys; b_k == b_q for mode "both", b_k >= b_q for
       mode "rows".
     scale, bias: float32 scalars (device-varying over ``axes``).
+    labels: None, or (b_q,) int32: the global key index of each local
+      query's positive (mode "rows" only). Out of range gives a NaN loss.
     backend: a registered tile backend name (not "auto").
     mode: "both" (row and column cross-entropies) or "rows" (queries only).
     block_sizes: ``BlockSizes`` or None, passed to every tile.
     axes: tuple of mesh axis names the batch is sharded over; () for one
       device.
   """
-  loss, _ = _fwd(q, k, scale, bias, backend, mode, block_sizes, axes)
+  loss, _ = _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes)
   return loss
 
 
-def _aligned(ring, b_q, b_k):
-  """Whether every positive pair is in the home tile, at (r, r)."""
-  return b_q == b_k or ring.size == 1
+def _positive_labels(ring, labels, b_q, b_k):
+  """None when every positive pair is (r, r) of the home tile; otherwise
+  the local queries' global key indices."""
+  if labels is None and (b_q == b_k or ring.size == 1):
+    return None
+  return terms.default_labels(ring.me, b_q) if labels is None else labels
 
 
-def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
+def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
   cols = mode == "both"
   row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
-  aligned = _aligned(ring, b_q, b_k)
+  pos_labels = _positive_labels(ring, labels, b_q, b_k)
 
   def tile(kc, src):
     row, col = tiles.lse(q, kc, scale, bias, rows=True, cols=cols,
                          block_sizes=block_sizes)
     pos = jnp.zeros((), F32)
-    if not aligned:
-      idx, valid = terms.shard_positives(ring.me, src, b_q, b_k)
+    if pos_labels is not None:
+      idx, valid = terms.shard_positives(pos_labels, src, b_k)
       pos, _ = terms.positive_sum(q, kc, scale, bias, idx, valid)
     return row, col, pos
 
@@ -108,30 +113,31 @@ def _fwd(q, k, scale, bias, backend, mode, block_sizes, axes):
   k_next = ring.send_next(k)  # Issued before the home tile.
   _, (r, c_out, pos) = ring.run((k_next, tile(k, ring.me)), step)
   c_home = ring.hop_home(c_out) if cols else None
-  if aligned:
+  if pos_labels is None:
     pos, _ = terms.positive_sum(q, k, scale, bias)
   local = row_w * jnp.sum(r) - pos_w * pos
+  local = local + terms.nan_if_out_of_range(labels, ring.size * b_k)
   if cols:
     local = local + col_w * jnp.sum(c_home)
-  return ring.psum(local), (q, k, scale, bias, r, c_home)
+  return ring.psum(local), (q, k, scale, bias, labels, r, c_home)
 
 
 def _bwd(backend, mode, block_sizes, axes, res, g):
-  q, k, scale, bias, r, c_home = res
+  q, k, scale, bias, labels, r, c_home = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
   row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
-  aligned = _aligned(ring, b_q, b_k)
+  pos_labels = _positive_labels(ring, labels, b_q, b_k)
   g = g.astype(F32)
   w_pos = g * pos_w
 
   def tile(kc, cc, src):
     dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, g * row_w,
                                       g * col_w, block_sizes=block_sizes)
-    if not aligned:
-      # The positive term -w_pos * s_ii of the pairs whose key is here.
-      idx, valid = terms.shard_positives(ring.me, src, b_q, b_k)
+    if pos_labels is not None:
+      # The positive term -w_pos * s_il of the pairs whose key is here.
+      idx, valid = terms.shard_positives(pos_labels, src, b_k)
       _, k_rows = terms.positive_sum(q, kc, scale, bias, idx, valid)
       pq, pk, psc, pbi = terms.positive_grads(q, kc, scale, w_pos, k_rows,
                                               idx, valid)
@@ -150,12 +156,14 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
   kv_next = ring.send_next((k, c_home))
   _, (dq, dk, dsc, dbi) = ring.run((kv_next, tile(k, c_home, ring.me)), step)
   dk = ring.hop_home(dk)
-  if aligned:
+  if pos_labels is None:
     _, k_rows = terms.positive_sum(q, k, scale, bias)
     pq, pk, psc, pbi = terms.positive_grads(q, k, scale, w_pos, k_rows)
     dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
+  # Out-of-range labels: NaN gradients, like the loss.
+  dq = dq + terms.nan_if_out_of_range(labels, ring.size * b_k)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dsc.astype(scale.dtype),
-          dbi.astype(bias.dtype))
+          dbi.astype(bias.dtype), None)
 
 
 softmax_loss.defvjp(_fwd, _bwd)

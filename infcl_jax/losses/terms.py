@@ -1,8 +1,9 @@
 """The O(B * D) terms of the softmax loss: direction weights and positives.
 
-Queries q (images, or texts for ``text_to_image``) and keys k; global query
-i pairs with global key i. The tile backends compute the log-sum-exp terms;
-the positive logits s_ii are computed here, from the rows themselves.
+Queries q (images, or texts for ``text_to_image``) and keys k. Global query
+i pairs with global key ``labels[i]`` (``arange`` unless the caller gives
+labels). The tile backends compute the log-sum-exp terms; the positive
+logits are computed here, from the rows themselves.
 """
 from __future__ import annotations
 
@@ -30,20 +31,36 @@ def weights(mode, n_q, n_k):
   raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def shard_positives(me, src, b_q, b_k):
+def default_labels(me, b_q):
+  """The global key index of each local query's positive by default: local
+  query r of device ``me`` is global query me * b_q + r, paired with the
+  global key of the same index."""
+  return me * b_q + jnp.arange(b_q, dtype=jnp.int32)
+
+
+def shard_positives(labels, src, b_k):
   """The positive pairs between local queries and the key shard of ``src``.
 
-  Local query r of device ``me`` is global query me * b_q + r; its positive,
-  global key me * b_q + r, sits at row (me * b_q + r) - src * b_k of shard
-  ``src`` when that is in [0, b_k).
+  The positive of local query r, global key ``labels[r]``, sits at row
+  labels[r] - src * b_k of shard ``src`` when that is in [0, b_k).
 
   Returns:
     (idx, valid): (b_q,) int32 key rows (clipped, so always in range) and a
     (b_q,) bool mask of the queries whose positive is in this shard.
   """
-  idx = me * b_q + jnp.arange(b_q, dtype=jnp.int32) - src * b_k
+  idx = labels.astype(jnp.int32) - src * b_k
   valid = (idx >= 0) & (idx < b_k)
   return jnp.clip(idx, 0, b_k - 1), valid
+
+
+def nan_if_out_of_range(labels, n_keys):
+  """0.0, or NaN when any label is outside [0, n_keys): an out-of-range
+  positive would otherwise be silently missing from the loss (under ``jit``
+  the values cannot be checked when the loss is traced)."""
+  if labels is None:
+    return jnp.zeros((), F32)
+  bad = jnp.any((labels < 0) | (labels >= n_keys))
+  return jnp.where(bad, jnp.nan, 0.0).astype(F32)
 
 
 def positive_sum(q, k, scale, bias, idx=None, valid=None):
