@@ -1,0 +1,334 @@
+"""The per-capability Pallas-Triton configs, timed on the GPU at hand.
+
+  python benchmarks/bench_configs.py --out benchmarks/results/configs_h200
+
+``backend="auto"`` picks ``BlockSizes`` by the GPU's shared memory per
+block (``infcl_jax.block_sizes.TRITON_CONFIGS``): the H200 configs
+(``smem227k``: sm90, sm100), ``smem163k`` (sm80, sm87) and ``smem99k``
+(sm86, sm89, sm12x). A config that fits a smaller GPU runs on a larger one
+too, so on one H200 this measures what each smaller config costs there:
+one fwd+bwd step (loss and the gradients of both embeddings, scale and
+bias) at B = 65,536, D = 768, bf16, for the softmax and the sigmoid loss,
+median of ``--reps`` synchronized calls after a warm-up. TFLOP/s counts
+8 * B^2 * D flops per step. ``CANDIDATES`` are alternatives measured beside
+them (same shared-memory budget, different trade-offs).
+
+Each row also carries the formula's shared-memory estimate
+(``block_sizes.triton_smem``: peak with buffer reuse, total without) of the
+forward and the backward kernel. ``--smem_probe`` additionally compiles
+every kernel of every config in a child process with XLA's verbose logging
+on and records the shared memory that XLA reports for it ("Shared memory
+usage: N B", logged where XLA compiles a Triton kernel), so the formula can
+be checked against the compiler.
+
+Writes ``bench_configs.csv`` (rewritten after every case),
+``smem_probe.csv`` (with ``--smem_probe``) and ``bench_configs_meta.json``
+into ``--out`` and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from infcl_jax import block_sizes as bsm  # noqa: E402
+from infcl_jax.block_sizes import BlockSizes  # noqa: E402
+
+# Alternatives with the same shared-memory budget as a TRITON_CONFIGS entry
+# (bf16 / f16 inputs): name -> (the entry whose limit it must fit, config).
+CANDIDATES = {
+    # sm80 budget, K-step 64: the H200 forward (152 KB total) and a
+    # 128 x 128 backward (132 KB total).
+    "smem163k_bd64": ("smem163k", BlockSizes(
+        block_q=128, block_k=256, block_d=64, num_stages=3, bwd_block_q=128,
+        bwd_block_k=128, bwd_num_stages=3, panel_rows=4096)),
+    # sm86 budget with 4 warps per program (Triton's usual 128 x 128 choice).
+    "smem99k_w4": ("smem99k", dataclasses.replace(
+        bsm.TRITON_CONFIGS["smem99k"][1], num_warps=4, bwd_num_warps=4)),
+}
+
+RESULT_TAG = "SMEM_CASE "
+_SMEM_LINE = re.compile(r"Shared memory usage: (\d+) B")
+_SMEM_ERROR = re.compile(r"Shared memory size limit exceeded[^\n]*")
+
+
+def capabilities_of(tier: str) -> str:
+  """The compute capabilities whose default config is ``tier``."""
+  caps = [cc for cc in sorted(bsm.SMEM_PER_BLOCK)
+          if cc >= (8, 0) and bsm.triton_config_name(cc) == tier]
+  return " ".join(f"sm{a}{b}" for a, b in caps)
+
+
+def configs(dtype) -> dict[str, tuple[str, BlockSizes]]:
+  """name -> (tier, BlockSizes) of every config and candidate for dtype."""
+  wide = np.dtype(dtype).itemsize >= 4
+  out = {name: (name, wide_bs if wide else narrow)
+         for name, (_, narrow, wide_bs) in bsm.TRITON_CONFIGS.items()}
+  if not wide:
+    out.update(CANDIDATES)
+  return out
+
+
+def describe(bs: BlockSizes) -> str:
+  return (f"fwd {bs.block_q}x{bs.block_k}x{bs.block_d} s{bs.num_stages} "
+          f"w{bs.num_warps}; bwd {bs.bwd_block_q}x{bs.bwd_block_k}"
+          f"x{bs.block_d} s{bs.bwd_num_stages} w{bs.bwd_num_warps}")
+
+
+def smem_columns(bs: BlockSizes, dtype, tier: str) -> dict:
+  f = bsm.triton_smem(bs, dtype, "fwd")
+  b = bsm.triton_smem(bs, dtype, "bwd")
+  return dict(smem_limit=bsm.TRITON_CONFIGS[tier][0],
+              smem_fwd_peak=f.peak, smem_fwd_total=f.total,
+              smem_bwd_peak=b.peak, smem_bwd_total=b.total)
+
+
+# ------------------------------------------------------------------ timing
+
+def _median_ms(fn, args, reps):
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts)) * 1e3
+
+
+def time_case(loss, bs, b, d, dtype, reps, backend="pallas"):
+  """ms per fwd+bwd step of ``loss`` with block sizes ``bs``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import infcl_jax  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+
+  def make():
+    v = rng.standard_normal((b, d), dtype=np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    return jax.device_put(jnp.asarray(v, dtype))
+
+  x, y = make(), make()
+  if loss == "softmax":
+    t, bias = jnp.float32(20.0), jnp.float32(0.0)
+    f = lambda x, y, t, bias: infcl_jax.contrastive_loss(
+        x, y, t, logit_bias=bias, backend=backend, block_sizes=bs)
+  else:
+    t, bias = jnp.float32(10.0), jnp.float32(-10.0)
+    f = lambda x, y, t, bias: infcl_jax.sigmoid_loss(
+        x, y, t, bias, backend=backend, block_sizes=bs)
+  step = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+  args = (x, y, t, bias)
+  t0 = time.perf_counter()
+  compiled = step.lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  val = float(compiled(*args)[0])
+  return _median_ms(compiled, args, reps), compile_s, val
+
+
+# ------------------------------------------------------------- smem probe
+
+def probe_child(dtype_names, b, d):
+  """Compiles each kernel alone; markers on stderr delimit XLA's log lines."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  for dname in dtype_names:
+    dtype = jnp.dtype(dname)
+    x = jax.ShapeDtypeStruct((b, d), dtype)
+    r = jax.ShapeDtypeStruct((b,), jnp.float32)
+    for name, (tier, bs) in configs(dtype).items():
+      for family in ("softmax", "sigmoid"):
+        be = registry.get("pallas", family)
+        if family == "softmax":
+          fns = {"fwd": (lambda x, bs=bs: be.lse(
+                     x, x, 1.0, 0.0, rows=True, cols=True, block_sizes=bs),
+                         (x,)),
+                 "bwd": (lambda x, r, bs=bs: be.lse_grad(
+                     x, x, 1.0, 0.0, r, r, 0.5, 0.5, block_sizes=bs), (x, r))}
+        else:
+          fns = {"fwd": (lambda x, bs=bs: be.sigmoid_sum(
+                     x, x, 1.0, 0.0, has_diagonal=True, block_sizes=bs),
+                         (x,)),
+                 "bwd": (lambda x, bs=bs: be.sigmoid_grad(
+                     x, x, 1.0, 0.0, 1.0, has_diagonal=True, block_sizes=bs),
+                         (x,))}
+        for kernel, (fn, args) in fns.items():
+          case = dict(config=name, tier=tier, dtype=dname, family=family,
+                      kernel=kernel)
+          sys.stderr.write(RESULT_TAG + json.dumps(case) + "\n")
+          sys.stderr.flush()
+          try:
+            jax.jit(fn).lower(*args).compile()
+            status = "ok"
+          except Exception as e:  # pylint: disable=broad-except
+            status = f"error: {type(e).__name__}: {str(e)[:200]}"
+          sys.stderr.write(RESULT_TAG + json.dumps(
+              dict(case, status=status, end=True)) + "\n")
+          sys.stderr.flush()
+
+
+def parse_probe_log(text):
+  """Rows of (case, status, what XLA reported) from a probe child's stderr."""
+  rows, cur, seen = [], None, []
+  for line in text.splitlines():
+    if line.startswith(RESULT_TAG):
+      info = json.loads(line[len(RESULT_TAG):])
+      if info.get("end"):
+        if cur is not None:
+          bs = configs(info["dtype"])[info["config"]][1]
+          est = bsm.triton_smem(bs, info["dtype"], info["kernel"])
+          rows.append(dict(
+              {k: info[k] for k in ("config", "tier", "dtype", "family",
+                                    "kernel", "status")},
+              xla_reported=" ".join(seen),
+              est_peak=est.peak, est_total=est.total,
+              limit=bsm.TRITON_CONFIGS[info["tier"]][0]))
+        cur, seen = None, []
+      else:
+        cur, seen = info, []
+    elif cur is not None:
+      m = _SMEM_LINE.search(line)
+      if m:
+        seen.append(m.group(1))
+      m = _SMEM_ERROR.search(line)
+      if m:
+        seen.append("LIMIT:" + m.group(0))
+  return rows
+
+
+def run_probe(out_dir, dtype_names, timeout_s):
+  """Runs ``probe_child`` with XLA's VLOG level 2; returns rows."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_MAX_VLOG_LEVEL="2")
+  cmd = [sys.executable, "-W", "ignore::DeprecationWarning", __file__,
+         "--_probe_child", "--dtypes", ",".join(dtype_names)]
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    text = proc.stderr
+  except subprocess.TimeoutExpired as e:
+    text = e.stderr or ""
+    if isinstance(text, bytes):
+      text = text.decode(errors="replace")
+  rows = parse_probe_log(text)
+  write_csv(os.path.join(out_dir, "smem_probe.csv"), rows)
+  print(f"smem probe: {len(rows)} kernels compiled, "
+        f"{len(text.splitlines())} log lines read")
+  return rows
+
+
+# ------------------------------------------------------------------- main
+
+def write_csv(path, rows):
+  if not rows:
+    return
+  keys = list(rows[0])
+  for r in rows[1:]:
+    keys += [k for k in r if k not in keys]
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
+
+
+def print_table(rows):
+  print(f"{'config':15} {'for':28} {'loss':8} {'smem fwd/bwd KB (peak|total)':31}"
+        f" {'ms':>8} {'TFLOP/s':>8} {'vs default':>10}")
+  for r in rows:
+    sm = (f"{r['smem_fwd_peak'] / 1024:.0f}|{r['smem_fwd_total'] / 1024:.0f} / "
+          f"{r['smem_bwd_peak'] / 1024:.0f}|{r['smem_bwd_total'] / 1024:.0f}")
+    if r["status"] != "ok":
+      print(f"{r['config']:15} {r['capabilities']:28} {r['loss']:8} {sm:31} "
+            f"{r['status'][:60]}")
+      continue
+    print(f"{r['config']:15} {r['capabilities']:28} {r['loss']:8} {sm:31} "
+          f"{r['ms']:8.2f} {r['tflops']:8.1f} {r['vs_default']:10.3f}")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", default="benchmarks/results/configs")
+  ap.add_argument("--b", type=int, default=65536)
+  ap.add_argument("--d", type=int, default=768)
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--loss", default="softmax,sigmoid")
+  ap.add_argument("--configs", default="",
+                  help="comma-separated subset of the config names")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--smem_probe", action="store_true")
+  ap.add_argument("--probe_dtypes", default="bfloat16,float32")
+  ap.add_argument("--probe_timeout_s", type=float, default=120.0)
+  ap.add_argument("--_probe_child", action="store_true", help=argparse.SUPPRESS)
+  ap.add_argument("--dtypes", default="bfloat16", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args._probe_child:  # pylint: disable=protected-access
+    probe_child(args.dtypes.split(","), 512, 256)
+    return []
+
+  import jax  # pylint: disable=import-outside-toplevel
+  os.makedirs(args.out, exist_ok=True)
+  dev = jax.devices()[0]
+  from infcl_jax.backends import capability  # pylint: disable=import-outside-toplevel
+  info = capability.device_info()
+  meta = dict(
+      date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      jax=jax.__version__, device=str(getattr(dev, "device_kind", "")),
+      platform=dev.platform,
+      compute_capability_attr=str(getattr(dev, "compute_capability", None)),
+      capability=None if info is None else info.capability,
+      B=args.b, D=args.d, dtype=args.dtype, reps=args.reps,
+      flops_per_step="8 * B^2 * D")
+  with open(os.path.join(args.out, "bench_configs_meta.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+  print(json.dumps(meta))
+
+  todo = configs(args.dtype)
+  if args.configs:
+    todo = {k: v for k, v in todo.items() if k in args.configs.split(",")}
+  rows = []
+  flops = 8.0 * args.b * args.b * args.d
+  default = {}
+  for loss in args.loss.split(","):
+    for name, (tier, bs) in todo.items():
+      row = dict(config=name, capabilities=capabilities_of(tier), loss=loss,
+                 dtype=args.dtype, B=args.b, D=args.d, blocks=describe(bs),
+                 **smem_columns(bs, args.dtype, tier))
+      try:
+        ms, compile_s, val = time_case(loss, bs, args.b, args.d, args.dtype,
+                                       args.reps)
+        if name == "smem227k":
+          default[loss] = ms
+        ref = default.get(loss)
+        row.update(status="ok", ms=round(ms, 3),
+                   tflops=round(flops / (ms * 1e-3) / 1e12, 1),
+                   vs_default=round(ms / ref, 3) if ref else float("nan"),
+                   compile_s=round(compile_s, 1), loss_value=val)
+      except Exception as e:  # pylint: disable=broad-except
+        row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+      write_csv(os.path.join(args.out, "bench_configs.csv"), rows)
+  print_table(rows)
+  if args.smem_probe:
+    probe = run_probe(args.out, args.probe_dtypes.split(","),
+                      args.probe_timeout_s)
+    for r in probe:
+      print(f"  {r['config']:15} {r['dtype']:9} {r['family']:8} {r['kernel']} "
+            f"est peak {r['est_peak']:7d} total {r['est_total']:7d} "
+            f"xla {r['xla_reported'] or '-':>14} {r['status'][:40]}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

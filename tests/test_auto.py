@@ -1,0 +1,440 @@
+"""backend="auto" per GPU, its environment override, the one-time warnings,
+and the per-capability Pallas-Triton configs.
+
+The device is mocked (``jax.devices`` returns a fake device), so every rule
+runs on a CPU. Each non-Hopper config is checked for exactness in interpret
+mode against float64 here, and compiled through Triton at B = 4096 on a GPU
+by ``TestConfigsOnGpu`` (``-m gpu``; skipped without a GPU). A config that
+fits a smaller GPU's shared memory runs on a larger one too.
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import bench_configs
+from infcl_jax import block_sizes as bsm
+from infcl_jax import contrastive_loss
+from infcl_jax.backends import capability
+from infcl_jax.backends import registry
+from infcl_jax.block_sizes import BlockSizes
+from tests import test_pallas as softmax_checks
+from tests import test_pallas_sigmoid as sigmoid_checks
+from tests.helpers import rand_emb, tol
+
+ON_GPU = jax.default_backend() == "gpu"
+ENV = registry.ENV_VAR
+Warn = capability.InfclPerformanceWarning
+
+
+class FakeDevice:
+  """What ``capability.device_info`` reads of a jax Device."""
+
+  def __init__(self, kind, cc=None, platform="gpu"):
+    self.device_kind = kind
+    self.platform = platform
+    if cc is not None:
+      self.compute_capability = cc
+
+
+class FakeMosaic:
+  """A registered "mosaic" with softmax tiles only."""
+  name = "mosaic"
+  families = ("softmax",)
+
+  def __init__(self, platform=None):
+    self.platform = platform
+
+  def lse(self, *a, **k):
+    raise NotImplementedError
+
+  def lse_grad(self, *a, **k):
+    raise NotImplementedError
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+  """No override, no "mosaic" (unless a test adds one), fresh warnings."""
+  monkeypatch.delenv(ENV, raising=False)
+  monkeypatch.delitem(registry._TABLE, "mosaic", raising=False)  # pylint: disable=protected-access
+  capability.reset_warnings()
+  yield
+  capability.reset_warnings()
+
+
+def fake_gpu(monkeypatch, kind, cc=None, platform="gpu"):
+  dev = FakeDevice(kind, cc, platform)
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: [dev])
+  return dev
+
+
+def resolve_recording(family="softmax", platform="gpu"):
+  """resolve("auto") and the InfclPerformanceWarnings it raised."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    name = registry.resolve("auto", family, platform=platform)
+  return name, [w for w in caught if issubclass(w.category, Warn)]
+
+
+# ------------------------------------------------------------ reading the GPU
+
+@pytest.mark.parametrize("value,want", [
+    ("9.0", (9, 0)), ("8.6", (8, 6)), ("12.0", (12, 0)), ("90", (9, 0)),
+    ("sm_90a", (9, 0)), ("100", (10, 0)), ((8, 9), (8, 9)), (None, None),
+    ("gfx942", None), ("", None)])
+def test_parse_capability(value, want):
+  assert capability.parse_capability(value) == want
+
+
+@pytest.mark.parametrize("kind,want", [
+    ("NVIDIA H200", (9, 0)), ("NVIDIA H100 80GB HBM3", (9, 0)),
+    ("NVIDIA GH200 480GB", (9, 0)), ("NVIDIA H20", (9, 0)),
+    ("NVIDIA A100-SXM4-80GB", (8, 0)), ("NVIDIA A10", (8, 6)),
+    ("NVIDIA A10G", (8, 6)), ("NVIDIA RTX A6000", (8, 6)),
+    ("NVIDIA GeForce RTX 3090", (8, 6)), ("NVIDIA L4", (8, 9)),
+    ("NVIDIA L40S", (8, 9)), ("NVIDIA GeForce RTX 4090", (8, 9)),
+    ("NVIDIA RTX 6000 Ada Generation", (8, 9)), ("Tesla T4", (7, 5)),
+    ("Tesla V100-SXM2-16GB", (7, 0)), ("NVIDIA B200", (10, 0)),
+    ("NVIDIA GeForce RTX 5090", (12, 0)), ("AMD Instinct MI300X", None),
+    ("cpu", None), ("", None)])
+def test_capability_from_device_kind(kind, want):
+  assert capability.capability_from_kind(kind) == want
+
+
+def test_device_info_prefers_compute_capability(monkeypatch):
+  fake_gpu(monkeypatch, "NVIDIA H200", "8.6")  # The attribute wins.
+  assert capability.device_info().capability == (8, 6)
+  fake_gpu(monkeypatch, "NVIDIA L4")  # No attribute: from the name.
+  assert capability.device_info().capability == (8, 9)
+  fake_gpu(monkeypatch, "NVIDIA L4", "garbage")
+  assert capability.device_info().capability == (8, 9)
+  fake_gpu(monkeypatch, "TPU v5 lite", platform="tpu")
+  info = capability.device_info()
+  assert info.platform == "tpu" and info.capability is None
+  assert capability.device_capability() is None
+
+  def no_gpu(*a, **k):
+    raise RuntimeError("Unknown backend gpu")
+  monkeypatch.setattr(jax, "devices", no_gpu)
+  assert capability.device_info("gpu") is None
+  assert capability.device_capability() is None
+
+
+# ------------------------------------------------------------ the auto rule
+
+# kind, compute_capability attribute (None: not exposed), backend, config.
+RULES = [
+    ("NVIDIA H200", "9.0", "pallas", "smem227k"),
+    ("NVIDIA H100 80GB HBM3", None, "pallas", "smem227k"),
+    ("NVIDIA B200", "10.0", "pallas", "smem227k"),
+    ("NVIDIA A100-SXM4-80GB", "8.0", "pallas", "smem163k"),
+    ("Jetson AGX Orin", "8.7", "pallas", "smem163k"),
+    ("NVIDIA A10", "8.6", "pallas", "smem99k"),
+    ("NVIDIA GeForce RTX 3090", None, "pallas", "smem99k"),
+    ("NVIDIA L4", "8.9", "pallas", "smem99k"),
+    ("NVIDIA GeForce RTX 4090", None, "pallas", "smem99k"),
+    ("NVIDIA GeForce RTX 5090", "12.0", "pallas", "smem99k"),
+    ("Tesla T4", "7.5", "xla", None),
+    ("Tesla T4", None, "xla", None),
+    ("Tesla V100-SXM2-16GB", "7.0", "xla", None),
+    ("Some Future GPU", None, "xla", None),
+    ("Some Future GPU", "13.7", "xla", None),
+]
+
+
+@pytest.mark.parametrize("kind,cc,want,config", RULES)
+@pytest.mark.parametrize("family", ["softmax", "sigmoid"])
+def test_auto_rule_per_capability(monkeypatch, kind, cc, want, config, family):
+  fake_gpu(monkeypatch, kind, cc)
+  name, warned = resolve_recording(family)
+  assert name == want
+  # Exactly the fallback to xla on a GPU warns.
+  assert len(warned) == (want == "xla"), [str(w.message) for w in warned]
+  if want == "xla":
+    msg = str(warned[0].message)
+    assert kind in msg and "INFCL_JAX_BACKEND=pallas" in msg
+    assert "\n" not in msg
+  if config is not None:
+    # The kernel backend's defaults on this GPU are that capability's.
+    be = registry.get("pallas", family, platform="gpu")
+    for dtype, idx in ((jnp.bfloat16, 1), (jnp.float16, 1), (jnp.float32, 2)):
+      assert be.default_block_sizes("gpu", dtype) == bsm.TRITON_CONFIGS[
+          config][idx]
+
+
+@pytest.mark.parametrize("platform,kind", [("cpu", "cpu"),
+                                           ("tpu", "TPU v5 lite")])
+def test_auto_off_the_gpu_is_xla_silently(monkeypatch, platform, kind):
+  fake_gpu(monkeypatch, kind, platform=platform)
+  for family in ("softmax", "sigmoid"):
+    assert resolve_recording(family, platform=platform) == ("xla", [])
+  assert resolve_recording("softmax", platform=None) == ("xla", [])
+
+
+def test_auto_takes_mosaic_on_hopper_where_it_has_the_family(monkeypatch):
+  monkeypatch.setitem(registry._TABLE, "mosaic", FakeMosaic)  # pylint: disable=protected-access
+  fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
+  assert resolve_recording("softmax") == ("mosaic", [])
+  assert resolve_recording("sigmoid") == ("pallas", [])  # No sigmoid tiles.
+  # Its kernels use Hopper's wgmma: not on sm100 or sm80.
+  for kind, cc in (("NVIDIA B200", "10.0"), ("NVIDIA A100", "8.0")):
+    fake_gpu(monkeypatch, kind, cc)
+    assert resolve_recording("softmax") == ("pallas", [])
+
+
+def test_fallback_warns_once_per_process(monkeypatch):
+  fake_gpu(monkeypatch, "Tesla T4", "7.5")
+  first = resolve_recording()
+  second = resolve_recording("sigmoid")
+  fake_gpu(monkeypatch, "Some Future GPU")
+  third = resolve_recording()
+  assert [len(r[1]) for r in (first, second, third)] == [1, 0, 0]
+  assert all(r[0] == "xla" for r in (first, second, third))
+
+
+def test_explicit_backends_pass_through(monkeypatch):
+  fake_gpu(monkeypatch, "Tesla T4", "7.5")
+  monkeypatch.setenv(ENV, "xla")
+  for name in ("pallas", "xla", "reference"):
+    assert registry.resolve(name, "softmax", platform="gpu") == name
+
+
+# ------------------------------------------------------------ INFCL_JAX_BACKEND
+
+def test_env_overrides_auto(monkeypatch):
+  fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
+  monkeypatch.setenv(ENV, "xla")
+  assert resolve_recording() == ("xla", [])
+  fake_gpu(monkeypatch, "Tesla T4", "7.5")
+  monkeypatch.setenv(ENV, "pallas")
+  assert resolve_recording("sigmoid") == ("pallas", [])  # No fallback warning.
+  monkeypatch.setenv(ENV, " pallas ")
+  assert registry.resolve("auto", "softmax", platform="cpu") == "pallas"
+  for value in ("", "auto"):  # The rule itself.
+    monkeypatch.setenv(ENV, value)
+    assert resolve_recording()[0] == "xla"
+
+
+@pytest.mark.parametrize("value", ["bogus", "reference", "Pallas"])
+def test_env_unknown_value_is_a_one_line_error(monkeypatch, value):
+  monkeypatch.setenv(ENV, value)
+  with pytest.raises(ValueError) as e:
+    registry.resolve("auto", "softmax", platform="cpu")
+  msg = str(e.value)
+  assert msg.startswith(f"INFCL_JAX_BACKEND={value!r} is not a registered "
+                        f"backend") and "\n" not in msg
+  assert "'pallas'" in msg and "'xla'" in msg
+
+
+def test_env_backend_without_the_family_is_an_error(monkeypatch):
+  monkeypatch.setitem(registry._TABLE, "mosaic", FakeMosaic)  # pylint: disable=protected-access
+  monkeypatch.setenv(ENV, "mosaic")
+  assert registry.resolve("auto", "softmax", platform="gpu") == "mosaic"
+  with pytest.raises(ValueError, match=r"INFCL_JAX_BACKEND='mosaic': backend "
+                     r"'mosaic' has no sigmoid tiles"):
+    registry.resolve("auto", "sigmoid", platform="gpu")
+
+
+def test_env_reaches_the_public_api(monkeypatch):
+  """Read when the loss is traced (shapes used nowhere else, so that jit's
+  cache holds no earlier trace)."""
+  rng = np.random.default_rng(0)
+  x, y = rand_emb(rng, 13, 7, jnp.float32), rand_emb(rng, 13, 7, jnp.float32)
+  monkeypatch.setenv(ENV, "nonsense")
+  with pytest.raises(ValueError, match="INFCL_JAX_BACKEND='nonsense'"):
+    contrastive_loss(x, y, 5.0)
+  monkeypatch.setenv(ENV, "pallas")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    val = contrastive_loss(x, y, 5.0)
+  # It ran the Pallas kernels (interpreted on this CPU: the warning says so).
+  assert any(issubclass(w.category, Warn) and "interpret mode" in
+             str(w.message) for w in caught)
+  ref = contrastive_loss(x, y, 5.0, backend="xla")
+  np.testing.assert_allclose(float(val), float(ref), rtol=1e-5)
+
+
+# ------------------------------------------------------------ interpret warning
+
+def test_interpret_mode_warns_once_on_use_not_on_probe():
+  x = jnp.ones((5, 3), jnp.float32)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert registry.available("pallas", "softmax")
+    be = registry.get("pallas", "sigmoid", platform="cpu")
+    assert be.interpret
+    assert not [w for w in caught if issubclass(w.category, Warn)]
+    be.sigmoid_sum(x, x, 1.0, 0.0, has_diagonal=True)
+    be2 = registry.get("pallas", "softmax", platform="cpu")
+    be2.lse(x, x, 1.0, 0.0, rows=True, cols=True)
+    be.sigmoid_sum(x, x, 1.0, 0.0, has_diagonal=True)
+  mine = [w for w in caught if issubclass(w.category, Warn)]
+  assert len(mine) == 1
+  msg = str(mine[0].message)
+  assert "backend='pallas'" in msg and "interpret mode" in msg
+  assert "platform 'cpu'" in msg and "\n" not in msg
+
+
+def test_compiled_kernel_backend_does_not_warn():
+  be = registry.get("pallas", "softmax", platform="gpu")
+  assert not be.interpret
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    be._block_sizes(BlockSizes(16, 32), jnp.float32)  # pylint: disable=protected-access
+  assert not caught
+
+
+# ------------------------------------------------------------ shared memory
+
+def test_smem_formula_by_hand():
+  h200 = bsm.TRITON_CONFIGS["smem227k"][1]
+  fwd = bsm.triton_smem(h200, jnp.bfloat16, "fwd")
+  # 3 stages x (128 + 256) rows x 64 x 2 bytes: the "~147 KB" of the H200.
+  assert fwd.pipeline == 3 * 384 * 64 * 2 == 147456
+  assert fwd.epilogue == 8 * 256 * 4
+  bwd = bsm.triton_smem(h200, jnp.bfloat16, "bwd")
+  assert bwd.epilogue == 128 * 256 * 2 + 8 * 256 * 4
+  assert (bwd.peak, bwd.total) == (147456, 147456 + 73728)
+  f32 = bsm.triton_smem(bsm.TRITON_CONFIGS["smem227k"][2], jnp.float32, "fwd")
+  assert f32.pipeline == 3 * 384 * 32 * 4
+  with pytest.raises(ValueError, match="kernel"):
+    bsm.triton_smem(h200, jnp.bfloat16, "both")
+
+
+@pytest.mark.parametrize("cc", sorted(c for c in bsm.SMEM_PER_BLOCK
+                                      if c >= (8, 0)))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_every_capability_config_fits_its_shared_memory(cc, dtype):
+  limit = bsm.SMEM_PER_BLOCK[cc]
+  name = bsm.triton_config_name(cc)
+  bs = BlockSizes.get_default("pallas", "gpu", dtype, capability=cc)
+  bs.check_pallas()
+  assert bsm.TRITON_CONFIGS[name][0] <= limit
+  for kernel in ("fwd", "bwd"):
+    est = bsm.triton_smem(bs, dtype, kernel)
+    assert est.peak <= limit, (cc, kernel, est)
+    if name != "smem227k":
+      # Untested GPUs: fits even if Triton reused no buffer.
+      assert est.total <= limit, (cc, kernel, est)
+
+
+def test_every_config_and_candidate_fits_its_tier():
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for name, (tier, bs) in bench_configs.configs(dtype).items():
+      limit = bsm.TRITON_CONFIGS[tier][0]
+      for kernel in ("fwd", "bwd"):
+        est = bsm.triton_smem(bs, dtype, kernel)
+        assert est.peak <= limit, (name, kernel)
+        if tier != "smem227k":
+          assert est.total <= limit, (name, kernel)
+
+
+def test_config_names_by_capability():
+  assert bsm.triton_config_name(None) == "smem227k"  # Unknown: H200's.
+  assert bsm.triton_config_name((9, 0)) == "smem227k"
+  assert bsm.triton_config_name((8, 0)) == "smem163k"
+  assert bsm.triton_config_name((8, 9)) == "smem99k"
+  assert bsm.triton_config_name((7, 5)) == "smem99k"  # Smallest: best effort.
+  assert bsm.triton_config_name((42, 0)) == "smem227k"
+  # Without a capability, get_default keeps the H200 configs.
+  assert (BlockSizes.get_default("pallas", "gpu", jnp.bfloat16)
+          == bsm.TRITON_CONFIGS["smem227k"][1])
+  assert (BlockSizes.get_default("pallas", "gpu", jnp.float32)
+          == bsm.TRITON_CONFIGS["smem227k"][2])
+  assert BlockSizes.get_default("xla", "gpu", capability=(8, 6)) == BlockSizes(
+      2048, 8192)
+
+
+# ------------------------------------------------------------ exactness
+
+NON_HOPPER = [n for n in bsm.TRITON_CONFIGS if n != "smem227k"]
+
+
+@pytest.mark.parametrize("name", NON_HOPPER)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_non_hopper_config_exact_in_interpret_mode_softmax(name, dtype):
+  """The config's tiles in interpret mode: 300 rows are 3 row blocks and
+  2 column blocks, D = 45 two K-steps, all with padding."""
+  bs = bsm.triton_config(_cc_of(name), dtype)
+  rng = np.random.default_rng(11)
+  x, y = rand_emb(rng, 300, 45, dtype), rand_emb(rng, 300, 45, dtype)
+  softmax_checks.check_loss(x, y, 14.3, -0.5, "both", dtype, bs,
+                            backend="pallas")
+
+
+@pytest.mark.parametrize("name", NON_HOPPER)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_non_hopper_config_exact_in_interpret_mode_sigmoid(name, dtype):
+  bs = bsm.triton_config(_cc_of(name), dtype)
+  rng = np.random.default_rng(12)
+  x, y = rand_emb(rng, 300, 45, dtype), rand_emb(rng, 300, 45, dtype)
+  sigmoid_checks.check_loss(x, y, 10.0, -10.0, bs, rtol=tol(dtype),
+                            loss_rtol=1e-4 if dtype != jnp.float32 else 2e-5,
+                            backend="pallas")
+
+
+def _cc_of(name):
+  return min(cc for cc in bsm.SMEM_PER_BLOCK
+             if cc >= (8, 0) and bsm.triton_config_name(cc) == name)
+
+
+# ------------------------------------------------------------ bench parser
+
+def test_probe_log_parser():
+  tag = bench_configs.RESULT_TAG
+  case = ('{"config": "smem99k", "tier": "smem99k", "dtype": "bfloat16", '
+          '"family": "softmax", "kernel": "fwd"')
+  text = "\n".join([
+      "noise", tag + case + "}", "I0101 x.cc:1] Shared memory usage: 65536 B",
+      "other", tag + case + ', "status": "ok", "end": true}',
+      "Shared memory usage: 1 B"])  # Outside a case: ignored.
+  (row,) = bench_configs.parse_probe_log(text)
+  assert row["xla_reported"] == "65536" and row["status"] == "ok"
+  assert row["est_peak"] == 65536 and row["limit"] == 99 * 1024
+
+
+# ------------------------------------------------------------------- GPU
+
+GPU_CHECKED = sorted(n for n, (tier, _) in bench_configs.configs(
+    jnp.bfloat16).items() if tier != "smem227k")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Triton lowering)")
+class TestConfigsOnGpu:
+  """Each non-Hopper config (and candidate) compiled through Triton on this
+  GPU, against float64 at B = 4096, D = 768, bf16."""
+
+  def test_this_gpu_is_read(self):
+    info = capability.device_info()
+    dev = jax.devices()[0]
+    print("device:", info, "compute_capability attr:",
+          getattr(dev, "compute_capability", None))
+    assert info.platform == "gpu" and info.capability is not None
+    known = capability.capability_from_kind(info.kind)
+    assert known in (None, info.capability)
+    assert registry.resolve("auto", "softmax") in ("pallas", "mosaic")
+    assert registry.resolve("auto", "sigmoid") in ("pallas", "mosaic")
+    be = registry.get("pallas", "softmax")
+    assert be.default_block_sizes("gpu", jnp.bfloat16) == bsm.triton_config(
+        info.capability, jnp.bfloat16)
+
+  @pytest.mark.parametrize("name", GPU_CHECKED)
+  def test_softmax_b4096_matches_float64(self, name):
+    bs = bench_configs.configs(jnp.bfloat16)[name][1]
+    rng = np.random.default_rng(5)
+    x = rand_emb(rng, 4096, 768, jnp.bfloat16)
+    y = rand_emb(rng, 4096, 768, jnp.bfloat16)
+    softmax_checks.check_loss(x, y, 14.3, -2.0, "both", jnp.bfloat16, bs,
+                              rtol=2e-2, backend="pallas")
+
+  @pytest.mark.parametrize("name", GPU_CHECKED)
+  def test_sigmoid_b4096_matches_float64(self, name):
+    bs = bench_configs.configs(jnp.bfloat16)[name][1]
+    rng = np.random.default_rng(41)
+    x = rand_emb(rng, 4096, 768, jnp.bfloat16)
+    y = rand_emb(rng, 4096, 768, jnp.bfloat16)
+    sigmoid_checks.check_loss(x, y, 10.0, -10.0, bs, rtol=tol(jnp.bfloat16),
+                              loss_rtol=1e-4, backend="pallas")
