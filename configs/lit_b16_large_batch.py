@@ -17,7 +17,7 @@ Scale it further with ``--config.batch_size=1048576``: memory grows only as
 O(B * D) for the embeddings and their gradients. ``benchmarks/bench_train.py``
 measures the step time and the largest batch on one GPU with synthetic data.
 
-    python -m train.main --config configs/lit_b16_large_batch.py \
+    .venv/bin/python -m train.main --config configs/lit_b16_large_batch.py \
         --workdir /tmp/lit_b16 --config.model.image.init=/path/to/vit_b16.npz
 
 ``:coco`` reads TFDS coco_captions (default); ``:synthetic`` trains on the

@@ -9,7 +9,7 @@ array_record files without TensorFlow):
 and give a pretrained, locked image tower as a local checkpoint (a .npz of
 named arrays in the layout of ``train.models.ViT``, or an orbax directory):
 
-    python -m train.main --config configs/lit_coco.py --workdir /tmp/lit_coco \
+    .venv/bin/python -m train.main --config configs/lit_coco.py --workdir /tmp/lit_coco \
         --config.model.image.init=/path/to/vit_b16.npz
 
 COCO has no class labels, so the held-out evaluation is image <-> text

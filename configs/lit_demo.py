@@ -1,6 +1,6 @@
 """LiT demo on the embedded synthetic_shapes dataset: offline, CPU-sized.
 
-    python -m train.main --config configs/lit_demo.py --workdir /tmp/lit_demo
+    .venv/bin/python -m train.main --config configs/lit_demo.py --workdir /tmp/lit_demo
 
 generates the dataset (~10 s), pretrains the small CNN image tower on the
 training split if its checkpoint is missing (once, cached under

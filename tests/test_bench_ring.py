@@ -53,6 +53,7 @@ def _read_csv(out):
     return reader.fieldnames, list(reader)
 
 
+@pytest.mark.slow
 def test_main_all_sections(tmp_path):
   _need(4)
   out = str(tmp_path)
@@ -112,6 +113,7 @@ def test_main_all_sections(tmp_path):
     assert json.load(fh)["platform"] == "cpu"
 
 
+@pytest.mark.slow
 def test_main_isolated_and_resume(tmp_path):
   """A fresh process per case (as on GPUs), then --resume reuses the rows."""
   _need(2)
@@ -128,6 +130,7 @@ def test_main_isolated_and_resume(tmp_path):
   assert header == bench_ring.FIELDS and len(csv_rows) == 2
 
 
+@pytest.mark.slow
 def test_memory_limit_paths(tmp_path, monkeypatch):
   """The GPU-only branches, driven by a fake device memory limit of 100 kB:
   a case whose XLA plan exceeds it is not run, and max batch compiles the

@@ -8,6 +8,8 @@ the gathered batch; this test fails if either worker fails or hangs.
 import os
 import sys
 
+import pytest
+
 from tests.helpers import free_port
 from tests.helpers import run_processes
 
@@ -16,6 +18,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 TIMEOUT_S = 240
 
 
+@pytest.mark.slow
 def test_ring_two_processes_four_devices_each():
   num_processes = 2
   port = free_port()

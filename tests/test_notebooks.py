@@ -18,6 +18,7 @@ def test_notebook_is_stored_without_outputs(path):
           f"{path.name}: strip outputs before committing")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path, monkeypatch):
   monkeypatch.setenv("INFCL_NB_QUICK", "1")

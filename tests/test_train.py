@@ -72,8 +72,8 @@ def _assert_grads_close(got, want, rtol=1e-4):
     assert err <= rtol * scale + 1e-12, (name, err, scale)
 
 
-@pytest.mark.parametrize("loss", [
-    pytest.param("softmax", marks=pytest.mark.slow), "sigmoid"])
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
 def test_gradcache_and_data_parallel_grads_equal_the_plain_step(loss):
   """Un-chunked 1-device step == GradCache (4 chunks) == 8 devices (the
   ring) with and without GradCache; the image tower is unlocked here so
@@ -159,15 +159,23 @@ def test_precomputed_embeddings_train_like_the_on_the_fly_path():
   mesh = _mesh(2)
   on_the_fly, _ = _train(params, optimizer, schedule, batches,
                          precomputed=False, mb=0, mesh=mesh)
-  # Same micro-batching on both paths: Adam turns rounding-level gradient
-  # differences of parameters whose exact gradient is 0 (attention key
-  # biases) into lr-sized steps, which would hide what is compared here.
   cached, cache = _train(params, optimizer, schedule, batches,
                          precomputed=True, mb=0, mesh=mesh)
   assert cache.hits > 0 and cache.misses == len(cache) <= 48
-  for a, b in zip(jax.tree.leaves(on_the_fly["params"]),
-                  jax.tree.leaves(cached["params"])):
-    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
+  # The cache embeds in batches of its own, so its embeddings differ from
+  # the on-the-fly ones by rounding (~1e-6). Attention key biases are not
+  # compared: their exact gradient is 0 (a softmax over keys ignores a bias
+  # shared by all keys), so only rounding noise drives them, and Adam turns
+  # any noise into lr-sized steps.
+  flat = jax.tree_util.tree_flatten_with_path(on_the_fly["params"])[0]
+  compared = 0
+  for (path, a), b in zip(flat, jax.tree.leaves(cached["params"])):
+    name = jax.tree_util.keystr(path)
+    if "['key']['bias']" in name:
+      continue
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=name)
+    compared += 1
+  assert compared >= len(flat) - 2
   # Training moved the text tower; the locked image tower did not move at
   # all, although AdamW's weight decay is on.
   moved = [np.any(a != b) for a, b in zip(
@@ -538,6 +546,7 @@ def test_config_check_names_the_bad_key():
     config_base.check_config(c)
 
 
+@pytest.mark.slow
 def test_bench_train_quick_smoke(tmp_path):
   r = _run([sys.executable, os.path.join(ROOT, "benchmarks/bench_train.py"),
             "--quick", "--modes", "precomputed", "--ladder", "", "--reps", "1",

@@ -110,6 +110,7 @@ def _flat(params):
   return jax.tree_util.tree_flatten_with_path(params)[0]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_on_the_same_batches(
     tmp_path, monkeypatch):
   data_dir = tmp_path / "tfds"

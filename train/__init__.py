@@ -1,1 +1,1 @@
-"""LiT trainer for infcl-jax: ``python -m train.main --config configs/lit_demo.py``."""
+"""LiT trainer for infcl-jax: ``.venv/bin/python -m train.main --config configs/lit_demo.py``."""

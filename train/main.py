@@ -1,4 +1,6 @@
-"""Command line: ``python -m train.main --config configs/lit_demo.py --workdir DIR``.
+"""Command line: ``.venv/bin/python -m train.main --config configs/lit_demo.py
+--workdir DIR`` (the interpreter of the environment that
+``scripts/setup_env.sh`` builds; ``python`` once it is activated).
 
 ``--config`` takes a config file and an optional argument after a colon
 (``configs/lit_demo.py:tiny``); ``--config.<key>=<value>`` overrides any key.
@@ -105,13 +107,13 @@ def _distributed_args() -> dict:
   return {n: FLAGS[n].value for n in names if FLAGS[n].value is not None}
 
 
-def _init_distributed() -> None:
-  """jax.distributed.initialize with the explicit flags, if any.
-
-  On a detected cluster (SLURM, Open MPI, ...) no flag is needed; elsewhere
-  (e.g. several processes on one machine) all three must be given.
-  """
+def _check_distributed_flags() -> None:
+  """One line for an inconsistent set of multi-process flags."""
   kw = _distributed_args()
+  if not FLAGS.jax_distributed:
+    if kw:
+      _error(f"--{next(iter(kw))} needs --jax_distributed")
+    return
   if kw and len(kw) != 3:
     missing = sorted({"coordinator_address", "num_processes", "process_id"}
                      - set(kw))
@@ -121,6 +123,15 @@ def _init_distributed() -> None:
   if kw and not 0 <= kw["process_id"] < kw["num_processes"]:
     _error(f"--process_id={kw['process_id']} must be in [0, "
            f"--num_processes={kw['num_processes']})")
+
+
+def _init_distributed() -> None:
+  """jax.distributed.initialize with the explicit flags, if any.
+
+  On a detected cluster (SLURM, Open MPI, ...) no flag is needed; elsewhere
+  (e.g. several processes on one machine) all three must be given.
+  """
+  kw = _distributed_args()
   import jax  # pylint: disable=g-import-not-at-top
   try:
     jax.distributed.initialize(**kw)
@@ -159,6 +170,7 @@ def main(argv) -> None:
     _error("--config is required, e.g. --config configs/lit_demo.py")
   if not FLAGS.workdir:
     _error("--workdir is required")
+  _check_distributed_flags()
   from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   try:
     workdir_lib.check_workdir(FLAGS.workdir)  # Before any work.
@@ -169,8 +181,6 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
   if FLAGS.jax_distributed:
     _init_distributed()
-  elif _distributed_args():
-    _error(f"--{next(iter(_distributed_args()))} needs --jax_distributed")
   try:
     from train import train  # pylint: disable=g-import-not-at-top
     train.train_and_evaluate(config, FLAGS.workdir,

@@ -11,7 +11,7 @@ color). Only the training split is used, so the
 here either. The classifiers are dropped; the tower's output (the
 pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
 
-    python -m train.pretrain_image_tower --config configs/lit_demo.py \
+    .venv/bin/python -m train.pretrain_image_tower --config configs/lit_demo.py \
         --out ~/.cache/infcl_jax/towers/demo_cnn.npz --steps 600
 
 The trainer runs this itself (with a log line) when ``config.model.image.init``

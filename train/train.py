@@ -149,7 +149,7 @@ def init_params(config, image_tower, text_tower, head, tokenizer):
     if not os.path.exists(path):
       raise FileNotFoundError(
           f"config.model.image.init: image tower checkpoint not found: {path} "
-          "(create it with `python -m train.pretrain_image_tower --config "
+          "(create it with `.venv/bin/python -m train.pretrain_image_tower --config "
           "<config> --out <path>`, or set config.model.image.pretrain_steps)")
     img = models.load_image_tower(path, img)
     logging.info("image tower loaded from %s", path)
