@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from infcl_jax import _axes
+
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -64,6 +66,18 @@ def interpret_params(interpret):
   if interpret is False or interpret is None:
     return None
   return interpret
+
+
+def vary_like(outs, *ins):
+  """Types kernel outputs device-varying like their inputs inside shard_map.
+
+  ``plgpu.kernel`` traces its body with the varying-axes check off and
+  returns outputs typed as invariant over every mesh axis, even when its
+  inputs vary (a ring shard). Left so, JAX would treat a per-device result
+  as replicated (e.g. fold a ``psum`` of it into a multiplication). The cast
+  moves no data; outside shard_map it is a no-op.
+  """
+  return _axes.vary_like(outs, *ins)
 
 
 def num_sms():

@@ -167,6 +167,7 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
       bd=block_d, nd=nd, ni=ni, num_tiles=num_tiles, nprog=nprog,
       stages=num_stages, compute_regs=compute_regs, memory_regs=memory_regs,
       pingpong=pingpong)
+  ins = (params.astype(F32), x, y, r2.astype(F32), c2.astype(F32))
   g, part = plgpu.kernel(
       kernel,
       out_type=[
@@ -178,7 +179,9 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
       grid_names=("p",),
       num_threads=common.NUM_CONSUMERS + 1,
       thread_name="wg",
+      kernel_name="infcl_mosaic_lse_bwd_panel",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
-  )(params.astype(F32), x, y, r2.astype(F32), c2.astype(F32))
+  )(*ins)
+  g, part = common.vary_like((g, part), *ins)
   return g, jnp.sum(part[:, :, 0]), jnp.sum(part[:, :, 1])

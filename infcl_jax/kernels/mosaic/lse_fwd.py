@@ -235,10 +235,11 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       grid_names=("p",),
       num_threads=common.NUM_CONSUMERS + 1,
       thread_name="wg",
+      kernel_name="infcl_mosaic_lse_fwd",
       compiler_params=plgpu.CompilerParams(**cp),
       interpret=common.interpret_params(interpret),
   )(params, x, y)
-  outs = list(outs)
+  outs = common.vary_like(list(outs), params, x, y)
   row_lse = col_lse = None
   if rows:
     r = outs.pop(0)[:, :n]

@@ -1,0 +1,281 @@
+"""Mosaic GPU kernels for Hopper (``backend="mosaic"``), both families.
+
+The kernels (``infcl_jax.kernels.mosaic``) are persistent and
+warp-specialized: one TMA producer warpgroup streams x and y chunks through
+a shared-memory ring, two consumer warpgroups run wgmma into float32
+accumulators and the epilogues. The plumbing (padding, the panel loop and its
+cuBLAS GEMMs, the shard_map typing of the panel carry) is
+``kernel_plumbing``'s, shared with the Triton backend.
+
+Which implementation each stage uses (bf16 / f16 inputs; measured on an
+H200, B = 65536, D = 768, see ``kernels/mosaic/NOTES.md`` and BENCHMARKS.md):
+
+=================  ==============================  ==========================
+stage              implementation                  why
+=================  ==============================  ==========================
+softmax ``lse``    Mosaic ``lse_fwd``              ties Triton (14.5 ms both)
+                                                   and Triton is deprecated
+softmax panel G    Mosaic ``g_panel``              0.89 vs 1.12 ms per 4096-row
+                                                   panel
+sigmoid sum        Mosaic ``sigmoid_tiles("sum")``  see ``STAGES``
+sigmoid panel G    Mosaic ``sigmoid_tiles("g")``    see ``STAGES``
+dx, dy GEMMs       cuBLAS (XLA)                    library speed
+=================  ==============================  ==========================
+
+``STAGES`` holds the choice per stage ("mosaic" or "pallas"); a subclass can
+override it (the tests run both).
+
+float32 inputs: routed to the Triton path (``PallasTritonBackend``, TF32
+tensor cores by default, ``f32_precision="highest"`` for full float32).
+The Mosaic kernels take 16-bit operands only; TF32 wgmma would need float32
+SMEM tiles (half the K-depth per stage) and is not written. Likewise any GPU
+older than sm90 (Mosaic GPU targets Hopper) runs everything on the Triton
+path.
+
+Block sizes: ``BlockSizes`` keeps its meaning where the kernels allow it.
+``block_q`` / ``bwd_block_q`` are rows per CTA tile (64 or 128);
+``block_k`` / ``bwd_block_k`` are columns per CTA tile (128 or 256: the two
+consumers take half each); ``block_d`` is the K-step (64: one 128-byte
+swizzled row of bf16). Other values are rounded to the nearest allowed one
+(so Triton-tuned sizes, e.g. the defaults 128 x 256 x 64, map one to one).
+The pipeline depths are the kernels' own (forward 4 stages, panel 3: what
+fits 227 KB of shared memory). ``num_programs``, ``panel_rows`` (rounded up
+to a multiple of ``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
+as in the Triton backend.
+
+Padding: x rows to ``block_q``, y rows to ``block_k`` (two consumer
+halves), D to 64; the kernels mask the padding.
+
+Off the GPU the same kernel bodies run in jax's Mosaic GPU interpreter
+(``interpret=True``), which simulates the warpgroups, TMA and mbarriers on
+the CPU (slow; for tests).
+
+Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
+like their inputs (``kernels.mosaic.common.vary_like``), the panel carry by
+``kernel_plumbing.panel_backward``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from infcl_jax import _math
+from infcl_jax.backends import kernel_plumbing as kp
+from infcl_jax.backends import pallas_triton
+from infcl_jax.backends.xla import check_diagonal
+from infcl_jax.block_sizes import BlockSizes
+from infcl_jax.kernels.mosaic import common as mcommon
+from infcl_jax.kernels.mosaic import g_panel as mg_panel
+from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
+from infcl_jax.kernels.mosaic import sigmoid as msigmoid
+
+F32 = jnp.float32
+FWD_STAGES = 4
+PANEL_STAGES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlocks:
+  """Block shapes the Mosaic kernels take (bk: one consumer's columns)."""
+  bq: int
+  bk: int
+  bwd_bq: int
+  bwd_bk: int
+  bd: int
+  panel_rows: int
+
+
+def _rows(v):
+  return 64 if v <= 64 else 128
+
+
+def _cols(v):
+  # Columns per CTA tile -> per consumer.
+  return 64 if v <= 128 else 128
+
+
+def mosaic_blocks(bs: BlockSizes) -> MosaicBlocks:
+  bwd_bq = _rows(bs.bwd_block_q)
+  return MosaicBlocks(bq=_rows(bs.block_q), bk=_cols(bs.block_k),
+                      bwd_bq=bwd_bq, bwd_bk=_cols(bs.bwd_block_k), bd=64,
+                      panel_rows=kp.round_up(bs.panel_rows, bwd_bq))
+
+
+def _hopper_or_newer():
+  try:
+    cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
+  except RuntimeError:
+    return False
+  if cc is None:
+    return True
+  try:
+    return int(str(cc).split(".")[0]) >= 9
+  except ValueError:
+    return True
+
+
+class MosaicBackend(pallas_triton.PallasTritonBackend):
+  """Mosaic GPU tiles for bf16 / f16; the Triton path for the rest."""
+
+  name = "mosaic"
+  families = ("softmax", "sigmoid")
+  # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
+  STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
+            "sigmoid_grad": "mosaic"}
+
+  def __init__(self, platform: str | None = None):
+    super().__init__(platform=platform)
+    # Mosaic GPU compiles for sm90+; off the GPU it is interpreted.
+    self.mosaic_ok = self.interpret or _hopper_or_newer()
+
+  def _mosaic(self, stage, *arrays):
+    return (self.mosaic_ok and self.STAGES[stage] == "mosaic"
+            and all(jnp.dtype(a.dtype) in mcommon.SUPPORTED_DTYPES
+                    for a in arrays)
+            and len({jnp.dtype(a.dtype) for a in arrays}) == 1)
+
+  def _mblocks(self, block_sizes, dtype):
+    bs = self._block_sizes(block_sizes, dtype)
+    return bs, mosaic_blocks(bs)
+
+  @staticmethod
+  def _panel_layout(mb, n, m, d):
+    # panel_layout pads m to bwd_block_k: here the CTA's two halves.
+    return kp.panel_layout(
+        BlockSizes(block_q=mb.bq, block_k=2 * mb.bk, block_d=mb.bd,
+                   bwd_block_q=mb.bwd_bq, bwd_block_k=2 * mb.bwd_bk,
+                   panel_rows=mb.panel_rows), n, m, d)
+
+  # ------------------------------------------------------------ softmax
+
+  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+    if not self._mosaic("lse", x, y):
+      return super().lse(x, y, scale, bias, rows=rows, cols=cols,
+                         block_sizes=block_sizes)
+    if not (rows or cols):
+      return None, None
+    bs, mb = self._mblocks(block_sizes, x.dtype)
+    n, m = x.shape[0], y.shape[0]
+    xp, yp = kp.pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+    nprog = bs.num_programs or kp.num_sms()
+    kp.check_int32(self.name, column_workspace=min(
+        nprog, xp.shape[0] // mb.bq) * yp.shape[0])
+    return mlse_fwd.lse_fwd(
+        xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
+        rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
+        num_stages=FWD_STAGES, num_programs=nprog,
+        interpret=self.interpret, single_exp=bs.single_exp)
+
+  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
+               *, block_sizes=None):
+    if not self._mosaic("lse_grad", x, y):
+      return super().lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
+                              col_coef, block_sizes=block_sizes)
+    bs, mb = self._mblocks(block_sizes, x.dtype)
+    n, d = x.shape
+    m = y.shape[0]
+    rows, cols = row_lse is not None, col_lse is not None
+    scale = jnp.asarray(scale, F32)
+    bias = jnp.asarray(bias, F32)
+    prec = self._precision(bs, x.dtype)
+    # As in the Triton backend: probabilities in [0, 1], the coefficients
+    # applied after the GEMMs.
+    row_coef = jnp.asarray(row_coef if rows else 0.0, F32)
+    col_coef = jnp.asarray(col_coef if cols else 0.0, F32)
+    norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
+    norm = jnp.where(norm == 0, 1.0, norm)
+    layout = self._panel_layout(mb, n, m, d)
+    r2 = (row_lse.astype(F32) * _math.LOG2E) if rows else jnp.zeros((n,), F32)
+    c2 = (col_lse.astype(F32) * _math.LOG2E) if cols else jnp.zeros((m,), F32)
+    r2 = kp.pad1(r2, layout.n_pad, jnp.inf)
+    c2 = kp.pad1(c2, layout.m_pad, jnp.inf)
+    params = jnp.stack([scale * _math.LOG2E, bias * _math.LOG2E,
+                        row_coef / norm, col_coef / norm]).astype(F32)
+    mask = layout.n_pad != n or layout.m_pad != m
+
+    def g_panel(x_p, yp, r_p):
+      if bs.bwd_impl == "xla":
+        g, dsc, dbi = pallas_triton._xla_softmax_panel(  # pylint: disable=protected-access
+            x_p, yp, r_p, c2, params, rows, cols, mask, x.dtype, prec)
+      else:
+        g, dsc, dbi = mg_panel.g_panel(
+            x_p, yp, r_p, c2, params, rows=rows, cols=cols, mask=mask,
+            g_dtype=x.dtype, block_q=mb.bwd_bq, block_k=mb.bwd_bk,
+            block_d=mb.bd, num_stages=PANEL_STAGES,
+            num_programs=bs.num_programs, interpret=self.interpret)
+      return g, jnp.ones((), F32), dsc, dbi
+
+    dx, dy, dsc, dbi = kp.panel_backward(
+        x, y, r2, g_panel, layout=layout, precision=prec,
+        refs=(c2, params))
+    return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
+
+  # ------------------------------------------------------------ sigmoid
+
+  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
+    if not self._mosaic("sigmoid_sum", x, y):
+      return super().sigmoid_sum(x, y, scale, bias, has_diagonal=has_diagonal,
+                                 block_sizes=block_sizes)
+    n, m = x.shape[0], y.shape[0]
+    check_diagonal(has_diagonal, n, m)
+    bs, mb = self._mblocks(block_sizes, x.dtype)
+    xp, yp = kp.pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+    ids = jnp.arange(xp.shape[0], dtype=jnp.int32)
+    params = jnp.stack([jnp.asarray(scale, F32), jnp.asarray(bias, F32),
+                        jnp.ones((), F32), jnp.zeros((), F32)])
+    return msigmoid.sigmoid_tiles(
+        xp, yp, jnp.where(ids < n, ids, -1), params, mode="sum", m=m,
+        mask=xp.shape[0] != n or yp.shape[0] != m, has_diagonal=has_diagonal,
+        block_q=mb.bq, block_k=mb.bk, block_d=mb.bd, num_stages=FWD_STAGES,
+        num_programs=bs.num_programs, interpret=self.interpret)
+
+  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
+                   block_sizes=None):
+    if not self._mosaic("sigmoid_grad", x, y):
+      return super().sigmoid_grad(x, y, scale, bias, coef,
+                                  has_diagonal=has_diagonal,
+                                  block_sizes=block_sizes)
+    n, d = x.shape
+    m = y.shape[0]
+    check_diagonal(has_diagonal, n, m)
+    bs, mb = self._mblocks(block_sizes, x.dtype)
+    scale = jnp.asarray(scale, F32)
+    bias = jnp.asarray(bias, F32)
+    coef = jnp.asarray(coef, F32)
+    prec = self._precision(bs, x.dtype)
+    # A float16 panel is scanned for its largest |G| first and stored
+    # divided by it (|G| can be far below float16's range).
+    rescale = jnp.dtype(x.dtype) == jnp.float16
+    layout = self._panel_layout(mb, n, m, d)
+    ids = jnp.arange(layout.n_pad, dtype=jnp.int32)
+    row_ids = jnp.where(ids < n, ids, -1)
+    kw = dict(m=m, mask=layout.n_pad != n or layout.m_pad != m,
+              has_diagonal=has_diagonal, block_q=mb.bwd_bq,
+              block_k=mb.bwd_bk, block_d=mb.bd,
+              num_programs=bs.num_programs, interpret=self.interpret)
+
+    def g_panel(x_p, yp, rid_p):
+      if bs.bwd_impl == "xla":
+        return pallas_triton._xla_sigmoid_panel(  # pylint: disable=protected-access
+            x_p, yp, rid_p, scale, bias, m, has_diagonal, x.dtype, rescale,
+            prec)
+      g_max = jnp.ones((), F32)
+      if rescale:
+        params = jnp.stack([scale, bias, 1.0, 0.0]).astype(F32)
+        g_max = kp.usable_max(msigmoid.sigmoid_tiles(
+            x_p, yp, rid_p, params, mode="max", num_stages=FWD_STAGES, **kw))
+      params = jnp.stack([scale, bias, 1.0 / g_max, 0.0]).astype(F32)
+      g, dsc, dbi = msigmoid.sigmoid_tiles(
+          x_p, yp, rid_p, params, mode="g", scaled=rescale,
+          num_stages=PANEL_STAGES, **kw)
+      return g, g_max, dsc, dbi
+
+    dx, dy, dsc, dbi = kp.panel_backward(
+        x, y, row_ids, g_panel, layout=layout, precision=prec,
+        refs=(scale, bias))
+    return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
+
+
+BACKEND = MosaicBackend

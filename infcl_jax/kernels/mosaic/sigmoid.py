@@ -1,0 +1,229 @@
+"""Mosaic GPU kernels of the sigmoid (SigLIP) family: forward sum and G panel.
+
+One persistent, warp-specialized kernel with three modes, on the same
+skeleton as the softmax panel (``g_panel``; see ``common``): a TMA producer
+and two wgmma consumers, a persistent grid of P CTAs over the
+(n_pad / block_q) x (m_pad / (2 * block_k)) tiles, row blocks fastest. Per
+(block_q, block_k) float32 logit tile s = t * x y^T + b a consumer forms, with
+z = +1 on the positives (global row index == global column index, when the
+block pair has a diagonal) and -1 elsewhere:
+
+* ``mode="sum"`` (forward): softplus(-z s), summed per row into a register
+  vector kept across all the CTA's tiles; the (P, 2, block_q) partials are
+  summed in XLA. The loss needs only the total, so no row ever needs its
+  own complete sum and nothing is merged across CTAs in the kernel.
+* ``mode="g"`` (backward panel): G = (-z) sigmoid(-z s), written to HBM in
+  the input dtype (registers -> swizzled SMEM -> TMA store) times
+  ``params[2]`` when ``scaled``; the partial sums of G * (x y^T) and of G
+  (from the unscaled float32 G) as per-row register vectors.
+* ``mode="max"``: the largest |G| only (the float16 pre-pass that picks the
+  panel's divisor; see ``backends.pallas_triton``).
+
+No column statistics: no cross-warp reduction, so the consumers need no
+turns. Each term is evaluated on its own: softplus(u) = max(u, 0) +
+log1p(e^-|u|), with log1p from a short series (Mosaic GPU has no log1p
+lowering, and log(1 + e) loses a tiny e entirely): log1p(e) =
+2 atanh(e / (2 + e)), eight odd terms for e in [0, 1] (relative error
+< 2e-9), so a tiny loss keeps its relative accuracy.
+
+Row ids: ``row_ids[i]`` is row i's global index (-1 on padding); columns are
+valid below ``m``. Padding must be masked here: a zero row's logit is the
+bias, not -inf.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from infcl_jax import _axes
+from infcl_jax.kernels.mosaic import common
+
+F32 = jnp.float32
+WGMMA = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)
+MODES = ("sum", "g", "max")
+
+
+def log1p_unit(e):
+  """log(1 + e) for e in [0, 1] to float32 relative accuracy.
+
+  2 atanh(t) with t = e / (2 + e) in [0, 1/3]: t + t^3/3 + ... + t^15/15.
+  """
+  t = e / (e + 2.0)
+  t2 = t * t
+  p = t2 * (1.0 / 15.0) + (1.0 / 13.0)
+  for k in (11, 9, 7, 5, 3):
+    p = p * t2 + (1.0 / k)
+  p = p * t2 + 1.0
+  return 2.0 * t * p
+
+
+def softplus(u):
+  """log(1 + e^u), stable for both signs, relative accuracy for u << 0."""
+  return jnp.maximum(u, 0.0) + log1p_unit(jnp.exp(-jnp.abs(u)))
+
+
+def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
+            has_diagonal, scaled, bq, bk, bd, nd, ni, num_tiles, nprog,
+            stages, compute_regs, memory_regs):
+  refs = list(refs)
+  g_ref = refs.pop(0) if mode == "g" else None
+  part_ref = refs.pop(0)
+  if mode == "g":
+    x_smem, y_smem, g_smem, x_full, y_full, consumed = refs
+  else:
+    x_smem, y_smem, x_full, y_full, consumed = refs
+    g_smem = None
+  pid = lax.axis_index("p")
+  wg = lax.axis_index("wg")
+  my_tiles = lax.div(num_tiles - pid + nprog - 1, nprog)
+
+  def coords(u):
+    tile = pid + u * nprog
+    return lax.rem(tile, ni), lax.div(tile, ni)
+
+  @pl.when(wg == common.NUM_CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(memory_regs, action="decrease")
+    common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
+                    coords=coords, num_tiles=my_tiles, nd=nd, bq=bq,
+                    bk2=2 * bk, bd=bd, stages=stages)
+
+  @pl.when(wg < common.NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(compute_regs, action="increase")
+    scale = params_ref[0]
+    bias = params_ref[1]
+    g_scale = params_ref[2]
+    zero_r = plgpu.layout_cast(jnp.zeros((bq,), F32), ROW)
+
+    def tile_body(u, acc):
+      i, j = coords(u)
+      c0 = j * (2 * bk) + wg * bk
+      # Issued before the matmul: its latency hides behind it.
+      rid = plgpu.load(rid_ref.at[pl.ds(i * bq, bq)], layout=ROW,
+                       optimized=False)
+      s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
+                           g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
+                           stages=stages)
+      s = s0 * scale + bias
+      rid2 = None
+      if has_diagonal or mask:
+        ci = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=WGMMA) + c0
+        rid2 = lax.broadcast_in_dim(rid, s.shape, [0])
+      pos = (rid2 == ci) if has_diagonal else None
+      valid = ((rid2 >= 0) & (ci < m)) if mask else None
+      zeros = jnp.zeros(s.shape, F32)
+      # -z * s: -s on the positives, s elsewhere.
+      u_ = jnp.where(pos, -s, s) if has_diagonal else s
+      if mode == "sum":
+        sp = softplus(u_)
+        if mask:
+          sp = jnp.where(valid, sp, zeros)
+        return acc[0] + sp.sum(axis=1), acc[1]
+      # sigmoid(u) = 1 / (1 + e^-u): e^-u overflows to inf for u << 0 and
+      # gives 0, never NaN.
+      sg = 1.0 / (1.0 + jnp.exp(-u_))
+      g = jnp.where(pos, -sg, sg) if has_diagonal else sg
+      if mask:
+        g = jnp.where(valid, g, zeros)
+      if mode == "max":
+        return jnp.maximum(acc[0], jnp.abs(g).max(axis=1)), acc[1]
+      gs = g * g_scale if scaled else g
+      # The previous tile's TMA store must have read g_smem before reuse.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      g_smem.at[wg][...] = gs.astype(g_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(g_smem.at[wg],
+                              g_ref.at[pl.ds(i * bq, bq), pl.ds(c0, bk)])
+      return acc[0] + (g * s0).sum(axis=1), acc[1] + g.sum(axis=1)
+
+    a0, a1 = lax.fori_loop(0, my_tiles, tile_body, (zero_r, zero_r))
+    part_ref.at[pid, wg, 0][...] = a0
+    part_ref.at[pid, wg, 1][...] = a1
+    if mode == "g":
+      plgpu.wait_smem_to_gmem(0)
+
+
+def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
+                  scaled=False, block_q=128, block_k=128, block_d=64,
+                  num_stages=None, num_programs=None, interpret=False,
+                  compute_regs=232, memory_regs=40):
+  """The sigmoid forward sum, G panel or max |G| of padded x against y.
+
+  Args:
+    x: (R, Dp) zero-padded bf16 / f16 rows (R a multiple of block_q).
+    y: (m_pad, Dp) zero-padded rows (m_pad a multiple of 2 * block_k).
+    row_ids: (R,) int32 global row index of each row of x, -1 on padding.
+    params: (4,) float32 [scale, bias, g_scale, unused] (natural units).
+    mode: "sum", "g" or "max" (see the module docstring).
+    m: valid rows of y (static); mask: whether any padding exists (static).
+    has_diagonal: whether the pairs (row id == column) are the positives.
+    scaled: "g" only: store G * g_scale (float16 panels).
+
+  Returns:
+    "sum": the float32 sum of softplus(-z s) over the valid pairs;
+    "g": (G (R, m_pad) of x.dtype, sum G * x y^T, sum G), unscaled sums;
+    "max": the largest |G| (float32 scalar).
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  common.check_inputs(x, y, block_q, block_k, block_d)
+  r_rows, d_pad = x.shape
+  m_pad = y.shape[0]
+  ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
+  num_tiles = ni * nj2
+  nprog = max(1, min(num_programs or common.num_sms(), num_tiles))
+  if num_stages is None:
+    num_stages = 3 if mode == "g" else 4
+  tr = common.smem_transforms(x.dtype, block_d)
+  scratch = [
+      plgpu.SMEM((num_stages, block_q, block_d), x.dtype, transforms=tr),
+      plgpu.SMEM((num_stages, 2 * block_k, block_d), x.dtype, transforms=tr),
+  ]
+  if mode == "g":
+    scratch.append(plgpu.SMEM((common.NUM_CONSUMERS, block_q, block_k),
+                              x.dtype,
+                              transforms=common.smem_transforms(x.dtype,
+                                                                block_k)))
+  scratch += [
+      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+      plgpu.Barrier(num_arrivals=common.NUM_CONSUMERS,
+                    num_barriers=num_stages),
+  ]
+  out_type = []
+  if mode == "g":
+    out_type.append(jax.ShapeDtypeStruct((r_rows, m_pad), x.dtype))
+  out_type.append(jax.ShapeDtypeStruct(
+      (nprog, common.NUM_CONSUMERS, 2, block_q), F32))
+  kernel = functools.partial(
+      _kernel, mode=mode, m=m, mask=mask, has_diagonal=has_diagonal,
+      scaled=scaled, bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni,
+      num_tiles=num_tiles, nprog=nprog, stages=num_stages,
+      compute_regs=compute_regs, memory_regs=memory_regs)
+  ins = (params.astype(F32), x, y, row_ids.astype(jnp.int32))
+  outs = plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(nprog,),
+      grid_names=("p",),
+      num_threads=common.NUM_CONSUMERS + 1,
+      thread_name="wg",
+      kernel_name=f"infcl_mosaic_sigmoid_{mode}",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=common.interpret_params(interpret),
+  )(*ins)
+  outs = common.vary_like(list(outs), *ins)
+  part = outs[-1]
+  if mode == "sum":
+    return jnp.sum(part[:, :, 0])
+  if mode == "max":
+    return jnp.max(part[:, :, 0])
+  return outs[0], jnp.sum(part[:, :, 0]), jnp.sum(part[:, :, 1])
