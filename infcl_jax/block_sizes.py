@@ -183,6 +183,12 @@ class BlockSizes:
 # could not test (sm80, sm86/sm89/sm12x) fit their limit by ``total``, so
 # they do not depend on the reuse; the H200 configs fit 227 KB by ``peak``
 # (bf16 also by ``total``) and are compiled and measured there.
+#
+# Checked against the compiler: XLA logs the shared memory of each Triton
+# kernel it compiles (``benchmarks/bench_configs.py --smem_probe``). On the
+# H200 (jax 0.11.2) every bf16 kernel of every config below used exactly
+# ``pipeline`` bytes (the G tile's staging reuses the K-loop buffers), and
+# every float32 kernel at most ``peak`` (benchmarks/results/configs_h200).
 # ---------------------------------------------------------------------------
 
 # Maximum dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin),
@@ -237,7 +243,9 @@ def triton_smem(bs: BlockSizes, dtype, kernel: str) -> SmemEstimate:
 
 
 # name -> (the smallest per-block limit it is meant for, bf16/f16 config,
-# float32 config). All use 8 warps per program.
+# float32 config). The bf16 configs of sm80 and sm86 are the faster on the
+# H200 of two candidates each, both exact there at B = 4096 (the other one
+# is ``benchmarks/bench_configs.CANDIDATES``; BENCHMARKS.md has the times).
 TRITON_CONFIGS = {
     # H200 (sm90), B200 (sm100): 227 KB. 128 x 256 tiles, K-step 64, 3
     # stages: ~600 TFLOP/s for a flash-style LSE pass on the H200. float32
@@ -251,24 +259,28 @@ TRITON_CONFIGS = {
                  BlockSizes(block_q=128, block_k=256, block_d=32,
                             num_stages=3, bwd_block_q=128, bwd_block_k=256,
                             panel_rows=2048)),
-    # A100 (sm80), Orin (sm87): 163 KB. The same tiles with a K-step of 32:
-    # forward 4 stages (104 KB total), backward 3 (144 KB total with the G
-    # tile). float32: the H200 forward (152 KB total) and a 128 x 128
-    # backward with 2 stages (132 KB total).
+    # A100 (sm80), Orin (sm87): 163 KB. The H200 forward (152 KB total)
+    # and a 128 x 128 backward (132 KB total). On the H200 (B=65536, D=768,
+    # bf16, fwd+bwd) it costs 1.00x (softmax) / 1.04x (sigmoid) the H200
+    # configs; K-step 32 with 128 x 256 everywhere was 1.05x / 1.05x.
+    # float32: the H200 forward and a 128 x 128 backward with 2 stages
+    # (132 KB total).
     "smem163k": (163 * 1024,
-                 BlockSizes(block_q=128, block_k=256, block_d=32,
-                            num_stages=4, bwd_block_q=128, bwd_block_k=256,
+                 BlockSizes(block_q=128, block_k=256, block_d=64,
+                            num_stages=3, bwd_block_q=128, bwd_block_k=128,
                             bwd_num_stages=3, panel_rows=4096),
                  BlockSizes(block_q=128, block_k=256, block_d=32,
                             num_stages=3, bwd_block_q=128, bwd_block_k=128,
                             bwd_num_stages=2, panel_rows=2048)),
     # A10 / RTX 30xx (sm86), L4 / RTX 40xx (sm89), RTX 50xx (sm120): 99 KB.
-    # 128 x 128 tiles, K-step 32: forward 4 stages (68 KB total), backward 3
-    # (84 KB total). float32: forward 2 stages (68 KB), backward 64 x 128
-    # with 2 stages (84 KB).
+    # 128 x 128 tiles, K-step 32, 4 warps: forward 4 stages (66 KB total),
+    # backward 3 (82 KB total). On the H200 1.21x (softmax) / 1.17x
+    # (sigmoid) the H200 configs; 8 warps was 1.22x / 1.21x. float32:
+    # forward 2 stages (68 KB), backward 64 x 128 with 2 stages (84 KB).
     "smem99k": (99 * 1024,
                 BlockSizes(block_q=128, block_k=128, block_d=32,
-                           num_stages=4, bwd_block_q=128, bwd_block_k=128,
+                           num_warps=4, num_stages=4, bwd_block_q=128,
+                           bwd_block_k=128, bwd_num_warps=4,
                            bwd_num_stages=3, panel_rows=4096),
                 BlockSizes(block_q=128, block_k=128, block_d=32,
                            num_stages=2, bwd_block_q=64, bwd_block_k=128,
