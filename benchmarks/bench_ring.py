@@ -76,6 +76,7 @@ from benchmarks import bench_loss  # pylint: disable=wrong-import-position
 from benchmarks import ring_hlo  # pylint: disable=wrong-import-position
 
 RESULT_TAG = "BENCH_RING "
+PHASE_TAG = "BENCH_RING_PHASE "
 LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "backend", "status", "ms", "reps", "loss", "efficiency",
@@ -83,6 +84,7 @@ FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "mem_source", "wall_s"]
 # Targets of the issue, checked in ``targets``.
 EFF_TARGET, PLAIN_SPEEDUP_TARGET, MEM_FLAT_TOL = 0.90, 1.3, 1.10
+HIDDEN_TARGET = 0.80  # Ring <= compute-only + 20% of transfer-only.
 
 
 # ------------------------------------------------------------- one case
@@ -148,20 +150,27 @@ def run_case(spec):
   scalar = jax.ShapeDtypeStruct((), jnp.float32,
                                 sharding=NamedSharding(mesh, P()))
   res = {}
+  delay = spec.get("test_delay_s") or {}  # Tests of the phase timeouts.
+  t0 = time.time()
   try:
+    time.sleep(delay.get("compile", 0))
     compiled = fn.lower(emb, emb, scalar).compile()
   except Exception as e:  # pylint: disable=broad-except
     return dict(status="oom" if bench_loss._is_oom(e)  # pylint: disable=protected-access
                 else f"error: {type(e).__name__}: {str(e)[:300]}")
+  res["compile_s"] = round(time.time() - t0, 2)
   res.update(_mem_plan(compiled))
   limits = _device_bytes(devices, "bytes_limit")
   if limits:
     res["bytes_limit_gb"] = min(limits) / 1e9
-    if (spec.get("run", True) and kind != "hlo"
-        and res.get("xla_total_gb", 0) > res["bytes_limit_gb"]):
-      # Running it would only end in RESOURCE_EXHAUSTED; the plan says so.
-      return dict(res, status=f"oom (XLA plan {res['xla_total_gb']:.3g} GB "
-                  f"> limit {res['bytes_limit_gb']:.3g} GB; not run)")
+  if spec.get("report_phases"):  # The parent's compile deadline ends here.
+    print(PHASE_TAG + json.dumps(dict(res, phase="compiled")), flush=True)
+  time.sleep(delay.get("run", 0))
+  if (limits and spec.get("run", True) and kind != "hlo"
+      and res.get("xla_total_gb", 0) > res["bytes_limit_gb"]):
+    # Running it would only end in RESOURCE_EXHAUSTED; the plan says so.
+    return dict(res, status=f"oom (XLA plan {res['xla_total_gb']:.3g} GB "
+                f"> limit {res['bytes_limit_gb']:.3g} GB; not run)")
   if kind == "hlo":
     hlo, buf = compiled.as_text(), io.StringIO()
     try:
@@ -176,7 +185,8 @@ def run_case(spec):
     if spec.get("hlo_path"):
       with open(spec["hlo_path"], "w") as fh:
         fh.write(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n"
-                 + buf.getvalue())
+                 + buf.getvalue() + "\n\n==== optimized, scheduled HLO "
+                 "====\n" + hlo)
     return dict(res, status="ok", n_async=n_async, n_overlapped=n_overlapped,
                 n_sync=n_sync)
   if not spec.get("run", True):
@@ -215,10 +225,11 @@ def probe(backend):
   from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
   devs = jax.devices()
   stats = devs[0].memory_stats() or {}
+  limit = stats.get("bytes_limit", 0) / 1e9 or None
   return dict(status="ok", platform=devs[0].platform,
               device_kind=devs[0].device_kind, n_devices=len(devs),
               jax=jax.__version__, jaxlib=_jaxlib_version(),
-              bytes_limit_gb=stats.get("bytes_limit", 0) / 1e9 or None,
+              bytes_limit_gb=limit, xla_limit_gb=xla_memory_limit_gb(limit),
               xla_flags=os.environ.get("XLA_FLAGS", ""),
               backend=registry.resolve(backend, "softmax", devs[0].platform))
 
@@ -242,21 +253,115 @@ def _child_env(n, platform):
   return env
 
 
-def spawn(spec, platform, timeout_s):
-  """Runs ``run_case(spec)`` (or the probe) in a fresh process."""
-  try:
-    p = subprocess.run(
+def spawn(spec, platform, timeout_s, compile_timeout_s=0):
+  """Runs ``run_case(spec)`` (or the probe) in a fresh process.
+
+  Two deadlines: the whole case gets ``timeout_s``; compilation (until the
+  child reports its compiled plan) gets ``compile_timeout_s`` (0: none). A
+  timed-out case says in which phase it stopped, and after compilation it
+  carries the compile time and XLA's memory plan, so that a hang at run time
+  (e.g. one device out of memory while the other waits in a collective) is
+  told apart from a compile that does not end (e.g. rematerialization of a
+  plan over XLA's memory limit).
+  """
+  import queue  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  spec = dict(spec, report_phases=True)
+  t0 = time.time()
+  with tempfile.TemporaryFile("w+") as err:
+    p = subprocess.Popen(  # pylint: disable=consider-using-with
         [sys.executable, os.path.abspath(__file__), "--case", json.dumps(spec)],
-        capture_output=True, text=True, timeout=timeout_s, check=False,
-        env=_child_env(spec.get("n", 0), platform))
-  except subprocess.TimeoutExpired:
-    return dict(status=f"timeout>{timeout_s}s")
-  for line in p.stdout.splitlines():
-    if line.startswith(RESULT_TAG):
-      return json.loads(line[len(RESULT_TAG):])
-  tail = (p.stderr or p.stdout)[-400:].replace("\n", " | ")
+        stdout=subprocess.PIPE, stderr=err, text=True,
+        env=_child_env(spec.get("n", 0), platform), start_new_session=True)
+    lines = queue.Queue()
+
+    def pump():
+      for line in p.stdout:
+        lines.put(line)
+      lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    out, phase, result = [], None, None
+    while True:
+      limit = timeout_s
+      if phase is None and compile_timeout_s:
+        limit = min(timeout_s, compile_timeout_s)
+      left = t0 + limit - time.time()
+      try:
+        line = lines.get(timeout=max(left, 0.01)) if left > 0 else None
+        timed_out = left <= 0
+      except queue.Empty:
+        line, timed_out = None, True
+      if timed_out:
+        _kill(p)
+        waited = time.time() - t0
+        if phase is None:
+          return dict(status=f"timeout in compile (>{limit:.0f}s, "
+                      f"{waited:.0f}s)")
+        plan = (f"; XLA plan {phase['xla_total_gb']:.3g} GB/dev"
+                if phase.get("xla_total_gb") is not None else "")
+        lim = (f", limit {phase['bytes_limit_gb']:.3g} GB"
+               if phase.get("bytes_limit_gb") else "")
+        return dict({k: v for k, v in phase.items() if k != "phase"},
+                    status=f"timeout>{timeout_s}s while running (compiled in "
+                    f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim})")
+      if line is None:
+        break
+      out.append(line)
+      if line.startswith(PHASE_TAG):
+        phase = json.loads(line[len(PHASE_TAG):])
+      elif line.startswith(RESULT_TAG):
+        result = json.loads(line[len(RESULT_TAG):])
+    p.wait()
+    if result is not None:
+      return result
+    err.seek(0)
+    tail = (err.read() or "".join(out))[-400:].replace("\n", " | ")
   oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
   return dict(status="oom" if oom else f"crash rc={p.returncode}: {tail}")
+
+
+def _kill(p):
+  """Ends the child this module started (its own session) and waits."""
+  try:
+    os.killpg(p.pid, 9)
+  except OSError:
+    p.kill()
+  p.wait()
+
+
+def xla_memory_limit_gb(bytes_limit_gb):
+  """XLA GPU's memory limit for scheduling and rematerialization, estimated.
+
+  GetSchedulerMemoryLimit (xla/service/gpu/gpu_hlo_schedule.cc) takes 80% of
+  the device memory, less the program's inputs and outputs, times
+  ``xla_gpu_memory_limit_slop_factor`` (95%). A plan above it makes the
+  rematerialization pass recompute buffers, which can keep a compile busy
+  for minutes. The device memory is the allocator's limit over
+  XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set).
+  """
+  if not bytes_limit_gb:
+    return None
+  try:
+    frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+  except ValueError:
+    frac = 0.75
+  return bytes_limit_gb / frac * 0.80 * 0.95
+
+
+def plain_min_bytes(n, b, d, dtype):
+  """A lower bound on the plain loss's memory per device, in bytes.
+
+  Between its forward and backward the plain loss keeps the two directions'
+  b x N b float32 logits (or recomputes them, which is what XLA's
+  rematerialization pass tries when the plan is over its limit, and which can
+  keep a compile busy for minutes), plus the inputs and the two all-gathered
+  towers. Measured at N = 1, b = 65,536, D = 768 bf16 on an H200: 35.6 GB
+  peak against this bound's 34.6 GB.
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  item = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+  return 2 * b * (n * b) * 4 + (2 * b + 2 * n * b) * d * item
 
 
 # ------------------------------------------------------------ the job
@@ -322,7 +427,11 @@ def parse_args(argv):
   ap.add_argument("--time-budget-s", type=float, default=540.0,
                   help="cases starting after this many seconds are skipped "
                   "(and say so); 0 = no limit")
-  ap.add_argument("--timeout-s", type=int, default=300)
+  ap.add_argument("--timeout-s", type=int, default=300,
+                  help="per case (isolated runs)")
+  ap.add_argument("--compile-timeout-s", type=int, default=150,
+                  help="per case, until the child has compiled (isolated "
+                  "runs; 0 = only --timeout-s)")
   ap.add_argument("--resume", action="store_true",
                   help="keep the finished cases of a previous run in --out")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
@@ -378,15 +487,19 @@ class Job:
       self.rows.append(row)
       print(json.dumps(row), flush=True)
       return row
+    too_big = self.plain_too_big(spec)
     if budget and time.time() - self.t0 > budget:
       row["status"] = f"skipped (time budget {budget:.0f}s spent)"
+    elif too_big:
+      row["status"] = too_big
     else:
       t = time.time()
       if self.isolate:
         timeout = self.args.timeout_s
         if budget:  # Leave time to write the summary and the plot.
           timeout = int(max(30, min(timeout, budget + 45 - (t - self.t0))))
-        r = spawn(spec, self.info["platform"], timeout)
+        r = spawn(spec, self.info["platform"], timeout,
+                  self.args.compile_timeout_s)
       else:
         r = run_case(spec)
       row.update(r, wall_s=round(time.time() - t, 1))
@@ -399,6 +512,21 @@ class Job:
       fh.write(json.dumps(row) + "\n")
     self.write_csv()
     return row
+
+  def plain_too_big(self, spec):
+    """A skip reason when the plain loss cannot fit in the device memory,
+    computed without compiling (``plain_min_bytes``); else None."""
+    limit = self.info.get("xla_limit_gb")
+    if (spec["kind"] != "step" or spec["strategy"] != "plain" or not limit):
+      return None
+    need = plain_min_bytes(spec["n"], spec["b_local"], spec["d"],
+                           spec["dtype"]) / 1e9
+    if need <= limit:
+      return None
+    return (f"skipped (plain needs >= {need:.3g} GB/dev: two b x N*b f32 "
+            f"logits + inputs > XLA's memory limit ~{limit:.3g} GB (80% x 95% "
+            f"of the device): XLA could only rematerialize (a compile of "
+            f"minutes) or run out of memory; not compiled)")
 
   def write_csv(self):
     path = os.path.join(self.args.out, "bench_ring.csv")
@@ -435,8 +563,8 @@ def mem_of(r):
   return r.get("xla_plan_gb")
 
 
-def targets(rows, b0, n_max):
-  """[(target, measured, verdict)] for the issue's four targets."""
+def targets(rows, b0, n_max, overlap=None):
+  """[(target, measured, verdict)] for the issue's targets."""
   out = []
   ring = {r["n_dev"]: r for r in _ok(rows, section="scaling", strategy="ring",
                                      b_local=b0)}
@@ -490,6 +618,17 @@ def targets(rows, b0, n_max):
               or "not measured",
               "n/a" if flat is None else
               ("PASS" if flat <= MEM_FLAT_TOL else f"FAIL ({flat:.2f}x)")))
+  out.append((f"transfer hidden >= {HIDDEN_TARGET:.0%} (ring <= compute-only "
+               f"+ {1 - HIDDEN_TARGET:.0%} of transfer-only)"
+               + (f" at N={overlap['n']}, b_local={overlap['b_local']}"
+                  if overlap else ""),
+               (f"{overlap['hidden']:.0%}: overhead {overlap['overhead_ms']:.2f}"
+                f" ms, transfer-only {overlap['transfer_ms']:.2f} ms"
+                + (f", {overlap['excess_ms']:.2f} ms beyond the transfer"
+                   if overlap["excess_ms"] > 0 else ""))
+               if overlap else "not measured",
+               "n/a" if not overlap else
+               ("PASS" if overlap["hidden"] >= HIDDEN_TARGET else "FAIL")))
   return out
 
 
@@ -563,10 +702,7 @@ def print_table(rows, meta, tgt):
             + (f"  (XLA plan {mem:.3g} GB/dev)" if mem is not None else ""))
   ov = meta.get("overlap")
   if ov:
-    print(f"overlap at N={ov['n']}, b={ov['b_local']}: ring {ov['ring_ms']:.2f}"
-          f" ms, compute-only {ov['compute_ms']:.2f} ms, transfer-only "
-          f"{ov['transfer_ms']:.2f} ms (sum {ov['sum_ms']:.2f}, max "
-          f"{ov['max_ms']:.2f}); hidden transfer {ov['hidden']:.0%}")
+    print(f"overlap at N={ov['n']}, b={ov['b_local']}: {ov['text']}")
   if meta.get("hlo"):
     h = meta["hlo"]
     print(f"scheduled HLO (ring, N={h['n']}): {h.get('n_async')} async "
@@ -582,17 +718,59 @@ def print_table(rows, meta, tgt):
     print(f"  [{verdict}] {name}: {val}")
 
 
+def overlap_numbers(ring_ms, compute_ms, transfer_ms):
+  """What the ring's overlap measurement says, in ms and as a fraction.
+
+  overhead_ms: the ring's time beyond its compute alone (t(ring) -
+  t(compute_only)), i.e. everything the ring costs on top of its tiles.
+  transfer_ms: its transfers alone (t(transfer_only)). hidden: the fraction
+  of the transfer time that does not show in the ring's time,
+  1 - overhead / transfer, clipped to [0, 1] (1: ring == compute-only, 0:
+  ring >= compute-only + transfer-only). excess_ms: the overhead beyond the
+  whole transfer time (0 unless overhead > transfer): a cost that is not
+  the transfer itself -- per-step merges, extra launches, copies, NCCL
+  kernels taking SMs from the tiles.
+  """
+  r, c, x = ring_ms, compute_ms, transfer_ms
+  overhead = r - c
+  if x > 0:
+    hidden = min(max(1.0 - overhead / x, 0.0), 1.0)
+  else:
+    hidden = 1.0 if overhead <= 0 else 0.0
+  return dict(ring_ms=r, compute_ms=c, transfer_ms=x, sum_ms=c + x,
+              max_ms=max(c, x), overhead_ms=overhead,
+              overhead_pct=overhead / c if c > 0 else None, hidden=hidden,
+              excess_ms=max(overhead - x, 0.0))
+
+
+def overlap_text(ov):
+  """One paragraph that says what the overlap numbers mean."""
+  head = (f"ring {ov['ring_ms']:.2f} ms = compute-only {ov['compute_ms']:.2f}"
+          f" ms {'+' if ov['overhead_ms'] >= 0 else '-'} overhead "
+          f"{abs(ov['overhead_ms']):.2f} ms"
+          + (f" ({ov['overhead_pct']:+.1%})" if ov.get("overhead_pct")
+             is not None else "")
+          + f"; transfer-only {ov['transfer_ms']:.2f} ms; transfer hidden "
+          f"{ov['hidden']:.0%} (1 - overhead / transfer-only)")
+  if ov["overhead_ms"] < 0:
+    return head + ("; the ring ran faster than its compute alone (noise, or "
+                   "compute-only's local roll copies cost more than hidden "
+                   "transfers)")
+  if ov["excess_ms"] > 0:
+    return head + (f"; the overhead exceeds the whole transfer time by "
+                   f"{ov['excess_ms']:.2f} ms: that extra cost is not the "
+                   f"transfer -- look at per-step merges, extra launches and "
+                   f"copies, or NCCL kernels taking SMs from the tiles")
+  return head
+
+
 def overlap_summary(rows, n, b):
   get = lambda s: _ok(rows, section="overlap", strategy=s, n_dev=n, b_local=b)
   ring, comp, xfer = get("ring"), get("compute_only"), get("transfer_only")
   if not (ring and comp and xfer):
     return None
-  r, c, x = ring[0]["ms"], comp[0]["ms"], xfer[0]["ms"]
-  # Fraction of the transfer time that the ring hides behind compute:
-  # 1 when t(ring) == t(compute) + 0, 0 when t(ring) == t(compute) + t(x).
-  hidden = min(max((c + x - r) / x, 0.0), 1.0) if x > 0 else 1.0
-  return dict(n=n, b_local=b, ring_ms=r, compute_ms=c, transfer_ms=x,
-              sum_ms=c + x, max_ms=max(c, x), hidden=hidden)
+  ov = overlap_numbers(ring[0]["ms"], comp[0]["ms"], xfer[0]["ms"])
+  return dict(ov, n=n, b_local=b, text=overlap_text(ov))
 
 
 def max_batch(job, n, b0, cap, max_step_s):
@@ -731,7 +909,7 @@ def main(argv=None):
     meta["maxbatch"] = max_batch(job, n_max, b0, cap, args.max_step_s)
   derive(job.rows)
   job.write_csv()
-  tgt = targets(job.rows, b0, n_max)
+  tgt = targets(job.rows, b0, n_max, meta.get("overlap"))
   meta["targets"] = [dict(target=t, measured=v, verdict=k) for t, v, k in tgt]
   meta["elapsed_s"] = round(time.time() - job.t0, 1)
   with open(os.path.join(args.out, "bench_ring_meta.json"), "w") as fh:

@@ -108,7 +108,10 @@ def test_main_all_sections(tmp_path):
   assert [int(r["b_local"]) for r in maxb] == [40, 80, 160]  # cap 4 x b.
   assert all(r["status"] == "ok" for r in maxb)
   assert meta["maxbatch"]["run_b_local"] == 160
-  assert len(meta["targets"]) == 4
+  assert len(meta["targets"]) == 5
+  assert meta["overlap"]["text"].startswith("ring ")
+  with open(os.path.join(out, "ring_hlo.txt")) as fh:  # Report + listing.
+    assert "==== optimized, scheduled HLO ====" in fh.read()
   with open(os.path.join(out, "bench_ring_meta.json")) as fh:
     assert json.load(fh)["platform"] == "cpu"
 
@@ -159,3 +162,84 @@ def test_memory_limit_paths(tmp_path, monkeypatch):
   assert maxb[2]["status"].startswith("compiled, not run") and "> limit" in maxb[2]["status"]
   assert meta["maxbatch"]["run_b_local"] == 40
   assert meta["maxbatch"]["planned_b_local"] == 80
+
+
+def test_overlap_numbers():
+  """Overhead over compute-only, transfer-only, the fraction hidden, and the
+  overhead beyond the transfer (the issue's 2-GPU figures)."""
+  ov = bench_ring.overlap_numbers(113.7, 108.5, 2.5)
+  assert ov["overhead_ms"] == pytest.approx(5.2)
+  assert ov["hidden"] == 0.0 and ov["excess_ms"] == pytest.approx(2.7)
+  text = bench_ring.overlap_text(ov)
+  assert "overhead 5.20 ms" in text and "exceeds the whole transfer" in text
+  ov = bench_ring.overlap_numbers(109.0, 108.5, 2.5)
+  assert ov["hidden"] == pytest.approx(0.8) and ov["excess_ms"] == 0
+  assert "exceeds" not in bench_ring.overlap_text(ov)
+  ov = bench_ring.overlap_numbers(108.0, 108.5, 2.5)  # Faster than compute.
+  assert ov["hidden"] == 1.0 and "faster than its compute" in (
+      bench_ring.overlap_text(ov))
+  assert bench_ring.overlap_numbers(1.0, 1.0, 0.0)["hidden"] == 1.0
+  tgt = bench_ring.targets([], 40, 2, dict(
+      bench_ring.overlap_numbers(113.7, 108.5, 2.5), n=2, b_local=40))
+  assert tgt[-1][2] == "FAIL" and "2.70 ms beyond the transfer" in tgt[-1][1]
+  assert bench_ring.targets([], 40, 2)[-1][2] == "n/a"
+
+
+def test_plain_min_bytes():
+  gb = lambda n, b: bench_ring.plain_min_bytes(n, b, 768, "bfloat16") / 1e9
+  # N = 1, b = 64k: 34.8 GB (an H200 measured a 35.6 GB peak). Against
+  # XLA's limit on an H200 (0.8 x 0.95 x 150.7 GB = 115 GB with the
+  # allocator at 0.95 of it): N = 2 fits, N = 4 does not.
+  assert gb(1, 65536) == pytest.approx(34.76, rel=1e-3)
+  assert gb(2, 65536) == pytest.approx(69.32, rel=1e-3)
+  monkey = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+  old = {k: os.environ.get(k) for k in monkey}
+  os.environ.update(monkey)
+  try:
+    xla = bench_ring.xla_memory_limit_gb(0.95 * 150.7)
+  finally:
+    for k, v in old.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  assert xla == pytest.approx(114.5, rel=1e-3)
+  assert gb(4, 65536) > xla > gb(2, 65536)
+  assert gb(8, 8192) < 5
+  assert bench_ring.xla_memory_limit_gb(None) is None
+
+
+def test_plain_skipped_without_compiling(tmp_path, monkeypatch):
+  """A plain case whose lower bound exceeds the device's memory limit is
+  skipped with the computed reason, before any compilation."""
+  _need(4)
+  real = bench_ring.probe
+
+  def fake(backend):  # XLA's limit 60 kB: plain at b = 40, D = 16 f32 needs
+    return dict(real(backend), xla_limit_gb=60e3 / 1e9)  # 41 kB at N = 2,
+  monkeypatch.setattr(bench_ring, "probe", fake)  # 77 kB at N = 4.
+  rows, _ = bench_ring.main(
+      TINY + ["--devices", "2,4", "--strategies", "plain", "--sections",
+              "scaling", "--isolate", "no", "--out", str(tmp_path)])
+  by = {r["n_dev"]: r for r in rows}
+  assert by[2]["status"] == "ok"
+  assert by[4]["status"].startswith("skipped (plain needs >= ")
+  assert "not compiled" in by[4]["status"] and "wall_s" not in by[4]
+
+
+@pytest.mark.slow
+def test_spawn_phase_timeouts():
+  """An isolated case that does not finish says in which phase it stopped;
+  after compiling, it carries the compile time and the XLA plan."""
+  spec = dict(kind="transfer_only", strategy="transfer_only", n=1, b_local=8,
+              d=8, dtype="float32", backend="xla", block_q=0, block_k=0,
+              budget_s=0.01, fresh=True)
+  r = bench_ring.spawn(dict(spec, test_delay_s={"compile": 120}), "cpu",
+                       timeout_s=60, compile_timeout_s=2)
+  assert r["status"].startswith("timeout in compile (>2s"), r
+  r = bench_ring.spawn(dict(spec, test_delay_s={"run": 120}), "cpu",
+                       timeout_s=30, compile_timeout_s=25)
+  assert r["status"].startswith("timeout>30s while running (compiled in "), r
+  assert "XLA plan" in r["status"] and r["compile_s"] >= 0
+  r = bench_ring.spawn(spec, "cpu", timeout_s=60, compile_timeout_s=30)
+  assert r["status"] == "ok" and r["ms"] > 0, r
