@@ -243,3 +243,43 @@ def test_spawn_phase_timeouts():
   assert "XLA plan" in r["status"] and r["compile_s"] >= 0
   r = bench_ring.spawn(spec, "cpu", timeout_s=60, compile_timeout_s=30)
   assert r["status"] == "ok" and r["ms"] > 0, r
+
+
+@pytest.mark.slow
+def test_ring_diagnose_smoke(tmp_path):
+  """benchmarks/ring_diagnose.py end to end on host CPU devices, tiny
+  sizes: every timed case, the HLO report, the profile summary, the plain
+  compile-only child, and the output files."""
+  _need(4)
+  from benchmarks import ring_diagnose  # pylint: disable=import-outside-toplevel
+  out = str(tmp_path)
+  diag = ring_diagnose.main(
+      ["--out", out, "--devices", "4,1", "--b-local", "40", "--dims", "16",
+       "--dtype", "float32", "--block-q", "16", "--block-k", "32",
+       "--backend", "auto", "--budget-s", "0.01", "--profile-steps", "2",
+       "--plain-compile-timeout-s", "90"])
+  got = {(r["kind"], r["n_dev"]): r for r in diag.rows}
+  assert set(got) == {("ring", 4), ("compute_only", 4), ("transfer_only", 4),
+                      ("gather", 4), ("ring", 1), ("compute_only", 1),
+                      ("gather", 1)}
+  assert all(r["status"] == "ok" and r["ms"] > 0 for r in got.values()), got
+  assert got[("ring", 4)]["loss"] == pytest.approx(got[("gather", 4)]["loss"],
+                                                   rel=2e-5)
+  assert got[("ring", 4)]["profile"] == "ok"
+  prof = diag.profiles["ring_N4_b40"]
+  assert len(prof) == 4  # One entry per CPU device.
+  dev = next(iter(prof.values()))
+  assert dev["ms_per_step"]["collectives"] > 0 and dev["busy_ms"] > 0
+  assert diag.hlo["ring_N4_b40"]["n_sync"] > 0
+  assert diag.env["plain_compile"]["status"] == "compiled"
+  with open(os.path.join(out, "summary.txt")) as fh:
+    text = fh.read()
+  for part in ("overlap N=4: ring", "compute-only N=4 / (N x ring N=1)",
+               "ring - compute-only at N=4, by kind", "HLO (ring N=4)",
+               "plain N=4 b=40 compile-only: compiled"):
+    assert part in text, part
+  for name in ("ring_diagnose.json", "ring_diagnose.csv", "profile_kernels.csv",
+               "ring_hlo_N4_b40.txt"):
+    assert os.path.getsize(os.path.join(out, name)) > 0, name
+  with open(os.path.join(out, "ring_diagnose.json")) as fh:
+    assert json.load(fh)["rows"][0]["kind"] == "ring"
