@@ -184,6 +184,19 @@ def test_auto_takes_mosaic_on_hopper_where_it_has_the_family(monkeypatch):
     assert resolve_recording("softmax") == ("pallas", [])
 
 
+def test_auto_with_the_builtin_mosaic(monkeypatch):
+  """The real table: where "mosaic" is built in, sm90 takes it."""
+  if "mosaic" not in registry.BUILTIN:
+    pytest.skip("no built-in mosaic backend in this version")
+  monkeypatch.setitem(registry._TABLE, "mosaic", registry.BUILTIN["mosaic"])  # pylint: disable=protected-access
+  fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
+  for family in ("softmax", "sigmoid"):
+    want = "mosaic" if registry.available("mosaic", family) else "pallas"
+    assert resolve_recording(family) == (want, [])
+  fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", "8.0")
+  assert resolve_recording() == ("pallas", [])
+
+
 def test_fallback_warns_once_per_process(monkeypatch):
   fake_gpu(monkeypatch, "Tesla T4", "7.5")
   first = resolve_recording()
