@@ -84,6 +84,19 @@ def kernel_calls(closed_jaxpr):
   return found
 
 
+def hybrid_backend(monkeypatch, **stages):
+  """Registers a MosaicBackend with some stages on Triton's kernels, under
+  its own name (a loss traced for one backend name and block sizes is
+  reused by JAX, so a changed ``STAGES`` alone would not be seen)."""
+  from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  cls = type("MosaicHybrid", (mosaic.MosaicBackend,),
+             {"STAGES": dict(mosaic.MosaicBackend.STAGES, **stages)})
+  name = "mosaic_test_" + "_".join(f"{k}_{v}" for k, v in sorted(
+      stages.items()))
+  monkeypatch.setitem(registry._TABLE, name, cls)  # pylint: disable=protected-access
+  return name
+
+
 def _mosaic_kernels(fn, *args):
   """Names of the Mosaic kernels ``fn`` traces."""
   return {n for n, _ in kernel_calls(jax.make_jaxpr(fn)(*args))
@@ -206,15 +219,22 @@ class TestMosaicSoftmaxInterpret(test_pallas.TestPallasSoftmaxInterpret):
                                                   ("mosaic", "pallas")])
   def test_hybrid_stages(self, lse_impl, grad_impl, monkeypatch):
     """Either stage on Triton's kernel, the other on Mosaic's."""
-    monkeypatch.setitem(type(self.backend()).STAGES, "lse", lse_impl)
-    monkeypatch.setitem(type(self.backend()).STAGES, "lse_grad", grad_impl)
+    name = hybrid_backend(monkeypatch, lse=lse_impl, lse_grad=grad_impl)
     rng = np.random.default_rng(13)
     x, y = rand_emb(rng, 37, 21, jnp.bfloat16), rand_emb(rng, 37, 21,
                                                           jnp.bfloat16)
     bs = self.BLOCKS if not self.INTERPRET else dataclasses.replace(
         self.BLOCKS, block_q=32, block_k=32, block_d=32)
+    loss = lambda x, y: contrastive_loss(x, y, 14.3, backend=name,
+                                         block_sizes=bs)
+    names = {n for n, _ in kernel_calls(jax.make_jaxpr(jax.grad(
+        loss, argnums=(0, 1)))(x, y))}
+    assert names == {
+        "infcl_lse_fwd" if lse_impl == "pallas" else "infcl_mosaic_lse_fwd",
+        "infcl_lse_bwd_panel" if grad_impl == "pallas"
+        else "infcl_mosaic_lse_bwd_panel"}, names
     test_pallas.check_loss(x, y, 14.3, 0.4, "both", jnp.bfloat16, bs,
-                           backend=self.NAME)
+                           backend=name)
 
   def test_inside_shard_map_16bit(self):
     """The seam on a one-device mesh (check_vma=True): kernel outputs typed
@@ -331,18 +351,28 @@ class TestMosaicSigmoidInterpret(test_pallas_sigmoid.TestPallasSigmoidInterpret)
   @pytest.mark.parametrize("sum_impl,grad_impl", [("pallas", "mosaic"),
                                                   ("mosaic", "pallas")])
   def test_hybrid_stages(self, sum_impl, grad_impl, monkeypatch):
-    monkeypatch.setitem(type(self.backend()).STAGES, "sigmoid_sum", sum_impl)
-    monkeypatch.setitem(type(self.backend()).STAGES, "sigmoid_grad",
-                        grad_impl)
+    name = hybrid_backend(monkeypatch, sigmoid_sum=sum_impl,
+                          sigmoid_grad=grad_impl)
+    be = registry.get(name, "sigmoid",
+                      platform="cpu" if self.INTERPRET else "gpu")
     rng = np.random.default_rng(32)
     x, y = rand_emb(rng, 33, 9, jnp.float16), rand_emb(rng, 33, 9,
                                                        jnp.float16)
     bs = self.bs if not self.INTERPRET else dataclasses.replace(
         self.bs, block_q=32, block_k=32, block_d=32, bwd_block_q=32,
         bwd_block_k=32, panel_rows=32)
+    names = {n for n, _ in kernel_calls(jax.make_jaxpr(
+        lambda x, y: (be.sigmoid_sum(x, y, 7.0, -4.0, has_diagonal=True,
+                                     block_sizes=bs),
+                      be.sigmoid_grad(x, y, 7.0, -4.0, 1.0, has_diagonal=True,
+                                      block_sizes=bs)))(x, y))}
+    assert ("infcl_sigmoid_fwd" if sum_impl == "pallas"
+            else "infcl_mosaic_sigmoid_sum") in names, names
+    assert ("infcl_sigmoid_bwd_g" if grad_impl == "pallas"
+            else "infcl_mosaic_sigmoid_g") in names, names
     test_pallas_sigmoid.check_tile_ops(
-        self.backend(), x, y, 7.0, -4.0, 1.0 / 33, True, bs,
-        rtol=tol(jnp.float16), loss_rtol=2e-5)
+        be, x, y, 7.0, -4.0, 1.0 / 33, True, bs, rtol=tol(jnp.float16),
+        loss_rtol=2e-5)
 
   def test_inside_shard_map_16bit(self):
     mesh = Mesh(np.array(jax.devices()[:1]), ("d",))

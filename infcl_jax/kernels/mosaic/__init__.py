@@ -7,6 +7,8 @@ padded arrays and return the same things.
 persistent, warp-specialized sweep (TMA producer, two wgmma consumers).
 ``g_panel.g_panel``: the softmax backward's probability panel
 G = a_r P^r + a_c P^c in the input dtype, plus the sums of G * (x y^T) and G.
+``sigmoid.sigmoid_tiles``: the sigmoid family's forward sum of softplus(-z s),
+its G panel, and the float16 max |G| pre-pass (one kernel, three modes).
 ``common``: the producer loop and the wgmma tile both share.
 ``bench``: timing script (``python -m infcl_jax.kernels.mosaic.bench``).
 

@@ -121,5 +121,7 @@ def main():
            timeit(fn, xp, y, r2, c2, reps=args.reps))
 
 
+
+
 if __name__ == "__main__":
   main()
