@@ -26,14 +26,28 @@ embeddings and the scale), D=768, bfloat16 unless told otherwise:
   strategy's time over the ring's. 8192 is there because the plain loss's
   b x N b float32 logits do not fit at b = 65536 beyond one or two GPUs.
 * overlap: at the largest N, the ring against its compute alone and its
-  transfers alone (``ring_steps.overlap_steps``), and the scheduled HLO's
-  collective-permute start/done pairs and the compute between them
-  (``ring_hlo.report``; the full listing goes to ``ring_hlo.txt``).
+  transfers alone (``ring_steps.overlap_steps``), reported as the ring's
+  overhead over compute-only (ms), the transfer-only time, the fraction of
+  the transfer hidden (1 - overhead / transfer-only), and, when the
+  overhead exceeds the whole transfer time, by how much (a cost that is not
+  the transfer: merges, launches, copies, NCCL kernels taking SMs; see
+  ``ring_diagnose.py``); plus the scheduled HLO's collective-permute
+  start/done pairs and the compute between them (``ring_hlo.report``; the
+  report and the full listing go to ``ring_hlo.txt``).
 * maxbatch: the ring at the largest N with b doubled until it runs out of
   memory. A case whose XLA memory plan exceeds the device's memory limit
   is recorded as "oom (plan ...)" without running. Steps that would take longer than ``--max-step-s`` (the step time
   grows 4x per doubling) are compiled but not run, and reported as fitting
   or not by XLA's memory plan against the device's memory limit.
+
+The plain baseline keeps two b x N b float32 logits from its forward to its
+backward; a plain case whose lower bound (``plain_min_bytes``) exceeds XLA's
+memory limit (~80% x 95% of the device, ``xla_memory_limit_gb``) is skipped
+with that reason, uncompiled: XLA could only rematerialize it (a compile of
+minutes) or run out of memory. Isolated cases have a compile deadline
+(``--compile-timeout-s``) besides ``--timeout-s``, and a timed-out case says
+in which phase it stopped, with its compile time and XLA plan once
+compiled.
 
 Memory: on GPUs each case runs in a fresh process that sees only its N
 devices (``--isolate``, the default there), and the peak is the device

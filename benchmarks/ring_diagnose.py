@@ -30,8 +30,9 @@ Writes into --out: ``ring_diagnose.json`` (everything), ``ring_diagnose.csv``
 device and kernel: ms per step), ``ring_hlo_N{n}_b{b}.txt`` (report + HLO),
 ``summary.txt`` (what is printed at the end).
 
-  # GPUs (2 H200s, ~4 min):
-  python benchmarks/ring_diagnose.py --out "$OUT" --backend pallas
+  # GPUs (2 H200s, < 270 s):
+  timeout -s INT -k 10 275 python3 benchmarks/ring_diagnose.py --out "$OUT" \
+      --backend pallas --plain-compile-timeout-s 60
   # smoke test on host CPU devices:
   python benchmarks/ring_diagnose.py --cpu-devices 2 --b-local 64 --dims 16 \\
       --dtype float32 --block-q 16 --block-k 32 --out /tmp/diag
@@ -76,13 +77,19 @@ def parse_args(argv):
   ap.add_argument("--backend", default="pallas")
   ap.add_argument("--block-q", type=int, default=0)
   ap.add_argument("--block-k", type=int, default=0)
-  ap.add_argument("--budget-s", type=float, default=1.0,
+  ap.add_argument("--budget-s", type=float, default=0.6,
                   help="repetitions per timed case (median of <= 7)")
   ap.add_argument("--profile", default="ring,compute_only",
                   help="programs to trace ('' = none), at every N and b")
+  ap.add_argument("--profile-n", default="max",
+                  help="device counts to trace at: 'max' (the largest N), "
+                  "'all', or a comma list")
   ap.add_argument("--profile-steps", type=int, default=3)
-  ap.add_argument("--time-budget-s", type=float, default=230.0,
+  ap.add_argument("--time-budget-s", type=float, default=190.0,
                   help="no case starts after this many seconds; 0 = no limit")
+  ap.add_argument("--deadline-s", type=float, default=265.0,
+                  help="the plain compile-only child ends by this many seconds "
+                  "after the start (0 = no deadline)")
   ap.add_argument("--plain-compile-timeout-s", type=int, default=0,
                   help="compile the plain baseline at the largest N and b in "
                   "a child process with this limit (0 = skip)")
@@ -202,6 +209,9 @@ def summarize_trace(trace_dir, steps, opcodes):
           key = (cat, _base(op), _base(name))
           d["by_op"][key] += dur
           d["count"][key] += 1
+  if any(dev.startswith("/device:") for dev in devices):
+    # Accelerators: keep their kernels, not the host's bookkeeping.
+    devices = {k: v for k, v in devices.items() if k.startswith("/device:")}
   out = {}
   for dev, d in sorted(devices.items()):
     ev = d["events"]
@@ -328,7 +338,8 @@ class Diagnose:
       row.update(status="ok", ms=sec * 1e3, reps=reps)
       if kind in ("ring", "gather"):
         row["loss"] = float(compiled(x, y, tt)[0])
-      if kind in self.profile_kinds and a.profile_steps > 0:
+      if (kind in self.profile_kinds and n in self.profile_ns
+          and a.profile_steps > 0):
         # Kept apart: a profiler failure must not lose the timing.
         tdir = None
         try:
@@ -354,8 +365,8 @@ class Diagnose:
   def plain_compile(self, n, b):
     """The plain baseline, compiled (not run) in a child under a limit."""
     a = self.args
-    left = (a.time_budget_s + 40 - (time.time() - self.t0)
-            if a.time_budget_s else a.plain_compile_timeout_s)
+    left = (a.deadline_s - 5 - (time.time() - self.t0) if a.deadline_s
+            else a.plain_compile_timeout_s)
     limit = int(min(a.plain_compile_timeout_s, left))
     if limit < 10:
       self.notes.append(f"plain N={n} b={b}: not compiled (time budget)")
@@ -502,6 +513,9 @@ def main(argv=None):
   diag.profile_kinds = set(filter(None, args.profile.split(",")))
   ns = [int(v) for v in args.devices.split(",")
         if int(v) <= info["n_devices"]]
+  diag.profile_ns = ({max(ns)} if args.profile_n == "max" and ns else
+                     set(ns) if args.profile_n == "all" else
+                     {int(v) for v in args.profile_n.split(",") if v})
   bs = [int(v) for v in args.b_local.split(",")]
   # Most informative first: the largest N (overlap, HLO, profile), then
   # N = 1 for the scaling, at each b in order.

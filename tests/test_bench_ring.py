@@ -257,7 +257,8 @@ def test_ring_diagnose_smoke(tmp_path):
       ["--out", out, "--devices", "4,1", "--b-local", "40", "--dims", "16",
        "--dtype", "float32", "--block-q", "16", "--block-k", "32",
        "--backend", "auto", "--budget-s", "0.01", "--profile-steps", "2",
-       "--plain-compile-timeout-s", "90"])
+       "--plain-compile-timeout-s", "90", "--profile-n", "all",
+       "--deadline-s", "0"])
   got = {(r["kind"], r["n_dev"]): r for r in diag.rows}
   assert set(got) == {("ring", 4), ("compute_only", 4), ("transfer_only", 4),
                       ("gather", 4), ("ring", 1), ("compute_only", 1),
@@ -266,6 +267,8 @@ def test_ring_diagnose_smoke(tmp_path):
   assert got[("ring", 4)]["loss"] == pytest.approx(got[("gather", 4)]["loss"],
                                                    rel=2e-5)
   assert got[("ring", 4)]["profile"] == "ok"
+  assert got[("ring", 1)]["profile"] == "ok" and "profile" not in got[
+      ("gather", 4)]
   prof = diag.profiles["ring_N4_b40"]
   assert len(prof) == 4  # One entry per CPU device.
   dev = next(iter(prof.values()))
@@ -283,3 +286,24 @@ def test_ring_diagnose_smoke(tmp_path):
     assert os.path.getsize(os.path.join(out, name)) > 0, name
   with open(os.path.join(out, "ring_diagnose.json")) as fh:
     assert json.load(fh)["rows"][0]["kind"] == "ring"
+
+
+def test_ring_diagnose_kernel_categories():
+  from benchmarks import ring_diagnose  # pylint: disable=import-outside-toplevel
+  cat = ring_diagnose.categorize
+  ops = {"custom-call.4": "custom-call", "loop_add_fusion.2": "fusion",
+         "collective-permute-start.1": "collective-permute-start",
+         "copy.3": "copy"}
+  assert cat("custom-call.4", "infcl_lse_fwd", ops) == "tiles"
+  assert cat("?", "infcl_lse_bwd_panel", {}) == "tiles"
+  assert cat("loop_add_fusion.2", "loop_add_fusion", ops) == "fusions"
+  assert cat("collective-permute-start.1", "ncclDevKernel_SendRecv",
+             ops) == "collectives"
+  assert cat("?", "ncclDevKernel_SendRecv", {}) == "collectives"
+  assert cat("copy.3", "copy", ops) == "copies"
+  assert cat("?", "Memcpy DtoD", {}) == "copies"
+  assert cat("?", "sm90_xmma_gemm", {}) == "other"
+  assert ring_diagnose._base("loop_add_fusion.12") == "loop_add_fusion"  # pylint: disable=protected-access
+  assert ring_diagnose._hlo_op({"x": "k:#hlo_op=fusion.3,hlo_module=m#"}) == (  # pylint: disable=protected-access
+      "fusion.3")
+  assert ring_diagnose._union([(0, 2), (1, 3), (5, 6)]) == 4  # pylint: disable=protected-access
