@@ -396,17 +396,24 @@ def _assert_resumes_to_the_reference(work, data_dir, reference_run, what):
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_is_bitwise_identical(
     tmp_path, data_dir, reference_run):
-  # The command SIGKILLed once it has logged a random step (3..7; the
-  # checkpoints are every 2 steps, so there is always one to resume from).
+  # The command SIGKILLed once it has logged a random step (3..7) and a
+  # checkpoint is complete (every 2 steps; they are written asynchronously,
+  # so the newest may still be in flight, and is then lost).
   kill_at = random.Random(os.urandom(8)).randint(3, 7)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   work = tmp_path / "killed"
   proc = subprocess.Popen(_cmd(work, data_dir), cwd=ROOT, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+  def complete_checkpoints():
+    d = work / "checkpoints"
+    return [s for s in os.listdir(d) if s.isdigit()] if d.is_dir() else []
+
   t0 = time.time()
-  while _metrics_step(work) < kill_at and proc.poll() is None:
+  while (_metrics_step(work) < kill_at or not complete_checkpoints()) and (
+      proc.poll() is None):
     assert time.time() - t0 < 300, "training did not reach the kill step"
-    time.sleep(0.05)
+    time.sleep(0.02)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, f"finished before the kill at {kill_at}"

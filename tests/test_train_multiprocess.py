@@ -15,9 +15,10 @@ Checked:
   batch followed by process 1's. Two processes reading the same shard would
   not match (checked by hand: every step's loss differs); the order of the
   two halves would not show (the loss is symmetric in the pairs);
-- the same command again resumes: each process restores the train state
-  and its own data state (exact continuation from an earlier step is the
-  single-process kill/resume test's job, tests/test_train.py).
+- the same command with a larger total_steps resumes: each process restores
+  the train state and its own data state (exact continuation from an
+  earlier step is the single-process kill/resume test's job,
+  tests/test_train.py).
 
 Equality with the 1-process run is to float32 rounding, not bitwise: the
 sums across devices (the loss's and the gradients' psum) cross the process
@@ -47,8 +48,9 @@ TIMEOUT_S = 300
 STEPS = 8  # configs/lit_demo.py:tiny
 
 
-def _launch(workdir, data_dir):
-  """Runs the 2-process command; returns the processes' outputs."""
+def _launch(workdir, data_dir, *extra):
+  """Runs the 2-process command (plus ``extra`` arguments); returns the
+  processes' outputs."""
   port = free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   # Each process has 4 devices; conftest's 8 are for the in-process run.
@@ -58,7 +60,7 @@ def _launch(workdir, data_dir):
   cmds = [[sys.executable, "-m", "train.main", "--config", CONFIG + ":tiny",
            "--workdir", str(workdir), f"--config.data.data_dir={data_dir}",
            "--jax_distributed", f"--coordinator_address=localhost:{port}",
-           f"--num_processes={NUM_PROCESSES}", f"--process_id={i}"]
+           f"--num_processes={NUM_PROCESSES}", f"--process_id={i}", *extra]
           for i in range(NUM_PROCESSES)]
   codes, outputs, timed_out = run_processes(cmds, env=env, timeout_s=TIMEOUT_S,
                                             cwd=ROOT)
@@ -170,20 +172,18 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
     err = float(np.max(np.abs(np.asarray(a, np.float64) - b)))
     assert err <= 1e-5 * scale, (name, err, scale)
 
-  # The same command again resumes from step 8: every process restores the
-  # state and its own data state (a process handed another's would fail the
-  # iterator's fingerprint check), and the restored params evaluate exactly
-  # as the trained ones did.
-  outputs = _launch(work, data_dir)
+  # The same command with 2 more steps resumes from step 8: every process
+  # restores the state and its own data state (a process handed another's
+  # would fail the iterator's fingerprint check) and trains on.
+  outputs = _launch(work, data_dir, f"--config.total_steps={STEPS + 2}")
   for out in outputs:
     assert "resumed from the checkpoint of step 8" in out, out[-3000:]
   with open(work / "summary.json") as f:
     again = json.load(f)
-  assert again["resumed_from"] == STEPS
-  assert {k: v for k, v in again.items() if k.startswith("eval/")} == {
-      k: v for k, v in summary.items() if k.startswith("eval/")}
-  assert sorted(os.listdir(ckpt_dir)) == ["6", "8"]
-  assert _train_losses(work) == losses
+  assert again["resumed_from"] == STEPS and again["steps"] == STEPS + 2
+  assert sorted(os.listdir(ckpt_dir), key=int) == ["8", "10"]
+  more = _train_losses(work)
+  assert more[:STEPS] == losses and [s for s, _ in more[STEPS:]] == [9, 10]
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -67,8 +67,9 @@ def _error(msg) -> None:
 def _unknown_key_message(e: Exception, argv) -> str | None:
   """One line for ml_collections' "unknown key" error of an override.
 
-  ``--config.batchsize=8`` raises ``AttributeError(KeyError("'batchsize'\n
-  Did you mean \"batch_size\" instead of \"batchsize\"?"))``.
+  ``--config.batchsize=8`` raises an AttributeError wrapping a KeyError whose
+  message is the quoted key, a newline, and ``Did you mean "batch_size"
+  instead of "batchsize"?``.
   """
   inner = e.args[0] if e.args else ""
   if isinstance(inner, BaseException):

@@ -11,6 +11,10 @@
    (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
    checkpoint every M steps.
 6. Final checkpoint, final eval, and a summary with zero-shot vs chance.
+
+A workdir already at ``config.total_steps`` trains nothing (its summary is
+printed; ``reevaluate=True`` evaluates it again). Ctrl-C finishes the
+checkpoint in flight and says where to resume (``_stop_after_interrupt``).
 """
 from __future__ import annotations
 
