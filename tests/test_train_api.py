@@ -136,6 +136,7 @@ def test_reevaluate_a_finished_run_keeps_the_train_metrics(run, capsys):
     assert json.load(f) == again
 
 
+@pytest.mark.slow
 def test_interrupt_finishes_the_checkpoint_and_says_where_to_resume(
     tmp_path, data_dir, capsys):
   """KeyboardInterrupt (here raised by the metrics callback at step 3)
