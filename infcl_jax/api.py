@@ -31,12 +31,19 @@ _AXIS_NAME_DOC = """\
 axis_name: mesh axis name (or tuple) when called inside ``jax.shard_map``.
       The arrays are then this device's shards, and the loss is the global
       loss over the shards concatenated in axis order (positives: global
-      pairs (i, i)), the same on every device. Each device's gradients are
-      the exact partial derivatives of that global loss w.r.t. its own
-      shards; a replicated parameter's gradient is the SUM over devices
-      (JAX adds it under ``check_vma=True``; with ``check_vma=False`` take
-      the gradient inside the ``shard_map`` and ``psum`` it), never the
-      mean. See README, "Gradient convention"."""
+      pairs (i, i) unless ``labels`` says otherwise), the same on every
+      device. Each device's gradients are the exact partial derivatives of
+      that global loss w.r.t. its own shards, so a replicated parameter's
+      gradient is the SUM over devices, never the mean. Under
+      ``check_vma=True`` (the default) JAX adds that sum itself, whether
+      ``jax.grad`` is taken inside or outside the ``shard_map`` (do not
+      ``psum`` again). Under ``check_vma=False``, take the gradient inside
+      the ``shard_map`` and ``lax.psum`` the replicated parameters'
+      gradients. Do NOT take ``jax.grad`` of a
+      ``shard_map(..., check_vma=False)`` from outside it: JAX divides the
+      cotangent of the unmapped loss by N there, so every gradient comes out
+      N times too small, and the loss cannot detect it. See README,
+      "Gradient convention"."""
 
 
 def _as_varying(axes, *arrays):
@@ -87,7 +94,7 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     strategy: with ``axis_name``: "ring" (ppermute ring, O(b * D) memory
       per device) or "gather" (all-gather + reduce-scatter, O(B * D)).
     backend: "auto", "reference" (full matrix, O(B^2)) or a registered tiled
-      backend ("xla", "pallas").
+      backend ("xla", "pallas", "mosaic").
     block_sizes: optional ``BlockSizes`` for the tiled backends.
 
   Returns:
@@ -168,7 +175,7 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
     logit_bias: scalar added to every logit (required: SigLIP learns it).
     AXIS_NAME
     backend: "auto", "reference" (full matrix, O(B^2) memory) or a
-      registered tiled backend ("xla", "pallas").
+      registered tiled backend ("xla", "pallas", "mosaic").
     block_sizes: optional ``BlockSizes`` for the tiled backends.
 
   Returns:

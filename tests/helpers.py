@@ -86,8 +86,8 @@ def run_processes(cmds, *, env, timeout_s, cwd=None):
   return [p.returncode for p in procs], outputs, timed_out
 
 
-def pallas_calls(closed_jaxpr):
-  """[(name, interpret)] of every pallas_call in a jaxpr, nested ones too.
+def kernel_calls(closed_jaxpr):
+  """[(name, interpret)] of every kernel call in a jaxpr, nested ones too.
 
   Read from the equations' parameters rather than the printed jaxpr, whose
   format changes between JAX versions.
@@ -105,8 +105,12 @@ def pallas_calls(closed_jaxpr):
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append((str(eqn.params["name"]), bool(eqn.params["interpret"])))
+      # Triton kernels are pallas_calls; Mosaic GPU kernels (plgpu.kernel)
+      # appear as mpmd_map.
+      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+        interp = eqn.params.get("interpret")
+        found.append((str(eqn.params.get("name")),
+                      interp is not None and interp is not False))
         continue
       for v in eqn.params.values():
         for sub in subjaxprs(v):
@@ -160,4 +164,4 @@ def compiled_kernels_in_shard_map(monkeypatch, mesh, loss_fn, dtype):
                argnums=(0, 1, 2, 3)),
       mesh=mesh, in_specs=(P("data"), P("data"), P(), P()),
       out_specs=(P("data"), P("data"), P(), P()))
-  return pallas_calls(jax.make_jaxpr(step)(x, x, t, t))
+  return kernel_calls(jax.make_jaxpr(step)(x, x, t, t))

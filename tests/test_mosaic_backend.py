@@ -28,7 +28,7 @@ from infcl_jax.backends import registry
 from tests import np_reference
 from tests import test_pallas
 from tests import test_pallas_sigmoid
-from tests.helpers import as64, assert_rel_close, rand_emb, tol
+from tests.helpers import as64, assert_rel_close, kernel_calls, rand_emb, tol
 
 ON_GPU = jax.default_backend() == "gpu"
 # The smallest tiles the kernels take (64 rows, 2 x 64 columns, K-step 64):
@@ -52,36 +52,6 @@ def _reset_interpreter():
     interpret_pallas_call.reset_gpu_interpret_mode_state()
   except Exception:  # pylint: disable=broad-except
     pass
-
-
-def kernel_calls(closed_jaxpr):
-  """[(name, interpreted)] of every kernel in a jaxpr, nested ones too:
-  Pallas-Triton's ``pallas_call`` and Mosaic GPU's ``mpmd_map`` (which
-  ``plgpu.kernel`` wraps in a ``custom_vmap_call``)."""
-  found = []
-
-  def subjaxprs(v):
-    if hasattr(v, "eqns"):
-      yield v
-    elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-      yield v.jaxpr
-    elif isinstance(v, (tuple, list)):
-      for u in v:
-        yield from subjaxprs(u)
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
-        interp = eqn.params.get("interpret")
-        found.append((str(eqn.params["name"]),
-                      interp is not None and interp is not False))
-        continue
-      for v in eqn.params.values():
-        for sub in subjaxprs(v):
-          walk(sub)
-
-  walk(closed_jaxpr.jaxpr)
-  return found
 
 
 def hybrid_backend(monkeypatch, **stages):
