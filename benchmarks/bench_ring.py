@@ -295,37 +295,15 @@ def spawn(spec, platform, timeout_s, compile_timeout_s=0):
         lines.put(line)
       lines.put(None)
     threading.Thread(target=pump, daemon=True).start()
-    out, phase, result = [], None, None
-    while True:
-      limit = timeout_s
-      if phase is None and compile_timeout_s:
-        limit = min(timeout_s, compile_timeout_s)
-      left = t0 + limit - time.time()
-      try:
-        line = lines.get(timeout=max(left, 0.01)) if left > 0 else None
-        timed_out = left <= 0
-      except queue.Empty:
-        line, timed_out = None, True
-      if timed_out:
-        _kill(p)
-        waited = time.time() - t0
-        if phase is None:
-          return dict(status=f"timeout in compile (>{limit:.0f}s, "
-                      f"{waited:.0f}s)")
-        plan = (f"; XLA plan {phase['xla_total_gb']:.3g} GB/dev"
-                if phase.get("xla_total_gb") is not None else "")
-        lim = (f", limit {phase['bytes_limit_gb']:.3g} GB"
-               if phase.get("bytes_limit_gb") else "")
-        return dict({k: v for k, v in phase.items() if k != "phase"},
-                    status=f"timeout>{timeout_s}s while running (compiled in "
-                    f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim})")
-      if line is None:
-        break
-      out.append(line)
-      if line.startswith(PHASE_TAG):
-        phase = json.loads(line[len(PHASE_TAG):])
-      elif line.startswith(RESULT_TAG):
-        result = json.loads(line[len(RESULT_TAG):])
+    out = []
+    try:
+      result, _, timed = _follow(p, lines, out, t0, timeout_s,
+                                     compile_timeout_s)
+    except BaseException:  # E.g. Ctrl-C / `timeout -s INT`: no orphan.
+      _kill(p)
+      raise
+    if timed is not None:
+      return timed
     p.wait()
     if result is not None:
       return result
@@ -333,6 +311,44 @@ def spawn(spec, platform, timeout_s, compile_timeout_s=0):
     tail = (err.read() or "".join(out))[-400:].replace("\n", " | ")
   oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
   return dict(status="oom" if oom else f"crash rc={p.returncode}: {tail}")
+
+
+def _follow(p, lines, out, t0, timeout_s, compile_timeout_s):
+  """Reads the child's lines under the two deadlines of ``spawn``; returns
+  (result, phase, timeout row or None)."""
+  import queue  # pylint: disable=import-outside-toplevel
+  phase, result = None, None
+  while True:
+    limit = timeout_s
+    if phase is None and compile_timeout_s:
+      limit = min(timeout_s, compile_timeout_s)
+    left = t0 + limit - time.time()
+    try:
+      line = lines.get(timeout=max(left, 0.01)) if left > 0 else None
+      timed_out = left <= 0
+    except queue.Empty:
+      line, timed_out = None, True
+    if timed_out:
+      _kill(p)
+      waited = time.time() - t0
+      if phase is None:
+        return None, None, dict(status=f"timeout in compile (>{limit:.0f}s"
+                                f", {waited:.0f}s)")
+      plan = (f"; XLA plan {phase['xla_total_gb']:.3g} GB/dev"
+              if phase.get("xla_total_gb") is not None else "")
+      lim = (f", limit {phase['bytes_limit_gb']:.3g} GB"
+             if phase.get("bytes_limit_gb") else "")
+      return None, phase, dict(
+          {k: v for k, v in phase.items() if k != "phase"},
+          status=f"timeout>{timeout_s}s while running (compiled in "
+          f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim})")
+    if line is None:
+      return result, phase, None
+    out.append(line)
+    if line.startswith(PHASE_TAG):
+      phase = json.loads(line[len(PHASE_TAG):])
+    elif line.startswith(RESULT_TAG):
+      result = json.loads(line[len(RESULT_TAG):])
 
 
 def _kill(p):
