@@ -19,12 +19,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import _axes
+from infcl_jax import _math
 from infcl_jax.backends import capability
 from infcl_jax.block_sizes import BlockSizes
 
@@ -157,6 +159,123 @@ def usable_max(g_max):
   keeps 1; a NaN panel keeps 1 too, and its NaN G still reaches the result.
   """
   return jnp.where((g_max > 0) & jnp.isfinite(g_max), g_max, 1.0).astype(F32)
+
+
+def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
+                 layout, precision, panel=None):
+  """``lse_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
+
+  Probabilities are in [0, 1] and the coefficients (~1/B) are applied after
+  the GEMMs, so that a 16-bit G does not underflow: G is stored as
+  a_r P^r + a_c P^c with the larger |coefficient| normalised to 1.
+  ``panel(x_p, yp, r_p, c2, params, rows=, cols=, mask=)`` writes one panel
+  of G in x's dtype and returns it with its sums of G * x y^T and of G;
+  params = [scale log2 e, bias log2 e, a_r, a_c], r_p / c2 the base-2
+  statistics (+inf on padding). ``panel=None`` forms the panel in XLA.
+  """
+  n, d = x.shape
+  m = y.shape[0]
+  rows, cols = row_lse is not None, col_lse is not None
+  scale = jnp.asarray(scale, F32)
+  bias = jnp.asarray(bias, F32)
+  row_coef = jnp.asarray(row_coef if rows else 0.0, F32)
+  col_coef = jnp.asarray(col_coef if cols else 0.0, F32)
+  norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
+  norm = jnp.where(norm == 0, 1.0, norm)
+  # Base-2 statistics, +inf on padding; an unused direction gets zeros
+  # (its exp term is compiled out) but keeps +inf on padding for masking.
+  r2 = (row_lse.astype(F32) * _math.LOG2E) if rows else jnp.zeros((n,), F32)
+  c2 = (col_lse.astype(F32) * _math.LOG2E) if cols else jnp.zeros((m,), F32)
+  r2 = pad1(r2, layout.n_pad, jnp.inf)
+  c2 = pad1(c2, layout.m_pad, jnp.inf)
+  params = jnp.stack([scale * _math.LOG2E, bias * _math.LOG2E,
+                      row_coef / norm, col_coef / norm]).astype(F32)
+  mask = layout.n_pad != n or layout.m_pad != m
+  panel = panel or functools.partial(_xla_softmax_panel, precision=precision)
+
+  def g_panel(x_p, yp, r_p):
+    g, dsc, dbi = panel(x_p, yp, r_p, c2, params, rows=rows, cols=cols,
+                        mask=mask)
+    return g, jnp.ones((), F32), dsc, dbi
+
+  dx, dy, dsc, dbi = panel_backward(x, y, r2, g_panel, layout=layout,
+                                    precision=precision, refs=(c2, params))
+  return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
+
+
+def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
+                 panel=None):
+  """``sigmoid_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
+
+  G = (-z) sigmoid(-z s) lies in [-1, 1]; coef (~1/B) is applied after the
+  GEMMs. bfloat16 has float32's exponent range, float16 does not (below
+  ~6e-8 it flushes to 0), so a float16 panel is first scanned for its
+  largest |G| (a second recompute) and stored divided by it.
+  ``panel(x_p, yp, rid_p, params, mode, m=, mask=, scaled=, has_diagonal=)``:
+  mode "max"
+  returns the panel's largest |G|; mode "g" writes G (times params[2] when
+  ``scaled``) in x's dtype and returns it with its float32 sums of
+  G * x y^T and of G; params = [scale, bias, g_scale, 0], rid_p the rows'
+  global indices (-1 on padding). ``panel=None`` forms the panel in XLA.
+  """
+  n, d = x.shape
+  m = y.shape[0]
+  scale = jnp.asarray(scale, F32)
+  bias = jnp.asarray(bias, F32)
+  coef = jnp.asarray(coef, F32)
+  rescale = jnp.dtype(x.dtype) == jnp.float16
+  ids = jnp.arange(layout.n_pad, dtype=jnp.int32)
+  row_ids = jnp.where(ids < n, ids, -1)
+  kw = dict(m=m, mask=layout.n_pad != n or layout.m_pad != m, scaled=rescale,
+            has_diagonal=has_diagonal)
+  panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision)
+
+  def g_panel(x_p, yp, rid_p):
+    g_max = jnp.ones((), F32)
+    if rescale:
+      unit = jnp.stack([scale, bias, 1.0, 0.0]).astype(F32)
+      g_max = usable_max(panel(x_p, yp, rid_p, unit, "max", **kw))
+    params = jnp.stack([scale, bias, 1.0 / g_max, 0.0]).astype(F32)
+    g, dsc, dbi = panel(x_p, yp, rid_p, params, "g", **kw)
+    return g, g_max, dsc, dbi
+
+  dx, dy, dsc, dbi = panel_backward(x, y, row_ids, g_panel, layout=layout,
+                                    precision=precision, refs=(scale, bias))
+  return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
+
+
+# ``bwd_impl="xla"``: the same panels from XLA's GEMM and a fusion. They
+# materialise the (R, B) float32 logits of a panel (more memory and HBM
+# traffic than the kernels) and are kept to measure the difference.
+
+def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
+                       precision):
+  s0 = dot(x_p, yp, ((1,), (1,)), precision)
+  s = s0 * params[0] + params[1]
+  g = jnp.zeros_like(s)
+  if rows:
+    g = g + params[2] * jnp.exp2(s - r2[:, None])
+  if cols:
+    g = g + params[3] * jnp.exp2(s - c2[None, :])
+  if mask:
+    g = jnp.where((r2 != jnp.inf)[:, None] & (c2 != jnp.inf)[None, :], g, 0.0)
+  return g.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
+
+
+def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,
+                       precision, has_diagonal):
+  s0 = dot(x_p, yp, ((1,), (1,)), precision)
+  s = s0 * params[0] + params[1]
+  cid = jnp.arange(yp.shape[0], dtype=jnp.int32)
+  g = 1.0 / (1.0 + jnp.exp(-s))
+  if has_diagonal:
+    g = jnp.where(rid[:, None] == cid[None, :], -1.0 / (1.0 + jnp.exp(s)), g)
+  if mask:
+    g = jnp.where((rid >= 0)[:, None] & (cid < m)[None, :], g, 0.0)
+  if mode == "max":
+    return jnp.max(jnp.abs(g))
+  gs = g * params[2] if scaled else g
+  return gs.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
 
 
 class KernelBackend:

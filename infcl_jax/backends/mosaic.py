@@ -63,11 +63,11 @@ like their inputs (``kernels.mosaic.common.vary_like``), the panel carry by
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from infcl_jax import _math
 from infcl_jax.backends import kernel_plumbing as kp
 from infcl_jax.backends import pallas_triton
 from infcl_jax.backends.xla import check_diagonal
@@ -180,43 +180,14 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
       return super().lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
                               col_coef, block_sizes=block_sizes)
     bs, mb = self._mblocks(block_sizes, x.dtype)
-    n, d = x.shape
-    m = y.shape[0]
-    rows, cols = row_lse is not None, col_lse is not None
-    scale = jnp.asarray(scale, F32)
-    bias = jnp.asarray(bias, F32)
-    prec = self._precision(bs, x.dtype)
-    # As in the Triton backend: probabilities in [0, 1], the coefficients
-    # applied after the GEMMs.
-    row_coef = jnp.asarray(row_coef if rows else 0.0, F32)
-    col_coef = jnp.asarray(col_coef if cols else 0.0, F32)
-    norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
-    norm = jnp.where(norm == 0, 1.0, norm)
-    layout = self._panel_layout(mb, n, m, d)
-    r2 = (row_lse.astype(F32) * _math.LOG2E) if rows else jnp.zeros((n,), F32)
-    c2 = (col_lse.astype(F32) * _math.LOG2E) if cols else jnp.zeros((m,), F32)
-    r2 = kp.pad1(r2, layout.n_pad, jnp.inf)
-    c2 = kp.pad1(c2, layout.m_pad, jnp.inf)
-    params = jnp.stack([scale * _math.LOG2E, bias * _math.LOG2E,
-                        row_coef / norm, col_coef / norm]).astype(F32)
-    mask = layout.n_pad != n or layout.m_pad != m
-
-    def g_panel(x_p, yp, r_p):
-      if bs.bwd_impl == "xla":
-        g, dsc, dbi = pallas_triton._xla_softmax_panel(  # pylint: disable=protected-access
-            x_p, yp, r_p, c2, params, rows, cols, mask, x.dtype, prec)
-      else:
-        g, dsc, dbi = mg_panel.g_panel(
-            x_p, yp, r_p, c2, params, rows=rows, cols=cols, mask=mask,
-            g_dtype=x.dtype, block_q=mb.bwd_bq, block_k=mb.bwd_bk,
-            block_d=mb.bd, num_stages=PANEL_STAGES,
-            num_programs=bs.num_programs, interpret=self.interpret)
-      return g, jnp.ones((), F32), dsc, dbi
-
-    dx, dy, dsc, dbi = kp.panel_backward(
-        x, y, r2, g_panel, layout=layout, precision=prec,
-        refs=(c2, params))
-    return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
+    panel = None if bs.bwd_impl == "xla" else functools.partial(
+        mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
+        block_k=mb.bwd_bk, block_d=mb.bd, num_stages=PANEL_STAGES,
+        num_programs=bs.num_programs, interpret=self.interpret)
+    return kp.softmax_grad(
+        x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
+        layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
+        precision=self._precision(bs, x.dtype), panel=panel)
 
   # ------------------------------------------------------------ sigmoid
 
@@ -243,45 +214,21 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
       return super().sigmoid_grad(x, y, scale, bias, coef,
                                   has_diagonal=has_diagonal,
                                   block_sizes=block_sizes)
-    n, d = x.shape
-    m = y.shape[0]
-    check_diagonal(has_diagonal, n, m)
+    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
     bs, mb = self._mblocks(block_sizes, x.dtype)
-    scale = jnp.asarray(scale, F32)
-    bias = jnp.asarray(bias, F32)
-    coef = jnp.asarray(coef, F32)
-    prec = self._precision(bs, x.dtype)
-    # A float16 panel is scanned for its largest |G| first and stored
-    # divided by it (|G| can be far below float16's range).
-    rescale = jnp.dtype(x.dtype) == jnp.float16
-    layout = self._panel_layout(mb, n, m, d)
-    ids = jnp.arange(layout.n_pad, dtype=jnp.int32)
-    row_ids = jnp.where(ids < n, ids, -1)
-    kw = dict(m=m, mask=layout.n_pad != n or layout.m_pad != m,
-              has_diagonal=has_diagonal, block_q=mb.bwd_bq,
-              block_k=mb.bwd_bk, block_d=mb.bd,
-              num_programs=bs.num_programs, interpret=self.interpret)
 
-    def g_panel(x_p, yp, rid_p):
-      if bs.bwd_impl == "xla":
-        return pallas_triton._xla_sigmoid_panel(  # pylint: disable=protected-access
-            x_p, yp, rid_p, scale, bias, m, has_diagonal, x.dtype, rescale,
-            prec)
-      g_max = jnp.ones((), F32)
-      if rescale:
-        params = jnp.stack([scale, bias, 1.0, 0.0]).astype(F32)
-        g_max = kp.usable_max(msigmoid.sigmoid_tiles(
-            x_p, yp, rid_p, params, mode="max", num_stages=FWD_STAGES, **kw))
-      params = jnp.stack([scale, bias, 1.0 / g_max, 0.0]).astype(F32)
-      g, dsc, dbi = msigmoid.sigmoid_tiles(
-          x_p, yp, rid_p, params, mode="g", scaled=rescale,
-          num_stages=PANEL_STAGES, **kw)
-      return g, g_max, dsc, dbi
+    def panel(x_p, yp, rid_p, params, mode, **kw):
+      return msigmoid.sigmoid_tiles(
+          x_p, yp, rid_p, params, mode=mode, block_q=mb.bwd_bq,
+          block_k=mb.bwd_bk, block_d=mb.bd,
+          num_stages=FWD_STAGES if mode == "max" else PANEL_STAGES,
+          num_programs=bs.num_programs, interpret=self.interpret, **kw)
 
-    dx, dy, dsc, dbi = kp.panel_backward(
-        x, y, row_ids, g_panel, layout=layout, precision=prec,
-        refs=(scale, bias))
-    return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
+    return kp.sigmoid_grad(
+        x, y, scale, bias, coef, has_diagonal=has_diagonal,
+        layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
+        precision=self._precision(bs, x.dtype),
+        panel=None if bs.bwd_impl == "xla" else panel)
 
 
 BACKEND = MosaicBackend
