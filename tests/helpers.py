@@ -165,3 +165,33 @@ def compiled_kernels_in_shard_map(monkeypatch, mesh, loss_fn, dtype):
       mesh=mesh, in_specs=(P("data"), P("data"), P(), P()),
       out_specs=(P("data"), P("data"), P(), P()))
   return kernel_calls(jax.make_jaxpr(step)(x, x, t, t))
+
+
+def check_past_int32_against_xla(loss_fn, backend, seed):
+  """``loss_fn(x, y, backend)`` on inputs of B * D = 65,536 * 32,832 > 2**31
+  elements (bf16, 4.3 GB each) against ``backend="xla"``, whose tiling
+  (2048 x 8192 blocks, cuBLAS) differs, so agreement is no coincidence of
+  one tiling: the loss, and every row's gradient norm (compact, and they see
+  every row, those past the 2**31-th element included). GPU only.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  b, d = 65536, 32832
+  assert b * d > 2**31
+  key_x, key_y = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(key_x, (b, d), jnp.bfloat16) / jnp.sqrt(d)
+  y = x + jax.random.normal(key_y, (b, d), jnp.bfloat16) / jnp.sqrt(d)
+  y = (y / jnp.sqrt(2.0)).astype(jnp.bfloat16)
+  out = {}
+  for name in (backend, "xla"):
+    val, (dx, dy) = jax.jit(jax.value_and_grad(
+        lambda x, y, name=name: loss_fn(x, y, name), argnums=(0, 1)))(x, y)
+    row_norm = lambda g: np.asarray(jnp.linalg.norm(g.astype(jnp.float32),
+                                                    axis=1))
+    out[name] = (float(val), row_norm(dx), row_norm(dy))
+    del dx, dy
+  (vp, nxp, nyp), (vx, nxx, nyx) = out[backend], out["xla"]
+  assert abs(vp - vx) <= 1e-4 * abs(vx), (vp, vx)
+  assert_rel_close(nxp, nxx, rtol=2e-2, what="|d image| per row")
+  assert_rel_close(nyp, nyx, rtol=2e-2, what="|d text| per row")
+  tail = slice(2**31 // d, None)
+  assert_rel_close(nxp[tail], nxx[tail], rtol=2e-2, what="rows past 2**31")

@@ -18,7 +18,8 @@ import pytest
 from infcl_jax import BlockSizes, contrastive_loss
 from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import as64, assert_rel_close, rand_emb, tol
+from tests.helpers import (as64, assert_rel_close,
+                           check_past_int32_against_xla, rand_emb, tol)
 
 # Every size below is off this block grid. num_programs=3 gives several
 # rounds of row blocks per program; panel_rows=32 several backward panels.
@@ -201,33 +202,10 @@ class TestPallasSoftmaxGpu(TestPallasSoftmaxInterpret):
                backend=self.NAME)
 
   def test_past_2_to_the_31_matches_xla(self):
-    """B * D = 65,536 * 32,832 > 2**31 elements per input (bf16, 4.3 GB):
-    the kernels' offsets must not wrap. ``xla`` tiles differently (2048 x
-    8192 blocks, cuBLAS), so agreement is no coincidence of one tiling."""
-    b, d = 65536, 32832
-    assert b * d > 2**31
-    key_x, key_y = jax.random.split(jax.random.key(7))
-    x = jax.random.normal(key_x, (b, d), jnp.bfloat16) / jnp.sqrt(d)
-    y = (x + jax.random.normal(key_y, (b, d), jnp.bfloat16) / jnp.sqrt(d))
-    y = (y / jnp.sqrt(2.0)).astype(jnp.bfloat16)
-    out = {}
-    for backend in (self.NAME, "xla"):
-      f = lambda x, y, t, backend=backend: contrastive_loss(
-          x, y, t, backend=backend)
-      val, (dx, dy) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(
-          x, y, jnp.float32(10.0))
-      # Row norms of the gradients (compact, and they see every row).
-      out[backend] = (float(val), np.asarray(jnp.linalg.norm(
-          dx.astype(jnp.float32), axis=1)), np.asarray(jnp.linalg.norm(
-              dy.astype(jnp.float32), axis=1)))
-      del dx, dy
-    (vp, nxp, nyp), (vx, nxx, nyx) = out[self.NAME], out["xla"]
-    assert abs(vp - vx) <= 1e-4 * abs(vx), (vp, vx)
-    # Rows past the 2**31-th element (the last ~165 rows) included.
-    assert_rel_close(nxp, nxx, rtol=2e-2, what="|d image| per row")
-    assert_rel_close(nyp, nyx, rtol=2e-2, what="|d text| per row")
-    tail = slice(2**31 // d, None)
-    assert_rel_close(nxp[tail], nxx[tail], rtol=2e-2, what="tail rows")
+    """B * D > 2**31 elements per input: the kernels' offsets must not wrap."""
+    check_past_int32_against_xla(
+        lambda x, y, name: contrastive_loss(x, y, 10.0, backend=name),
+        self.NAME, seed=7)
 
   def test_b65536_matches_xla(self):
     rng = np.random.default_rng(6)

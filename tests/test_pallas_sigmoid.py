@@ -19,7 +19,8 @@ from infcl_jax.backends import registry
 from infcl_jax.kernels import sigmoid_fwd
 
 from tests import np_reference
-from tests.helpers import as64, assert_rel_close, rand_emb, tol
+from tests.helpers import (as64, assert_rel_close,
+                           check_past_int32_against_xla, rand_emb, tol)
 
 # Every size below is off the block grid; num_programs=5 splits the forward's
 # columns, panel_rows=32 gives several backward panels. "highest" keeps
@@ -323,29 +324,10 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
                    None, rtol=2e-2, loss_rtol=1e-4)
 
   def test_past_2_to_the_31_matches_xla(self):
-    """B * D = 65,536 * 32,832 > 2**31 elements per input (bf16): the same
-    check as the softmax family's, against ``xla``'s different tiling."""
-    b, d = 65536, 32832
-    key_x, key_y = jax.random.split(jax.random.key(8))
-    x = jax.random.normal(key_x, (b, d), jnp.bfloat16) / jnp.sqrt(d)
-    y = (x + jax.random.normal(key_y, (b, d), jnp.bfloat16) / jnp.sqrt(d))
-    y = (y / jnp.sqrt(2.0)).astype(jnp.bfloat16)
-    out = {}
-    for backend in (self.NAME, "xla"):
-      f = lambda x, y, t, b, backend=backend: sigmoid_loss(
-          x, y, t, b, backend=backend)
-      val, (dx, dy) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(
-          x, y, jnp.float32(10.0), jnp.float32(-10.0))
-      out[backend] = (float(val), np.asarray(jnp.linalg.norm(
-          dx.astype(jnp.float32), axis=1)), np.asarray(jnp.linalg.norm(
-              dy.astype(jnp.float32), axis=1)))
-      del dx, dy
-    (vp, nxp, nyp), (vx, nxx, nyx) = out[self.NAME], out["xla"]
-    assert abs(vp - vx) <= 1e-4 * abs(vx), (vp, vx)
-    assert_rel_close(nxp, nxx, rtol=2e-2, what="|d image| per row")
-    assert_rel_close(nyp, nyx, rtol=2e-2, what="|d text| per row")
-    tail = slice(2**31 // d, None)
-    assert_rel_close(nxp[tail], nxx[tail], rtol=2e-2, what="tail rows")
+    """B * D > 2**31 elements per input: the kernels' offsets must not wrap."""
+    check_past_int32_against_xla(
+        lambda x, y, name: sigmoid_loss(x, y, 10.0, -10.0, backend=name),
+        self.NAME, seed=8)
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
   def test_b65536_matches_xla(self, dtype):
