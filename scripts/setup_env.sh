@@ -70,6 +70,9 @@ want=$( (cat pyproject.toml "$constraints"; echo "${install[*]}") | sha256sum | 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing packages into $venv" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -c "$constraints" "${install[@]}"
+  # setuptools' informational "Editable installation" warning block (flat
+  # layout) would otherwise appear in the demo's and the tests' output.
+  PYTHONWARNINGS="ignore:Editable installation" \
+    "$venv/bin/python" -m pip install -q -c "$constraints" "${install[@]}"
   echo "$want" > "$stamp"
 fi
