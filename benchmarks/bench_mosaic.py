@@ -1,13 +1,13 @@
 """Per-stage and full-step timing of backend="mosaic" against "pallas".
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/bench_mosaic.py --b 65536
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mosaic.py --b 65536
 
 Stages at B x B (the forward over all tiles; the panel stages per R-row
 panel, times B / R for a step), for the Mosaic and the Triton kernels, then
 full fwd+bwd steps of the public losses with backend "mosaic", "pallas",
 and hybrids (``MosaicBackend.STAGES``, each registered under its own name).
 The kernel-level variants (forward options, stages) are in
-``python -m infcl_jax.kernels.mosaic.bench``.
+``benchmarks/bench_mosaic_kernels.py``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from infcl_jax.kernels.mosaic import g_panel as mg
-from infcl_jax.kernels.mosaic.bench import LOG2E, report, timeit
+from benchmarks.bench_mosaic_kernels import LOG2E, report, timeit
 
 
 def bench_backends(b, d, dtype, reps, r_list=(4096, 8192), full=True,

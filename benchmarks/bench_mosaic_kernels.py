@@ -1,6 +1,6 @@
 """Times the Mosaic GPU kernels (and, where importable, the Triton ones).
 
-    PYTHONUNBUFFERED=1 python -m infcl_jax.kernels.mosaic.bench --b 65536 --d 768
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mosaic_kernels.py --b 65536 --d 768
 
 Each kernel is compiled, run twice as warm-up, then timed as the median of
 ``--reps`` runs, each a sync'd wall-clock measurement of ``--inner``
