@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from infcl_jax.kernels.mosaic import g_panel as mg
 from infcl_jax.kernels.mosaic import lse_fwd as mf
 
-LOG2E = math.log2(math.e)
+from infcl_jax._math import LOG2E  # pylint: disable=wrong-import-position
 
 
 def timeit(fn, *args, reps=7, inner=5):
