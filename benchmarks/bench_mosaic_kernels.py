@@ -17,10 +17,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from infcl_jax._math import LOG2E
 from infcl_jax.kernels.mosaic import g_panel as mg
 from infcl_jax.kernels.mosaic import lse_fwd as mf
-
-from infcl_jax._math import LOG2E  # pylint: disable=wrong-import-position
 
 
 def timeit(fn, *args, reps=7, inner=5):
