@@ -161,18 +161,10 @@ class TestMosaicSoftmaxInterpret(test_pallas.TestPallasSoftmaxInterpret):
                                           pytest.param(False, marks=SLOW)])
   def test_extreme_logits_16bit(self, single_exp):
     """The Mosaic forward's exact fallback (logit span > 2^64 in a tile)."""
-    rng = np.random.default_rng(2)
-    d = 16
-    base = rng.standard_normal(d)
-    x = base + 1e-2 * rng.standard_normal((40, d))
-    y = base + 1e-2 * rng.standard_normal((40, d))
-    y[::2] *= -1
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    y /= np.linalg.norm(y, axis=1, keepdims=True)
+    x, y = test_pallas.extreme_logit_pair(jnp.bfloat16)
     bs = dataclasses.replace(self.BLOCKS, single_exp=single_exp)
-    test_pallas.check_loss(jnp.asarray(x, jnp.bfloat16),
-                           jnp.asarray(y, jnp.bfloat16), 100.0, -5.0, "both",
-                           jnp.bfloat16, bs, backend=self.NAME)
+    test_pallas.check_loss(x, y, 100.0, -5.0, "both", jnp.bfloat16, bs,
+                           backend=self.NAME)
 
   def test_nan_input_gives_nan_16bit(self):
     rng = np.random.default_rng(4)

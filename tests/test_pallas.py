@@ -73,6 +73,20 @@ def check_loss(x, y, t, b, direction, dtype, block_sizes, rtol=None,
   assert abs(float(db) - ref[4]) < (1e-5 if dtype == jnp.float32 else 1e-3)
 
 
+def extreme_logit_pair(dtype):
+  """(40, 16) near-duplicate and opposite unit vectors: at scale 100 their
+  logits reach +-100 (base-2 span ~290) inside one tile."""
+  rng = np.random.default_rng(2)
+  d = 16
+  base = rng.standard_normal(d)
+  x = base + 1e-2 * rng.standard_normal((40, d))
+  y = base + 1e-2 * rng.standard_normal((40, d))
+  y[::2] *= -1
+  x /= np.linalg.norm(x, axis=1, keepdims=True)
+  y /= np.linalg.norm(y, axis=1, keepdims=True)
+  return jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+
+
 class TestPallasSoftmaxInterpret:
   """The softmax contract of a kernel backend. A new kernel backend
   subclasses this with its NAME (and BLOCKS), and a GPU twin with
@@ -152,17 +166,9 @@ class TestPallasSoftmaxInterpret:
     +-100 (base-2 span ~290) in the same tile: the shared shift would
     underflow, so the kernels must detect it and use the exact form.
     """
-    rng = np.random.default_rng(2)
-    d = 16
-    base = rng.standard_normal(d)
-    x = base + 1e-2 * rng.standard_normal((40, d))
-    y = base + 1e-2 * rng.standard_normal((40, d))
-    y[::2] *= -1
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    y /= np.linalg.norm(y, axis=1, keepdims=True)
+    x, y = extreme_logit_pair(jnp.float32)
     bs = dataclasses.replace(self.BLOCKS, single_exp=single_exp)
-    check_loss(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32),
-               100.0, -5.0, "both", jnp.float32, bs, backend=self.NAME)
+    check_loss(x, y, 100.0, -5.0, "both", jnp.float32, bs, backend=self.NAME)
 
   def test_default_blocks_and_one_panel(self):
     """The platform's default BlockSizes (None) and a single panel."""
