@@ -8,6 +8,8 @@ spellings of an asynchronous collective-permute: ``collective-permute-start``
 / ``-done`` (single, combined, with the in-place-update operands) and a
 generic ``async-start`` / ``async-update`` / ``async-done`` wrapping one.
 """
+import re
+
 import pytest
 
 from benchmarks import ring_hlo
@@ -237,3 +239,50 @@ def test_never_raises_on_garbage():
                "ENTRY e {\n  %s = (f32[2] collective-permute-start(%q)\n}\n",
                GPU_HLO[: len(GPU_HLO) // 2], GPU_HLO.replace("{", "")):
     ring_hlo.report(text, out=lambda _: None)
+
+
+def _gpu_ring_hlo(family, b, d=768):
+  """The optimized, scheduled HLO of one ring fwd+bwd step on 2 GPUs."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import infcl_jax  # pylint: disable=import-outside-toplevel
+  gpus = [dv for dv in jax.devices() if dv.platform == "gpu"]
+  if len(gpus) < 2:
+    pytest.skip("needs 2 GPUs")
+  mesh = jax.sharding.Mesh(np.array(gpus[:2]), ("data",))
+  if family == "softmax":
+    loss = lambda x, y, t: infcl_jax.contrastive_loss(
+        x, y, t, axis_name="data", strategy="ring")
+  else:
+    loss = lambda x, y, t: infcl_jax.sigmoid_loss(
+        x, y, t, jnp.float32(-10.0), axis_name="data")
+  step = jax.jit(jax.shard_map(
+      jax.value_and_grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+      in_specs=(P("data"), P("data"), P()),
+      out_specs=(P(), (P("data"), P("data"), P()))))
+  x = jax.ShapeDtypeStruct((2 * b, d), jnp.bfloat16)
+  t = jax.ShapeDtypeStruct((), jnp.float32)
+  return step.lower(x, x, t).compile().as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,b", [("softmax", 8192), ("softmax", 65536),
+                                      ("sigmoid", 8192)])
+def test_gpu_ring_transfers_overlap_tiles(family, b):
+  """On 2 GPUs every collective-permute of the ring is asynchronous and
+  every large one (a shard or a gradient accumulator) has a kernel
+  scheduled between its start and done. Before ``Ring.tie`` XLA combined
+  the key shard's send with the home tile's column statistics at b = 8192
+  (the shard then waited for the tile) and ran the key gradient's send
+  synchronously."""
+  found = ring_hlo.analyze(_gpu_ring_hlo(family, b))
+  assert found, "no collective-permute found"
+  assert not [r for r in found if r["kind"] == "sync" or r["is_sync"]], found
+  big = [r for r in found
+         if re.search(r"\(([\d.]+) MB\)", r["size"])
+         and float(re.search(r"\(([\d.]+) MB\)", r["size"]).group(1)) >= 1]
+  assert big, found
+  exposed = [r for r in big if not r["overlapped"]]
+  assert not exposed, exposed

@@ -11,10 +11,14 @@ Forward (N steps of ``schedule.Ring``): the text shards walk round the
 ring; step n adds the tile sum of the local images against the shard of
 device (k - n) mod N. Positives exist only in the home tile (the tile op's
 ``has_diagonal=True``); every other tile is all negatives. There are no
-statistics, so the residuals are just the inputs.
+statistics: the residuals are the inputs and the text shard held at the
+last step (device k + 1's), where the backward starts.
 
-Backward (N steps, recomputing every tile): dx accumulates locally; the dy
-accumulator travels with its text shard and takes the last hop home.
+Backward (N steps, recomputing every tile, walking the ring the other way
+from the text shard the forward ended with, home tile last:
+``Ring.source_back``): dx accumulates locally; the dy accumulator travels with
+its text shard and arrives home during the home tile (N - 1 hops, none
+after the last tile).
 
 Memory per device is O(b * D) plus one tile's workspace, for any N; nothing
 but the travelling shard and its gradient accumulator is alive at a time.
@@ -67,17 +71,18 @@ def _fwd(x, y, scale, bias, backend, block_sizes, axes):
   def step(n, state, last):
     del n  # Every tile but the home one is all negatives.
     yc, total = state
-    y_next = ring.send(yc) if not last else None
+    # The last step keeps its shard (device me + 1's): the backward's first.
+    y_next = ring.send(yc) if not last else yc
     return y_next, total + tile(yc, False)
 
   y_next = ring.send_next(y)  # Issued before the home tile.
-  _, total = ring.run((y_next, tile(y, True)), step)
+  y_last, total = ring.run((y_next, tile(y, True)), step)
   loss = ring.psum(total) / (ring.size * x.shape[0])
-  return loss, (x, y, scale, bias)
+  return loss, (x, y, scale, bias, y_last)
 
 
 def _bwd(backend, block_sizes, axes, res, g):
-  x, y, scale, bias = res
+  x, y, scale, bias, y_last = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   coef = g.astype(F32) / (ring.size * x.shape[0])
@@ -86,18 +91,24 @@ def _bwd(backend, block_sizes, axes, res, g):
     return tiles.sigmoid_grad(x, yc, scale, bias, coef, has_diagonal=home,
                               block_sizes=block_sizes)
 
-  def step(n, state, last):
-    """Start the next shard's and the previous accumulator's transfers."""
+  def step(n, state, home):
+    """Start the previous accumulator's (and the shard's) transfers, then
+    compute the held tile; the home tile comes last (``Ring.source_back``)."""
     del n
     yc, (dx, dy_prev, dsc, dbi) = state
-    y_next = ring.send(yc) if not last else None
-    dy_in = ring.send(dy_prev)
-    dx_t, dy_t, dsc_t, dbi_t = tile(yc, False)
+    dy_in = ring.send_back(dy_prev)
+    y_next = ring.send_back(yc) if not home else None
+    dx_t, dy_t, dsc_t, dbi_t = tile(y if home else yc, home)
     return y_next, (dx + dx_t, dy_in + dy_t, dsc + dsc_t, dbi + dbi_t)
 
-  y_next = ring.send_next(y)
-  _, (dx, dy, dsc, dbi) = ring.run((y_next, tile(y, True)), step)
-  dy = ring.hop_home(dy)
+  if ring.size == 1:
+    dx, dy, dsc, dbi = tile(y, True)
+  else:
+    # Step 0: the shard the forward ended with, no transfer (see
+    # ``Ring.source_back``); the dy accumulator arrives home during the home
+    # tile, N - 1 hops and none after the last tile.
+    y_next = ring.send_back(y_last) if ring.size > 2 else None
+    _, (dx, dy, dsc, dbi) = ring.run((y_next, tile(y_last, False)), step)
   return (dx.astype(x.dtype), dy.astype(y.dtype), dsc.astype(scale.dtype),
           dbi.astype(bias.dtype))
 

@@ -11,11 +11,17 @@ backend. The row LSE of the local queries merges across steps (logaddexp)
 and stays local; the column LSE belongs to the travelling key shard, travels
 with it and arrives home complete. Only these O(b) statistics are saved.
 
-Backward (the same N steps, recomputing every tile). ``lse_grad`` is given
-the *global* row / column LSE, so each tile's output is exactly that tile's
-share of the global gradient. dq accumulates locally; the dk accumulator
-travels with its key shard (sent at the start of the next step, so the
-transfer overlaps that step's tile) and takes the last hop home.
+Backward (N steps, recomputing every tile, walking the ring the other way:
+``Ring.source_back``). ``lse_grad`` is given the *global* row / column LSE, so
+each tile's output is exactly that tile's share of the global gradient. The
+forward ended holding device k + 1's key shard with its complete column
+LSE (kept as residuals, O(b * D)), so the backward starts there without a
+transfer and computes the home tile last. dq accumulates locally; the dk
+accumulator of a key shard travels with it (sent at the start of the next
+step, so the transfer overlaps that step's tile) and arrives home during
+the home tile: N - 1 hops of the float32 accumulator (not N) and none
+after the last tile; the key shard takes N - 1 hops for N > 2, none for
+N = 2.
 
 Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
 any N.
@@ -104,14 +110,23 @@ def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   def step(n, state, last):
     """One ring step: start the transfers, then compute the held tile."""
     kc, (r, c_prev, pos) = state
-    k_next = ring.send(kc) if not last else None
-    c_in = ring.send(c_prev) if cols else None
+    # The last step keeps its shard: the backward starts with it.
+    k_next = ring.send(kc) if not last else kc
+    c_in = None
+    if cols:
+      # The statistics' send waits for the held shard, so XLA cannot merge
+      # it into that shard's (earlier) transfer.
+      kc, c_prev = ring.tie(kc, c_prev)
+      c_in = ring.send(c_prev)
     row, col, pos_t = tile(kc, ring.source(n))
     c_out = jnp.logaddexp(c_in, col) if cols else None
     return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
 
   k_next = ring.send_next(k)  # Issued before the home tile.
-  _, (r, c_out, pos) = ring.run((k_next, tile(k, ring.me)), step)
+  k_last, (r, c_out, pos) = ring.run((k_next, tile(k, ring.me)), step)
+  # N > 1: the shard of device me + 1 and, before its hop home, its complete
+  # column statistics (the backward's first step).
+  c_last = c_out if ring.size > 1 else None
   c_home = ring.hop_home(c_out) if cols else None
   if pos_labels is None:
     pos, _ = terms.positive_sum(q, k, scale, bias)
@@ -119,11 +134,12 @@ def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   local = local + terms.nan_if_out_of_range(labels, ring.size * b_k)
   if cols:
     local = local + col_w * jnp.sum(c_home)
-  return ring.psum(local), (q, k, scale, bias, labels, r, c_home)
+  return ring.psum(local), (q, k, scale, bias, labels, r, c_home, k_last,
+                           c_last)
 
 
 def _bwd(backend, mode, block_sizes, axes, res, g):
-  q, k, scale, bias, labels, r, c_home = res
+  q, k, scale, bias, labels, r, c_home, k_last, c_last = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
@@ -144,18 +160,28 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
       dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
     return dq, dk, dsc, dbi
 
-  def step(n, state, last):
-    """Start the next shard's and the previous accumulator's transfers."""
+  def step(n, state, home):
+    """Start the previous accumulator's (and the shard's) transfers, then
+    compute the held tile; the home tile comes last (``Ring.source_back``).
+    """
     kv, (dq, dk_prev, dsc, dbi) = state
-    kv_next = ring.send(kv) if not last else None
-    dk_in = ring.send(dk_prev)
-    kc, cc = kv
-    dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, ring.source(n))
+    # The accumulator's send waits for the held shard and its statistics
+    # (c_home at home), so XLA cannot merge it into their transfer.
+    (kc, cc), dk_prev = ring.tie((k, c_home) if home else kv, dk_prev)
+    dk_in = ring.send_back(dk_prev)
+    kv_next = ring.send_back(kv) if not home else None
+    dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, ring.source_back(n))
     return kv_next, (dq + dq_t, dk_in + dk_t, dsc + dsc_t, dbi + dbi_t)
 
-  kv_next = ring.send_next((k, c_home))
-  _, (dq, dk, dsc, dbi) = ring.run((kv_next, tile(k, c_home, ring.me)), step)
-  dk = ring.hop_home(dk)
+  if ring.size == 1:
+    dq, dk, dsc, dbi = tile(k, c_home, ring.me)
+  else:
+    # Step 0: the shard the forward ended with (device me + 1's), no
+    # transfer; passed on when a step other than home follows (N > 2).
+    kv0 = (k_last, c_last)
+    kv_next = ring.send_back(kv0) if ring.size > 2 else None
+    _, (dq, dk, dsc, dbi) = ring.run(
+        (kv_next, tile(k_last, c_last, ring.source_back(0))), step)
   if pos_labels is None:
     _, k_rows = terms.positive_sum(q, k, scale, bias)
     pq, pk, psc, pbi = terms.positive_grads(q, k, scale, w_pos, k_rows)
