@@ -77,6 +77,8 @@ def parse_args(argv):
   ap.add_argument("--backend", default="pallas")
   ap.add_argument("--block-q", type=int, default=0)
   ap.add_argument("--block-k", type=int, default=0)
+  ap.add_argument("--num-programs", type=int, default=0,
+                  help="BlockSizes.num_programs (persistent CTAs); 0: default")
   ap.add_argument("--budget-s", type=float, default=0.6,
                   help="repetitions per timed case (median of <= 7)")
   ap.add_argument("--profile", default="ring,compute_only",

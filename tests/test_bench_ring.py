@@ -307,3 +307,76 @@ def test_ring_diagnose_kernel_categories():
   assert ring_diagnose._hlo_op({"x": "k:#hlo_op=fusion.3,hlo_module=m#"}) == (  # pylint: disable=protected-access
       "fusion.3")
   assert ring_diagnose._union([(0, 2), (1, 3), (5, 6)]) == 4  # pylint: disable=protected-access
+
+
+def _scaling(strategy, n, b, ms, **kw):
+  return dict(section=kw.pop("section", "scaling"), strategy=strategy,
+              n_dev=n, b_local=b, status="ok", ms=ms, **kw)
+
+
+def test_targets_per_batch_and_slowest_gpu():
+  """Efficiency targets by local batch (97% from 65,536, 93% below), the
+  efficiency against the slowest GPU's 1-GPU step, ring <= gather from
+  16,384 on."""
+  rows = [_scaling("ring", 1, 65536, 50.0),
+          _scaling("ring", 1, 65536, 52.0, section="single_gpu",
+                   first_device=1),
+          _scaling("ring", 2, 65536, 104.0),
+          _scaling("gather", 1, 65536, 50.0),
+          _scaling("gather", 2, 65536, 103.0),
+          _scaling("ring", 1, 8192, 1.3),
+          _scaling("ring", 2, 8192, 2.7),
+          _scaling("gather", 1, 8192, 1.3),
+          _scaling("gather", 2, 8192, 2.6)]
+  bench_ring.derive(rows)
+  ring2 = rows[2]
+  assert ring2["efficiency"] == pytest.approx(100 / 104)
+  assert ring2["efficiency_slowest_gpu"] == pytest.approx(104 / 104)
+  assert "efficiency_slowest_gpu" not in rows[6]  # No other GPU measured.
+  tgt = {t: (v, k) for t, v, k in bench_ring.targets(rows, 65536, 2)}
+  v, k = tgt["ring weak-scaling efficiency >= 97% at b_local=65536"]
+  assert k == "FAIL" and "96%" in v and "100% against the slowest" in v
+  v, k = tgt["ring weak-scaling efficiency >= 93% at b_local=8192"]
+  assert k == "PASS" and "96%" in v
+  # gather is faster at 65,536 (counted) and at 8,192 (below 16,384: not).
+  v, k = tgt["ring at least as fast as gather at b_local >= 16384"]
+  assert k == "FAIL" and "b=65536 N=2" in v and "8192" not in v
+  rows[4]["ms"] = 105.0
+  bench_ring.derive(rows)
+  tgt = {t: k for t, _, k in bench_ring.targets(rows, 65536, 2)}
+  assert tgt["ring at least as fast as gather at b_local >= 16384"] == "PASS"
+
+
+def test_max_batch_runs_once_between_limits():
+  """Above --max-step-s but below --max-once-s a step runs once; above
+  both it is compiled only."""
+  specs = []
+
+  class FakeJob:
+    rows = []
+
+    def spec(self, kind, strategy, n, b, **kw):
+      return dict(kind=kind, strategy=strategy, n=n, b_local=b, **kw)
+
+    def run(self, section, spec):
+      specs.append(spec)
+      row = dict(section=section, strategy="ring", n_dev=spec["n"],
+                 b_local=spec["b_local"])
+      if spec["run"]:
+        row.update(status="ok", ms=1000.0 * 4 ** len(specs))
+      else:
+        row.update(status="compiled", xla_total_gb=1.0, bytes_limit_gb=2.0)
+      self.rows.append(row)
+      return row
+
+    def write_csv(self):
+      pass
+
+  out = bench_ring.max_batch(FakeJob(), 2, 100, 800, max_step_s=5,
+                             max_once_s=20)
+  # b=100 runs (no estimate), 200: est 16 s -> once, 400: est 64 s ->
+  # compiled only (fits the plan), 800: compiled only.
+  assert [(s["b_local"], s["run"], s["once"]) for s in specs] == [
+      (100, True, False), (200, True, True), (400, False, False),
+      (800, False, False)]
+  assert out["run_b_local"] == 200 and out["planned_b_local"] == 800
