@@ -291,7 +291,8 @@ def _child_env(n, platform, first=0):
     env["JAX_PLATFORMS"] = "cpu"
   elif platform == "gpu":
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(n)]
+    ids = (visible.split(",") if visible
+           else [str(i) for i in range(first + n)])
     env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[first:first + n])
   return env
 
@@ -501,7 +502,10 @@ def parse_args(argv):
                   help="per case, until the child has compiled (isolated "
                   "runs; 0 = only --timeout-s)")
   ap.add_argument("--resume", action="store_true",
-                  help="keep the finished cases of a previous run in --out")
+                  help="keep the finished cases of a previous run in --out "
+                  "(a timeout is a result: kept)")
+  ap.add_argument("--retry-timeouts", action="store_true",
+                  help="with --resume: run the timed-out cases again")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                   help="a fresh process per case (auto: on GPUs)")
   ap.add_argument("--cpu-devices", type=int, default=0,
@@ -525,7 +529,9 @@ class Job:
       with open(self.jsonl) as fh:
         for line in fh:
           r = json.loads(line)
-          if not r.get("status", "").startswith(("skipped", "timeout")):
+          redo = ("skipped", "timeout") if args.retry_timeouts else (
+              "skipped",)
+          if not r.get("status", "").startswith(redo):
             self.done[self.key(r)] = r
     with open(self.jsonl, "w") as fh:
       for r in self.done.values():
@@ -870,6 +876,14 @@ def max_batch(job, n, b0, cap, max_step_s, max_once_s=0.0):
   once if the estimate is below ``max_once_s``, else is compiled only.
   """
   b, last_ms, ran, planned = b0, None, None, None
+  # A first estimate from the largest measured ring step at this N (the
+  # step time grows with b**2), so that a large --max-b-start can run once.
+  known = _ok(job.rows + list(getattr(job, "done", {}).values()),
+              section="scaling", strategy="ring", n_dev=n)
+  if known:
+    k = max(known, key=lambda r: r["b_local"])
+    if k["b_local"] < b0:
+      last_ms = k["ms"] * (b0 / k["b_local"]) ** 2 / 4
   while b <= cap:
     est_s = None if last_ms is None else last_ms * 4 / 1e3
     run = est_s is None or est_s <= max_step_s

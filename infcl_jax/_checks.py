@@ -13,9 +13,9 @@ import numpy as np
 
 from infcl_jax import _axes
 from infcl_jax.backends import registry
+from infcl_jax.losses.strategy import STRATEGIES
 
 DIRECTIONS = ("both", "image_to_text", "text_to_image")
-STRATEGIES = ("ring", "gather")
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 

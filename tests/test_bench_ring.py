@@ -380,3 +380,14 @@ def test_max_batch_runs_once_between_limits():
       (100, True, False), (200, True, True), (400, False, False),
       (800, False, False)]
   assert out["run_b_local"] == 200 and out["planned_b_local"] == 800
+
+
+def test_child_env_sees_the_requested_gpus(monkeypatch):
+  """A child for GPU ``first`` of n sees exactly those devices (the 1-GPU
+  baseline on the second GPU once ran on the CPU: an empty list)."""
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  env = bench_ring._child_env(1, "gpu", first=1)  # pylint: disable=protected-access
+  assert env["CUDA_VISIBLE_DEVICES"] == "1"
+  assert bench_ring._child_env(2, "gpu")["CUDA_VISIBLE_DEVICES"] == "0,1"  # pylint: disable=protected-access
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+  assert bench_ring._child_env(1, "gpu", first=1)["CUDA_VISIBLE_DEVICES"] == "5"  # pylint: disable=protected-access

@@ -276,6 +276,40 @@ def test_bad_strategy():
     contrastive_loss(X8, X8, 1.0, strategy="tree")
 
 
+def _collectives(n, b, d=8, **kw):
+  """The collective primitives of the sharded loss's fwd+bwd jaxpr."""
+  mesh = mesh_of(n)
+  step = jax.shard_map(
+      jax.grad(lambda x, y: contrastive_loss(x, y, 2.0, axis_name="data",
+                                             backend="xla", **kw),
+               argnums=(0, 1)),
+      mesh=mesh, in_specs=(P("data"), P("data")),
+      out_specs=(P("data"), P("data")))
+  x = jax.ShapeDtypeStruct((n * b, d), jnp.bfloat16)
+  text = str(jax.make_jaxpr(step)(x, x))
+  return {p for p in ("all_gather", "ppermute", "psum_scatter",
+                      "reduce_scatter") if p in text}
+
+
+def test_auto_strategy_picks_by_global_batch():
+  """strategy="auto" (the default) gathers up to 131,072 global keys and
+  runs the ring above; explicit strategies are kept."""
+  from infcl_jax.losses import strategy  # pylint: disable=import-outside-toplevel
+  assert strategy.pick("auto", 2, 65536) == "gather"
+  assert strategy.pick("auto", 2, 65537) == "ring"
+  assert strategy.pick("auto", 8, 16384) == "gather"
+  assert strategy.pick("auto", 8, 16385) == "ring"
+  assert strategy.pick("auto", 1, 10**7) == "ring"
+  assert strategy.pick("ring", 2, 8) == "ring"
+  assert strategy.pick("gather", 8, 10**6) == "gather"
+  small = _collectives(2, 24)
+  assert "all_gather" in small and "ppermute" not in small, small
+  large = _collectives(2, 65544)
+  assert "ppermute" in large and "all_gather" not in large, large
+  assert "ppermute" in _collectives(2, 24, strategy="ring")
+  assert "ppermute" not in _collectives(4, 65544, strategy="gather")
+
+
 # --- Memory -----------------------------------------------------------------
 
 def _temp_bytes(n, b, strategy="ring", d=64):
