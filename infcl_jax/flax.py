@@ -60,6 +60,8 @@ class ContrastiveLoss(nn.Module):
     normalize: L2-normalize both embeddings first (cosine similarities).
     direction: softmax only; see ``contrastive_loss``.
     axis_name: mesh axis name(s) when called inside ``shard_map``.
+    strategy: softmax with ``axis_name`` only: "auto" (default), "ring" or
+      "gather"; see ``contrastive_loss``.
     backend: tile backend name, "auto" by default.
     block_sizes: optional ``BlockSizes`` of the tiled backends.
   """
@@ -72,6 +74,7 @@ class ContrastiveLoss(nn.Module):
   normalize: bool = True
   direction: str = "both"
   axis_name: Any = None
+  strategy: str = "auto"
   backend: str = "auto"
   block_sizes: BlockSizes | None = None
 
@@ -81,6 +84,9 @@ class ContrastiveLoss(nn.Module):
     if self.loss == "sigmoid" and self.direction != "both":
       raise ValueError("direction applies to the softmax loss only; the "
                        f"sigmoid loss is symmetric, got {self.direction!r}")
+    if self.loss == "sigmoid" and self.strategy != "auto":
+      raise ValueError("strategy applies to the softmax loss only; the "
+                       f"sigmoid loss always runs the ring, got {self.strategy!r}")
     if self.min_log_scale > self.max_log_scale:
       raise ValueError(f"min_log_scale {self.min_log_scale} > max_log_scale "
                        f"{self.max_log_scale}")
@@ -121,7 +127,8 @@ class ContrastiveLoss(nn.Module):
     if self.loss == "softmax":
       return contrastive_loss(image_emb, text_emb, scale, logit_bias=bias,
                               direction=self.direction, labels=labels,
-                              axis_name=self.axis_name, backend=self.backend,
+                              axis_name=self.axis_name, strategy=self.strategy,
+                              backend=self.backend,
                               block_sizes=self.block_sizes)
     if bias is None:
       # SigLIP without a learnable bias: a fixed zero bias.

@@ -110,8 +110,10 @@ def test_softmax_with_bias_and_backend_pass_through():
   np.testing.assert_allclose(tiled.apply(v, x, y), want, rtol=2e-5)
 
 
-@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
-def test_axis_name_inside_shard_map_gives_the_global_loss(loss):
+@pytest.mark.parametrize("loss,strategy", [
+    ("softmax", "ring"), ("softmax", "gather"), ("softmax", "auto"),
+    ("sigmoid", "auto")])
+def test_axis_name_inside_shard_map_gives_the_global_loss(loss, strategy):
   n_dev = 4
   if jax.device_count() < n_dev:
     pytest.skip("needs 4 devices (tests/conftest.py sets 8 host devices)")
@@ -119,7 +121,7 @@ def test_axis_name_inside_shard_map_gives_the_global_loss(loss):
   x, y = _emb(4, n=8 * n_dev)
   single = ContrastiveLoss(loss=loss, backend="xla", block_sizes=BS)
   v = single.init(jax.random.key(0), x, y)
-  ringed = single.clone(axis_name="d")
+  ringed = single.clone(axis_name="d", strategy=strategy)
   f = jax.shard_map(lambda v, x, y: ringed.apply(v, x, y), mesh=mesh,
                     in_specs=(P(), P("d"), P("d")), out_specs=P())
   got, g_ring = jax.jit(jax.value_and_grad(f))(v, x, y)
@@ -136,6 +138,12 @@ def test_bad_loss_name_is_a_clear_error():
   x, y = _emb(5)
   with pytest.raises(ValueError, match="loss must be one of"):
     ContrastiveLoss(loss="cosine").init(jax.random.key(0), x, y)
+  with pytest.raises(ValueError, match="strategy applies to the softmax"):
+    ContrastiveLoss(loss="sigmoid", strategy="gather").init(
+        jax.random.key(0), x, y)
+  with pytest.raises(ValueError, match="strategy must be one of"):
+    ContrastiveLoss(strategy="tree").apply({"params": {"log_scale": 1.0}},
+                                           x, y)
 
 
 def test_import_infcl_jax_does_not_import_flax():
