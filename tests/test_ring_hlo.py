@@ -286,3 +286,21 @@ def test_gpu_ring_transfers_overlap_tiles(family, b):
   assert big, found
   exposed = [r for r in big if not r["overlapped"]]
   assert not exposed, exposed
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason=(
+    "known (BENCHMARKS.md 'Multi-device'): XLA issues the backward's last "
+    "float32 accumulator send after the home tile, behind the synchronous "
+    "loss + scale-gradient all-reduce; passes once a fix lands"))
+@pytest.mark.parametrize("b", [8192, 65536])
+def test_gpu_ring_accumulator_send_overlaps_a_tile(b):
+  """The key-gradient accumulator's send (float32, b x D) should have a tile
+  kernel (custom-call) scheduled between its start and done."""
+  found = ring_hlo.analyze(_gpu_ring_hlo("softmax", b))
+  acc = [r for r in found if r["size"].startswith(f"f32[{b},768]")]
+  assert acc, found
+  for r in acc:
+    tiles = (r["between_direct"].get("custom-call", 0)
+             + r["between_nested"].get("custom-call", 0))
+    assert tiles, r
