@@ -119,6 +119,14 @@ HIDDEN_TARGET = 0.80  # Ring <= compute-only + 20% of transfer-only.
 
 # ------------------------------------------------------------- one case
 
+def add_tile_args(ap):
+  """--block-q / --block-k / --num-programs (read by ``_block_sizes``)."""
+  ap.add_argument("--block-q", type=int, default=0)
+  ap.add_argument("--block-k", type=int, default=0)
+  ap.add_argument("--num-programs", type=int, default=0,
+                  help="BlockSizes.num_programs (persistent CTAs); 0: default")
+
+
 def _block_sizes(spec):
   from infcl_jax import BlockSizes  # pylint: disable=import-outside-toplevel
   if not (spec.get("block_q") and spec.get("block_k")
@@ -475,10 +483,7 @@ def parse_args(argv):
   ap.add_argument("--strategies", default="ring,gather,plain")
   ap.add_argument("--sections", default="scaling,overlap,hlo,maxbatch")
   ap.add_argument("--backend", default="auto")
-  ap.add_argument("--block-q", type=int, default=0)
-  ap.add_argument("--block-k", type=int, default=0)
-  ap.add_argument("--num-programs", type=int, default=0,
-                  help="BlockSizes.num_programs (persistent CTAs); 0: default")
+  add_tile_args(ap)
   ap.add_argument("--budget-s", type=float, default=4.0,
                   help="time for repetitions per case (median of <= 7)")
   ap.add_argument("--max-step-s", type=float, default=20.0,

@@ -75,10 +75,7 @@ def parse_args(argv):
   ap.add_argument("--dims", type=int, default=768)
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--backend", default="pallas")
-  ap.add_argument("--block-q", type=int, default=0)
-  ap.add_argument("--block-k", type=int, default=0)
-  ap.add_argument("--num-programs", type=int, default=0,
-                  help="BlockSizes.num_programs (persistent CTAs); 0: default")
+  bench_ring.add_tile_args(ap)
   ap.add_argument("--budget-s", type=float, default=0.6,
                   help="repetitions per timed case (median of <= 7)")
   ap.add_argument("--profile", default="ring,compute_only",
