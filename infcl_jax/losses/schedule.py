@@ -7,8 +7,8 @@ issued before the current tile's compute (the two are independent, so XLA's
 scheduler can overlap them), and an accumulator that belongs to the
 travelling shard (column statistics in the forward) travels with it and
 takes one last hop home after step N - 1. The backward walks the other way
-and ends at home (``source_back``), so its gradient accumulator needs no
-hop after the last tile. ``tie`` keeps XLA from merging a send that can
+and ends at home (``source_back``), so its gradient accumulator's last hop
+is issued before the last (home) tile. ``tie`` keeps XLA from merging a send that can
 start early with one that must wait for a tile.
 
 ``Ring(())`` is the single-device case: size 1, index 0, no transfers, and
@@ -102,7 +102,7 @@ class Ring:
     keeps it, with its complete column statistics), so the backward starts
     there without a transfer, walks the other way (``send_back``) and
     reaches the home shard at step N - 1. An accumulator travelling with the
-    shards (the key gradient) then arrives home during the home tile: N - 1
-    hops instead of N, and none after the last tile.
+    shards (the key gradient) then takes N - 1 hops instead of N, the last
+    issued before the home tile (XLA decides whether it overlaps it).
     """
     return (self.me + 1 + n) % self.size

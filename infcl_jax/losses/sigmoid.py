@@ -17,8 +17,7 @@ last step (device k + 1's), where the backward starts.
 Backward (N steps, recomputing every tile, walking the ring the other way
 from the text shard the forward ended with, home tile last:
 ``Ring.source_back``): dx accumulates locally; the dy accumulator travels with
-its text shard and arrives home during the home tile (N - 1 hops, none
-after the last tile).
+its text shard, its last hop issued before the home tile (N - 1 hops).
 
 Memory per device is O(b * D) plus one tile's workspace, for any N; nothing
 but the travelling shard and its gradient accumulator is alive at a time.
@@ -105,8 +104,8 @@ def _bwd(backend, block_sizes, axes, res, g):
     dx, dy, dsc, dbi = tile(y, True)
   else:
     # Step 0: the shard the forward ended with, no transfer (see
-    # ``Ring.source_back``); the dy accumulator arrives home during the home
-    # tile, N - 1 hops and none after the last tile.
+    # ``Ring.source_back``); the dy accumulator's last hop (N - 1 in all) is
+    # issued before the home tile.
     y_next = ring.send_back(y_last) if ring.size > 2 else None
     _, (dx, dy, dsc, dbi) = ring.run((y_next, tile(y_last, False)), step)
   return (dx.astype(x.dtype), dy.astype(y.dtype), dsc.astype(scale.dtype),

@@ -18,10 +18,11 @@ forward ended holding device k + 1's key shard with its complete column
 LSE (kept as residuals, O(b * D)), so the backward starts there without a
 transfer and computes the home tile last. dq accumulates locally; the dk
 accumulator of a key shard travels with it (sent at the start of the next
-step, so the transfer overlaps that step's tile) and arrives home during
-the home tile: N - 1 hops of the float32 accumulator (not N) and none
-after the last tile; the key shard takes N - 1 hops for N > 2, none for
-N = 2.
+step, before that step's tile) and its last hop is issued before the home
+tile: N - 1 hops of the float32 accumulator (not N); the key shard takes
+N - 1 hops for N > 2, none for N = 2. Whether a send overlaps the tile
+after it is up to XLA's scheduler: on 2 H200s (jax 0.11.2) the last one is
+placed after the home tile (BENCHMARKS.md "Multi-device").
 
 Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
 any N.
