@@ -13,6 +13,7 @@ kernel, and compare with a float64 reference computed from the same
 * ``TestGpu`` (``@pytest.mark.gpu``) compiles them for Hopper at real sizes
   and skips without a GPU.
 """
+import inspect
 import math
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import bench_mosaic_kernels as bench_variants
 from infcl_jax.kernels.mosaic import g_panel as mosaic_g_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mosaic_lse_fwd
 
@@ -61,12 +63,12 @@ def _rel(out, ref):
 
 
 def check_fwd(n, m, d, dtype, rows, cols, interpret, num_programs=None,
-              scale=10.0, bias=-2.0, seed=0, tol=1e-5):
+              scale=10.0, bias=-2.0, seed=0, tol=1e-5, **kernel_kw):
   xp, yp, s0 = _inputs(n, m, d, dtype, seed)
   s = scale * s0 + bias
   fn = jax.jit(lambda a, b: mosaic_lse_fwd.lse_fwd(
       a, b, scale, bias, n=n, m=m, rows=rows, cols=cols,
-      num_programs=num_programs, interpret=interpret))
+      num_programs=num_programs, interpret=interpret, **kernel_kw))
   r, c = fn(xp, yp)
   assert (r is None) != rows and (c is None) != cols
   if rows:
@@ -80,7 +82,8 @@ def check_fwd(n, m, d, dtype, rows, cols, interpret, num_programs=None,
 
 
 def check_panel(n, m, d, dtype, rows, cols, interpret, num_programs=None,
-                scale=10.0, bias=-2.0, seed=1, tol=1e-2, a_r=0.5, a_c=0.5):
+                scale=10.0, bias=-2.0, seed=1, tol=1e-2, a_r=0.5, a_c=0.5,
+                **kernel_kw):
   xp, yp, s0 = _inputs(n, m, d, dtype, seed)
   n_pad, m_pad = xp.shape[0], yp.shape[0]
   s = scale * s0 + bias
@@ -96,7 +99,7 @@ def check_panel(n, m, d, dtype, rows, cols, interpret, num_programs=None,
   mask = n_pad != n or m_pad != m
   fn = jax.jit(lambda a, b, rr, cc: mosaic_g_panel.g_panel(
       a, b, rr, cc, params, rows=rows, cols=cols, mask=mask,
-      num_programs=num_programs, interpret=interpret))
+      num_programs=num_programs, interpret=interpret, **kernel_kw))
   g, dsc, dbi = fn(xp, yp, jnp.asarray(r2, jnp.float32),
                    jnp.asarray(c2, jnp.float32))
   assert g.shape == (n_pad, m_pad) and g.dtype == xp.dtype
@@ -113,6 +116,26 @@ def check_panel(n, m, d, dtype, rows, cols, interpret, num_programs=None,
   ref_dsc, ref_dbi = np.sum(ref * s0), np.sum(ref)
   assert abs(float(dsc) - ref_dsc) <= tol * np.sum(np.abs(ref * s0)) + 1e-6
   assert abs(float(dbi) - ref_dbi) <= tol * ref_dbi
+
+
+def check_rerun_path(col_merge, interpret, n=200, m=300, d=64):
+  """Tiles the per-tile check would send to the exact path: the unchecked
+  pass must flag them (NaN), and ``check="rerun"`` must still be exact."""
+  xp, yp, s0 = _dominated_inputs(n, m, d, jnp.bfloat16, 5, boost=8.0)
+  scale, bias = 20.0, -1.0
+  s = scale * s0 + bias
+  # The unchecked pass alone, with lse_fwd's defaults for the rest.
+  kw = {k: p.default for k, p in inspect.signature(
+      mosaic_lse_fwd.lse_fwd).parameters.items()
+        if p.kind == p.KEYWORD_ONLY and k != "check"}
+  kw.update(n=n, m=m, rows=True, cols=True, num_programs=1,
+            interpret=interpret, col_merge=col_merge)
+  r, c = mosaic_lse_fwd._lse_fwd_once(xp, yp, scale, bias, check="rerun",
+                                      **kw)
+  assert np.isnan(np.asarray(r)).any() or np.isnan(np.asarray(c)).any()
+  r, c = mosaic_lse_fwd.lse_fwd(xp, yp, scale, bias, check="rerun", **kw)
+  assert _rel(r, _lse(s, 1)) < 1e-5
+  assert _rel(c, _lse(s, 0)) < 1e-5
 
 
 @pytest.fixture(autouse=False)
@@ -171,6 +194,144 @@ class TestInterpret:
     assert _rel(r, _lse(10.01 * s0, 1)) > 1e-5
 
 
+# Variants behind keyword arguments (defaults unchanged); each must match the
+# float64 reference like the default. See infcl_jax/kernels/mosaic/NOTES.md.
+FWD_VARIANTS = {
+    "rmw2": dict(col_merge="rmw2"),
+    "deferred": dict(col_merge="deferred"),
+    "private_nopp": dict(private_scratch=True, pingpong=False),
+    "private_pp": dict(private_scratch=True, pingpong=True),
+    "rerun": dict(check="rerun"),
+    "all": dict(check="rerun", col_merge="rmw2", private_scratch=True,
+                pingpong=False, reduction_scratch_bytes=16384),
+    "all_deferred": dict(check="rerun", col_merge="deferred",
+                         private_scratch=True, pingpong=False),
+    "split_rings": dict(rings="split", num_stages=3),
+    "split_rings_all": dict(rings="split", num_stages=3, check="rerun",
+                            col_merge="rmw2", private_scratch=True,
+                            pingpong=True, reduction_scratch_bytes=16384),
+    "split_rings_all_nopp": dict(rings="split", num_stages=3, check="rerun",
+                                 col_merge="rmw2", private_scratch=True,
+                                 pingpong=False),
+}
+PANEL_VARIANTS = {
+    "split2": dict(epilogue_split=2),
+    "split2_st4": dict(epilogue_split=2, num_stages=4,
+                       reduction_scratch_bytes=0),
+    "fused": dict(single_exp=True),
+    "fused_split2_st4": dict(single_exp=True, epilogue_split=2, num_stages=4,
+                             reduction_scratch_bytes=0),
+    "rings_pp": dict(rings="split", num_stages=3, epilogue_split=2,
+                     reduction_scratch_bytes=0, pingpong=True),
+    "rings_pp_fused": dict(rings="split", num_stages=3, epilogue_split=2,
+                           reduction_scratch_bytes=0, pingpong=True,
+                           single_exp=True),
+    "rings_st2_pp_fused": dict(rings="split", num_stages=2, pingpong=True,
+                               single_exp=True),
+}
+
+
+def _dominated_inputs(n, m, d, dtype, seed, boost):
+  """Row 0 of x aligned with y row 0 and ``boost`` times longer: its logits
+  dwarf the others', so in row block 0 the other rows' (and in column block
+  0 the other columns') tile sums fall far below the tile max."""
+  xp, yp, _ = _inputs(n, m, d, dtype, seed)
+  x = np.asarray(xp, np.float32)
+  x[0] = np.asarray(yp, np.float32)[0] * boost
+  xp = jnp.asarray(x).astype(dtype)
+  s0 = (np.asarray(xp, np.float64)[:n] @ np.asarray(yp, np.float64)[:m].T)
+  return xp, yp, s0
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+class TestInterpretVariants:
+  """The keyword-argument variants in the interpreter (small, padded)."""
+
+  @pytest.mark.parametrize("name", ["rmw2", "deferred", "rerun",
+                                    "private_nopp", "split_rings_all"])
+  def test_fwd_both(self, name):
+    check_fwd(300, 270, 100, jnp.bfloat16, True, True, True, num_programs=2,
+              **FWD_VARIANTS[name])
+
+  @pytest.mark.parametrize("name", ["all", "all_deferred"])
+  def test_fwd_large_logit_range(self, name):
+    check_fwd(140, 300, 64, jnp.bfloat16, True, True, True, scale=100.0,
+              num_programs=1, **FWD_VARIANTS[name])
+
+  @pytest.mark.parametrize("name", ["rmw2", "split_rings_all_nopp"])
+  def test_fwd_merges(self, name):
+    # Unpadded row blocks, one program: every column value is merged into a
+    # finite running one three times on the shared path (the padded tests
+    # above merge there only into -inf).
+    check_fwd(512, 256, 64, jnp.bfloat16, True, True, True, num_programs=1,
+              **FWD_VARIANTS[name])
+
+  @pytest.mark.parametrize("name", ["deferred", "private_nopp",
+                                    "split_rings_all"])
+  def test_fwd_cols_only(self, name):
+    check_fwd(390, 200, 72, jnp.bfloat16, False, True, True, num_programs=3,
+              **FWD_VARIANTS[name])
+
+  @pytest.mark.parametrize("col_merge", ["rmw", "rmw2"])
+  def test_fwd_rerun_path(self, col_merge):
+    check_rerun_path(col_merge, interpret=True)
+
+  @pytest.mark.parametrize("name", ["split2_st4", "fused", "rings_pp_fused",
+                                    "rings_st2_pp_fused"])
+  def test_panel_both(self, name):
+    check_panel(300, 270, 100, jnp.bfloat16, True, True, True,
+                num_programs=2, **PANEL_VARIANTS[name])
+
+  @pytest.mark.parametrize("name", ["split2_st4", "fused_split2_st4",
+                                    "rings_pp_fused"])
+  def test_panel_no_padding(self, name):
+    check_panel(256, 256, 128, jnp.float16, True, True, True, num_programs=1,
+                **PANEL_VARIANTS[name])
+
+  @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
+  def test_panel_one_way_split(self, rows, cols):
+    check_panel(130, 520, 72, jnp.bfloat16, rows, cols, True, num_programs=3,
+                **PANEL_VARIANTS["rings_pp_fused"])
+
+  def test_fwd_rows_only_split_rings(self):
+    check_fwd(130, 520, 72, jnp.bfloat16, True, False, True, num_programs=3,
+              **FWD_VARIANTS["split_rings"])
+
+  def test_panel_fused_fallback(self):
+    """Row block 0's statistics are pushed 300 (base 2) up, so its tiles
+    span > FUSED_SPAN and take the two-exponential form, row block 1 the
+    fused one; G (any finite r, c define it) must match in both."""
+    n, m, d = 256, 512, 64
+    xp, yp, s0 = _inputs(n, m, d, jnp.bfloat16, 6)
+    scale, bias = 10.0, 0.0
+    s = scale * s0 + bias
+    r, c = _lse(s, 1), _lse(s, 0)
+    r[:BQ] += 300.0 / LOG2E
+    r2 = jnp.asarray(r * LOG2E, jnp.float32)
+    c2 = jnp.asarray(c * LOG2E, jnp.float32)
+    tab = np.asarray(mosaic_g_panel._shift_table(r2, c2, BQ, BK))
+    assert np.isinf(tab[:m // BK]).all() and np.isfinite(tab[m // BK:]).all()
+    params = jnp.asarray([scale * LOG2E, bias * LOG2E, 0.5, 0.5], jnp.float32)
+    g, _, dbi = mosaic_g_panel.g_panel(xp, yp, r2, c2, params, rows=True,
+                                       cols=True, mask=False, single_exp=True,
+                                       epilogue_split=2, num_programs=2,
+                                       interpret=True)
+    ref = 0.5 * np.exp(s - r[:, None]) + 0.5 * np.exp(s - c[None, :])
+    g64 = np.asarray(g, np.float64)
+    for rows_ in (slice(0, BQ), slice(BQ, n)):
+      assert _rel(g64[rows_], ref[rows_]) < 1e-2
+    assert abs(float(dbi) - ref.sum()) <= 1e-2 * ref.sum()
+
+  def test_shift_table_bounds(self):
+    # Padding (+inf) and wide spans get +inf; narrow spans the shift.
+    r2 = jnp.asarray([0.0] * 128 + [0.0] * 127 + [jnp.inf], jnp.float32)
+    c2 = jnp.asarray([1.0] * 128 + [10.0] * 127 + [200.0], jnp.float32)
+    tab = np.asarray(mosaic_g_panel._shift_table(r2, c2, 128, 128))
+    assert tab.shape == (4,)
+    assert tab[0] == mosaic_g_panel.FUSED_SHIFT
+    assert np.isinf(tab[1:]).all()
+
+
 class TestLowering:
   """Both kernels lower to a Mosaic GPU module for CUDA on any host.
 
@@ -192,6 +353,40 @@ class TestLowering:
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
+  @pytest.mark.parametrize("name", list(bench_variants.VARIANTS))
+  def test_variant_lowers(self, name):
+    """Every variant the GPU benchmark runs (``--variants all``), with the
+    benchmark's stage depths, at a small shape."""
+    stage, kw = bench_variants.VARIANTS[name]
+    xp, yp, _ = _inputs(256, 256, 128, jnp.bfloat16, 0)
+    if stage == "fwd":
+      kw = {**bench_variants.FWD_BASE, **kw}
+      fn = lambda a, b: mosaic_lse_fwd.lse_fwd(a, b, 2.0, 0.5, n=256, m=256,
+                                               rows=True, cols=True, **kw)
+      lowered = jax.jit(fn).trace(xp, yp).lower(lowering_platforms=("cuda",))
+    else:
+      kw = {**bench_variants.PANEL_BASE, **kw}
+      params = jnp.ones((4,), jnp.float32)
+      r2 = jnp.zeros((256,), jnp.float32)
+      fn = lambda a, b, rr, cc: mosaic_g_panel.g_panel(
+          a, b, rr, cc, params, rows=True, cols=True, mask=False, **kw)
+      lowered = jax.jit(fn).trace(xp, yp, r2, r2).lower(
+          lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+  def test_panel_stages4_needs_split(self):
+    # 4 stages with whole-tile G buffers exceed the 227 KB of SMEM (the
+    # lowering checks it); 64-column sub-tiles (and no reduction scratch)
+    # fit: test_panel_variant_lowers[split2_st4].
+    xp, yp, _ = _inputs(256, 512, 128, jnp.bfloat16, 0)
+    params = jnp.ones((4,), jnp.float32)
+    r2 = jnp.zeros((xp.shape[0],), jnp.float32)
+    c2 = jnp.zeros((yp.shape[0],), jnp.float32)
+    fn = lambda a, b, rr, cc: mosaic_g_panel.g_panel(
+        a, b, rr, cc, params, rows=True, cols=True, mask=True, num_stages=4)
+    with pytest.raises(ValueError, match="shared memory"):
+      jax.jit(fn).trace(xp, yp, r2, c2).lower(lowering_platforms=("cuda",))
+
   @pytest.mark.parametrize("mask", [True, False])
   def test_panel_lowers(self, mask):
     xp, yp, _ = _inputs(256, 512, 128, jnp.float16, 0)
@@ -203,6 +398,38 @@ class TestLowering:
     text = jax.jit(fn).trace(xp, yp, r2, c2).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+class TestBenchVariants:
+  """``benchmarks/bench_mosaic_kernels.py --variants``: the script's
+  pipeline in the interpreter (what it compiles is lowered in
+  ``TestLowering.test_variant_lowers``)."""
+
+  @pytest.mark.slow
+  def test_variants_dry_run(self, tmp_path):
+    import json  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "benchmarks",
+                                        "bench_mosaic_kernels.py"),
+           "--interpret", "1", "--b", "512", "--check_b", "256", "--panel",
+           "256", "--d", "64", "--reps", "1", "--inner", "1",
+           "--variants", "fwd_rerun_rmw2_rsb16k,fwd:bogus=1",
+           "--out", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.load(open(tmp_path / "mosaic_variants.json"))["variants"]
+    for name in ("fwd_default", "fwd_rerun_rmw2_rsb16k", "fwd_default#again"):
+      assert res[name]["status"] == "OK", (name, res[name])
+    assert res["fwd_rerun_rmw2_rsb16k"]["check"] == "PASS"
+    assert res["fwd_rerun_rmw2_rsb16k"]["col_rel_err"] < 1e-5
+    # A variant that raises is reported, and the run goes on.
+    assert res["fwd:bogus=1"]["status"] == "ERROR"
+    assert "PASS" in proc.stdout and "ERROR" in proc.stdout
 
 
 @pytest.mark.gpu
@@ -234,3 +461,18 @@ class TestGpu:
   @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
   def test_panel_one_way(self, rows, cols):
     check_panel(1000, 5000, 520, jnp.float16, rows, cols, False)
+
+  @pytest.mark.parametrize("name", sorted(FWD_VARIANTS))
+  def test_fwd_variant_4096(self, name):
+    check_fwd(4096, 4096, 768, jnp.bfloat16, True, True, False,
+              **FWD_VARIANTS[name])
+
+  @pytest.mark.parametrize("col_merge", ["rmw", "rmw2", "deferred"])
+  def test_fwd_rerun_path(self, col_merge):
+    # NaN flags must survive the compiled merges (max.NaN etc.).
+    check_rerun_path(col_merge, interpret=False, n=1000, m=1500, d=256)
+
+  @pytest.mark.parametrize("name", sorted(PANEL_VARIANTS))
+  def test_panel_variant_4096(self, name):
+    check_panel(4096, 4096, 768, jnp.bfloat16, True, True, False,
+                **PANEL_VARIANTS[name])

@@ -87,6 +87,11 @@ def num_sms():
     return 132
 
 
+def align_smem(nbytes, alignment=1024):
+  """Rounds an SMEM byte count up to Mosaic GPU's allocation alignment."""
+  return -(-nbytes // alignment) * alignment
+
+
 _FLOOR = -1e30
 
 
@@ -140,28 +145,77 @@ def producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed, *,
     plgpu.barrier_wait(consumed.at[lax.rem(g, stages)])
 
 
+def producer_split(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed, *,
+                   coords, num_tiles, nd, bq, bk, bd, stages):
+  """The memory warpgroup for per-consumer rings (``rings="split"``).
+
+  Warp w of the memory warpgroup feeds consumer w's own ring of ``stages``
+  slots (slot index w * stages + s): the (bq, bd) x chunk and consumer w's
+  (bk, bd) half of the y chunk. The x chunk is fetched once per consumer
+  (L2 -> SMEM traffic per tile pair 4/3 of the shared ring's), but the two
+  consumers are no longer tied to each other through the slots they share:
+  one can run its wgmmas while the other runs its epilogue, as far ahead as
+  it likes.
+  """
+  total = num_tiles * nd
+
+  @plgpu.warp_map
+  def _(warp):
+    @pl.when(warp < NUM_CONSUMERS)
+    def _():
+      @pl.loop(0, total)
+      def _(g):
+        b = warp * stages + lax.rem(g, stages)
+        rb, cb = coords(lax.div(g, nd))
+        k = lax.rem(g, nd)
+
+        @pl.when(g >= stages)
+        def _():
+          plgpu.barrier_wait(consumed.at[b])
+
+        plgpu.copy_gmem_to_smem(
+            x_ref.at[pl.ds(rb * bq, bq), pl.ds(k * bd, bd)], x_smem.at[b],
+            x_full.at[b])
+        plgpu.copy_gmem_to_smem(
+            y_ref.at[pl.ds(cb * (NUM_CONSUMERS * bk) + warp * bk, bk),
+                     pl.ds(k * bd, bd)],
+            y_smem.at[b], y_full.at[b])
+
+      @pl.loop(jnp.maximum(total - stages, 0), total)
+      def _(g):
+        plgpu.barrier_wait(consumed.at[warp * stages + lax.rem(g, stages)])
+
+
 def mma_tile(x_smem, y_smem, x_full, y_full, consumed, *, g0, nd, wg, bq, bk,
-             stages):
-  """One consumer's (bq, bk) float32 tile over nd chunks from ring step g0."""
+             stages, split_rings=False):
+  """One consumer's (bq, bk) float32 tile over nd chunks from ring step g0.
+
+  ``split_rings``: the consumer's own ring (``producer_split``), slots
+  wg * stages + s holding its (bk, bd) y half; else the shared ring."""
+
+  def slot_of(g):
+    s = lax.rem(g, stages)
+    return wg * stages + s if split_rings else s
 
   def body(acc_ref):
     def step(k, c):
       g = g0 + k
-      slot = lax.rem(g, stages)
+      slot = slot_of(g)
       plgpu.barrier_wait(x_full.at[slot])
       plgpu.barrier_wait(y_full.at[slot])
-      plgpu.wgmma(acc_ref, x_smem.at[slot],
-                  y_smem.at[slot, pl.ds(wg * bk, bk)].transpose((1, 0)))
+      y_tile = (y_smem.at[slot] if split_rings
+                else y_smem.at[slot, pl.ds(wg * bk, bk)])
+      plgpu.wgmma(acc_ref, x_smem.at[slot], y_tile.transpose((1, 0)))
       plgpu.wgmma_wait(1)
 
       @pl.when(k > 0)
       def _():
-        plgpu.barrier_arrive(consumed.at[lax.rem(g - 1, stages)])
+        plgpu.barrier_arrive(consumed.at[slot_of(g - 1)])
       return c
 
     lax.fori_loop(0, nd, step, 0)
     plgpu.wgmma_wait(0)
-    plgpu.barrier_arrive(consumed.at[lax.rem(g0 + nd - 1, stages)])
+    plgpu.barrier_arrive(consumed.at[slot_of(g0 + nd - 1)])
     return acc_ref[...]
 
   return pl.run_scoped(body, plgpu.ACC((bq, bk), F32))
@@ -208,3 +262,28 @@ class Turns:
 
 def turn_barrier():
   return plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS)
+
+
+def ring_scratch(dtype, *, bq, bk, bd, stages, split_rings):
+  """SMEM ring + its full / consumed barriers, shared or per consumer.
+
+  Shared: (stages, bq, bd) x and (stages, 2 bk, bd) y slots, consumed by
+  both consumers. Split: NUM_CONSUMERS * stages slots of (bq, bd) x and
+  (bk, bd) y, each consumed by one consumer."""
+  tr = smem_transforms(dtype, bd)
+  if split_rings:
+    n = NUM_CONSUMERS * stages
+    return [
+        plgpu.SMEM((n, bq, bd), dtype, transforms=tr),
+        plgpu.SMEM((n, bk, bd), dtype, transforms=tr),
+        plgpu.Barrier(num_arrivals=1, num_barriers=n),
+        plgpu.Barrier(num_arrivals=1, num_barriers=n),
+        plgpu.Barrier(num_arrivals=1, num_barriers=n),
+    ]
+  return [
+      plgpu.SMEM((stages, bq, bd), dtype, transforms=tr),
+      plgpu.SMEM((stages, NUM_CONSUMERS * bk, bd), dtype, transforms=tr),
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
+  ]
