@@ -451,3 +451,17 @@ class TestConfigsOnGpu:
     y = rand_emb(rng, 4096, 768, jnp.bfloat16)
     sigmoid_checks.check_loss(x, y, 10.0, -10.0, bs, rtol=tol(jnp.bfloat16),
                               loss_rtol=1e-4, backend="pallas")
+
+
+@pytest.mark.parametrize("kind,cc,want", [
+    ("NVIDIA H200", "9.0", True), ("NVIDIA B200", "10.0", True),
+    ("NVIDIA L4", "8.9", False), ("NVIDIA A100", None, False),
+    ("Some Future GPU", None, True)])
+def test_mosaic_kernels_only_on_hopper_or_newer(monkeypatch, kind, cc, want):
+  """The Mosaic backend compiles its kernels on sm90+ (capability read as
+  ``auto`` reads it) and routes everything else to its Triton path."""
+  from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  fake_gpu(monkeypatch, kind, cc)
+  assert mosaic.MosaicBackend(platform="gpu").mosaic_ok is want
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: [])
+  assert mosaic.MosaicBackend(platform="gpu").mosaic_ok is False

@@ -68,6 +68,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_plumbing as kp
 from infcl_jax.backends import pallas_triton
 from infcl_jax.backends.xla import check_diagonal
@@ -110,16 +111,12 @@ def mosaic_blocks(bs: BlockSizes) -> MosaicBlocks:
 
 
 def _hopper_or_newer():
-  try:
-    cc = getattr(jax.devices("gpu")[0], "compute_capability", None)
-  except RuntimeError:
+  """Whether the GPU can run Mosaic GPU kernels (sm90+; an unknown GPU is
+  given the benefit of the doubt, as by ``backend="auto"``)."""
+  info = capability.device_info("gpu")
+  if info is None or info.platform != "gpu":
     return False
-  if cc is None:
-    return True
-  try:
-    return int(str(cc).split(".")[0]) >= 9
-  except ValueError:
-    return True
+  return info.capability is None or info.capability >= (9, 0)
 
 
 class MosaicBackend(pallas_triton.PallasTritonBackend):
