@@ -114,6 +114,25 @@ def vary_like(tree, *refs):
   return jax.tree_util.tree_map(cast, tree)
 
 
+def drop_varying(*arrays):
+  """The same arrays, typed replicated rather than device-varying.
+
+  For a Pallas kernel whose body uses ``plgpu.warp_map`` (per-warp code):
+  its ``mpmd_map`` refuses refs typed device-varying, which every operand of
+  a kernel inside ``shard_map`` (with ``check_vma=True``) is. A bitcast to
+  the array's own dtype moves no data (XLA removes it); traced with JAX's
+  varying-axes check off -- as ``plgpu.kernel`` traces its own body -- it
+  carries no varying type. The kernel's outputs must be re-typed with
+  ``vary_like`` from the original inputs, or JAX would treat per-device
+  results as replicated.
+  """
+  if not _union(arrays):
+    return arrays
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  with jax_config._check_vma(False):  # pylint: disable=protected-access
+    return tuple(lax.bitcast_convert_type(a, a.dtype) for a in arrays)
+
+
 def out_struct(shape, dtype, *refs):
   """``jax.ShapeDtypeStruct`` for a kernel output computed from ``refs``:
   inside ``shard_map`` it carries the inputs' varying mesh axes.

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_mosaic_kernels as bench_variants
+from infcl_jax.backends import mosaic as mosaic_backend
 from infcl_jax.kernels.mosaic import g_panel as mosaic_g_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mosaic_lse_fwd
 
@@ -118,7 +119,7 @@ def check_panel(n, m, d, dtype, rows, cols, interpret, num_programs=None,
   assert abs(float(dbi) - ref_dbi) <= tol * ref_dbi
 
 
-def check_rerun_path(col_merge, interpret, n=200, m=300, d=64):
+def check_rerun_path(col_merge, interpret, n=200, m=300, d=64, **kernel_kw):
   """Tiles the per-tile check would send to the exact path: the unchecked
   pass must flag them (NaN), and ``check="rerun"`` must still be exact."""
   xp, yp, s0 = _dominated_inputs(n, m, d, jnp.bfloat16, 5, boost=8.0)
@@ -128,6 +129,8 @@ def check_rerun_path(col_merge, interpret, n=200, m=300, d=64):
   kw = {k: p.default for k, p in inspect.signature(
       mosaic_lse_fwd.lse_fwd).parameters.items()
         if p.kind == p.KEYWORD_ONLY and k != "check"}
+  kw.update(kernel_kw)
+  kw.pop("check", None)
   kw.update(n=n, m=m, rows=True, cols=True, num_programs=1,
             interpret=interpret, col_merge=col_merge)
   r, c = mosaic_lse_fwd._lse_fwd_once(xp, yp, scale, bias, check="rerun",
@@ -213,6 +216,8 @@ FWD_VARIANTS = {
     "split_rings_all_nopp": dict(rings="split", num_stages=3, check="rerun",
                                  col_merge="rmw2", private_scratch=True,
                                  pingpong=False),
+    # What backend="mosaic" runs.
+    "in_use": mosaic_backend.LSE_FWD_KERNEL,
 }
 PANEL_VARIANTS = {
     "split2": dict(epilogue_split=2),
@@ -228,7 +233,18 @@ PANEL_VARIANTS = {
                            single_exp=True),
     "rings_st2_pp_fused": dict(rings="split", num_stages=2, pingpong=True,
                                single_exp=True),
+    "in_use": mosaic_backend.G_PANEL_KERNEL,
 }
+# The kernels' own defaults and the settings the backend uses.
+SETTINGS = ["default", "in_use"]
+
+
+def _fwd_kw(name):
+  return {} if name == "default" else FWD_VARIANTS[name]
+
+
+def _panel_kw(name):
+  return {} if name == "default" else PANEL_VARIANTS[name]
 
 
 def _dominated_inputs(n, m, d, dtype, seed, boost):
@@ -248,12 +264,13 @@ class TestInterpretVariants:
   """The keyword-argument variants in the interpreter (small, padded)."""
 
   @pytest.mark.parametrize("name", ["rmw2", "deferred", "rerun",
-                                    "private_nopp", "split_rings_all"])
+                                    "private_nopp", "split_rings_all",
+                                    "in_use"])
   def test_fwd_both(self, name):
     check_fwd(300, 270, 100, jnp.bfloat16, True, True, True, num_programs=2,
               **FWD_VARIANTS[name])
 
-  @pytest.mark.parametrize("name", ["all", "all_deferred"])
+  @pytest.mark.parametrize("name", ["all", "all_deferred", "in_use"])
   def test_fwd_large_logit_range(self, name):
     check_fwd(140, 300, 64, jnp.bfloat16, True, True, True, scale=100.0,
               num_programs=1, **FWD_VARIANTS[name])
@@ -267,7 +284,7 @@ class TestInterpretVariants:
               **FWD_VARIANTS[name])
 
   @pytest.mark.parametrize("name", ["deferred", "private_nopp",
-                                    "split_rings_all"])
+                                    "split_rings_all", "in_use"])
   def test_fwd_cols_only(self, name):
     check_fwd(390, 200, 72, jnp.bfloat16, False, True, True, num_programs=3,
               **FWD_VARIANTS[name])
@@ -276,8 +293,12 @@ class TestInterpretVariants:
   def test_fwd_rerun_path(self, col_merge):
     check_rerun_path(col_merge, interpret=True)
 
+  def test_fwd_rerun_path_in_use(self):
+    kw = dict(FWD_VARIANTS["in_use"])
+    check_rerun_path(kw.pop("col_merge"), interpret=True, **kw)
+
   @pytest.mark.parametrize("name", ["split2_st4", "fused", "rings_pp_fused",
-                                    "rings_st2_pp_fused"])
+                                    "rings_st2_pp_fused", "in_use"])
   def test_panel_both(self, name):
     check_panel(300, 270, 100, jnp.bfloat16, True, True, True,
                 num_programs=2, **PANEL_VARIANTS[name])
@@ -288,14 +309,16 @@ class TestInterpretVariants:
     check_panel(256, 256, 128, jnp.float16, True, True, True, num_programs=1,
                 **PANEL_VARIANTS[name])
 
+  @pytest.mark.parametrize("name", ["rings_pp_fused", "in_use"])
   @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-  def test_panel_one_way_split(self, rows, cols):
+  def test_panel_one_way_split(self, rows, cols, name):
     check_panel(130, 520, 72, jnp.bfloat16, rows, cols, True, num_programs=3,
-                **PANEL_VARIANTS["rings_pp_fused"])
+                **PANEL_VARIANTS[name])
 
-  def test_fwd_rows_only_split_rings(self):
+  @pytest.mark.parametrize("name", ["split_rings", "in_use"])
+  def test_fwd_rows_only_split_rings(self, name):
     check_fwd(130, 520, 72, jnp.bfloat16, True, False, True, num_programs=3,
-              **FWD_VARIANTS["split_rings"])
+              **FWD_VARIANTS[name])
 
   def test_panel_fused_fallback(self):
     """Row block 0's statistics are pushed 300 (base 2) up, so its tiles
@@ -437,30 +460,44 @@ class TestBenchVariants:
 class TestGpu:
   """Compiled for Hopper; float64 references at B = 4096 and odd shapes."""
 
+  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_fwd_4096(self, dtype):
-    check_fwd(4096, 4096, 768, dtype, True, True, False)
+  def test_fwd_4096(self, dtype, setting):
+    check_fwd(4096, 4096, 768, dtype, True, True, False, **_fwd_kw(setting))
 
+  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_panel_4096(self, dtype):
-    check_panel(4096, 4096, 768, dtype, True, True, False)
+  def test_panel_4096(self, dtype, setting):
+    check_panel(4096, 4096, 768, dtype, True, True, False,
+                **_panel_kw(setting))
 
-  def test_fwd_odd(self):
+  @pytest.mark.parametrize("setting", SETTINGS)
+  def test_fwd_odd(self, setting):
     check_fwd(3001, 2777, 1000, jnp.bfloat16, True, True, False,
-              num_programs=7)
+              num_programs=7, **_fwd_kw(setting))
 
+  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-  def test_fwd_one_way(self, rows, cols):
+  def test_fwd_one_way(self, rows, cols, setting):
     n, m = (1000, 5000) if rows else (5000, 1000)
-    check_fwd(n, m, 520, jnp.bfloat16, rows, cols, False)
+    check_fwd(n, m, 520, jnp.bfloat16, rows, cols, False, **_fwd_kw(setting))
 
-  def test_panel_odd(self):
+  @pytest.mark.parametrize("setting", SETTINGS)
+  def test_panel_odd(self, setting):
     check_panel(3001, 2777, 1000, jnp.bfloat16, True, True, False,
-                num_programs=7)
+                num_programs=7, **_panel_kw(setting))
 
+  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-  def test_panel_one_way(self, rows, cols):
-    check_panel(1000, 5000, 520, jnp.float16, rows, cols, False)
+  def test_panel_one_way(self, rows, cols, setting):
+    check_panel(1000, 5000, 520, jnp.float16, rows, cols, False,
+                **_panel_kw(setting))
+
+  def test_fwd_in_use_rerun_path(self):
+    # A dominated row block forces the in-use settings' exact retry.
+    kw = dict(_fwd_kw("in_use"))
+    check_rerun_path(kw.pop("col_merge"), interpret=False, n=1000, m=1500,
+                     d=256, **kw)
 
   @pytest.mark.parametrize("name", sorted(FWD_VARIANTS))
   def test_fwd_variant_4096(self, name):
@@ -476,3 +513,27 @@ class TestGpu:
   def test_panel_variant_4096(self, name):
     check_panel(4096, 4096, 768, jnp.bfloat16, True, True, False,
                 **PANEL_VARIANTS[name])
+
+
+def test_drop_varying_types_replicated_and_moves_nothing():
+  """``_axes.drop_varying`` (operands of the split rings' kernels inside
+  shard_map): same values, no varying type, and no op left after XLA."""
+  from jax.sharding import Mesh, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from infcl_jax import _axes  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+  seen = {}
+
+  def f(x):
+    (y,) = _axes.drop_varying(x)
+    seen["before"], seen["after"] = (_axes.varying_axes(x),
+                                     _axes.varying_axes(y))
+    return _axes.vary_like(y * 2, x)
+
+  fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"),
+                             out_specs=P("d")))
+  x = jnp.arange(8, dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(fn(x)), np.asarray(x) * 2)
+  assert seen == {"before": frozenset({"d"}), "after": frozenset()}
+  assert "bitcast-convert" not in fn.lower(x).compile().as_text()
+  # Outside shard_map: the arrays themselves.
+  assert _axes.drop_varying(x)[0] is x

@@ -79,8 +79,21 @@ from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
 from infcl_jax.kernels.mosaic import sigmoid as msigmoid
 
 F32 = jnp.float32
-FWD_STAGES = 4
-PANEL_STAGES = 3
+FWD_STAGES = 4     # the sigmoid kernel's sweep
+PANEL_STAGES = 3   # the sigmoid kernel's panel
+# The softmax kernels' settings: the fastest of the variants measured by
+# ``benchmarks/bench_mosaic_kernels.py --variants all`` (one H200, jax
+# 0.11.2, B = 65536, D = 768, bf16, 2026-11-30; BENCHMARKS.md "Mosaic GPU
+# kernel variants"). Forward: a ring per consumer (split rings, 3 stages),
+# no per-tile exactness test (a rerun with the test instead when a row or
+# column needs it), the one-exp2 column merge, 16 KB of reduction scratch:
+# 11.54 ms against 14.40 for the previous defaults. Panel: split rings with
+# ping-pong and a two-part epilogue: 0.721 ms per 4096-row panel against
+# 0.906.
+LSE_FWD_KERNEL = dict(num_stages=3, rings="split", check="rerun",
+                      col_merge="rmw2", reduction_scratch_bytes=16384)
+G_PANEL_KERNEL = dict(num_stages=3, rings="split", pingpong=True,
+                      epilogue_split=2, reduction_scratch_bytes=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +181,8 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return mlse_fwd.lse_fwd(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
-        num_stages=FWD_STAGES, num_programs=nprog,
-        interpret=self.interpret, single_exp=bs.single_exp)
+        num_programs=nprog, interpret=self.interpret,
+        single_exp=bs.single_exp, **LSE_FWD_KERNEL)
 
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
                *, block_sizes=None):
@@ -179,8 +192,8 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     bs, mb = self._mblocks(block_sizes, x.dtype)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
-        block_k=mb.bwd_bk, block_d=mb.bd, num_stages=PANEL_STAGES,
-        num_programs=bs.num_programs, interpret=self.interpret)
+        block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
+        interpret=self.interpret, **G_PANEL_KERNEL)
     return kp.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),

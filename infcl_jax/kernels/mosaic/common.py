@@ -80,6 +80,14 @@ def vary_like(outs, *ins):
   return _axes.vary_like(outs, *ins)
 
 
+def kernel_operands(warp_map, *arrays):
+  """A kernel's operands: inside ``shard_map``, a kernel with per-warp code
+  (``warp_map``: the split rings' producer) takes them typed replicated
+  (``_axes.drop_varying``: its ``mpmd_map`` refuses device-varying refs);
+  its outputs are re-typed by ``vary_like`` from the originals."""
+  return _axes.drop_varying(*arrays) if warp_map else arrays
+
+
 def num_sms():
   try:
     return int(getattr(jax.devices()[0], "core_count", 0)) or 132

@@ -286,6 +286,6 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
       kernel_name="infcl_mosaic_lse_bwd_panel",
       compiler_params=plgpu.CompilerParams(**cp),
       interpret=common.interpret_params(interpret),
-  )(*ins)
+  )(*common.kernel_operands(rings == "split", *ins))
   g, part = common.vary_like((g, part), *ins)
   return g, jnp.sum(part[:, :, 0]), jnp.sum(part[:, :, 1])

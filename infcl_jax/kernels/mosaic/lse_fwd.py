@@ -393,7 +393,7 @@ def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
       kernel_name="infcl_mosaic_lse_fwd",
       compiler_params=plgpu.CompilerParams(**cp),
       interpret=common.interpret_params(interpret),
-  )(params, x, y)
+  )(*common.kernel_operands(rings == "split", params, x, y))
   outs = common.vary_like(list(outs), params, x, y)
   row_lse = col_lse = None
   if rows:
