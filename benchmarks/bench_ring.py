@@ -66,9 +66,10 @@ the inputs) is reported for every case; on CPUs, which keep no device
 memory statistics, ``xla_plan_gb`` is the memory figure of the table, the
 targets and the plot.
 
-XLA flags: ``--xla_gpu_enable_latency_hiding_scheduler=true`` is added to
-XLA_FLAGS unless XLA_FLAGS already sets it (the ring's overlap depends on
-it); the flags in force are recorded in the output.
+XLA flags: the ring's recommended GPU flags (``infcl_jax.xla_flags``: the
+latency-hiding scheduler, two asynchronous collectives in flight) are added
+to XLA_FLAGS where XLA_FLAGS does not set them already (the ring's overlap
+depends on them); the flags in force are recorded in the output.
 
 Writes ``bench_ring.csv``, ``bench_ring_meta.json``, ``bench_ring.png``
 (scaling plot) and ``ring_hlo.txt`` into --out (the CSV after every case,
@@ -95,10 +96,10 @@ if _ROOT not in sys.path:
 
 from benchmarks import bench_loss  # pylint: disable=wrong-import-position
 from benchmarks import ring_hlo  # pylint: disable=wrong-import-position
+from infcl_jax import xla_flags  # pylint: disable=wrong-import-position
 
 RESULT_TAG = "BENCH_RING "
 PHASE_TAG = "BENCH_RING_PHASE "
-LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "backend", "first_device", "status", "ms", "reps", "timing", "loss",
           "efficiency", "efficiency_slowest_gpu", "time_over_ring", "peak_gb", "xla_temp_gb", "xla_plan_gb", "xla_total_gb",
@@ -442,8 +443,8 @@ def set_flags(cpu_devices):
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
     flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
-  elif not any("xla_gpu_enable_latency_hiding_scheduler" in f for f in flags):
-    flags.append(LHS_FLAG)
+  else:
+    flags = xla_flags.recommended(" ".join(flags)).split()
   os.environ["XLA_FLAGS"] = " ".join(flags)
   # Allocate on demand (so peak_bytes_in_use is what the case used) and let
   # the allocator use nearly the whole device (for the max-batch search).

@@ -372,19 +372,20 @@ def set_flags(args):
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
     flags.append(f"--xla_force_host_platform_device_count={args.cpu_devices}")
-  elif not any("xla_gpu_enable_latency_hiding_scheduler" in f for f in flags):
-    flags.append("--xla_gpu_enable_latency_hiding_scheduler=true")
+  else:
+    from infcl_jax import xla_flags  # pylint: disable=import-outside-toplevel
+    flags = xla_flags.recommended(" ".join(flags)).split()
   os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def main():
   args = parse_args()
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   set_flags(args)
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from infcl_jax import BlockSizes, sharded_contrastive_loss  # pylint: disable=import-outside-toplevel
 
   devices = jax.devices()

@@ -6,6 +6,7 @@ Layers, top to bottom: ``api`` (the public losses: checks and dispatch) ->
 code is imported only when a kernel backend is first used.
 """
 from infcl_jax import reference
+from infcl_jax import xla_flags
 from infcl_jax.api import contrastive_loss
 from infcl_jax.api import sharded_contrastive_loss
 from infcl_jax.api import sharded_sigmoid_loss
@@ -13,5 +14,6 @@ from infcl_jax.api import sigmoid_loss
 from infcl_jax.block_sizes import BlockSizes
 
 __all__ = ["BlockSizes", "contrastive_loss", "reference",
-           "sharded_contrastive_loss", "sharded_sigmoid_loss", "sigmoid_loss"]
+           "sharded_contrastive_loss", "sharded_sigmoid_loss", "sigmoid_loss",
+           "xla_flags"]
 __version__ = "0.1.0"

@@ -9,12 +9,23 @@ import os
 _DEVICES = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
+# The ring's recommended GPU flags (infcl_jax.xla_flags), as a user would set
+# them: the GPU schedule tests (test_ring_hlo.py) check the ring under them.
+# The module is loaded from its file (it imports only os), so that jax is not
+# imported through the package before XLA_FLAGS is final.
+import importlib.util  # pylint: disable=wrong-import-position
+import pathlib  # pylint: disable=wrong-import-position
+
+_spec = importlib.util.spec_from_file_location(
+    "_infcl_xla_flags",
+    pathlib.Path(__file__).resolve().parent.parent / "infcl_jax" / "xla_flags.py")
+_xla_flags = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_xla_flags)
+os.environ["XLA_FLAGS"] = _xla_flags.recommended(os.environ["XLA_FLAGS"])
 
 # Quick mode (`-m "not slow"`): the tests listed in slow_tests.txt (measured
 # at 1.5 s or more each) are marked slow here, beside those that carry
 # @pytest.mark.slow in their files. CI runs everything.
-import pathlib  # pylint: disable=wrong-import-position
-
 import pytest  # pylint: disable=wrong-import-position
 
 _SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")

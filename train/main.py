@@ -126,6 +126,17 @@ def _check_distributed_flags() -> None:
            f"--num_processes={kw['num_processes']})")
 
 
+def _set_xla_flags() -> None:
+  """The ring's recommended GPU flags (``infcl_jax.xla_flags``), before JAX
+  starts its backends: XLA reads them once. Flags already in XLA_FLAGS are
+  kept; if JAX has started already, say so and go on without them."""
+  from infcl_jax import xla_flags  # pylint: disable=g-import-not-at-top
+  try:
+    xla_flags.apply()
+  except RuntimeError as e:
+    print(f"[lit] warning: {e}", file=sys.stderr, flush=True)
+
+
 def _init_distributed() -> None:
   """jax.distributed.initialize with the explicit flags, if any.
 
@@ -180,6 +191,7 @@ def main(argv) -> None:
   if not FLAGS["verbosity"].present:
     # orbax logs every save at INFO; the trainer's own progress is printed.
     logging.set_verbosity(logging.WARNING)
+  _set_xla_flags()
   if FLAGS.jax_distributed:
     _init_distributed()
   try:

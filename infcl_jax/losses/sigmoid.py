@@ -77,15 +77,13 @@ def _fwd(x, y, scale, bias, backend, block_sizes, axes):
   y_next = ring.send_next(y)  # Issued before the home tile.
   y_last, total = ring.run((y_next, tile(y, True)), step)
   loss = ring.psum(total) / (ring.size * x.shape[0])
-  return loss, (x, y, scale, bias, y_last, loss)
+  return loss, (x, y, scale, bias, y_last)
 
 
 def _bwd(backend, block_sizes, axes, res, g):
-  x, y, scale, bias, y_last, loss = res
+  x, y, scale, bias, y_last = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
-  # After the loss's all-reduce (see losses.softmax._bwd).
-  _, x = ring.tie(loss, x)
   coef = g.astype(F32) / (ring.size * x.shape[0])
 
   def tile(yc, home):

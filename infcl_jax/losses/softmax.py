@@ -135,19 +135,14 @@ def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   local = local + terms.nan_if_out_of_range(labels, ring.size * b_k)
   if cols:
     local = local + col_w * jnp.sum(c_home)
-  loss = ring.psum(local)
-  return loss, (q, k, scale, bias, labels, r, c_home, k_last, c_last, loss)
+  return ring.psum(local), (q, k, scale, bias, labels, r, c_home, k_last,
+                           c_last)
 
 
 def _bwd(backend, mode, block_sizes, axes, res, g):
-  q, k, scale, bias, labels, r, c_home, k_last, c_last, loss = res
+  q, k, scale, bias, labels, r, c_home, k_last, c_last = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
-  # The backward starts after the loss's all-reduce: otherwise XLA merges
-  # it with the scale gradient's (which needs the home tile) into one
-  # synchronous all-reduce after the home tile, and the last accumulator
-  # send cannot start before it (one async collective in flight).
-  _, r = ring.tie(loss, r)
   b_q, b_k = q.shape[0], k.shape[0]
   row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
