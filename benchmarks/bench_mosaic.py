@@ -68,11 +68,12 @@ def bench_backends(b, d, dtype, reps, r_list=(4096, 8192), full=True,
     r2 = jnp.full((r,), 5.0, jnp.float32)
     rid = jnp.arange(r, dtype=jnp.int32)
     pf = 2.0 * r * b * d
-    for st in (2, 3):
-      stage(f"stage softmax panel mosaic R={r} st={st}", pf,
-            lambda p, q, rr, cc, st=st: mg.g_panel(
+    for label, kw in (("in use", mb.G_PANEL_KERNEL),
+                      ("shared ring st=3", dict(num_stages=3))):
+      stage(f"stage softmax panel mosaic R={r} {label}", pf,
+            lambda p, q, rr, cc, kw=kw: mg.g_panel(
                 p, q, rr, cc, params, rows=True, cols=True, mask=False,
-                num_stages=st), xp, y, r2, c2)
+                **kw), xp, y, r2, c2)
     stage(f"stage softmax panel pallas R={r}", pf,
           lambda p, q, rr, cc: tb.g_panel(
               p, q, rr, cc, params, rows=True, cols=True, mask=False,
