@@ -391,3 +391,15 @@ def test_child_env_sees_the_requested_gpus(monkeypatch):
   assert bench_ring._child_env(2, "gpu")["CUDA_VISIBLE_DEVICES"] == "0,1"  # pylint: disable=protected-access
   monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
   assert bench_ring._child_env(1, "gpu", first=1)["CUDA_VISIBLE_DEVICES"] == "5"  # pylint: disable=protected-access
+
+
+def test_child_env_preallocates_for_the_plain_baseline(monkeypatch):
+  """Only the plain baseline on GPUs gets a preallocated arena (on-demand
+  growth near the device limit did not finish its 64k N = 2 step)."""
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  env = bench_ring._child_env(2, "gpu", strategy="plain")  # pylint: disable=protected-access
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+  for strategy, platform in (("ring", "gpu"), ("gather", "gpu"),
+                             ("plain", "cpu")):
+    env = bench_ring._child_env(2, platform, strategy=strategy)  # pylint: disable=protected-access
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false", strategy

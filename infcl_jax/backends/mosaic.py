@@ -9,30 +9,30 @@ cuBLAS GEMMs, the shard_map typing of the panel carry) is
 
 Which implementation each stage uses (bf16 / f16 inputs). Measured on one
 H200, jax 0.11.2, B = 65536, D = 768, bf16, 2026-11-30, all in one job
-(``benchmarks/bench_mosaic.py --b 65536``):
+(``benchmarks/bench_mosaic.py --b 65536``; BENCHMARKS.md "Mosaic GPU
+backend"):
 
-* softmax ``lse`` (both directions): Mosaic ``lse_fwd``, 14.35 ms
-  (460 TFLOP/s); Triton 14.35 ms. A tie: Mosaic, since Triton's lowering
-  is deprecated.
-* softmax panel G: Mosaic ``g_panel``, 0.88 ms per 4096-row panel
-  (469 TFLOP/s); Triton 1.15 ms.
-* sigmoid sum: Mosaic ``sigmoid_tiles("sum")``, 14.17 ms (466); Triton
-  18.15 ms.
-* sigmoid panel G: Mosaic ``sigmoid_tiles("g")``, 0.92 ms per 4096 rows
-  (447); Triton 1.20 ms.
+* softmax ``lse`` (both directions): Mosaic ``lse_fwd`` with
+  ``LSE_FWD_KERNEL``, 11.59 ms (569 TFLOP/s); Triton 14.40 ms.
+* softmax panel G: Mosaic ``g_panel`` with ``G_PANEL_KERNEL``, 0.713 ms per
+  4096-row panel (578 TFLOP/s); Triton 1.135 ms.
+* sigmoid sum: Mosaic ``sigmoid_tiles("sum")``, 13.76 ms (480); Triton
+  18.11 ms.
+* sigmoid panel G: Mosaic ``sigmoid_tiles("g")``, 0.94 ms per 4096 rows
+  (438); Triton 1.21 ms.
 * dx = G y, dy += G^T x: cuBLAS (XLA), ~1.0-1.4 ms per 4096-row panel.
 
 Full fwd+bwd step (loss, both embedding grads, scale and bias grads):
-softmax 50.9 ms (519 TFLOP/s of 8 B^2 D) vs 53.6 ms with ``pallas``;
-sigmoid 48.5 ms vs 56.9 ms; at B = 16384 softmax 3.29 vs 3.49 ms, sigmoid
-3.01 vs 3.78 ms.
+softmax 43.99 ms (600 TFLOP/s of 8 B^2 D) vs 52.82 ms with ``pallas``;
+sigmoid 47.66 ms vs 56.56 ms; at B = 16384 softmax 2.87 vs 3.49 ms, sigmoid
+2.97 vs 3.81 ms.
 
 ``STAGES`` holds the choice per stage ("mosaic" or "pallas"); a subclass
 registered under its own name can override it (the tests run every hybrid).
 
 float32 inputs: routed to the Triton path (``PallasTritonBackend``, TF32
 tensor cores by default, ``f32_precision="highest"`` for full float32):
-138.2 ms per softmax step at B = 65536 (2.7x bf16), 9.47 ms at 16384.
+138.2 ms per softmax step at B = 65536 (3.1x bf16), 9.59 ms at 16384.
 The Mosaic kernels take 16-bit operands only; TF32 wgmma would need float32
 SMEM tiles (half the K-depth per stage) and is not written. Likewise any GPU
 older than sm90 (Mosaic GPU targets Hopper) runs everything on the Triton
@@ -44,9 +44,11 @@ Block sizes: ``BlockSizes`` keeps its meaning where the kernels allow it.
 consumers take half each); ``block_d`` is the K-step (64: one 128-byte
 swizzled row of bf16). Other values are rounded to the nearest allowed one
 (so Triton-tuned sizes, e.g. the defaults 128 x 256 x 64, map one to one).
-The pipeline depths are the kernels' own (forward 4 stages, panel 3: what
-fits 227 KB of shared memory). ``num_programs``, ``panel_rows`` (rounded up
-to a multiple of ``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
+The pipeline depths and the kernels' other options are ``LSE_FWD_KERNEL``
+/ ``G_PANEL_KERNEL`` (softmax) and ``FWD_STAGES`` / ``PANEL_STAGES``
+(sigmoid): what fits 227 KB of shared memory and measured fastest.
+``num_programs``, ``panel_rows`` (rounded up to a multiple of
+``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
 as in the Triton backend.
 
 Padding: x rows to ``block_q``, y rows to ``block_k`` (two consumer

@@ -103,6 +103,7 @@ class Ring:
     there without a transfer, walks the other way (``send_back``) and
     reaches the home shard at step N - 1. An accumulator travelling with the
     shards (the key gradient) then takes N - 1 hops instead of N, the last
-    issued before the home tile (XLA decides whether it overlaps it).
+    issued before the home tile (it overlaps it under the flags of
+    ``infcl_jax.xla_flags``).
     """
     return (self.me + 1 + n) % self.size

@@ -21,8 +21,10 @@ accumulator of a key shard travels with it (sent at the start of the next
 step, before that step's tile) and its last hop is issued before the home
 tile: N - 1 hops of the float32 accumulator (not N); the key shard takes
 N - 1 hops for N > 2, none for N = 2. Whether a send overlaps the tile
-after it is up to XLA's scheduler: on 2 H200s (jax 0.11.2) the last one is
-placed after the home tile (BENCHMARKS.md "Multi-device").
+after it is up to XLA's scheduler: the last one overlaps the home tile only
+with two asynchronous collectives allowed in flight (``infcl_jax.xla_flags``;
+with XLA's default of one it waits behind the loss's all-reduce:
+BENCHMARKS.md "Multi-device").
 
 Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
 any N.
