@@ -60,6 +60,13 @@ def bench_backends(b, d, dtype, reps, r_list=(4096, 8192), full=True,
       p, q, 10.0, -10.0, has_diagonal=True), x, y)
   stage("stage sigmoid sum pallas", fwd_flops, lambda p, q: tri.sigmoid_sum(
       p, q, 10.0, -10.0, has_diagonal=True), x, y)
+  rid_all = jnp.arange(b, dtype=jnp.int32)
+  sparams_all = jnp.asarray([10.0, -10.0, 1.0, 0.0], jnp.float32)
+  if b % 256 == 0 and d % 64 == 0:  # The kernel takes padded inputs.
+    stage("stage sigmoid sum mosaic shared ring st=4", fwd_flops,
+          lambda p, q, ri: ms.sigmoid_tiles(
+              p, q, ri, sparams_all, mode="sum", m=b, mask=False,
+              has_diagonal=True, num_stages=4), x, y, rid_all)
   params = jnp.asarray([20.0 * LOG2E, 0.0, 0.5, 0.5], jnp.float32)
   sparams = jnp.asarray([10.0, -10.0, 1.0, 0.0], jnp.float32)
   c2 = jnp.full((b,), 5.0, jnp.float32)

@@ -537,3 +537,60 @@ def test_drop_varying_types_replicated_and_moves_nothing():
   assert "bitcast-convert" not in fn.lower(x).compile().as_text()
   # Outside shard_map: the arrays themselves.
   assert _axes.drop_varying(x)[0] is x
+
+
+def check_sigmoid(n, m, d, dtype, mode, interpret, num_programs=None,
+                  scale=10.0, bias=-5.0, seed=3, **kernel_kw):
+  """``sigmoid_tiles`` (sum or g) of one row panel against float64, with the
+  positives on the diagonal (row id == column)."""
+  from infcl_jax.kernels.mosaic import sigmoid as mosaic_sigmoid  # pylint: disable=g-import-not-at-top
+  xp, yp, s0 = _inputs(n, m, d, dtype, seed)
+  n_pad = xp.shape[0]
+  s = scale * s0 + bias
+  z = -np.ones((n, m))
+  z[np.arange(min(n, m)), np.arange(min(n, m))] = 1.0
+  ids = np.where(np.arange(n_pad) < n, np.arange(n_pad), -1).astype(np.int32)
+  params = jnp.asarray([scale, bias, 1.0, 0.0], jnp.float32)
+  mask = n_pad != n or yp.shape[0] != m
+  fn = jax.jit(lambda a, b, r: mosaic_sigmoid.sigmoid_tiles(
+      a, b, r, params, mode=mode, m=m, mask=mask, has_diagonal=True,
+      num_programs=num_programs, interpret=interpret, **kernel_kw))
+  out = fn(xp, yp, jnp.asarray(ids))
+  if mode == "sum":
+    ref = np.sum(np.logaddexp(0.0, -z * s))
+    assert abs(float(out) - ref) <= 1e-5 * ref, (float(out), ref)
+    return
+  g, dsc, dbi = out
+  ref = -z / (1.0 + np.exp(z * s))
+  g64 = np.asarray(g, np.float64)
+  assert _rel(g64[:n, :m], ref) < 1e-2
+  assert np.all(g64[n:] == 0) and np.all(g64[:, m:] == 0)
+  assert abs(float(dsc) - np.sum(ref * s0)) <= 1e-2 * np.sum(np.abs(ref * s0))
+  assert abs(float(dbi) - np.sum(ref)) <= 1e-2 * np.sum(np.abs(ref)) + 1e-6
+
+
+@pytest.mark.usefixtures("_reset_interpreter")
+class TestInterpretSigmoid:
+  """The sigmoid kernel's ring settings in the interpreter."""
+
+  @pytest.mark.parametrize("kw", [{}, dict(num_stages=3, rings="split"),
+                                  mosaic_backend.SIGMOID_SUM_KERNEL],
+                           ids=["shared", "split", "in_use"])
+  def test_sum(self, kw):
+    check_sigmoid(300, 270, 100, jnp.bfloat16, "sum", True, num_programs=2,
+                  **kw)
+
+  def test_g_split_rings_two_stages(self):
+    check_sigmoid(130, 520, 72, jnp.float16, "g", True, num_programs=3,
+                  rings="split", num_stages=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+class TestGpuSigmoid:
+
+  @pytest.mark.parametrize("kw", [{}, mosaic_backend.SIGMOID_SUM_KERNEL],
+                           ids=["shared", "in_use"])
+  @pytest.mark.parametrize("n,m,d", [(4096, 4096, 768), (3001, 2777, 1000)])
+  def test_sum(self, kw, n, m, d):
+    check_sigmoid(n, m, d, jnp.bfloat16, "sum", False, **kw)

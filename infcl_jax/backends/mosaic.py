@@ -45,8 +45,8 @@ consumers take half each); ``block_d`` is the K-step (64: one 128-byte
 swizzled row of bf16). Other values are rounded to the nearest allowed one
 (so Triton-tuned sizes, e.g. the defaults 128 x 256 x 64, map one to one).
 The pipeline depths and the kernels' other options are ``LSE_FWD_KERNEL``
-/ ``G_PANEL_KERNEL`` (softmax) and ``FWD_STAGES`` / ``PANEL_STAGES``
-(sigmoid): what fits 227 KB of shared memory and measured fastest.
+/ ``G_PANEL_KERNEL`` (softmax) and ``SIGMOID_SUM_KERNEL`` / ``FWD_STAGES`` /
+``PANEL_STAGES`` (sigmoid): what fits 227 KB of shared memory and measured fastest.
 ``num_programs``, ``panel_rows`` (rounded up to a multiple of
 ``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
 as in the Triton backend.
@@ -81,7 +81,7 @@ from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
 from infcl_jax.kernels.mosaic import sigmoid as msigmoid
 
 F32 = jnp.float32
-FWD_STAGES = 4     # the sigmoid kernel's sweep
+FWD_STAGES = 4     # the sigmoid kernel's max |G| pre-pass (float16)
 PANEL_STAGES = 3   # the sigmoid kernel's panel
 # The softmax kernels' settings: the fastest of the variants measured by
 # ``benchmarks/bench_mosaic_kernels.py --variants all`` (one H200, jax
@@ -96,6 +96,9 @@ LSE_FWD_KERNEL = dict(num_stages=3, rings="split", check="rerun",
                       col_merge="rmw2", reduction_scratch_bytes=16384)
 G_PANEL_KERNEL = dict(num_stages=3, rings="split", pingpong=True,
                       epilogue_split=2, reduction_scratch_bytes=0)
+# The sigmoid forward sum: a ring per consumer as in the softmax forward (one
+# consumer's wgmmas overlap the other's softplus epilogue).
+SIGMOID_SUM_KERNEL = dict(num_stages=3, rings="split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +220,9 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return msigmoid.sigmoid_tiles(
         xp, yp, jnp.where(ids < n, ids, -1), params, mode="sum", m=m,
         mask=xp.shape[0] != n or yp.shape[0] != m, has_diagonal=has_diagonal,
-        block_q=mb.bq, block_k=mb.bk, block_d=mb.bd, num_stages=FWD_STAGES,
-        num_programs=bs.num_programs, interpret=self.interpret)
+        block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
+        num_programs=bs.num_programs, interpret=self.interpret,
+        **SIGMOID_SUM_KERNEL)
 
   def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
                    block_sizes=None):

@@ -40,7 +40,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from infcl_jax import _axes
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -70,7 +69,7 @@ def softplus(u):
 
 def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
             has_diagonal, scaled, bq, bk, bd, nd, ni, num_tiles, nprog,
-            stages, compute_regs, memory_regs):
+            stages, compute_regs, memory_regs, split_rings):
   refs = list(refs)
   g_ref = refs.pop(0) if mode == "g" else None
   part_ref = refs.pop(0)
@@ -90,9 +89,15 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
   @pl.when(wg == common.NUM_CONSUMERS)
   def _producer():
     plgpu.set_max_registers(memory_regs, action="decrease")
-    common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
-                    coords=coords, num_tiles=my_tiles, nd=nd, bq=bq,
-                    bk2=2 * bk, bd=bd, stages=stages)
+    if split_rings:
+      common.producer_split(
+          x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
+          coords=coords, num_tiles=my_tiles, nd=nd, bq=bq, bk=bk, bd=bd,
+          stages=stages)
+    else:
+      common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
+                      coords=coords, num_tiles=my_tiles, nd=nd, bq=bq,
+                      bk2=2 * bk, bd=bd, stages=stages)
 
   @pl.when(wg < common.NUM_CONSUMERS)
   def _consumer():
@@ -110,7 +115,7 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
                        optimized=False)
       s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
                            g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
-                           stages=stages)
+                           stages=stages, split_rings=split_rings)
       s = s0 * scale + bias
       rid2 = None
       if has_diagonal or mask:
@@ -153,7 +158,7 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
 def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
                   scaled=False, block_q=128, block_k=128, block_d=64,
                   num_stages=None, num_programs=None, interpret=False,
-                  compute_regs=232, memory_regs=40):
+                  compute_regs=232, memory_regs=40, rings="shared"):
   """The sigmoid forward sum, G panel or max |G| of padded x against y.
 
   Args:
@@ -165,6 +170,13 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
     m: valid rows of y (static); mask: whether any padding exists (static).
     has_diagonal: whether the pairs (row id == column) are the positives.
     scaled: "g" only: store G * g_scale (float16 panels).
+    rings: ``"shared"`` (default): one SMEM ring of (x chunk, 2 * block_k-row
+      y chunk) slots read by both consumers, which keeps them within
+      ``num_stages`` chunks of each other; ``"split"``: a ring per consumer
+      fed by its own producer warp (as in ``lse_fwd``), so one consumer's
+      wgmmas can run during the other's epilogue (the softplus / sigmoid
+      work). Split rings take 2 * num_stages * 32 KB of SMEM: 3 stages for
+      "sum" / "max"; with "g" (64 KB of G buffers) at most 2.
 
   Returns:
     "sum": the float32 sum of softplus(-z s) over the valid pairs;
@@ -181,22 +193,17 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
   nprog = max(1, min(num_programs or common.num_sms(), num_tiles))
   if num_stages is None:
     num_stages = 3 if mode == "g" else 4
-  tr = common.smem_transforms(x.dtype, block_d)
-  scratch = [
-      plgpu.SMEM((num_stages, block_q, block_d), x.dtype, transforms=tr),
-      plgpu.SMEM((num_stages, 2 * block_k, block_d), x.dtype, transforms=tr),
-  ]
+  if rings not in ("shared", "split"):
+    raise ValueError(f"rings must be shared or split, got {rings!r}")
+  ring = common.ring_scratch(x.dtype, bq=block_q, bk=block_k, bd=block_d,
+                             stages=num_stages, split_rings=rings == "split")
+  scratch = ring[:2]
   if mode == "g":
     scratch.append(plgpu.SMEM((common.NUM_CONSUMERS, block_q, block_k),
                               x.dtype,
                               transforms=common.smem_transforms(x.dtype,
                                                                 block_k)))
-  scratch += [
-      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
-      plgpu.Barrier(num_arrivals=common.NUM_CONSUMERS,
-                    num_barriers=num_stages),
-  ]
+  scratch += ring[2:]
   out_type = []
   if mode == "g":
     out_type.append(jax.ShapeDtypeStruct((r_rows, m_pad), x.dtype))
@@ -206,7 +213,8 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
       _kernel, mode=mode, m=m, mask=mask, has_diagonal=has_diagonal,
       scaled=scaled, bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni,
       num_tiles=num_tiles, nprog=nprog, stages=num_stages,
-      compute_regs=compute_regs, memory_regs=memory_regs)
+      compute_regs=compute_regs, memory_regs=memory_regs,
+      split_rings=rings == "split")
   ins = (params.astype(F32), x, y, row_ids.astype(jnp.int32))
   outs = plgpu.kernel(
       kernel,
@@ -219,7 +227,7 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
       kernel_name=f"infcl_mosaic_sigmoid_{mode}",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=common.interpret_params(interpret),
-  )(*ins)
+  )(*common.kernel_operands(rings == "split", *ins))
   outs = common.vary_like(list(outs), *ins)
   part = outs[-1]
   if mode == "sum":
