@@ -586,3 +586,22 @@ def test_image_tower_loads_from_npz_and_orbax_and_rejects_mismatch(tmp_path):
     models.load_image_tower(str(tmp_path / "tower.npz"), other["params"])
   with pytest.raises(FileNotFoundError, match="not found"):
     models.load_image_tower(str(tmp_path / "missing.npz"), fresh)
+
+
+def test_main_sets_the_ring_xla_flags_before_jax_starts(monkeypatch, capsys):
+  """train.main adds infcl_jax.xla_flags' flags to XLA_FLAGS (keeping the
+  user's); if JAX has already started it warns in one line and goes on."""
+  from infcl_jax import xla_flags  # pylint: disable=g-import-not-at-top
+  from train import main  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_experimental_parallel_collective_overlap_limit=3")
+  monkeypatch.setattr(xla_flags, "_backends_initialized", lambda: False)
+  main._set_xla_flags()  # pylint: disable=protected-access
+  assert os.environ["XLA_FLAGS"].split() == [
+      "--xla_gpu_experimental_parallel_collective_overlap_limit=3",
+      "--xla_gpu_enable_latency_hiding_scheduler=true"]
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setattr(xla_flags, "_backends_initialized", lambda: True)
+  main._set_xla_flags()  # pylint: disable=protected-access
+  assert os.environ["XLA_FLAGS"] == ""
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("[lit] warning: "), err

@@ -16,6 +16,10 @@ not a writable directory, missing dataset or checkpoint files, a batch that
 does not fit the devices) print one ``error: ...`` line and exit with status
 2 instead of a traceback (set INFCL_TRACEBACK=1 to see it).
 
+XLA flags: the ring's recommended GPU flags (``infcl_jax.xla_flags``) are
+added to XLA_FLAGS at start-up, before JAX starts its backends; flags already
+in XLA_FLAGS are kept.
+
 Ctrl-C finishes the checkpoint being written (Ctrl-C again abandons it),
 prints "interrupted at step N; last checkpoint step M; rerun to resume" and
 exits with status 130. A rerun of a finished run trains nothing and says so;
