@@ -45,9 +45,9 @@ consumers take half each); ``block_d`` is the K-step (64: one 128-byte
 swizzled row of bf16). Other values are rounded to the nearest allowed one
 (so Triton-tuned sizes, e.g. the defaults 128 x 256 x 64, map one to one).
 The pipeline depths and the kernels' other options are ``LSE_FWD_KERNEL``
-/ ``G_PANEL_KERNEL`` (softmax) and ``SIGMOID_SUM_KERNEL`` / ``FWD_STAGES`` /
-``PANEL_STAGES`` (sigmoid): what fits 227 KB of shared memory and measured fastest.
-``num_programs``, ``panel_rows`` (rounded up to a multiple of
+/ ``G_PANEL_KERNEL`` (softmax) and ``SIGMOID_SUM_KERNEL`` / ``FWD_STAGES``
+/ ``PANEL_STAGES`` (sigmoid): what fits 227 KB of shared memory and
+measured fastest. ``num_programs``, ``panel_rows`` (rounded up to a multiple of
 ``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
 as in the Triton backend.
 
@@ -85,8 +85,8 @@ FWD_STAGES = 4     # the sigmoid kernel's sweeps (sum; max |G| for float16)
 PANEL_STAGES = 3   # the sigmoid kernel's panel
 # The softmax kernels' settings: the fastest of the variants measured by
 # ``benchmarks/bench_mosaic_kernels.py --variants all`` (one H200, jax
-# 0.11.2, B = 65536, D = 768, bf16, 2026-11-30; BENCHMARKS.md "Mosaic GPU
-# kernel variants"). Forward: a ring per consumer (split rings, 3 stages),
+# 0.11.2, B = 65536, D = 768, bf16, 2026-11-30; the variant table in
+# BENCHMARKS.md "Mosaic GPU backend"). Forward: a ring per consumer (split rings, 3 stages),
 # no per-tile exactness test (a rerun with the test instead when a row or
 # column needs it), the one-exp2 column merge, 16 KB of reduction scratch:
 # 11.54 ms against 14.40 for the previous defaults. Panel: split rings with
