@@ -1,0 +1,119 @@
+"""The seam between an image tower and the rest of the trainer.
+
+A ``Tower`` is what loading a tower returns (``train.pretrained``, or the
+config's own ViT/CNN) and all that the data pipeline, the step, evaluation
+and the precomputed-embedding cache see of it:
+
+- ``image_size``: the data pipeline resizes and crops to it;
+- ``normalization``: applied on the device to uint8 pixels, so images cross
+  the host and the host-to-device transfer as uint8 (4x smaller than float);
+- ``embed(params, uint8 [b, S, S, 3]) -> float32 [b, D]``: the step and
+  evaluation call it, inside or outside ``jit``/``shard_map``;
+- ``fingerprint``: identifies the params and the preprocessing, so stored
+  embeddings are never reused for another tower.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Any
+
+import flax.linen as nn
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalization:
+  """Per-channel ``(x / 255 - mean) / std``, mean and std in [0, 1] units.
+
+  ``SYMMETRIC`` (mean = std = 0.5) is the [-1, 1] scaling of big_vision and of
+  this project's own towers; it is computed as ``x * (2/255) - 1``, the exact
+  float formula of the host path it replaces.
+  """
+  mean: tuple[float, float, float]
+  std: tuple[float, float, float]
+
+  def __call__(self, images, dtype=jnp.float32):
+    """uint8 (or float in [0, 255]) [..., 3] -> ``dtype``, normalised."""
+    x = images.astype(jnp.float32)
+    if self == SYMMETRIC:
+      x = x * (2.0 / 255.0) - 1.0
+    else:
+      mean = jnp.asarray(self.mean, jnp.float32)
+      std = jnp.asarray(self.std, jnp.float32)
+      x = (x * (1.0 / 255.0) - mean) / std
+    return x.astype(dtype)
+
+  def numpy(self, images: np.ndarray) -> np.ndarray:
+    """The same on the host, in float32 (a reference for tests)."""
+    x = np.asarray(images, np.float32)
+    if self == SYMMETRIC:
+      return x * np.float32(2.0 / 255.0) - np.float32(1.0)
+    return ((x * np.float32(1.0 / 255.0) - np.asarray(self.mean, np.float32))
+            / np.asarray(self.std, np.float32))
+
+
+SYMMETRIC = Normalization((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+
+
+def params_digest(params) -> str:
+  """blake2b of every leaf's name, dtype, shape and bytes, in name order."""
+  h = hashlib.blake2b(digest_size=16)
+  flat = flax.traverse_util.flatten_dict(jax.device_get(params), sep="/")
+  for name in sorted(flat):
+    a = np.ascontiguousarray(np.asarray(flat[name]))
+    h.update(f"{name}|{a.dtype}|{a.shape}|".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+@dataclasses.dataclass
+class Tower:
+  """A Flax image tower with its params and its preprocessing contract.
+
+  Attributes:
+    module: the Flax module; ``module.apply({"params": p}, x)`` takes
+      normalised float images [b, S, S, 3] and returns [b, D].
+    params: its parameters.
+    image_size: S, the input size the data pipeline delivers.
+    normalization: applied to uint8 pixels on the device.
+    embed_dim: D.
+    dtype: the compute dtype the normalised images are cast to.
+    source: where the params came from (a path and format, or "random").
+  """
+  module: nn.Module
+  params: Any
+  image_size: int
+  normalization: Normalization
+  embed_dim: int
+  dtype: Any = jnp.float32
+  source: str = "random"
+
+  def embed(self, params, images):
+    """uint8 [b, S, S, 3] -> float32 [b, D]; traceable (jit, shard_map)."""
+    x = self.normalization(images, self.dtype)
+    return self.module.apply({"params": params}, x).astype(jnp.float32)
+
+  @functools.cached_property
+  def _jitted(self):
+    return jax.jit(self.embed)
+
+  def __call__(self, images):
+    """The tower's embedding of uint8 images, with its own params."""
+    return self._jitted(self.params, images)
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """Identifies params, architecture and preprocessing (hex string)."""
+    meta = json.dumps({"module": repr(self.module),
+                       "image_size": self.image_size,
+                       "mean": list(self.normalization.mean),
+                       "std": list(self.normalization.std),
+                       "dtype": str(jnp.dtype(self.dtype))}, sort_keys=True)
+    return hashlib.blake2b((meta + params_digest(self.params)).encode(),
+                           digest_size=16).hexdigest()
