@@ -1,0 +1,133 @@
+"""The transformer pieces both towers share: attention, MLP, block, encoder.
+
+Attention goes through ``jax.nn.dot_product_attention``: on a GPU in bf16 or
+f16 that is cuDNN's fused (flash) kernel, which keeps the [L, L] scores out
+of memory; elsewhere XLA's own. Queries, keys and values come from one fused
+projection (one matmul instead of three).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+def activation(name: str):
+  """The MLP nonlinearity of a checkpoint family, by name."""
+  if name == "gelu":            # erf form: torch nn.GELU(), timm, OpenCLIP.
+    return lambda x: nn.gelu(x, approximate=False)
+  if name == "gelu_tanh":       # SigLIP, big_vision (flax's default).
+    return lambda x: nn.gelu(x, approximate=True)
+  if name == "quick_gelu":      # OpenAI CLIP: x * sigmoid(1.702 x).
+    return lambda x: x * jax.nn.sigmoid(1.702 * x)
+  raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+def attention_implementation(dtype) -> str | None:
+  """cuDNN's fused attention on GPU for 16-bit compute, else XLA's."""
+  if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (
+      jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return "cudnn"
+  return "xla"
+
+
+class Attention(nn.Module):
+  """Multi-head attention of ``q_in`` over ``kv_in`` (self-attention if None).
+
+  ``lengths`` [b] (int32): only the first ``lengths[i]`` keys of row i are
+  attended to (trailing padding); ``causal``: a lower-triangular mask. Both
+  are what cuDNN's fused kernel takes. Params: ``qkv`` (fused, self-attention) or ``q``
+  and ``kv`` (cross-attention, e.g. a MAP head's probe), and ``out``.
+  """
+  num_heads: int
+  qkv_bias: bool = True
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, q_in, kv_in=None, lengths=None, causal=False):
+    d = q_in.shape[-1]
+    if d % self.num_heads:
+      raise ValueError(f"width {d} is not divisible by num_heads "
+                       f"{self.num_heads}")
+    hd = d // self.num_heads
+    dense = lambda feats, name: nn.DenseGeneral(  # noqa: E731
+        feats, use_bias=self.qkv_bias, dtype=self.dtype, name=name)
+    if kv_in is None:
+      qkv = dense((3, self.num_heads, hd), "qkv")(q_in)
+      q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+    else:
+      q = dense((self.num_heads, hd), "q")(q_in)
+      kv = dense((2, self.num_heads, hd), "kv")(kv_in)
+      k, v = kv[..., 0, :, :], kv[..., 1, :, :]
+    x = jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, key_value_seq_lengths=lengths,
+        implementation=attention_implementation(self.dtype))
+    return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="out")(x)
+
+
+class Mlp(nn.Module):
+  mlp_dim: int
+  act: str = "gelu"
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    x = nn.Dense(self.mlp_dim, dtype=self.dtype, name="fc1")(x)
+    x = activation(self.act)(x)
+    return nn.Dense(d, dtype=self.dtype, name="fc2")(x)
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x)).
+
+  ``layer_scale``: a learned per-channel gain on each branch (timm's
+  ``ls1``/``ls2``, OpenCLIP's ``ls_1``/``ls_2``), when the checkpoint has one.
+  """
+  num_heads: int
+  mlp_dim: int
+  act: str = "gelu"
+  ln_eps: float = 1e-6
+  qkv_bias: bool = True
+  layer_scale: bool = False
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, lengths=None, causal=False):
+    ln = lambda name: nn.LayerNorm(self.ln_eps, dtype=self.dtype, name=name)  # noqa: E731
+    y = Attention(self.num_heads, self.qkv_bias, dtype=self.dtype,
+                  name="attn")(ln("norm1")(x), lengths=lengths, causal=causal)
+    if self.layer_scale:
+      y = y * self.param("ls1", nn.initializers.ones, (x.shape[-1],))
+    x = x + y
+    y = Mlp(self.mlp_dim, self.act, dtype=self.dtype, name="mlp")(
+        ln("norm2")(x))
+    if self.layer_scale:
+      y = y * self.param("ls2", nn.initializers.ones, (x.shape[-1],))
+    return x + y
+
+
+class Encoder(nn.Module):
+  """``depth`` blocks named ``block{i}`` (no final norm: the towers place it)."""
+  depth: int
+  num_heads: int
+  mlp_dim: int
+  act: str = "gelu"
+  ln_eps: float = 1e-6
+  qkv_bias: bool = True
+  layer_scale: bool = False
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, lengths=None, causal=False):
+    for i in range(self.depth):
+      x = Block(self.num_heads, self.mlp_dim, self.act, self.ln_eps,
+                self.qkv_bias, self.layer_scale, dtype=self.dtype,
+                name=f"block{i}")(x, lengths, causal)
+    return x
