@@ -59,16 +59,17 @@ def _build(spec):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
   from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
-  from train import models  # pylint: disable=g-import-not-at-top
+  from train.towers import own  # pylint: disable=g-import-not-at-top
+  from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   m = spec["model"]
   dtype = jnp.dtype(m["dtype"])
-  img = models.make_image_tower(
+  img = own.make_module(
       NS(kind="vit", patch_size=m["vit_patch"], width=m["vit_width"],
          depth=m["vit_depth"], num_heads=m["vit_heads"], mlp_dim=m["vit_mlp"]),
       m["embed_dim"], dtype)
-  txt = models.make_text_tower(
+  txt = text_lib.from_scratch(
       NS(width=m["text_width"], depth=m["text_depth"],
          num_heads=m["text_heads"], mlp_dim=m["text_mlp"]),
       m["vocab"], m["text_len"], m["embed_dim"], dtype)

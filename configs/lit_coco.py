@@ -7,7 +7,7 @@ array_record files without TensorFlow):
         --file_format array_record
 
 and give a pretrained, locked image tower as a local checkpoint (a .npz of
-named arrays in the layout of ``train.models.ViT``, or an orbax directory):
+named arrays in the layout of the own ViT, ``train.towers.own``, or an orbax directory):
 
     .venv/bin/python -m train.main --config configs/lit_coco.py --workdir /tmp/lit_coco \
         --config.model.image.init=/path/to/vit_b16.npz

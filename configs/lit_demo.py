@@ -33,7 +33,10 @@ def get_config(arg=None):
   c.model.image.kind = "cnn"
   c.model.image.cnn_features = (16, 32, 64)
   feats = "-".join(str(f) for f in c.model.image.cnn_features)
-  c.model.image.init = os.path.join(
+  # No init: the demo's own tower, pretrained once into this cache file
+  # (asked for explicitly here; a given --config.model.image.init must exist).
+  c.model.image.init = ""
+  c.model.image.pretrain_path = os.path.join(
       "~/.cache/infcl_jax/towers",
       f"shapes_s32_n4096_cnn{feats}_d{c.model.embed_dim}.npz")
   c.model.image.locked = True
@@ -70,7 +73,7 @@ def get_config(arg=None):
     c.batch_size = 16
     c.model.embed_dim = 16
     c.model.image.cnn_features = (4, 8)
-    c.model.image.init = ""            # Random locked tower: no pretraining.
+    c.model.image.pretrain_path = ""   # Random locked tower: no pretraining.
     c.model.image.pretrain_steps = 0
     c.model.text.width = 16
     c.model.text.depth = 1

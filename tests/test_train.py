@@ -23,7 +23,8 @@ from infcl_jax import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
 from train import embedding_cache
 from train import evaluate
-from train import models
+from train.towers import own
+from train.towers import text as text_lib
 from train import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,9 +32,9 @@ B, L, S, D = 32, 8, 16, 16
 
 
 def _towers(loss="softmax"):
-  img = models.make_image_tower(NS(kind="cnn", cnn_features=(4, 8)), D,
+  img = own.make_module(NS(kind="cnn", cnn_features=(4, 8)), D,
                                 jnp.float32)
-  txt = models.make_text_tower(NS(width=16, depth=1, num_heads=2, mlp_dim=32),
+  txt = text_lib.from_scratch(NS(width=16, depth=1, num_heads=2, mlp_dim=32),
                                50, L, D, jnp.float32)
   head = ContrastiveLoss(loss=loss, backend="xla",
                          block_sizes=BlockSizes(8, 16))
@@ -573,19 +574,19 @@ def test_image_tower_loads_from_npz_and_orbax_and_rejects_mismatch(tmp_path):
   images, _ = _batch(5, n=2)
   trained = img.init(jax.random.key(1), images)["params"]
   fresh = img.init(jax.random.key(2), images)["params"]
-  models.save_npz(str(tmp_path / "tower.npz"), trained)
+  own.save_npz(str(tmp_path / "tower.npz"), trained)
   with ocp.PyTreeCheckpointer() as c:
     c.save(str(tmp_path / "tower_orbax"), trained)
   for path in ("tower.npz", "tower_orbax"):
-    loaded = models.load_image_tower(str(tmp_path / path), fresh)
+    loaded = own.load_npz(str(tmp_path / path), fresh)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
       np.testing.assert_array_equal(a, b)
-  other = models.make_image_tower(NS(kind="cnn", cnn_features=(4, 6)), D,
+  other = own.make_module(NS(kind="cnn", cnn_features=(4, 6)), D,
                                   jnp.float32).init(jax.random.key(0), images)
   with pytest.raises(ValueError, match="shape"):
-    models.load_image_tower(str(tmp_path / "tower.npz"), other["params"])
+    own.load_npz(str(tmp_path / "tower.npz"), other["params"])
   with pytest.raises(FileNotFoundError, match="not found"):
-    models.load_image_tower(str(tmp_path / "missing.npz"), fresh)
+    own.load_npz(str(tmp_path / "missing.npz"), fresh)
 
 
 def test_main_sets_the_ring_xla_flags_before_jax_starts(monkeypatch, capsys):

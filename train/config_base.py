@@ -30,28 +30,39 @@ def base_config() -> ml_collections.ConfigDict:
   c.precompute_image_embeddings = False
 
   c.model = ml_collections.ConfigDict()
-  c.model.embed_dim = 128       # Shared embedding size of the two towers.
+  # Shared embedding size of the two towers; 0 = the pretrained image
+  # tower's own (kind "pretrained" must have 0 or exactly that).
+  c.model.embed_dim = 128
   c.model.dtype = "float32"     # Compute dtype of the towers (params: f32).
   c.model.image = ml_collections.ConfigDict()
-  c.model.image.kind = "cnn"    # "cnn" | "vit"
+  # "pretrained": a checkpoint of HF (CLIP, SigLIP), timm, OpenCLIP or
+  # big_vision at `init` (train.pretrained; architecture, normalisation and
+  # embedding size come from it). "cnn" | "vit": this project's own tower.
+  c.model.image.kind = "cnn"
   c.model.image.cnn_features = (32, 64, 128)
-  c.model.image.patch_size = 4  # ViT keys.
+  c.model.image.patch_size = 4  # Own-ViT keys.
   c.model.image.width = 128
   c.model.image.depth = 4
   c.model.image.num_heads = 4
   c.model.image.mlp_dim = 256
-  # Pretrained tower: a .npz of named arrays or an orbax checkpoint dir.
-  # "" = random init (only sensible for tests and benchmarks).
+  # The checkpoint. Given and missing: an error. "" with pretrain_path "":
+  # random init (only sensible for tests and benchmarks).
   c.model.image.init = ""
   c.model.image.locked = True   # LiT "Lu": frozen via the optimizer mask.
-  # If model.image.init is missing, run train.pretrain_image_tower first
-  # (synthetic_shapes only) for this many steps; 0 = error instead.
+  # Own towers, init "": this .npz is used, made first by
+  # train.pretrain_image_tower (synthetic_shapes, pretrain_steps steps) if
+  # it does not exist. Ignored when init is given.
+  c.model.image.pretrain_path = ""
   c.model.image.pretrain_steps = 0
   c.model.text = ml_collections.ConfigDict()
   c.model.text.width = 128
   c.model.text.depth = 2
   c.model.text.num_heads = 4
   c.model.text.mlp_dim = 256
+  # An HF CLIP directory (CLIPModel / CLIPTextModelWithProjection) to start
+  # the text tower from; its architecture replaces width/depth/heads/mlp,
+  # and config.tokenizer must be its clip_bpe vocabulary.
+  c.model.text.init = ""
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "softmax"       # "softmax" (CLIP) | "sigmoid" (SigLIP)
@@ -125,9 +136,22 @@ def check_config(config) -> None:
   if 0 < mb < config.batch_size:
     need(config.batch_size % mb == 0, f"config.microbatch_size={mb} must "
          f"divide config.batch_size={config.batch_size}")
-  need(config.model.image.kind in ("cnn", "vit"),
-       f"config.model.image.kind must be 'cnn' or 'vit', got "
-       f"{config.model.image.kind!r}")
+  ic = config.model.image
+  need(ic.kind in ("cnn", "vit", "pretrained"),
+       f"config.model.image.kind must be 'cnn', 'vit' or 'pretrained', got "
+       f"{ic.kind!r}")
+  need(ic.kind != "pretrained" or ic.init,
+       "config.model.image.kind='pretrained' needs config.model.image.init "
+       "(a local checkpoint: HF, timm, OpenCLIP or big_vision)")
+  need(config.model.embed_dim >= (0 if ic.kind == "pretrained" else 1),
+       f"config.model.embed_dim={config.model.embed_dim} must be >= 1 (0 = "
+       "the pretrained tower's own, kind='pretrained' only)")
+  need(not ic.pretrain_path or ic.init or ic.pretrain_steps > 0,
+       "config.model.image.pretrain_path needs "
+       "config.model.image.pretrain_steps > 0")
+  need(not config.model.text.init or ic.kind == "pretrained",
+       "config.model.text.init (a pretrained text tower) needs a pretrained "
+       "image tower (config.model.image.kind='pretrained')")
   need(config.loss.name in ("softmax", "sigmoid"),
        f"config.loss.name must be 'softmax' or 'sigmoid', got "
        f"{config.loss.name!r}")

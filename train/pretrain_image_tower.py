@@ -15,7 +15,8 @@ pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
         --out ~/.cache/infcl_jax/towers/demo_cnn.npz --steps 600
 
 The trainer runs this itself (with a log line) when ``config.model.image.init``
-is missing and ``config.model.image.pretrain_steps > 0``.
+is empty and the ``config.model.image.pretrain_path`` it names instead does
+not exist yet (``train.towers.build``).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from train import models
+from train.towers import own
 from train.data import sources
 from train.data.pipeline import preprocess_image
 
@@ -88,8 +89,8 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
   images, labels = load_split(config.data, config.data.split)
   test_images, test_labels = load_split(config.data, config.data.eval_split)
   num_classes = {k: ATTRIBUTES[k] for k in labels}
-  tower = models.make_image_tower(config.model.image, config.model.embed_dim,
-                                  jnp.float32)
+  tower = own.make_module(config.model.image, config.model.embed_dim,
+                          jnp.float32)
   model = _Classifier(tower, num_classes)
   params = model.init(jax.random.key(seed), images[:1])["params"]
   schedule = optax.warmup_cosine_decay_schedule(
@@ -151,7 +152,7 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
       f"{'shape' if k == 'label' else k} {100 * v:.0f}%"
       for k, v in acc.items()))
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-  models.save_npz(out_path, params["tower"])
+  own.save_npz(out_path, params["tower"])
   log(f"[pretrain] image tower saved to {out_path} ({time.time() - t0:.0f}s)")
   return acc
 
@@ -160,9 +161,11 @@ def _main(argv):
   from absl import flags  # pylint: disable=g-import-not-at-top
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
-  out = os.path.expanduser(FLAGS.out or FLAGS.config.model.image.init)
+  ic = FLAGS.config.model.image
+  out = os.path.expanduser(FLAGS.out or ic.init or ic.pretrain_path)
   if not out:
-    print("error: give --out or config.model.image.init", file=sys.stderr)
+    print("error: give --out, config.model.image.init or "
+          "config.model.image.pretrain_path", file=sys.stderr)
     sys.exit(2)
   steps = FLAGS.steps or FLAGS.config.model.image.pretrain_steps or 600
   try:
@@ -177,7 +180,8 @@ if __name__ == "__main__":
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file("config", None, "Trainer config file.")
-  flags.DEFINE_string("out", "", "Output .npz (default: model.image.init).")
+  flags.DEFINE_string("out", "", "Output .npz (default: model.image.init, "
+                      "else model.image.pretrain_path).")
   flags.DEFINE_integer("steps", 0, "Steps (default: model.image."
                        "pretrain_steps, else 600).")
   app.run(_main)

@@ -40,8 +40,8 @@ from train import config_base
 from train import data as data_lib
 from train import embedding_cache
 from train import evaluate
-from train import models
 from train import step as step_lib
+from train.towers import build as towers_build
 from train import workdir as workdir_lib
 
 
@@ -122,45 +122,32 @@ def make_head(config, axis_name=None) -> ContrastiveLoss:
 
 
 def make_models(config, tokenizer):
+  """(image ``Tower`` with its params, text module, loss head)."""
   dtype = jnp.dtype(config.model.dtype)
-  image_tower = models.make_image_tower(config.model.image,
-                                        config.model.embed_dim, dtype)
-  text_tower = models.make_text_tower(
-      config.model.text, tokenizer.vocab_size, tokenizer.max_len,
-      config.model.embed_dim, dtype, pad_id=tokenizer.pad_id)
+  # The first of init_params' three keys: a random own tower is initialised
+  # as it always was.
+  rng_img = jax.random.split(jax.random.key(config.seed), 3)[0]
+  image_tower = towers_build.make_image_tower(config, dtype, rng_img)
+  embed_dim = towers_build.image_embed_dim(config, image_tower)
+  text_tower = towers_build.make_text_tower(config, tokenizer, embed_dim,
+                                            dtype)
   return image_tower, text_tower, make_head(config)
 
 
 def init_params(config, image_tower, text_tower, head, tokenizer):
-  """Fresh text tower and head; the image tower from its checkpoint."""
-  rng_img, rng_txt, rng_head = jax.random.split(jax.random.key(config.seed), 3)
-  s = config.data.image_size
-  img = image_tower.init(rng_img, jnp.zeros((1, s, s, 3)))["params"]
-  txt = text_tower.init(
-      rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
-  e = jnp.zeros((2, config.model.embed_dim))
-  hp = head.init(rng_head, e, e)["params"]
-  path = os.path.expanduser(config.model.image.init)
-  if path:
-    if not os.path.exists(path) and config.model.image.pretrain_steps > 0:
-      from train import pretrain_image_tower  # pylint: disable=g-import-not-at-top
-      logging.info("image tower checkpoint %s not found: pretraining it "
-                   "(%d steps, supervised on the training split)", path,
-                   config.model.image.pretrain_steps)
-      print(f"[lit] pretraining the image tower -> {path}", flush=True)
-      pretrain_image_tower.pretrain(config, path,
-                                    steps=config.model.image.pretrain_steps)
-    if not os.path.exists(path):
-      raise FileNotFoundError(
-          f"config.model.image.init: image tower checkpoint not found: {path} "
-          "(create it with `.venv/bin/python -m train.pretrain_image_tower --config "
-          "<config> --out <path>`, or set config.model.image.pretrain_steps)")
-    img = models.load_image_tower(path, img)
-    logging.info("image tower loaded from %s", path)
+  """The image tower's params (loaded by ``make_models``), the text tower's
+  (fresh, or from ``config.model.text.init``) and a fresh head."""
+  _, rng_txt, rng_head = jax.random.split(jax.random.key(config.seed), 3)
+  if config.model.text.init:
+    _, txt = towers_build.text_init(config, tokenizer, image_tower.embed_dim)
+    txt = jax.tree.map(jnp.asarray, txt)
+    logging.info("text tower loaded from %s", config.model.text.init)
   else:
-    logging.warning("config.model.image.init is empty: the image tower is "
-                    "randomly initialized")
-  return {"img": img, "txt": txt, "head": hp}
+    txt = text_tower.init(
+        rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
+  e = jnp.zeros((2, text_tower.embed_dim))
+  hp = head.init(rng_head, e, e)["params"]
+  return {"img": image_tower.params, "txt": txt, "head": hp}
 
 
 # ----------------------------------------------------------------- checks

@@ -59,9 +59,12 @@ def default_data_config() -> ml_collections.ConfigDict:
 
 def default_tokenizer_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.kind = "bytes"  # "bytes" | "sentencepiece"
+  c.kind = "bytes"  # "bytes" | "sentencepiece" | "clip_bpe"
   c.max_len = 64
   c.spm_path = ""  # local SentencePiece .model file for kind="sentencepiece"
+  # kind="clip_bpe": a local tokenizer.json, or a directory with
+  # tokenizer.json or vocab.json + merges.txt (e.g. the HF CLIP checkpoint's).
+  c.bpe_path = ""
   return c
 
 

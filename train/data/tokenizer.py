@@ -1,10 +1,12 @@
-"""Offline tokenizers: byte-level (default) or a local SentencePiece model.
+"""Offline tokenizers: byte-level (default), SentencePiece or CLIP's BPE.
 
-Both map a list of strings to an int32 array [n, max_len] padded with
+All map a list of strings to an int32 array [n, max_len] padded with
 `pad_id` (= 0), with an end-of-sequence token after the text, so a text tower
 can pool at the EOS position or over non-pad tokens. Nothing is downloaded:
 the byte tokenizer needs no vocabulary file, and a SentencePiece model is a
-local file given by `config.tokenizer.spm_path`.
+local file given by `config.tokenizer.spm_path`, and a CLIP BPE vocabulary
+is a local `tokenizer.json` or `vocab.json` + `merges.txt`
+(`config.tokenizer.bpe_path`), read by the `tokenizers` library.
 """
 
 import os
@@ -106,7 +108,95 @@ class SentencePieceTokenizer(Tokenizer):
                             if i >= _BYTE_OFFSET])
 
 
-TOKENIZER_KINDS = ("bytes", "sentencepiece")
+def _import_tokenizers():
+  try:
+    import tokenizers  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ValueError(
+        "config.tokenizer.kind='clip_bpe' needs the `tokenizers` package: "
+        "pip install tokenizers") from None
+  return tokenizers
+
+
+# CLIP's pre-tokenisation: its specials, English contractions, runs of
+# letters, single digits, runs of other non-space characters.
+_CLIP_SPLIT = (r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|"
+               r"[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+")
+CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def _clip_bpe_files(path: str) -> tuple[str, ...]:
+  """(tokenizer.json,) or (vocab.json, merges.txt) at `path`, or an error."""
+  if os.path.isfile(path) and path.endswith(".json"):
+    return (path,)
+  if os.path.isdir(path):
+    tj = os.path.join(path, "tokenizer.json")
+    vm = (os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt"))
+    if os.path.isfile(tj):
+      return (tj,)
+    if all(os.path.isfile(f) for f in vm):
+      return vm
+  raise ValueError(f"config.tokenizer.bpe_path={path!r}: expected a "
+                   "tokenizer.json, or a directory with tokenizer.json or "
+                   "vocab.json + merges.txt")
+
+
+class ClipBpeTokenizer(Tokenizer):
+  """CLIP's byte-level BPE (lower-cased, "</w>" word ends), through the
+  `tokenizers` library; ids are CLIP's shifted by 2 (pad 0, EOS 1).
+
+  A row is `<|startoftext|>`, the text's tokens, EOS, then padding, as CLIP
+  has it, except that EOS is our id 1 rather than `<|endoftext|>` (the text
+  tower initialised from CLIP maps id 1 to `<|endoftext|>`'s embedding,
+  `train.towers.convert_hf.load_clip_text`).
+  """
+
+  def __init__(self, bpe_path: str, max_len: int):
+    tk = _import_tokenizers()
+    files = _clip_bpe_files(os.fspath(bpe_path))
+    try:
+      if len(files) == 1:
+        tok = tk.Tokenizer.from_file(files[0])
+      else:
+        vocab, merges = tk.models.BPE.read_file(*files)
+        tok = tk.Tokenizer(tk.models.BPE(
+            vocab, merges, end_of_word_suffix="</w>", continuing_subword_prefix="",
+            unk_token=CLIP_EOS, fuse_unk=False))
+        tok.normalizer = tk.normalizers.Sequence([
+            tk.normalizers.NFC(),
+            tk.normalizers.Replace(tk.Regex(r"\s+"), " "),
+            tk.normalizers.Lowercase()])
+        tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
+            tk.pre_tokenizers.Split(tk.Regex(_CLIP_SPLIT), behavior="removed",
+                                    invert=True),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                        use_regex=False)])
+        tok.decoder = tk.decoders.ByteLevel()
+        tok.add_special_tokens([CLIP_BOS, CLIP_EOS])
+    except Exception as e:  # tokenizers raises its own Exception types.
+      raise ValueError(f"config.tokenizer.bpe_path={bpe_path!r}: not a "
+                       f"readable CLIP BPE vocabulary: {e}") from None
+    self._tok = tok
+    self._bos = tok.token_to_id(CLIP_BOS)
+    if self._bos is None or tok.token_to_id(CLIP_EOS) is None:
+      raise ValueError(f"config.tokenizer.bpe_path={bpe_path!r}: the "
+                       f"vocabulary has no {CLIP_BOS} / {CLIP_EOS}")
+    self.max_len = max_len
+    self.vocab_size = tok.get_vocab_size() + _BYTE_OFFSET
+
+  def _ids(self, text):
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return [i + _BYTE_OFFSET for i in [self._bos] + ids]
+
+  def _text(self, ids):
+    ids = [i - _BYTE_OFFSET for i in ids if i >= _BYTE_OFFSET]
+    if ids and ids[0] == self._bos:
+      ids = ids[1:]
+    text = self._tok.decode(ids, skip_special_tokens=True)
+    return " ".join(text.replace("</w>", " ").split())  # Word ends -> spaces.
+
+
+TOKENIZER_KINDS = ("bytes", "sentencepiece", "clip_bpe")
 
 
 def check_tokenizer_config(tok_config) -> None:
@@ -127,17 +217,28 @@ def check_tokenizer_config(tok_config) -> None:
     if not os.path.isfile(path):
       raise ValueError(f"config.tokenizer.spm_path={path!r}: no such file")
     _import_sentencepiece()
+  if kind == "clip_bpe":
+    path = tok_config.get("bpe_path") or ""
+    if not path:
+      raise ValueError("config.tokenizer.kind='clip_bpe' needs "
+                       "config.tokenizer.bpe_path (a local tokenizer.json, or "
+                       "a directory with vocab.json + merges.txt)")
+    _clip_bpe_files(os.path.expanduser(path))
+    _import_tokenizers()
 
 
 def make_tokenizer(config) -> Tokenizer:
   """Builds the tokenizer of `config.tokenizer` (the whole config is passed).
 
   Args:
-    config: a ConfigDict with a `tokenizer` field (kind, max_len, spm_path).
+    config: a ConfigDict with a `tokenizer` field (kind, max_len, spm_path,
+      bpe_path).
       A bare tokenizer ConfigDict is accepted too.
   """
   tok = config.tokenizer if "tokenizer" in config else config
   check_tokenizer_config(tok)
   if tok.kind == "sentencepiece":
     return SentencePieceTokenizer(tok.spm_path, tok.max_len)
+  if tok.kind == "clip_bpe":
+    return ClipBpeTokenizer(os.path.expanduser(tok.bpe_path), tok.max_len)
   return ByteTokenizer(tok.max_len)

@@ -78,3 +78,13 @@ class TextTransformer(nn.Module):
            / jnp.maximum(jnp.sum(w, axis=1), 1.0)).astype(self.dtype)
     return nn.Dense(self.embed_dim, use_bias=self.head_bias, dtype=self.dtype,
                     name="head")(x)
+
+
+def from_scratch(cfg, vocab_size: int, max_len: int, embed_dim: int, dtype,
+                 pad_id: int = 0, eos_id: int = 1) -> TextTransformer:
+  """The from-scratch tower of ``cfg`` (width, depth, num_heads, mlp_dim)."""
+  return TextTransformer(
+      vocab_size=vocab_size, max_len=max_len, width=cfg.width,
+      depth=cfg.depth, num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim,
+      embed_dim=embed_dim, pad_id=pad_id, eos_id=eos_id, pool="mean",
+      act="gelu_tanh", dtype=dtype)
