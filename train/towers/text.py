@@ -57,12 +57,18 @@ class TextTransformer(nn.Module):
     pos = self.param("pos_embedding", nn.initializers.normal(0.02),
                      (1, self.max_len, self.width), jnp.float32)
     x = (x + pos[:, :length]).astype(self.dtype)
+    if length % 2:
+      # cuDNN's fused attention trains only even lengths once a mask is
+      # involved (77, CLIP's, is odd): one more trailing row, which no
+      # kept position attends to (it is past every row's length and in
+      # every EOS's future) and which is cut off again below.
+      x = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
     blocks = layers.Encoder(self.depth, self.num_heads, self.mlp_dim,
                             self.act, self.ln_eps, dtype=self.dtype,
                             name="encoder")
     norm = nn.LayerNorm(self.ln_eps, dtype=self.dtype, name="norm")
     if self.pool == "eos":
-      x = norm(blocks(x, causal=True))
+      x = norm(blocks(x, causal=True))[:, :length]
       is_eos = tokens == self.eos_id
       # The first EOS; a row without one pools its last token.
       idx = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1),
@@ -71,7 +77,7 @@ class TextTransformer(nn.Module):
     else:
       valid = tokens != self.pad_id
       lengths = jnp.maximum(jnp.sum(valid, axis=1, dtype=jnp.int32), 1)
-      x = norm(blocks(x, lengths=lengths))
+      x = norm(blocks(x, lengths=lengths))[:, :length]
       w = valid.astype(jnp.float32)[..., None]
       # An all-padding text pools to zeros instead of dividing by zero.
       x = (jnp.sum(x.astype(jnp.float32) * w, axis=1)
