@@ -1,0 +1,182 @@
+"""The configurable ViT, the text tower and the trainer's tower config."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train.towers import build
+from train.towers import layers
+from train.towers import text as text_lib
+from train.towers import vit as vit_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _vit(**kw):
+  base = dict(patch_size=4, width=16, depth=2, num_heads=2, mlp_dim=32)
+  return vit_lib.ViT(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw", [
+    dict(pool="gap", embed_dim=8),
+    dict(class_token=True, pos_embed_cls=True, pre_norm=True, pool="tok",
+         final_norm="pooled", act="quick_gelu", embed_dim=8, head_bias=False,
+         patch_bias=False, ln_eps=1e-5),
+    dict(pool="map", act="gelu_tanh"),
+    dict(class_token=True, pool="gap", final_norm="pooled", qkv_bias=False,
+         layer_scale=True),
+])
+def test_vit_variants_run_and_have_the_named_params(kw):
+  m = _vit(**kw)
+  x = jax.random.normal(jax.random.key(0), (3, 20, 20, 3))
+  p = m.init(jax.random.key(1), x)["params"]
+  out = m.apply({"params": p}, x)
+  assert out.shape == (3, kw.get("embed_dim") or 16)
+  n_pos = 25 + (1 if kw.get("pos_embed_cls") else 0)
+  assert p["pos_embedding"].shape == (1, n_pos, 16)
+  assert ("cls" in p) == bool(kw.get("class_token"))
+  assert ("pre_norm" in p) == bool(kw.get("pre_norm"))
+  assert ("map_head" in p) == (kw.get("pool") == "map")
+  assert ("bias" in p["encoder"]["block0"]["attn"]["qkv"]) == kw.get(
+      "qkv_bias", True)
+  # Each image's embedding depends on that image only.
+  np.testing.assert_allclose(m.apply({"params": p}, x[1:2]), out[1:2],
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_vit_rejects_bad_settings():
+  x = jnp.zeros((1, 8, 8, 3))
+  for kw, msg in ((dict(pool="max"), "pool"), (dict(final_norm="x"),
+                                               "final_norm"),
+                  (dict(pool="tok"), "class_token")):
+    with pytest.raises(ValueError, match=msg):
+      _vit(**kw).init(jax.random.key(0), x)
+
+
+def test_attention_equals_a_float64_reference():
+  att = layers.Attention(num_heads=3)
+  x = jax.random.normal(jax.random.key(0), (2, 7, 12))
+  p = att.init(jax.random.key(1), x)["params"]
+  lengths = jnp.array([7, 4])
+  for causal in (False, True):
+    out = att.apply({"params": p}, x, lengths=lengths, causal=causal)
+    xd = np.asarray(x, np.float64)
+    k = {n: np.asarray(v, np.float64) for n, v in p["qkv"].items()}
+    qkv = np.einsum("btd,dphe->btphe", xd, k["kernel"]) + k["bias"]
+    q, kk, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    s = np.einsum("bqhe,bkhe->bhqk", q, kk) / np.sqrt(4)
+    mask = np.arange(7)[None, None, None, :] < np.asarray(lengths)[:, None,
+                                                                   None, None]
+    if causal:
+      mask = mask & np.tril(np.ones((7, 7), bool))[None, None]
+    s = np.where(mask, s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    o = np.einsum("bhqk,bkhe->bqhe", w, v)
+    ref = np.einsum("bqhe,hed->bqd", o, np.asarray(p["out"]["kernel"])) + \
+        np.asarray(p["out"]["bias"])
+    rows = [(0, slice(None)), (1, slice(0, 4))]  # Only rows with keys kept.
+    for b, sl in rows:
+      np.testing.assert_allclose(out[b, sl], ref[b, sl], rtol=1e-5,
+                                 atol=1e-5)
+
+
+def test_resample_keeps_prefix_and_is_identity_at_the_same_grid():
+  pos = np.random.default_rng(0).normal(size=(1, 1 + 9, 4)).astype(np.float32)
+  assert vit_lib.resample_pos_embedding(pos, 1, 3) is pos
+  out = vit_lib.resample_pos_embedding(pos, 1, 5)
+  assert out.shape == (1, 26, 4)
+  np.testing.assert_array_equal(out[:, 0], pos[:, 0])
+  const = np.ones((1, 16, 4), np.float32)
+  np.testing.assert_allclose(vit_lib.resample_pos_embedding(const, 0, 7), 1.0,
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="square patch grid"):
+    vit_lib.resample_pos_embedding(np.zeros((1, 10, 4)), 0, 3)
+
+
+@pytest.mark.parametrize("pool", ["mean", "eos"])
+def test_text_tower_ignores_padding(pool):
+  m = text_lib.TextTransformer(vocab_size=30, max_len=12, width=16, depth=2,
+                               num_heads=2, mlp_dim=32, embed_dim=8, pool=pool)
+  tokens = np.array([[5, 6, 7, 1, 0, 0, 0, 0, 0],
+                     [9, 1, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+  p = m.init(jax.random.key(0), tokens)["params"]
+  out = m.apply({"params": p}, tokens)                    # Odd length 9.
+  out_short = m.apply({"params": p}, tokens[:, :4])        # Even length 4.
+  np.testing.assert_allclose(out, out_short, rtol=2e-5, atol=1e-6)
+  if pool == "eos":  # Whatever follows the EOS does not matter.
+    noisy = tokens.copy()
+    noisy[0, 5:] = 3
+    np.testing.assert_allclose(m.apply({"params": p}, noisy)[0], out[0],
+                               rtol=2e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="longer than the tower's max_len"):
+    m.apply({"params": p}, np.ones((1, 13), np.int32))
+
+
+# --------------------------------------------------------- the config
+
+
+def _config(arg):
+  sys.path.insert(0, ROOT)
+  from configs import lit_demo, lit_pretrained  # pylint: disable=g-import-not-at-top
+  return (lit_pretrained if arg.startswith("p:") else lit_demo).get_config(
+      arg[2:])
+
+
+def test_a_given_missing_init_is_an_error_not_a_pretraining(tmp_path):
+  """The demo with --config.model.image.init=PATH: PATH must exist; the
+  demo's own pretraining (model.image.pretrain_path) is not run for it."""
+  c = _config("d:")
+  assert c.model.image.pretrain_path and c.model.image.pretrain_steps > 0
+  missing = tmp_path / "nope.npz"
+  c.model.image.init = str(missing)
+  with pytest.raises(FileNotFoundError, match="image tower checkpoint not "
+                     "found: " + str(missing)):
+    build.make_image_tower(c, jnp.float32)
+  assert not missing.exists()
+  c.model.image.kind = "pretrained"
+  with pytest.raises(FileNotFoundError, match=str(missing)):
+    build.make_image_tower(c, jnp.float32)
+
+
+def test_pretrained_config_builds_the_towers_and_checks_sizes():
+  from train import config_base  # pylint: disable=g-import-not-at-top
+  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  from train.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  c = _config("p:tiny")
+  config_base.check_config(c)
+  tok = tokenizer_lib.make_tokenizer(c)
+  img, txt, head = train_lib.make_models(c, tok)
+  assert img.embed_dim == 20 and img.image_size == 32 and txt.pool == "eos"
+  params = train_lib.init_params(c, img, txt, head, tok)
+  assert params["txt"]["token_embedding"]["embedding"].shape[0] == \
+      tok.vocab_size
+  c.model.embed_dim = 64
+  with pytest.raises(ValueError, match="embeds into 20 dimensions"):
+    train_lib.make_models(c, tok)
+  c.model.embed_dim = 0
+  c.model.image.kind = "cnn"
+  with pytest.raises(ValueError, match="embed_dim=0 must be >= 1"):
+    config_base.check_config(c)
+  for arg in ("hf", "hf_text", "siglip", "timm", "open_clip", "bv"):
+    config_base.check_config(_config("p:" + arg))
+
+
+@pytest.mark.slow
+def test_lit_pretrained_tiny_trains_end_to_end(tmp_path):
+  """train.main with the committed HF CLIP fixture as the locked tower and
+  the text tower's start (a real subprocess, as a user runs it)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             INFCL_DATA_DIR=str(tmp_path / "data"))
+  r = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config",
+       os.path.join(ROOT, "configs/lit_pretrained.py") + ":tiny",
+       "--workdir", str(tmp_path / "w"), "--config.progress_bar=False"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "image tower pretrained locked" in r.stdout
+  assert "[lit] done: 6 steps" in r.stdout
