@@ -11,11 +11,14 @@ the weights of an HF SigLIP and a timm model, whose outputs are their
 oracle.
 
     python scripts/make_tower_fixtures.py OUT_DIR
+    python scripts/make_tower_fixtures.py --check tests/fixtures/towers
 
 ``OUT_DIR/expected.npz`` holds, per fixture, the uint8 images and the
 reference embedding computed in float64 (``<name>/images``,
 ``<name>/embedding``); ``OUT_DIR/tokenizer_expected.json`` the CLIP
-tokenizer's ids of a few texts.
+tokenizer's ids of a few texts. ``--check DIR`` writes them to a temporary
+directory and compares them with DIR (the committed ones): the same files,
+the same JSON, bit-identical tensors, embeddings within 1e-7 relative.
 """
 from __future__ import annotations
 
@@ -380,12 +383,54 @@ def clip_ids(root):
   return [tok(t)["input_ids"] for t in TEXTS]
 
 
-def main(argv):
-  if len(argv) != 2:
-    sys.exit("usage: make_tower_fixtures.py OUT_DIR")
-  root = argv[1]
+def check(committed: str) -> int:
+  """Regenerates into a temporary directory and compares with ``committed``."""
+  import tempfile
+  from safetensors.numpy import load_file
+  with tempfile.TemporaryDirectory() as tmp:
+    write(tmp)
+    problems = []
+    files = lambda d: sorted(  # noqa: E731
+        os.path.relpath(os.path.join(r, f), d)
+        for r, _, fs in os.walk(d) for f in fs)
+    a, b = files(committed), files(tmp)
+    if a != b:
+      problems.append(f"files differ: committed only {sorted(set(a) - set(b))}"
+                      f", regenerated only {sorted(set(b) - set(a))}")
+    for f in sorted(set(a) & set(b)):
+      x, y = os.path.join(committed, f), os.path.join(tmp, f)
+      if f.endswith(".json"):
+        if json.load(open(x, encoding="utf-8")) != json.load(
+            open(y, encoding="utf-8")):
+          problems.append(f"{f}: JSON differs")
+      elif f.endswith(".safetensors"):
+        tx, ty = load_file(x), load_file(y)
+        if sorted(tx) != sorted(ty) or any(
+            not np.array_equal(tx[k], ty[k]) for k in tx):
+          problems.append(f"{f}: tensors differ")
+      elif f.endswith(".npz"):
+        with np.load(x) as nx, np.load(y) as ny:
+          if sorted(nx.files) != sorted(ny.files):
+            problems.append(f"{f}: array names differ")
+            continue
+          for k in nx.files:
+            u, v = nx[k], ny[k]
+            scale = max(float(np.max(np.abs(v))) if v.size else 0.0, 1e-30)
+            if u.shape != v.shape or (
+                float(np.max(np.abs(u.astype(np.float64) - v))) / scale
+                > 1e-7 if u.size else False):
+              problems.append(f"{f}:{k} differs")
+      elif open(x, "rb").read() != open(y, "rb").read():
+        problems.append(f"{f}: bytes differ")
+  for p in problems:
+    print("MISMATCH", p)
+  print(f"{len(a)} committed fixture files checked against the reference "
+        f"libraries: {len(problems)} mismatches")
+  return 1 if problems else 0
+
+
+def write(root: str) -> None:
   os.makedirs(root, exist_ok=True)
-  torch.set_num_threads(1)
   out = {}
   clip_bpe(root)
   with open(os.path.join(root, "tokenizer_expected.json"), "w") as f:
@@ -397,6 +442,15 @@ def main(argv):
   open_clip_model(root, out)
   np.savez(os.path.join(root, "expected.npz"), **out)
   print(f"wrote {len(out) // 2} fixtures to {root}")
+
+
+def main(argv):
+  torch.set_num_threads(1)  # Same float order on every machine size.
+  if len(argv) == 3 and argv[1] == "--check":
+    sys.exit(check(argv[2]))
+  if len(argv) != 2 or argv[1].startswith("-"):
+    sys.exit("usage: make_tower_fixtures.py OUT_DIR | --check DIR")
+  write(argv[1])
 
 
 if __name__ == "__main__":

@@ -172,8 +172,8 @@ def test_precomputed_embeddings_train_like_the_on_the_fly_path():
   compared = 0
   for (path, a), b in zip(flat, jax.tree.leaves(cached["params"])):
     name = jax.tree_util.keystr(path)
-    if "['key']['bias']" in name:
-      continue
+    if "['qkv']['bias']" in name:  # Fused [q, k, v]: leave out k's.
+      a, b = np.asarray(a)[::2], np.asarray(b)[::2]
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=name)
     compared += 1
   assert compared >= len(flat) - 2

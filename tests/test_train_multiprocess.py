@@ -160,14 +160,15 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
   config = _tiny_config(data_dir)
   for (path, a), (_, b) in zip(_flat(params), _flat(ref_params)):
     name = jax.tree_util.keystr(path)
-    if "['key']['bias']" in name:
-      # Attention key biases shift every logit of a query equally: their
-      # exact gradient is 0, and AdamW turns the rounding noise left in it
-      # into steps of up to ~lr, whose sign differs between the two runs.
-      # Only their bound is checked.
+    if "['qkv']['bias']" in name:
+      # Attention key biases (k of the fused [q, k, v]) shift every logit of
+      # a query equally: their exact gradient is 0, and AdamW turns the
+      # rounding noise left in it into steps of up to ~lr, whose sign
+      # differs between the two runs. Only their bound is checked.
       bound = 1.5 * config.optim.lr * STEPS
-      assert np.max(np.abs(a)) <= bound and np.max(np.abs(b)) <= bound, name
-      continue
+      a, b = np.asarray(a), np.asarray(b)
+      assert np.max(np.abs(a[1])) <= bound and np.max(np.abs(b[1])) <= bound, name
+      a, b = a[::2], b[::2]
     scale = max(float(np.max(np.abs(b))), 1e-6)
     err = float(np.max(np.abs(np.asarray(a, np.float64) - b)))
     assert err <= 1e-5 * scale, (name, err, scale)
