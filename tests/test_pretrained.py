@@ -210,6 +210,28 @@ def test_bad_config_json(tmp_path):
   _one_line(e, "config.json", "not a readable JSON file")
 
 
+def test_timm_heads_from_the_name_when_model_args_are_absent(tmp_path):
+  """Hub configs carry no model_args: the head count comes from the name
+  (base: 12), which does not fit this tiny width: one line says so."""
+  d = _copy(tmp_path, "timm_token")
+  cfg = json.loads((d / "config.json").read_text())
+  del cfg["model_args"]
+  (d / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ValueError) as e:
+    pretrained.load_image_tower(str(d))
+  _one_line(e, str(d), "12 heads", "not divisible by num_heads 12")
+  cfg["model_args"] = {"num_heads": 4, "act_layer": "silu"}
+  (d / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ValueError) as e:
+    pretrained.load_image_tower(str(d))
+  _one_line(e, "config.json", "act_layer 'silu'")
+  cfg["model_args"] = {"num_heads": 4}
+  (d / "config.json").write_text(json.dumps(cfg))
+  tower = pretrained.load_image_tower(str(d))
+  assert _rel(tower(EXPECTED["timm_token/images"]),
+              EXPECTED["timm_token/embedding"]) <= 1e-5
+
+
 def test_npz_with_pickled_objects_is_refused(tmp_path):
   f = tmp_path / "obj.npz"
   np.savez(f, a=np.array([{"x": 1}], dtype=object))

@@ -85,9 +85,12 @@ def load_image_tower(path: str, *, image_size: int | None = None,
       where=f"{path} pos_embedding")
   module = vit_lib.ViT(**conv.vit, dtype=dtype)
   flat = flax.traverse_util.flatten_dict(params, sep="/")
-  expected = flax.traverse_util.flatten_dict(jax.eval_shape(
-      lambda: module.init(jax.random.key(0), jnp.zeros((1, size, size, 3))))[
-          "params"], sep="/")
+  try:
+    expected = flax.traverse_util.flatten_dict(jax.eval_shape(
+        lambda: module.init(jax.random.key(0),
+                            jnp.zeros((1, size, size, 3))))["params"], sep="/")
+  except ValueError as e:  # E.g. a width the inferred head count misfits.
+    raise CheckpointError(f"{path} ({conv.arch}): {e}") from None
   io.check_shapes(path, conv.arch, flat, {k: v.shape
                                           for k, v in expected.items()})
   params = flax.traverse_util.unflatten_dict(

@@ -111,6 +111,12 @@ class Tensors:
                             + "; ".join(parts))
 
 
+def check_heads(path: str, arch: str, width: int, heads: int) -> None:
+  if heads < 1 or width % heads:
+    raise CheckpointError(f"{path} ({arch}): width {width} is not divisible "
+                          f"by num_heads {heads}")
+
+
 def check_shapes(path: str, arch: str, params: dict, expected: dict) -> None:
   """Flat params vs the module's flat shapes: one line for the first misfit."""
   missing = sorted(set(expected) - set(params))

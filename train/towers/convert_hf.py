@@ -124,6 +124,7 @@ def load(path: str) -> io.Converted:
   arch = (f"HF {family} vision tower: width {vc['hidden_size']}, depth "
           f"{depth}, {heads} heads, patch {vc['patch_size']}, act "
           f"{vc['hidden_act']}")
+  io.check_heads(path, arch, int(vc["hidden_size"]), heads)
   t = io.Tensors(tensors, f, arch)
   e = f"{pv}embeddings"
   params = {
@@ -216,6 +217,7 @@ def load_clip_text(path: str) -> tuple[dict, dict]:
                  int(tc["num_hidden_layers"]))
   arch = (f"HF CLIP text tower: width {tc['hidden_size']}, depth {depth}, "
           f"{heads} heads")
+  io.check_heads(path, arch, int(tc["hidden_size"]), heads)
   t = io.Tensors(tensors, f, arch)
   tok = t.take(f"{pt}embeddings.token_embedding.weight")
   pos = t.take(f"{pt}embeddings.position_embedding.weight")

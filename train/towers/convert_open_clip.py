@@ -57,6 +57,7 @@ def load(path: str) -> io.Converted:
   act = "quick_gelu" if mc.get("quick_gelu") else "gelu"
   arch = (f"OpenCLIP ViT: width {width}, depth {depth}, {heads} heads, "
           f"patch {patch}, pool {pool}, act {act}")
+  io.check_heads(cfg_path, arch, width, heads)
   t = io.Tensors(tensors, f, arch)
   blocks = {}
   for i in range(depth):

@@ -23,9 +23,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # timm's ViT sizes: name -> heads; and width -> heads where the name says
 # nothing.
 _HEADS_BY_NAME = {"tiny": 3, "small": 6, "medium": 8, "base": 12, "large": 16,
-                  "huge": 16, "giant": 16, "gigantic": 16}
-_HEADS_BY_WIDTH = {192: 3, 384: 6, 512: 8, 768: 12, 1024: 16, 1280: 16,
-                   1408: 16, 1664: 16}
+                  "huge": 16, "giant": 16, "gigantic": 16, "so400m": 16}
+_HEADS_BY_WIDTH = {192: 3, 384: 6, 512: 8, 768: 12, 1024: 16, 1152: 16,
+                   1280: 16, 1408: 16, 1664: 16}
 
 
 def detect(path: str) -> bool:
@@ -53,7 +53,7 @@ def load(path: str) -> io.Converted:
   cfg_path = os.path.join(path, "config.json")
   cfg = io.read_json(cfg_path)
   arch_name = cfg.get("architecture", "")
-  if not arch_name.startswith(("vit_", "deit", "eva", "vit")):
+  if not arch_name.startswith(("vit_", "deit")):
     raise io.CheckpointError(f"{cfg_path}: timm architecture {arch_name!r} is "
                              "not a ViT (only timm VisionTransformers are read)")
   f = os.path.join(path, "model.safetensors")
@@ -84,13 +84,21 @@ def load(path: str) -> io.Converted:
                              f"{sorted(pools)}")
   n_pos = int(tensors["pos_embed"].shape[1])
   pos_embed_cls = class_token and int(round(n_pos ** 0.5)) ** 2 != n_pos
-  act = ("quick_gelu" if "quickgelu" in arch_name
-         or args.get("act_layer") == "quick_gelu" else "gelu")
+  # timm's CLIP ports with "quickgelu" in the name use quick-GELU, its SigLIP
+  # ports tanh-GELU, the rest erf-GELU (or what model_args says).
+  act = args.get("act_layer")
+  if act is not None and act not in ("quick_gelu", "gelu_tanh", "gelu"):
+    raise io.CheckpointError(f"{cfg_path}: model_args.act_layer {act!r} is not "
+                             "one of gelu, gelu_tanh, quick_gelu")
+  if act is None:
+    act = ("quick_gelu" if "quickgelu" in arch_name else
+           "gelu_tanh" if "_siglip" in arch_name else "gelu")
   eps = 1e-5 if "_clip_" in arch_name else 1e-6
   arch = (f"timm {arch_name}: width {width}, depth {depth}, {heads} heads, "
           f"patch {patch}, pool {pool}"
           + (", class token" if class_token else "")
           + (", fc_norm" if has_fc_norm else ""))
+  io.check_heads(cfg_path, arch, width, heads)
   t = io.Tensors(tensors, f, arch)
   blocks = {}
   for i in range(depth):
