@@ -71,8 +71,12 @@ def get_config(arg=None):
   c.model.text.depth = 12
   c.model.text.num_heads = 8
   c.model.text.mlp_dim = 2048
+  # The tokenizer (and the text tower's start) follow model.image.init, so
+  # --config.model.image.init=PATH alone points them all at PATH (``tiny``
+  # sets its own paths, unlinked).
+  init = c.model.image.get_ref("init") if arg != "tiny" else path
   if arg == "hf_text":
-    c.model.text.init = path
+    c.model.text.init = init
 
   c.loss.name = loss
   c.loss.backend = "auto"
@@ -100,9 +104,9 @@ def get_config(arg=None):
   c.tokenizer.kind = tok
   c.tokenizer.max_len = 64
   if tok == "clip_bpe":
-    c.tokenizer.bpe_path = path        # The checkpoint's own vocabulary.
+    c.tokenizer.bpe_path = init        # The checkpoint's own vocabulary.
   elif tok == "sentencepiece":
-    c.tokenizer.spm_path = os.path.join(path, "spiece.model")
+    c.tokenizer.spm_path = init + "/spiece.model"
 
   if arg == "tiny":
     c.total_steps = 6

@@ -164,6 +164,13 @@ def test_pretrained_config_builds_the_towers_and_checks_sizes():
     config_base.check_config(c)
   for arg in ("hf", "hf_text", "siglip", "timm", "open_clip", "bv"):
     config_base.check_config(_config("p:" + arg))
+  # One override points the tokenizer and the text start at the checkpoint.
+  c = _config("p:hf_text")
+  c.model.image.init = "/ckpt/clip"
+  assert c.tokenizer.bpe_path == c.model.text.init == "/ckpt/clip"
+  c = _config("p:siglip")
+  c.model.image.init = "/ckpt/siglip"
+  assert c.tokenizer.spm_path == "/ckpt/siglip/spiece.model"
 
 
 @pytest.mark.slow
