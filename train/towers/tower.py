@@ -110,10 +110,6 @@ class Tower:
       x = self.normalization((x.astype(jnp.float32) + 1.0) * 127.5)
     return self.module.apply(variables, x.astype(self.dtype))
 
-  def init(self, rng, images):
-    """Fresh params of ``module`` (``images``: normalised, any batch)."""
-    return self.module.init(rng, images.astype(self.dtype))
-
   @functools.cached_property
   def _jitted(self):
     return jax.jit(self.embed)
