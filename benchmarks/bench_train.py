@@ -60,7 +60,8 @@ def _build(spec):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
   from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
   from train import models  # pylint: disable=g-import-not-at-top
-  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from train import optim
+from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   m = spec["model"]
   dtype = jnp.dtype(m["dtype"])
@@ -81,8 +82,8 @@ def _build(spec):
       "txt": txt.init(k[1], jnp.ones((1, m["text_len"]), jnp.int32))["params"],
       "head": head.init(k[2], jnp.zeros((2, m["embed_dim"])),
                         jnp.zeros((2, m["embed_dim"])))["params"]}
-  schedule = step_lib.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
-  optimizer = step_lib.make_optimizer(
+  schedule = optim.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
+  optimizer = optim.make_optimizer(
       name="adamw", schedule=schedule, weight_decay=1e-4, grad_clip_norm=1.0,
       params=params, image_locked=True)
   precomputed = spec["mode"] == "precomputed"
