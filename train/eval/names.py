@@ -24,7 +24,6 @@ where the class name goes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 
@@ -68,7 +67,6 @@ def _lines(path: str, what: str) -> list[str]:
           if l.strip() and not l.lstrip().startswith("#")]
 
 
-@functools.lru_cache(maxsize=8)
 def read_classnames(path: str, what: str = "class-name file"):
   """(names in order, {label: name} or None) of a class-name file."""
   lines = _lines(path, what)
