@@ -60,8 +60,8 @@ def _build(spec):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
   from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
   from train import models  # pylint: disable=g-import-not-at-top
-  from train import optim
-from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from train import optim  # pylint: disable=g-import-not-at-top
+  from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   m = spec["model"]
   dtype = jnp.dtype(m["dtype"])
