@@ -353,3 +353,25 @@ def test_streamed_memory_does_not_grow_with_the_split():
   # decoded image (which alone would be 448 x 12 KiB = 5.3 MiB more).
   assert growth < (512 - 64) * (d * 4 + 600), (peaks, growth)
   assert growth < 0.1 * (512 - 64) * image_bytes
+
+
+def test_config_check_names_bad_zero_shot_keys(tmp_path):
+  def error(**kw):
+    c = _tiny(str(tmp_path / "tfds"))
+    for k, v in kw.items():
+      c.data[k] = v
+    with pytest.raises(ValueError) as e:
+      data_lib.check_data_config(c)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+  assert "zeroshot_classnames_file: file not found: '/no/names.txt'" in error(
+      zeroshot_classnames_file="/no/names.txt")
+  assert "zeroshot_templates_file: file not found" in error(
+      zeroshot_templates_file="nope.txt")
+  assert "both set" in error(zeroshot_templates=("a {}.",),
+                             zeroshot_templates_file=names.IMAGENET_TEMPLATES)
+  assert "exactly once" in error(zeroshot_templates=("a photo",))
+  # A shipped file is found by its name alone.
+  c = _tiny(str(tmp_path / "tfds"))
+  c.data.zeroshot_templates_file = "imagenet_clip_templates.txt"
+  data_lib.check_data_config(c)
