@@ -268,6 +268,7 @@ def _in_memory(config, tokenizer, image_tower, text_tower, params):
   return img, out
 
 
+@pytest.mark.slow  # ~20 s on 2 cores: two evaluators and the reference.
 def test_streamed_evaluation_equals_the_in_memory_one(data_dir):
   config = _tiny(data_dir)
   tokenizer, image_tower, text_tower, params, mesh = _model(config)
@@ -375,3 +376,15 @@ def test_config_check_names_bad_zero_shot_keys(tmp_path):
   c = _tiny(str(tmp_path / "tfds"))
   c.data.zeroshot_templates_file = "imagenet_clip_templates.txt"
   data_lib.check_data_config(c)
+
+
+def test_the_training_split_size_feeds_the_batch_warning(data_dir):
+  from train import optim  # pylint: disable=import-outside-toplevel
+  from train.data import sources  # pylint: disable=import-outside-toplevel
+  config = _tiny(data_dir)
+  sources.builder_for(config.data)  # Prepared.
+  n = train._train_split_size(config)  # pylint: disable=protected-access
+  assert n == config.data.num_train_examples == 128
+  assert optim.batch_repeat_warning(256, n, "train").startswith(
+      "[lit] warning: config.batch_size=256 is larger than the 128 examples")
+  assert optim.batch_repeat_warning(128, n, "train") is None
