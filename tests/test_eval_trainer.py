@@ -56,6 +56,7 @@ def test_loss_diagnostics_equal_numpy_on_a_sample(loss):
   assert "neg_logit_mean" not in one and "pos_logit_mean" in one
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: compiles a train step.
 def test_train_step_metrics_carry_the_diagnostics():
   """The step's metrics (what metrics.jsonl and TensorBoard get) hold the
   diagnostics of the parameters the step's loss saw."""
