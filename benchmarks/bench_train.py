@@ -61,6 +61,7 @@ def _build(spec):
   from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
   from train.towers import own  # pylint: disable=g-import-not-at-top
   from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
+  from train import optim  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   m = spec["model"]
@@ -82,8 +83,8 @@ def _build(spec):
       "txt": txt.init(k[1], jnp.ones((1, m["text_len"]), jnp.int32))["params"],
       "head": head.init(k[2], jnp.zeros((2, m["embed_dim"])),
                         jnp.zeros((2, m["embed_dim"])))["params"]}
-  schedule = step_lib.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
-  optimizer = step_lib.make_optimizer(
+  schedule = optim.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
+  optimizer = optim.make_optimizer(
       name="adamw", schedule=schedule, weight_decay=1e-4, grad_clip_norm=1.0,
       params=params, image_locked=True)
   precomputed = spec["mode"] == "precomputed"

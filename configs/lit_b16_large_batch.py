@@ -22,6 +22,18 @@ measures the step time and the largest batch on one GPU with synthetic data.
 
 ``:coco`` reads TFDS coco_captions (default); ``:synthetic`` trains on the
 embedded synthetic_shapes data at 224 px (a systems test, not a model).
+COCO's train split has fewer images (82,783) than one batch, so every batch
+repeats images and a copy counts as its own negative; the trainer warns. A
+real run at this batch size needs a split of many millions of pairs.
+
+The optimizer is SigLIP's (Zhai et al. 2023), as big_vision configures it:
+``big_vision.scale_by_adafactor`` (momentum 0.9 kept in bfloat16, factored
+second moment with decay rate 0.8 capped at beta2 = 0.95, the cap SigLIP
+uses for stable large-batch training, no parameter-scale multiplication, no
+update clipping), lr 1e-3, wd 1e-4 scaled by the schedule, global-norm
+clipping at 1.0 and cosine decay after max(3% of the steps, 100) warmup
+steps (big_vision's SigLIP configs: ``optax = dict(beta2_cap=0.95)``,
+``lr = 1e-3``, ``wd = 1e-4``).
 """
 import importlib.util
 import os
@@ -55,7 +67,17 @@ def get_config(arg=None):
   c.tokenizer.max_len = 32
   c.optim.name = "adafactor"        # Factored moments: less optimizer memory.
   c.optim.lr = 1e-3
-  c.optim.warmup_steps = 500
+  c.optim.weight_decay = 1e-4
+  c.optim.weight_decay_scale = "schedule"
+  c.optim.b1 = 0.9                  # big_vision scale_by_adafactor momentum.
+  c.optim.b2 = 0.95                 # beta2_cap, SigLIP.
+  c.optim.momentum_dtype = "bfloat16"
+  c.optim.adafactor_decay_rate = 0.8
+  c.optim.adafactor_min_dim_size_to_factor = 32
+  c.optim.adafactor_eps = 1e-30
+  c.optim.adafactor_clipping_threshold = 0.0
+  c.optim.grad_clip_norm = 1.0
+  c.optim.warmup_steps = max(int(0.03 * c.total_steps), 100)
   c.eval.every_steps = 1000
   c.eval.batch_size = 4096
   c.checkpoint.every_steps = 500

@@ -25,6 +25,7 @@ from train import embedding_cache
 from train import evaluate
 from train.towers import own
 from train.towers import text as text_lib
+from train import optim
 from train import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,8 +154,8 @@ def test_precomputed_embeddings_train_like_the_on_the_fly_path():
   for _ in range(4):
     idx = rng.choice(48, B, replace=False)
     batches.append((pool_images[idx], pool_tokens[idx]))
-  schedule = step_lib.make_schedule(lr=1e-2, total_steps=4, warmup_steps=1)
-  optimizer = step_lib.make_optimizer(name="adamw", schedule=schedule,
+  schedule = optim.make_schedule(lr=1e-2, total_steps=4, warmup_steps=1)
+  optimizer = optim.make_optimizer(name="adamw", schedule=schedule,
                                       weight_decay=1e-2, grad_clip_norm=1.0,
                                       params=params, image_locked=True)
   mesh = _mesh(2)
@@ -185,66 +186,6 @@ def test_precomputed_embeddings_train_like_the_on_the_fly_path():
   for a, b in zip(jax.tree.leaves(params["img"]),
                   jax.tree.leaves(cached["params"]["img"])):
     np.testing.assert_array_equal(a, b)
-
-
-def test_adafactor_and_frozen_tower_has_no_optimizer_state():
-  img, txt, head = _towers()
-  images, tokens = _batch(4)
-  params = _params(img, txt, head, images, tokens)
-  schedule = step_lib.make_schedule(lr=1e-2, total_steps=3, warmup_steps=0)
-  opt = step_lib.make_optimizer(name="adafactor", schedule=schedule,
-                                weight_decay=1e-3, params=params,
-                                image_locked=True)
-  state = step_lib.init_state(_mesh(1), params, opt)
-  n_img = len(jax.tree.leaves(params["img"]))
-  n_all = len(jax.tree.leaves(params))
-  # Optimizer state exists for the trainable leaves only (masked nodes are
-  # empty); a frozen tower costs no optimizer memory.
-  inner = state["opt_state"].inner_states
-  assert set(inner) == {"train", "frozen"}
-  assert not jax.tree.leaves(inner["frozen"])
-  assert len(jax.tree.leaves(inner["train"])) >= n_all - n_img
-  with pytest.raises(ValueError, match="adamw.*adafactor"):
-    step_lib.make_optimizer(name="sgd", schedule=schedule, params=params,
-                            image_locked=True)
-
-
-def test_recall_and_zero_shot_template_averaging():
-  sim = np.array([[0.9, 0.1, 0.0], [0.8, 0.5, 0.1], [0.0, 0.2, 0.1]])
-  r = evaluate.recall_at_k(sim, ks=(1, 2, 3))
-  # Ranks of the matches: row0 -> 0, row1 -> 1, row2 -> 1.
-  assert r == {1: 1 / 3, 2: 1.0, 3: 1.0}
-
-  # A fake text tower whose "tokens" are the embeddings themselves: one-hot
-  # of the class plus a template-dependent nuisance that the averaging over
-  # templates cancels.
-  names = ["a", "b", "c"]
-  templates = ["{} x", "{} yy"]
-
-  def fake(params, tok):
-    del params
-    return tok
-  prompts = [t.format(c) for c in names for t in templates]
-  table = {}
-  for p in prompts:
-    cls = names.index(p[0])
-    v = np.zeros(4, np.float32)
-    v[cls] = 1.0
-    v[3] = 1.0 if p.endswith("x") else -1.0
-    table[p] = v
-
-  class Tok:
-    def encode(self, texts):
-      return np.stack([table[t] for t in texts])
-
-  cls = evaluate.class_embeddings(fake, None, Tok(), names, templates, 4)
-  np.testing.assert_allclose(cls, np.eye(3, 4), atol=1e-6)
-  zs = NS(images=np.eye(3, 4, dtype=np.float32)[[2, 0, 1, 1]],
-          labels=np.array([2, 0, 1, 0]), classnames=names, templates=templates)
-  out = evaluate.zero_shot(fake, fake, {"img": None, "txt": None}, Tok(),
-                           zs, 4)
-  assert out["zeroshot_top1"] == 0.75
-  assert out["zeroshot_chance"] == 0.5
 
 
 # ------------------------------------------------------- command line

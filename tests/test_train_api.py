@@ -15,7 +15,6 @@ from jax.sharding import Mesh
 
 from configs import lit_demo
 from train import data as data_lib
-from train import evaluate
 from train import step as step_lib
 from train import train
 
@@ -65,11 +64,8 @@ def test_load_params_gives_the_final_parameters(run):
   tokenizer = data_lib.make_tokenizer(config)
   image_tower, text_tower, _ = train.make_models(config, tokenizer)
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
-  zs, rs = data_lib.make_eval_sets(config, tokenizer)
-  bs = -(-config.eval.batch_size // mesh.size) * mesh.size
-  got = evaluate.evaluate(step_lib.make_embed_fn(mesh, image_tower),
-                          step_lib.make_embed_fn(mesh, text_tower), params,
-                          tokenizer, zs, rs, bs)
+  got = train.make_evaluator(config, mesh, image_tower, text_tower,
+                             tokenizer)(params)
   for k, v in got.items():
     assert v == pytest.approx(summary[f"eval/{k}"], abs=1e-6), k
 

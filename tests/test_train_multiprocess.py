@@ -143,6 +143,16 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
                                       for p in range(NUM_PROCESSES)]
   params = train_lib.load_params(str(work))
 
+  # The final evaluation, streamed over 2 processes (each reading and
+  # embedding only its own rows of every batch), equals one process's
+  # evaluation of the same checkpoint (8 devices, --reevaluate).
+  single = train_lib.train_and_evaluate(_tiny_config(data_dir), str(work),
+                                        reevaluate=True)
+  evals = {k: v for k, v in summary.items() if k.startswith("eval/")}
+  assert "eval/t2i_r10" in evals and "eval/zeroshot_top5" in evals
+  for k, v in evals.items():
+    assert single[k] == pytest.approx(v, abs=1e-6), k
+
   # One process, 8 devices (conftest), the same global batches.
   assert jax.device_count() == 8 and jax.process_count() == 1
   make_iterator = data_lib.make_train_iterator

@@ -76,16 +76,30 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss.min_log_scale = 0.0
   c.loss.max_log_scale = math.log(100.0)
 
+  # The update of either optimizer is described in train/optim.py.
   c.optim = ml_collections.ConfigDict()
-  c.optim.name = "adamw"        # "adamw" | "adafactor"
-  c.optim.lr = 1e-3
-  c.optim.weight_decay = 1e-4
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.999
-  c.optim.eps = 1e-8
+  c.optim.name = "adamw"        # "adamw" | "adafactor" (big_vision's variant)
+  c.optim.lr = 1e-3             # Peak of the warmup + cosine schedule.
+  c.optim.weight_decay = 1e-4   # Decoupled; on weights with ndim >= 2.
+  # How the decay follows the schedule: "lr" = multiplied by lr(t) (optax.adamw,
+  # PyTorch AdamW); "schedule" = by lr(t) / lr (big_vision's config.wd).
+  c.optim.weight_decay_scale = "lr"
+  c.optim.b1 = 0.9              # Adam b1; Adafactor momentum (0 = none).
+  c.optim.b2 = 0.999            # Adam b2; Adafactor second-moment decay cap.
+  c.optim.eps = 1e-8            # Adam epsilon.
   c.optim.warmup_steps = 100
   c.optim.end_lr_ratio = 0.0    # Cosine decays to lr * end_lr_ratio.
   c.optim.grad_clip_norm = 1.0  # 0 = no clipping.
+  # ((regex, multiplier), ...) over parameter names such as "head/log_scale",
+  # "head/bias", "txt/encoder/block0/..."; first full match wins, else 1.
+  c.optim.lr_mults = ()
+  # Adafactor only (big_vision.scale_by_adafactor's defaults).
+  c.optim.adafactor_decay_rate = 0.8
+  c.optim.adafactor_min_dim_size_to_factor = 32
+  c.optim.adafactor_eps = 1e-30
+  c.optim.adafactor_clipping_threshold = 0.0  # 0 = no update clipping.
+  # First-moment dtype (Adam's mu, Adafactor's momentum).
+  c.optim.momentum_dtype = "float32"
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 0        # 0 = only at the end.
@@ -161,6 +175,30 @@ def check_config(config) -> None:
   need(config.optim.name in ("adamw", "adafactor"),
        f"config.optim.name must be 'adamw' or 'adafactor', got "
        f"{config.optim.name!r}")
+  need(config.optim.weight_decay_scale in ("lr", "schedule"),
+       f"config.optim.weight_decay_scale must be 'lr' or 'schedule', got "
+       f"{config.optim.weight_decay_scale!r}")
+  need(config.optim.momentum_dtype in ("float32", "bfloat16"),
+       f"config.optim.momentum_dtype must be float32|bfloat16, got "
+       f"{config.optim.momentum_dtype!r}")
+  for key in ("lr", "weight_decay", "eps", "grad_clip_norm", "end_lr_ratio",
+              "adafactor_eps", "adafactor_clipping_threshold"):
+    value = config.optim[key]
+    need(isinstance(value, (int, float)) and math.isfinite(value)
+         and value >= 0, f"config.optim.{key}={value!r} must be a finite "
+         "number >= 0")
+  for key in ("b1", "b2"):
+    need(0 <= config.optim[key] < 1, f"config.optim.{key}="
+         f"{config.optim[key]!r} must be in [0, 1)")
+  need(config.optim.warmup_steps >= 0, "config.optim.warmup_steps must be "
+       ">= 0")
+  for i, rule in enumerate(config.optim.lr_mults):
+    need(isinstance(rule, (tuple, list)) and len(rule) == 2
+         and isinstance(rule[0], str) and isinstance(rule[1], (int, float)),
+         f"config.optim.lr_mults[{i}]={rule!r} must be a (regex, "
+         "multiplier) pair")
+  need(config.eval.batch_size >= 1, f"config.eval.batch_size="
+       f"{config.eval.batch_size} must be >= 1")
   need(config.model.dtype in ("float32", "bfloat16", "float16"),
        f"config.model.dtype must be float32|bfloat16|float16, got "
        f"{config.model.dtype!r}")

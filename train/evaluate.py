@@ -1,94 +1,126 @@
-"""Held-out evaluation: zero-shot classification and image <-> text retrieval.
+"""Held-out evaluation as the CLIP/LiT papers compute it.
 
-Zero-shot: every class name is put into every prompt template, the text
-embeddings of a class are L2-normalized, averaged over its templates and
-normalized again (the CLIP recipe); an image is assigned the class whose
-averaged text embedding is most similar. Retrieval: image i's caption is
-text i; R@K is the fraction of queries whose match ranks in the top K, in
-both directions.
+``Evaluator(params)`` streams each evaluation split through the image tower
+(``train.eval.stream``: batches straight from the source, data-parallel over
+the mesh and the processes, only the (N, D) embeddings kept), then computes
+
+* zero-shot classification: top-1 and top-5 against the class embeddings,
+  each the normalized mean over the prompt templates (``train.eval.zeroshot``;
+  names and templates from ``train.eval.names``), with chance 1/classes;
+* image <-> text retrieval over every caption of every image: R@1/5/10 both
+  ways (``train.eval.retrieval``).
+
+When the zero-shot set and the retrieval set are the same split (the
+trainer's own eval split with labels), it is read and embedded once.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
+from train import step as step_lib
+from train.eval import retrieval as retrieval_lib
+from train.eval import stream
+from train.eval import zeroshot as zeroshot_lib
 
-def embed_all(embed_fn: Callable, params, inputs: np.ndarray, batch_size: int):
-  """``embed_fn(params, batch)`` over ``inputs`` in fixed-size batches.
-
-  The last batch is padded (by repeating row 0) so that one compiled program
-  serves every batch; the padding rows are dropped.
-  """
-  n = inputs.shape[0]
-  out = []
-  for start in range(0, n, batch_size):
-    chunk = inputs[start:start + batch_size]
-    pad = batch_size - chunk.shape[0]
-    if pad:
-      chunk = np.concatenate([chunk, np.repeat(chunk[:1], pad, axis=0)])
-    out.append(np.asarray(embed_fn(params, chunk), np.float32)[:batch_size -
-                                                                pad])
-  return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
+# Batched embedding of a host array (token ids; the embedding cache's images).
+embed_all = stream.embed_host_array
 
 
-def _normalize(x):
-  return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
-def class_embeddings(embed_txt: Callable, txt_params, tokenizer, classnames,
-                     templates, batch_size: int):
+def class_embeddings(embed_txt, txt_params, tokenizer, classnames, templates,
+                     batch_size: int) -> np.ndarray:
   """(num_classes, D): per class, the normalized mean over templates."""
-  prompts = [t.format(c) for c in classnames for t in templates]
-  emb = _normalize(embed_all(embed_txt, txt_params, tokenizer.encode(prompts),
-                             batch_size))
-  emb = emb.reshape(len(classnames), len(templates), -1).mean(axis=1)
-  return _normalize(emb)
+  tokens = tokenizer.encode(zeroshot_lib.prompts(classnames, templates))
+  return zeroshot_lib.average_templates(
+      embed_all(embed_txt, txt_params, tokens, batch_size), len(classnames))
 
 
-def zero_shot(embed_img: Callable, embed_txt: Callable, params, tokenizer,
-              zs, batch_size: int) -> dict[str, float]:
-  """Top-1 accuracy of ``zs`` (a train.data.ZeroShotSet) and its chance."""
-  img = _normalize(embed_all(embed_img, params["img"], zs.images, batch_size))
-  cls = class_embeddings(embed_txt, params["txt"], tokenizer, zs.classnames,
-                         zs.templates, batch_size)
-  pred = np.argmax(img @ cls.T, axis=-1)
-  labels = np.asarray(zs.labels)
-  # Chance: always guessing the most frequent class.
-  counts = np.bincount(labels, minlength=len(zs.classnames))
-  return {"zeroshot_top1": float(np.mean(pred == labels)),
-          "zeroshot_chance": float(counts.max() / max(len(labels), 1)),
-          "zeroshot_num_classes": float(len(zs.classnames))}
+def caption_table(captions):
+  """Per-image caption lists -> (flat captions, image index of each)."""
+  texts, owner = [], []
+  for i, caps in enumerate(captions):
+    texts.extend(caps)
+    owner.extend([i] * len(caps))
+  return texts, np.asarray(owner, np.int64)
 
 
-def recall_at_k(sim: np.ndarray, ks=(1, 5, 10)) -> dict[int, float]:
-  """R@K of ``sim`` (queries x candidates), query i's match is candidate i."""
-  target = sim[np.arange(sim.shape[0]), np.arange(sim.shape[0])][:, None]
-  # Rank = number of candidates strictly more similar than the match.
-  rank = np.sum(sim > target, axis=1)
-  return {k: float(np.mean(rank < k)) for k in ks}
+class Evaluator:
+  """All held-out metrics of a parameter set ``{"img", "txt", "head"}``.
+
+  Args:
+    mesh: the 1-D "data" mesh (all devices of all processes).
+    image_tower: the ``train.towers.Tower`` of the image tower (its
+      ``embed(params, uint8)`` is used; its own params are not).
+    text_tower: the text tower module.
+    tokenizer: the trainer's tokenizer.
+    zeroshot, retrieval: from ``train.data.make_eval_sets`` (None: skipped).
+    batch_size: global images or texts per batch (a multiple of mesh.size).
+  """
+
+  def __init__(self, *, mesh, image_tower, text_tower, tokenizer, zeroshot,
+               retrieval, batch_size: int):
+    self.mesh, self.tokenizer = mesh, tokenizer
+    self.zeroshot, self.retrieval = zeroshot, retrieval
+    self.batch_size = batch_size
+    self._embed_img = stream.make_image_embed(mesh, image_tower.embed)
+    self._embed_txt = step_lib.make_embed_fn(mesh, text_tower)
+    self._prompt_tokens = None
+    if zeroshot is not None:
+      self._prompt_tokens = tokenizer.encode(zeroshot_lib.prompts(
+          zeroshot.classnames, zeroshot.templates))
+
+  def describe(self) -> list[str]:
+    """One console line per evaluation set: what is evaluated, from where."""
+    lines = []
+    zs, rs = self.zeroshot, self.retrieval
+    if zs is not None:
+      p = zs.prompts
+      lines.append(
+          f"[lit] zero-shot eval: {zs.split.num_examples} images of "
+          f"{zs.split.name}" + _prefix_note(zs.split)
+          + f", {len(p.classnames)} classes (names from {p.classnames_from}),"
+          f" {len(p.templates)} templates (from {p.templates_from})")
+    if rs is not None:
+      lines.append(f"[lit] retrieval eval: {rs.split.num_examples} images of "
+                   f"{rs.split.name}" + _prefix_note(rs.split)
+                   + ", every caption of each image")
+    return lines
+
+  def _embed(self, split, params, keep_captions):
+    return stream.embed_split(split, mesh=self.mesh,
+                              image_embed=self._embed_img,
+                              params=params["img"],
+                              batch_size=self.batch_size,
+                              keep_captions=keep_captions)
+
+  def __call__(self, params) -> dict[str, float]:
+    zs, rs = self.zeroshot, self.retrieval
+    out = {}
+    shared = None
+    if zs is not None:
+      same = rs is not None and rs.split is zs.split
+      emb = self._embed(zs.split, params, keep_captions=same)
+      shared = emb if same else None
+      cls = zeroshot_lib.average_templates(
+          embed_all(self._embed_txt, params["txt"], self._prompt_tokens,
+                    self.batch_size), len(zs.classnames))
+      out.update(zeroshot_lib.accuracy(zeroshot_lib.normalize(emb.images),
+                                       cls, emb.labels))
+    if rs is not None:
+      emb = shared or self._embed(rs.split, params, keep_captions=True)
+      texts, owner = caption_table(emb.captions)
+      txt = np.zeros((0, emb.images.shape[-1]), np.float32)
+      if texts:
+        txt = embed_all(self._embed_txt, params["txt"],
+                        self.tokenizer.encode(texts), self.batch_size)
+      out.update(retrieval_lib.recall(zeroshot_lib.normalize(emb.images),
+                                      zeroshot_lib.normalize(txt), owner))
+      out["retrieval_num_images"] = float(len(emb.images))
+      out["retrieval_num_captions"] = float(len(texts))
+    return out
 
 
-def retrieval(embed_img: Callable, embed_txt: Callable, params, rs,
-              batch_size: int) -> dict[str, float]:
-  """Image -> text and text -> image R@1/5/10 of ``rs`` (a RetrievalSet)."""
-  img = _normalize(embed_all(embed_img, params["img"], rs.images, batch_size))
-  txt = _normalize(embed_all(embed_txt, params["txt"], rs.texts, batch_size))
-  sim = img @ txt.T
-  out = {}
-  for name, s in (("i2t", sim), ("t2i", sim.T)):
-    for k, v in recall_at_k(s).items():
-      out[f"{name}_r{k}"] = v
-  return out
-
-
-def evaluate(embed_img: Callable, embed_txt: Callable, params, tokenizer,
-             zs, rs, batch_size: int) -> dict[str, float]:
-  """All held-out metrics; a set that is None is skipped."""
-  out = {}
-  if zs is not None:
-    out.update(zero_shot(embed_img, embed_txt, params, tokenizer, zs,
-                         batch_size))
-  if rs is not None:
-    out.update(retrieval(embed_img, embed_txt, params, rs, batch_size))
-  return out
+def _prefix_note(split) -> str:
+  if split.num_examples == split.total_examples:
+    return " (the whole split)"
+  return (f" (the first {split.num_examples} of {split.total_examples}: "
+          "config.data.num_eval_examples)")

@@ -1,7 +1,8 @@
-"""The LiT train step: optimizer, data-parallel GradCache step, embedding fns.
+"""The LiT train step: data-parallel GradCache step, embedding fns.
 
 Pure JAX / Flax / optax (no ml_collections, no data pipeline), so the GPU
-benchmark can build the exact step the trainer runs.
+benchmark can build the exact step the trainer runs; the optimizer and its
+schedule are in ``train.optim``.
 
 Parameters are one dict ``{"img": ..., "txt": ..., "head": ...}``: the image
 tower, the text tower and the loss head (``infcl_jax.flax.ContrastiveLoss``:
@@ -30,58 +31,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from train import diagnostics
 from train import gradcache
 
 AXIS = "data"
-
-
-# ----------------------------------------------------------------- optimizer
-
-
-def make_schedule(*, lr: float, total_steps: int, warmup_steps: int,
-                  end_lr_ratio: float = 0.0):
-  """Linear warmup from 0 to ``lr``, then cosine decay to ``lr*end_lr_ratio``."""
-  warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
-      decay_steps=max(total_steps, warmup_steps + 1),
-      end_value=lr * end_lr_ratio)
-
-
-def param_labels(params, *, image_locked: bool):
-  """"frozen" for every leaf of a locked image tower, "train" elsewhere."""
-  return {k: jax.tree.map(
-      lambda _, k=k: "frozen" if (k == "img" and image_locked) else "train",
-      v) for k, v in params.items()}
-
-
-def make_optimizer(*, name: str, schedule, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                   grad_clip_norm: float = 0.0, params, image_locked: bool):
-  """AdamW or AdaFactor on the trainable params; the locked tower is frozen.
-
-  Freezing is an optax mask (``multi_transform`` with ``set_to_zero``), so a
-  locked tower gets exactly zero updates (no weight decay either) and needs no
-  optimizer state. Weight decay skips biases, norms and scalars (ndim < 2).
-  Gradient clipping is by the global norm of the trainable gradients.
-  """
-  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
-  parts = []
-  if grad_clip_norm and grad_clip_norm > 0:
-    parts.append(optax.clip_by_global_norm(grad_clip_norm))
-  if name == "adamw":
-    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps,
-                             weight_decay=weight_decay, mask=decay_mask))
-  elif name == "adafactor":
-    parts.append(optax.adafactor(
-        learning_rate=schedule, weight_decay_rate=weight_decay or None,
-        weight_decay_mask=decay_mask))
-  else:
-    raise ValueError(
-        f"config.optim.name must be 'adamw' or 'adafactor', got {name!r}")
-  return optax.multi_transform(
-      {"train": optax.chain(*parts), "frozen": optax.set_to_zero()},
-      param_labels(params, image_locked=image_locked))
 
 
 # ----------------------------------------------------------------- the loss
@@ -179,26 +132,26 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
       check_vma=False)
 
 
-def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule):
+def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule,
+                    embed_sample=None):
   """Builds the jitted ``train_step(state, batch) -> (state, metrics)``.
 
   Args:
     grad_fn: from ``make_grad_fn``.
     head: the loss head module (to report the clamped scale and bias).
-    optimizer, schedule: from ``make_optimizer`` / ``make_schedule``.
+    optimizer, schedule: from ``train.optim``.
+    embed_sample: optional, from ``diagnostics.make_sample_embedder``: adds
+      the positive/negative logit statistics of a small sample.
   """
   def train_step(state, batch):
     loss, grads = grad_fn(state["params"], batch)
     updates, opt_state = optimizer.update(grads, state["opt_state"],
                                           state["params"])
     params = optax.apply_updates(state["params"], updates)
-    scale, bias = head.apply({"params": params["head"]},
-                             method=type(head).scale_and_bias)
     metrics = {
         "loss": loss,
-        "logit_scale": scale,
-        "temperature": 1.0 / scale,
-        "logit_bias": bias,
+        **diagnostics.loss_diagnostics(head, state["params"], batch,
+                                       embed_sample),
         "grad_norm": optax.tree.norm({"txt": grads["txt"],
                                         "head": grads["head"]}),
         "lr": schedule(state["step"]),

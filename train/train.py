@@ -10,7 +10,8 @@
 5. Loop: next batch -> (cached image embeddings) -> train step -> metrics
    (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
    checkpoint every M steps.
-6. Final checkpoint, final eval, and a summary with zero-shot vs chance.
+6. Final checkpoint, final eval, and a summary with zero-shot vs chance
+   (uniform: 1 / number of classes).
 
 A workdir already at ``config.total_steps`` trains nothing (its summary is
 printed; ``reevaluate=True`` evaluates it again). Ctrl-C finishes the
@@ -38,11 +39,15 @@ from infcl_jax.flax import ContrastiveLoss
 from train import checkpoint as checkpoint_lib
 from train import config_base
 from train import data as data_lib
+from train import diagnostics
 from train import embedding_cache
 from train import evaluate
+from train import optim
 from train import step as step_lib
 from train.towers import build as towers_build
 from train import workdir as workdir_lib
+from train.data import sources
+from train.eval import zeroshot as zeroshot_lib
 
 
 # ----------------------------------------------------------------- logging
@@ -172,12 +177,29 @@ def _round_up(x, m):
   return -(-x // m) * m
 
 
+def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
+  """The held-out ``evaluate.Evaluator`` of ``config`` (sets read lazily)."""
+  zs, rs = data_lib.make_eval_sets(config, tokenizer)
+  return evaluate.Evaluator(
+      mesh=mesh, image_tower=image_tower,
+      text_tower=text_tower, tokenizer=tokenizer, zeroshot=zs, retrieval=rs,
+      batch_size=_round_up(config.eval.batch_size, mesh.size))
+
+
+def _train_split_size(config) -> int | None:
+  """Examples in the training split, when the source says (else None)."""
+  try:
+    builder = sources.builder_for(config.data, prepare=False)
+    return int(builder.info.splits[config.data.split].num_examples)
+  except Exception:  # pylint: disable=broad-except
+    return None  # A source that does not know its size: no check.
+
+
 def _eval_line(step: int, m: dict) -> str:
   """One console line for an evaluation in the middle of a run."""
   parts = []
   if "zeroshot_top1" in m:
-    parts.append(f"zero-shot top-1 {100 * m['zeroshot_top1']:.1f}% (chance "
-                 f"{100 * m['zeroshot_chance']:.1f}%)")
+    parts.append("zero-shot " + zeroshot_lib.describe(m))
   if "i2t_r1" in m:
     parts.append(f"retrieval R@1 image->text {100 * m['i2t_r1']:.1f}%, "
                  f"text->image {100 * m['t2i_r1']:.1f}%")
@@ -332,11 +354,11 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
     image_tower, text_tower, _ = make_models(config, tokenizer)
     params = jax.device_put(ckpt.restore_params(latest),
                             NamedSharding(mesh, P()))
-    zs, rs = data_lib.make_eval_sets(config, tokenizer)
-    eval_metrics = evaluate.evaluate(
-        step_lib.make_embed_fn(mesh, image_tower),
-        step_lib.make_embed_fn(mesh, text_tower), params, tokenizer, zs, rs,
-        _round_up(config.eval.batch_size, mesh.size))
+    evaluator = make_evaluator(config, mesh, image_tower, text_tower,
+                               tokenizer)
+    if is_main:
+      print("\n".join(evaluator.describe()), flush=True)
+    eval_metrics = evaluator(params)
     if summary is None:  # Stopped after the final checkpoint.
       summary = {"steps": latest, "resumed_from": latest,
                  **_last_train_row(workdir)}
@@ -361,15 +383,8 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   tokenizer = data_lib.make_tokenizer(config)
   image_tower, text_tower, head = make_models(config, tokenizer)
   params = init_params(config, image_tower, text_tower, head, tokenizer)
-  schedule = step_lib.make_schedule(
-      lr=config.optim.lr, total_steps=config.total_steps,
-      warmup_steps=config.optim.warmup_steps,
-      end_lr_ratio=config.optim.end_lr_ratio)
-  optimizer = step_lib.make_optimizer(
-      name=config.optim.name, schedule=schedule,
-      weight_decay=config.optim.weight_decay, b1=config.optim.b1,
-      b2=config.optim.b2, eps=config.optim.eps,
-      grad_clip_norm=config.optim.grad_clip_norm, params=params,
+  optimizer, schedule = optim.from_config(
+      config.optim, total_steps=config.total_steps, params=params,
       image_locked=config.model.image.locked)
   state = step_lib.init_state(mesh, params, optimizer)
   del params
@@ -379,6 +394,11 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       config, batch_size=config.batch_size // jax.process_count(),
       process_index=jax.process_index(), process_count=jax.process_count(),
       seed=config.seed, tokenizer=tokenizer)
+  warning = optim.batch_repeat_warning(config.batch_size,
+                                       _train_split_size(config),
+                                       config.data.split)
+  if warning and is_main:
+    print(warning, flush=True)
 
   # Resume.
   start_step = 0
@@ -409,11 +429,13 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
           + (" locked" if config.model.image.locked else " trained")
           + (", precomputed embeddings" if config.precompute_image_embeddings
              else ""), flush=True)
+  embed_sample = diagnostics.make_sample_embedder(
+      embed_img=(None if config.precompute_image_embeddings else
+                 lambda p, x: image_tower.apply({"params": p}, x)),
+      embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
   train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                        optimizer=optimizer, schedule=schedule)
-  embed_img = step_lib.make_embed_fn(mesh, image_tower)
-  embed_txt = step_lib.make_embed_fn(mesh, text_tower)
-  eval_bs = _round_up(config.eval.batch_size, mesh.size)
+                                        optimizer=optimizer, schedule=schedule,
+                                        embed_sample=embed_sample)
   cache = None
   if config.precompute_image_embeddings:
     # Each process embeds the images of its own data shard, a different
@@ -426,11 +448,12 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
         jax.device_put(jax.device_get(state["params"]["img"]),
                        NamedSharding(local_mesh, P())),
         _round_up(config.eval.batch_size, local_mesh.size))
-  zs, rs = data_lib.make_eval_sets(config, tokenizer)
+  evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
+  if is_main:
+    print("\n".join(evaluator.describe()), flush=True)
 
   def run_eval():
-    return evaluate.evaluate(embed_img, embed_txt, state["params"], tokenizer,
-                             zs, rs, eval_bs)
+    return evaluator(state["params"])
 
   writer = MetricWriter(workdir, start_step, enabled=is_main,
                         on_write=on_metrics)
@@ -515,11 +538,8 @@ def print_summary(s: dict, done_line: bool = True) -> None:
     lines.append(f"[lit] final train loss {s['loss']:.4f}, temperature "
                  f"{s['temperature']:.4f}")
   if "eval/zeroshot_top1" in s:
-    acc, chance = s["eval/zeroshot_top1"], s["eval/zeroshot_chance"]
-    n = int(s["eval/zeroshot_num_classes"])
-    lines.append(f"[lit] zero-shot top-1 {100 * acc:.1f}% on the held-out split "
-                 f"({n} classes) vs chance {100 * chance:.1f}% "
-                 f"({acc / max(chance, 1e-9):.1f}x chance)")
+    lines.append("[lit] zero-shot " + zeroshot_lib.describe(s, "eval/")
+                 + " on the held-out split")
   if "eval/i2t_r1" in s:
     lines.append("[lit] retrieval R@1/5/10 image->text "
                  + "/".join(f"{100 * s[f'eval/i2t_r{k}']:.1f}"

@@ -10,6 +10,7 @@ import ml_collections
 
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
+from train.eval import names as names_lib
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -44,9 +45,18 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.zeroshot_split = "test"
   c.zeroshot_image_key = "image"
   c.zeroshot_label_key = "label"
-  # Prompt templates with "{}" for the class name; empty = dataset default
-  # (synthetic_shapes: its held-out templates).
+  # Class names (train/eval/names.py): a list in label order, or a file (one
+  # name per line, or "label<TAB>name" lines keyed by the dataset's label
+  # names); both empty = the dataset's labels, WordNet IDs (imagenet2012)
+  # mapped to CLIP's class names.
+  c.zeroshot_classnames = ()
+  c.zeroshot_classnames_file = ""
+  # Prompt templates with "{}" for the class name, a list or a file (one per
+  # line); both empty = the dataset's default (synthetic_shapes: its
+  # held-out templates; WordNet-ID labels: CLIP's 80 ImageNet prompts; else
+  # CLIP's "a photo of a {}.").
   c.zeroshot_templates = ()
+  c.zeroshot_templates_file = ""
   # Input pipeline: reader threads and batches prefetched ahead.
   c.num_threads = 2
   c.prefetch_batches = 2
@@ -99,8 +109,15 @@ def check_data_config(config) -> None:
                        "cache_max_mb") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
-  for tmpl in data.zeroshot_templates:
-    if "{}" not in tmpl:
-      raise ValueError(f"config.data.zeroshot_templates entry {tmpl!r} has no "
-                       "'{}' for the class name")
+  names_lib.check_templates(data.zeroshot_templates,
+                            "config.data.zeroshot_templates")
+  for key in ("zeroshot_classnames_file", "zeroshot_templates_file"):
+    if data[key]:
+      names_lib.resolve_path(data[key], f"config.data.{key}")
+  if data.zeroshot_classnames and data.zeroshot_classnames_file:
+    raise ValueError("config.data.zeroshot_classnames and "
+                     "zeroshot_classnames_file are both set: give one")
+  if data.zeroshot_templates and data.zeroshot_templates_file:
+    raise ValueError("config.data.zeroshot_templates and "
+                     "zeroshot_templates_file are both set: give one")
   sources.check_sources(data)

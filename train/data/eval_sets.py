@@ -1,115 +1,179 @@
 """Held-out evaluation data: a zero-shot classification set and a retrieval set.
 
-Both are read through the same TFDS source and example function as training
-(decode, resize/crop, scale), in split order, with the first caption of each
-image. For synthetic_shapes the eval split holds only (shape, color)
-combinations never seen in training, and the zero-shot prompt templates are
-ones no training caption uses.
+Neither is read here: each is an ``EvalSplit`` (a split, its length and a
+``read(indices)`` function) that evaluation streams in batches, so only the
+embeddings of a split are ever held, never its decoded images. Examples are
+read through the same TFDS source and example function as training (decode,
+resize/crop to uint8), in split order, with every caption of each image.
+For synthetic_shapes the eval split holds only (shape, color) combinations
+never seen in training, and the zero-shot prompt templates are ones no
+training caption uses.
+
+Class names and templates are resolved by ``train.eval.names`` (config list
+or file, the dataset's labels, WordNet IDs -> names, shipped defaults).
 """
+from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable, Sequence
 
 import numpy as np
 
 from train.data import pipeline
 from train.data import sources
 from train.data import synthetic
+from train.eval import names as names_lib
 
-# Generic prompts for TFDS classification datasets without their own.
-DEFAULT_TEMPLATES = (
-    "a photo of a {}.",
-    "a picture of the {}.",
-    "an image of a {}.",
-    "a close-up photo of the {}.",
-)
+
+@dataclasses.dataclass
+class EvalSplit:
+  """A split read in order for evaluation.
+
+  ``read(indices)`` returns one dict per index: ``{"image": uint8 [S, S, 3],
+  "captions": [str], "label": int}`` (label -1 and captions [] where the
+  split has none). It is the one place that touches the source, so another
+  source format (webdataset, CSV) plugs in by giving its own ``read``.
+  """
+  name: str
+  num_examples: int
+  total_examples: int  # Of the whole split (num_examples may be a prefix).
+  image_size: int
+  read: Callable[[Sequence[int]], list]
+
+  def read_all(self) -> list:
+    """Every example at once (small splits: notebooks, tests)."""
+    return self.read(list(range(self.num_examples)))
 
 
 @dataclasses.dataclass
 class ZeroShotSet:
-  """Zero-shot classification: score images against classnames x templates.
+  """Zero-shot classification: images of ``split`` against classnames x
+  templates (``prompts.templates`` have "{}" for the class name)."""
+  split: EvalSplit
+  prompts: names_lib.Prompts
 
-  images: float32 [N, H, W, 3] in [-1, 1]; labels: int32 [N] indices into
-  classnames; templates: prompts with "{}" for the class name (the trainer
-  averages the text embeddings of a class over its templates).
-  """
-  images: np.ndarray
-  labels: np.ndarray
-  classnames: list
-  templates: list
+  @property
+  def classnames(self):
+    return list(self.prompts.classnames)
+
+  @property
+  def templates(self):
+    return list(self.prompts.templates)
+
+  @functools.cached_property
+  def _all(self):
+    return self.split.read_all()
+
+  @property
+  def images(self) -> np.ndarray:
+    """uint8 [N, S, S, 3] of the whole split (exploration only)."""
+    return np.stack([e["image"] for e in self._all])
+
+  @property
+  def labels(self) -> np.ndarray:
+    return np.asarray([e["label"] for e in self._all], np.int32)
 
 
 @dataclasses.dataclass
 class RetrievalSet:
-  """Image <-> text retrieval: texts[i] (tokenized captions[i]) is image i's."""
-  images: np.ndarray
-  texts: np.ndarray
-  captions: list
+  """Image <-> text retrieval over ``split``: every caption of every image."""
+  split: EvalSplit
+
+  @functools.cached_property
+  def _all(self):
+    return self.split.read_all()
+
+  @property
+  def images(self) -> np.ndarray:
+    """uint8 [N, S, S, 3] of the whole split (exploration only)."""
+    return np.stack([e["image"] for e in self._all])
+
+  @property
+  def captions(self) -> list:
+    """Per image, the list of its captions."""
+    return [list(e["captions"]) for e in self._all]
 
 
-def _decode(text) -> str:
+def decode_text(text) -> str:
   return text.decode("utf-8") if isinstance(text, bytes) else str(text)
 
 
-def make_eval_sets(config, tokenizer):
+class _TFDSReader:
+  """``read(indices)`` of a TFDS split: compact examples, text decoded."""
+
+  def __init__(self, source, *, image_key, text_key, label_key, image_size):
+    self._source = source
+    self._image_key, self._label_key = image_key, label_key
+    self._compact = (pipeline.Compact(image_key=image_key, text_key=text_key,
+                                      label_key=label_key,
+                                      image_size=image_size)
+                     if text_key else None)
+    self._image_size = image_size
+
+  def __call__(self, indices):
+    examples = self._source.__getitems__(list(indices)) if len(indices) else []
+    out = []
+    for ex in examples:
+      if self._compact is not None:
+        c = self._compact(ex)
+        c["captions"] = [decode_text(t) for t in c["captions"]]
+      else:  # A classification set: image and label only.
+        c = {"image": pipeline.resize_crop(
+                 np.asarray(sources.value_at(ex, self._image_key)),
+                 self._image_size),
+             "captions": [],
+             "label": int(sources.value_at(ex, self._label_key))}
+      out.append(c)
+    return out
+
+
+def _split(builder, split, *, image_key, text_key, label_key, image_size,
+           limit) -> EvalSplit:
+  source = builder.as_data_source(split=split)
+  total = len(source)
+  n = total if not limit else min(limit, total)
+  return EvalSplit(
+      name=f"{builder.info.full_name}[{split}]", num_examples=n,
+      total_examples=total, image_size=image_size,
+      read=_TFDSReader(source, image_key=image_key, text_key=text_key,
+                       label_key=label_key, image_size=image_size))
+
+
+def make_eval_sets(config, tokenizer=None):
   """Returns (ZeroShotSet or None, RetrievalSet) for config.data.
 
   The zero-shot set is None when it has no labeled source (a TFDS dataset
-  without label_key and without zeroshot_name).
+  without label_key and without zeroshot_name). ``tokenizer`` is unused
+  (captions are tokenized when evaluated); kept for the callers' signature.
   """
+  del tokenizer
   data = config.data
   builder = sources.builder_for(data)
-  source = builder.as_data_source(split=data.eval_split)
   limit = data.num_eval_examples if data.name != synthetic.NAME else 0
-  n = len(source) if not limit else min(limit, len(source))
-  compact = pipeline.Compact(image_key=data.image_key, text_key=data.text_key,
-                             label_key=data.label_key,
-                             image_size=data.image_size)
-  images, captions, labels = [], [], []
-  for i in range(n):
-    item = compact(source[i])
-    images.append(pipeline.to_float(item["image"]))
-    labels.append(item["label"])
-    captions.append(_decode(item["captions"][0] if item["captions"] else b""))
-  images = np.stack(images)
-  retrieval = RetrievalSet(images=images, texts=tokenizer.encode(captions),
-                           captions=captions)
+  main = _split(builder, data.eval_split, image_key=data.image_key,
+                text_key=data.text_key, label_key=data.label_key,
+                image_size=data.image_size, limit=limit)
+  retrieval = RetrievalSet(split=main)
 
-  templates = list(data.zeroshot_templates)
   if data.zeroshot_name:
     zs_builder = sources.zeroshot_builder_for(data)
     label_feature = sources.feature_at(zs_builder.info.features,
                                        data.zeroshot_label_key)
-    zs = _read_images_labels(zs_builder, data.zeroshot_split,
-                             data.zeroshot_image_key, data.zeroshot_label_key,
-                             data.image_size, data.num_eval_examples)
-    classnames = [c.replace("_", " ") for c in label_feature.names]
-    zeroshot = ZeroShotSet(images=zs[0], labels=zs[1], classnames=classnames,
-                           templates=templates or list(DEFAULT_TEMPLATES))
-  elif data.label_key:
-    label_feature = sources.feature_at(builder.info.features, data.label_key)
-    names = getattr(label_feature, "names", None)
-    if not names:
-      return None, retrieval
-    if data.name == synthetic.NAME:
-      default_templates = list(synthetic.ZEROSHOT_TEMPLATES)
-    else:
-      default_templates = list(DEFAULT_TEMPLATES)
-    zeroshot = ZeroShotSet(images=images, labels=np.asarray(labels, np.int32),
-                           classnames=[c.replace("_", " ") for c in names],
-                           templates=templates or default_templates)
-  else:
-    zeroshot = None
-  return zeroshot, retrieval
-
-
-def _read_images_labels(builder, split, image_key, label_key, image_size,
-                        limit):
-  source = builder.as_data_source(split=split)
-  n = len(source) if not limit else min(limit, len(source))
-  images, labels = [], []
-  for i in range(n):
-    ex = source[i]
-    images.append(pipeline.preprocess_image(
-        np.asarray(sources.value_at(ex, image_key)), image_size))
-    labels.append(int(sources.value_at(ex, label_key)))
-  return np.stack(images), np.asarray(labels, np.int32)
+    split = _split(zs_builder, data.zeroshot_split,
+                   image_key=data.zeroshot_image_key, text_key="",
+                   label_key=data.zeroshot_label_key,
+                   image_size=data.image_size, limit=data.num_eval_examples)
+    prompts = names_lib.resolve(data, list(label_feature.names))
+    return ZeroShotSet(split=split, prompts=prompts), retrieval
+  if not data.label_key:
+    return None, retrieval
+  label_feature = sources.feature_at(builder.info.features, data.label_key)
+  label_names = getattr(label_feature, "names", None)
+  if not label_names:
+    return None, retrieval
+  dataset_templates = (synthetic.ZEROSHOT_TEMPLATES
+                       if data.name == synthetic.NAME else None)
+  prompts = names_lib.resolve(data, list(label_names),
+                              dataset_templates=dataset_templates)
+  return ZeroShotSet(split=main, prompts=prompts), retrieval
