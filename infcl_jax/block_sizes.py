@@ -21,6 +21,9 @@ import dataclasses
 
 import numpy as np
 
+from infcl_jax.backends.capability import SMEM_PER_BLOCK  # pylint: disable=unused-import
+from infcl_jax.backends.capability import smem_limit
+
 F32_PRECISIONS = ("tf32", "highest")
 BWD_IMPLS = ("pallas", "xla")
 
@@ -191,23 +194,6 @@ class BlockSizes:
 # every float32 kernel at most ``peak`` (benchmarks/results/configs_h200).
 # ---------------------------------------------------------------------------
 
-# Maximum dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin),
-# by compute capability, from NVIDIA's CUDA C++ Programming Guide.
-SMEM_PER_BLOCK = {
-    (7, 0): 96 * 1024,    # V100
-    (7, 5): 64 * 1024,    # T4, RTX 20xx
-    (8, 0): 163 * 1024,   # A100, A30
-    (8, 6): 99 * 1024,    # A10, A40, RTX 30xx
-    (8, 7): 163 * 1024,   # Jetson Orin
-    (8, 9): 99 * 1024,    # L4, L40, RTX 40xx
-    (9, 0): 227 * 1024,   # H100, H200
-    (10, 0): 227 * 1024,  # B200
-    (10, 3): 227 * 1024,  # B300
-    (12, 0): 99 * 1024,   # RTX 50xx, RTX PRO Blackwell
-    (12, 1): 99 * 1024,   # GB10
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class SmemEstimate:
   """Shared memory of one Triton kernel, in bytes (see the notes above)."""
@@ -286,11 +272,6 @@ TRITON_CONFIGS = {
                            num_stages=2, bwd_block_q=64, bwd_block_k=128,
                            bwd_num_stages=2, panel_rows=2048)),
 }
-
-
-def smem_limit(capability) -> int | None:
-  """Maximum shared memory per block of a compute capability, or None."""
-  return None if capability is None else SMEM_PER_BLOCK.get(tuple(capability))
 
 
 def triton_config_name(capability) -> str:

@@ -43,6 +43,7 @@ class FakeMosaic:
   """A registered "mosaic" with softmax tiles only."""
   name = "mosaic"
   families = ("softmax",)
+  RUNS_ON = capability.RunsOn(tuned=((9, 0),), needs="sm90")
 
   def __init__(self, platform=None):
     self.platform = platform
@@ -56,9 +57,8 @@ class FakeMosaic:
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-  """No override, no "mosaic" (unless a test adds one), fresh warnings."""
+  """No override, the real backend table, fresh warnings."""
   monkeypatch.delenv(ENV, raising=False)
-  monkeypatch.delitem(registry._TABLE, "mosaic", raising=False)  # pylint: disable=protected-access
   capability.reset_warnings()
   yield
   capability.reset_warnings()
@@ -122,79 +122,125 @@ def test_device_info_prefers_compute_capability(monkeypatch):
   assert capability.device_capability() is None
 
 
-# ------------------------------------------------------------ the auto rule
+# ------------------------------------------------------------ the one rule
 
-# kind, compute_capability attribute (None: not exposed), backend, config.
+N, U, T, I = (capability.NATIVE, capability.UNSUPPORTED, capability.UNTESTED,
+              capability.INTERPRET)
+
+# Written down, not recomputed: kind, compute_capability attribute (None: not
+# exposed), auto's choice (both families), the verdicts of (xla, pallas,
+# mosaic) and the Pallas config the GPU gets.
 RULES = [
-    ("NVIDIA H200", "9.0", "pallas", "smem227k"),
-    ("NVIDIA H100 80GB HBM3", None, "pallas", "smem227k"),
-    ("NVIDIA B200", "10.0", "pallas", "smem227k"),
-    ("NVIDIA A100-SXM4-80GB", "8.0", "pallas", "smem163k"),
-    ("Jetson AGX Orin", "8.7", "pallas", "smem163k"),
-    ("NVIDIA A10", "8.6", "pallas", "smem99k"),
-    ("NVIDIA GeForce RTX 3090", None, "pallas", "smem99k"),
-    ("NVIDIA L4", "8.9", "pallas", "smem99k"),
-    ("NVIDIA GeForce RTX 4090", None, "pallas", "smem99k"),
-    ("NVIDIA GeForce RTX 5090", "12.0", "pallas", "smem99k"),
-    ("Tesla T4", "7.5", "xla", None),
-    ("Tesla T4", None, "xla", None),
-    ("Tesla V100-SXM2-16GB", "7.0", "xla", None),
-    ("Some Future GPU", None, "xla", None),
-    ("Some Future GPU", "13.7", "xla", None),
+    ("NVIDIA H200", "9.0", "mosaic", (N, N, N), "smem227k"),
+    ("NVIDIA H100 80GB HBM3", None, "mosaic", (N, N, N), "smem227k"),
+    ("NVIDIA GH200 480GB", "9.0", "mosaic", (N, N, N), "smem227k"),
+    ("NVIDIA B200", "10.0", "pallas", (N, N, U), "smem227k"),
+    ("NVIDIA B200", None, "pallas", (N, N, U), "smem227k"),
+    ("NVIDIA A100-SXM4-80GB", "8.0", "pallas", (N, N, U), "smem163k"),
+    ("Jetson AGX Orin", "8.7", "pallas", (N, N, U), "smem163k"),
+    ("NVIDIA A10", "8.6", "pallas", (N, N, U), "smem99k"),
+    ("NVIDIA GeForce RTX 3090", None, "pallas", (N, N, U), "smem99k"),
+    ("NVIDIA L4", "8.9", "pallas", (N, N, U), "smem99k"),
+    ("NVIDIA L4", None, "pallas", (N, N, U), "smem99k"),
+    ("NVIDIA GeForce RTX 4090", None, "pallas", (N, N, U), "smem99k"),
+    ("NVIDIA GeForce RTX 5090", "12.0", "pallas", (N, N, U), "smem99k"),
+    ("Tesla T4", "7.5", "xla", (N, U, U), None),
+    ("Tesla T4", None, "xla", (N, U, U), None),
+    ("Tesla V100-SXM2-16GB", "7.0", "xla", (N, U, U), None),
+    ("Some Future GPU", None, "xla", (N, T, U), None),
+    ("Some Future GPU", "13.7", "xla", (N, T, U), None),
 ]
+TILED = ("xla", "pallas", "mosaic")
 
 
-@pytest.mark.parametrize("kind,cc,want,config", RULES)
+@pytest.mark.parametrize("kind,cc,want,verdicts,config", RULES)
 @pytest.mark.parametrize("family", ["softmax", "sigmoid"])
-def test_auto_rule_per_capability(monkeypatch, kind, cc, want, config, family):
+def test_auto_rule_per_gpu(monkeypatch, kind, cc, want, verdicts, config,
+                           family):
   fake_gpu(monkeypatch, kind, cc)
+  assert tuple(registry.support(n, "gpu") for n in TILED) == verdicts
   name, warned = resolve_recording(family)
   assert name == want
-  # Exactly the fallback to xla on a GPU warns.
+  # Exactly the fallback to xla on a GPU warns, in one line.
   assert len(warned) == (want == "xla"), [str(w.message) for w in warned]
   if want == "xla":
     msg = str(warned[0].message)
-    assert kind in msg and "INFCL_JAX_BACKEND=pallas" in msg
-    assert "\n" not in msg
+    assert kind in msg and "\n" not in msg
+    # Pallas is offered only where it may run (untested, not unsupported).
+    assert ("INFCL_JAX_BACKEND=pallas" in msg) == (verdicts[1] == T), msg
+  # available() and an explicit name read the same verdicts.
+  for backend, verdict in zip(TILED, verdicts):
+    assert registry.available(backend, family, "gpu") == (verdict != U)
+    if verdict == U:
+      with pytest.raises(ValueError) as e:
+        registry.resolve(backend, family, platform="gpu")
+      msg = str(e.value)
+      assert "\n" not in msg and kind in msg, msg
+      assert msg.startswith(f"backend={backend!r} cannot run on "), msg
+      assert f"use backend={want!r}" in msg, msg
+    else:
+      assert registry.resolve(backend, family, platform="gpu") == backend
   if config is not None:
-    # The kernel backend's defaults on this GPU are that capability's.
+    # The Triton defaults on this GPU are that capability's config.
     be = registry.get("pallas", family, platform="gpu")
     for dtype, idx in ((jnp.bfloat16, 1), (jnp.float16, 1), (jnp.float32, 2)):
       assert be.default_block_sizes("gpu", dtype) == bsm.TRITON_CONFIGS[
           config][idx]
 
 
+def test_explicit_mosaic_on_b200_names_the_gpu_and_pallas(monkeypatch):
+  fake_gpu(monkeypatch, "NVIDIA B200", "10.0")
+  x = jnp.ones((8, 4), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"^backend='mosaic' cannot run on "
+                     r"NVIDIA B200 \(compute capability 10\.0\): it needs "
+                     r"an sm90 GPU .*; use backend='pallas'"):
+    registry.resolve("mosaic", "sigmoid", platform="gpu")
+  # The public API says the same, before any kernel is traced.
+  monkeypatch.setattr(registry, "default_platform", lambda: "gpu")
+  with pytest.raises(ValueError, match=r"backend='mosaic' cannot run on "
+                     r"NVIDIA B200"):
+    contrastive_loss(x, x, 2.0, backend="mosaic")
+
+
 @pytest.mark.parametrize("platform,kind", [("cpu", "cpu"),
                                            ("tpu", "TPU v5 lite")])
-def test_auto_off_the_gpu_is_xla_silently(monkeypatch, platform, kind):
+def test_no_gpu_auto_is_xla_silently_and_kernels_interpret(monkeypatch,
+                                                           platform, kind):
   fake_gpu(monkeypatch, kind, platform=platform)
   for family in ("softmax", "sigmoid"):
     assert resolve_recording(family, platform=platform) == ("xla", [])
-  assert resolve_recording("softmax", platform=None) == ("xla", [])
+    assert tuple(registry.support(n, platform) for n in TILED) == (N, I, I)
+    for backend in TILED:  # Interpreted kernels are allowed by name.
+      assert registry.available(backend, family, platform)
+      assert registry.resolve(backend, family, platform=platform) == backend
 
 
-def test_auto_takes_mosaic_on_hopper_where_it_has_the_family(monkeypatch):
+def test_gpu_platform_without_a_readable_gpu_is_an_unknown_gpu(monkeypatch):
+  def no_gpu(*a, **k):
+    raise RuntimeError("Unknown backend gpu")
+  monkeypatch.setattr(jax, "devices", no_gpu)
+  assert tuple(registry.support(n, "gpu") for n in TILED) == (N, T, U)
+  assert resolve_recording("softmax")[0] == "xla"
+  with pytest.raises(ValueError, match=r"backend='mosaic' cannot run on this "
+                     r"GPU \(compute capability unknown\)"):
+    registry.resolve("mosaic", "softmax", platform="gpu")
+
+
+def test_mosaic_with_one_family_gives_the_other_to_pallas(monkeypatch):
   monkeypatch.setitem(registry._TABLE, "mosaic", FakeMosaic)  # pylint: disable=protected-access
   fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
   assert resolve_recording("softmax") == ("mosaic", [])
   assert resolve_recording("sigmoid") == ("pallas", [])  # No sigmoid tiles.
-  # Its kernels use Hopper's wgmma: not on sm100 or sm80.
-  for kind, cc in (("NVIDIA B200", "10.0"), ("NVIDIA A100", "8.0")):
-    fake_gpu(monkeypatch, kind, cc)
-    assert resolve_recording("softmax") == ("pallas", [])
+  with pytest.raises(ValueError, match="backend 'mosaic' has no sigmoid"):
+    registry.resolve("mosaic", "sigmoid", platform="gpu")
 
 
-def test_auto_with_the_builtin_mosaic(monkeypatch):
-  """The real table: where "mosaic" is built in, sm90 takes it."""
-  if "mosaic" not in registry.BUILTIN:
-    pytest.skip("no built-in mosaic backend in this version")
-  monkeypatch.setitem(registry._TABLE, "mosaic", registry.BUILTIN["mosaic"])  # pylint: disable=protected-access
-  fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
-  for family in ("softmax", "sigmoid"):
-    want = "mosaic" if registry.available("mosaic", family) else "pallas"
-    assert resolve_recording(family) == (want, [])
-  fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", "8.0")
-  assert resolve_recording() == ("pallas", [])
+def test_auto_off_the_gpu_imports_no_kernel_backend(monkeypatch):
+  """auto on a CPU is "xla" by the rule (kernel backends only interpret
+  there) without importing them: a broken kernel module cannot matter."""
+  monkeypatch.setitem(registry._TABLE, "mosaic", "no.such.module")  # pylint: disable=protected-access
+  monkeypatch.setitem(registry._TABLE, "pallas", "no.such.module")  # pylint: disable=protected-access
+  assert registry.resolve("auto", "softmax", platform="cpu") == "xla"
 
 
 def test_fallback_warns_once_per_process(monkeypatch):
@@ -207,11 +253,18 @@ def test_fallback_warns_once_per_process(monkeypatch):
   assert all(r[0] == "xla" for r in (first, second, third))
 
 
-def test_explicit_backends_pass_through(monkeypatch):
-  fake_gpu(monkeypatch, "Tesla T4", "7.5")
-  monkeypatch.setenv(ENV, "xla")
-  for name in ("pallas", "xla", "reference"):
-    assert registry.resolve(name, "softmax", platform="gpu") == name
+def test_a_backend_without_runs_on_is_refused(monkeypatch):
+  class NoRule:
+    name = "norule"
+    families = ("softmax",)
+    lse = lse_grad = None
+
+    def __init__(self, platform=None):
+      del platform
+
+  monkeypatch.setitem(registry._TABLE, "norule", NoRule)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="NoRule declares no RUNS_ON"):
+    registry.resolve("norule", "softmax", platform="cpu")
 
 
 # ------------------------------------------------------------ INFCL_JAX_BACKEND
@@ -220,9 +273,14 @@ def test_env_overrides_auto(monkeypatch):
   fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
   monkeypatch.setenv(ENV, "xla")
   assert resolve_recording() == ("xla", [])
-  fake_gpu(monkeypatch, "Tesla T4", "7.5")
+  fake_gpu(monkeypatch, "Some Future GPU")
   monkeypatch.setenv(ENV, "pallas")
   assert resolve_recording("sigmoid") == ("pallas", [])  # No fallback warning.
+  # The variable obeys the capability rule like an explicit name.
+  fake_gpu(monkeypatch, "Tesla T4", "7.5")
+  with pytest.raises(ValueError, match=r"^INFCL_JAX_BACKEND='pallas': backend="
+                     r"'pallas' cannot run on Tesla T4 .*use backend='xla'"):
+    registry.resolve("auto", "softmax", platform="gpu")
   monkeypatch.setenv(ENV, " pallas ")
   assert registry.resolve("auto", "softmax", platform="cpu") == "pallas"
   for value in ("", "auto"):  # The rule itself.
@@ -243,6 +301,7 @@ def test_env_unknown_value_is_a_one_line_error(monkeypatch, value):
 
 def test_env_backend_without_the_family_is_an_error(monkeypatch):
   monkeypatch.setitem(registry._TABLE, "mosaic", FakeMosaic)  # pylint: disable=protected-access
+  fake_gpu(monkeypatch, "NVIDIA H200", "9.0")
   monkeypatch.setenv(ENV, "mosaic")
   assert registry.resolve("auto", "softmax", platform="gpu") == "mosaic"
   with pytest.raises(ValueError, match=r"INFCL_JAX_BACKEND='mosaic': backend "
@@ -454,12 +513,12 @@ class TestConfigsOnGpu:
 
 
 @pytest.mark.parametrize("kind,cc,want", [
-    ("NVIDIA H200", "9.0", True), ("NVIDIA B200", "10.0", True),
-    ("NVIDIA L4", "8.9", False), ("NVIDIA A100", None, False),
-    ("Some Future GPU", None, True)])
-def test_mosaic_kernels_only_on_hopper_or_newer(monkeypatch, kind, cc, want):
-  """The Mosaic backend compiles its kernels on sm90+ (capability read as
-  ``auto`` reads it) and routes everything else to its Triton path."""
+    ("NVIDIA H200", "9.0", True), ("NVIDIA H100 PCIe", None, True),
+    ("NVIDIA B200", "10.0", False), ("NVIDIA L4", "8.9", False),
+    ("NVIDIA A100", None, False), ("Some Future GPU", None, False)])
+def test_mosaic_kernels_only_on_sm90(monkeypatch, kind, cc, want):
+  """The Mosaic backend's own choice of kernels reads the same rule: wgmma
+  kernels on sm90 only (an instance built directly, bypassing resolve)."""
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
   fake_gpu(monkeypatch, kind, cc)
   assert mosaic.MosaicBackend(platform="gpu").mosaic_ok is want

@@ -34,9 +34,11 @@ float32 inputs: routed to the Triton path (``PallasTritonBackend``, TF32
 tensor cores by default, ``f32_precision="highest"`` for full float32):
 138.2 ms per softmax step at B = 65536 (3.1x bf16), 9.59 ms at 16384.
 The Mosaic kernels take 16-bit operands only; TF32 wgmma would need float32
-SMEM tiles (half the K-depth per stage) and is not written. Likewise any GPU
-older than sm90 (Mosaic GPU targets Hopper) runs everything on the Triton
-path.
+SMEM tiles (half the K-depth per stage) and is not written.
+
+Where it runs: sm90 only (``RUNS_ON``, read by ``capability.support``). On
+any other GPU ``backend="mosaic"`` fails in one line and names "pallas";
+``backend="auto"`` picks it on sm90 alone.
 
 Block sizes: ``BlockSizes`` keeps its meaning where the kernels allow it.
 ``block_q`` / ``bwd_block_q`` are rows per CTA tile (64 or 128);
@@ -130,28 +132,27 @@ def mosaic_blocks(bs: BlockSizes) -> MosaicBlocks:
                       panel_rows=kp.round_up(bs.panel_rows, bwd_bq))
 
 
-def _hopper_or_newer():
-  """Whether the GPU can run Mosaic GPU kernels (sm90+; an unknown GPU is
-  given the benefit of the doubt, as by ``backend="auto"``)."""
-  info = capability.device_info("gpu")
-  if info is None or info.platform != "gpu":
-    return False
-  return info.capability is None or info.capability >= (9, 0)
-
-
 class MosaicBackend(pallas_triton.PallasTritonBackend):
   """Mosaic GPU tiles for bf16 / f16; the Triton path for the rest."""
 
   name = "mosaic"
   families = ("softmax", "sigmoid")
+  # Hopper only: wgmma and TMA are sm90 instructions; sm100 (B200) has
+  # neither wgmma nor a Mosaic GPU lowering tested here.
+  RUNS_ON = capability.RunsOn(
+      tuned=((9, 0),), unknown_gpu=capability.UNSUPPORTED,
+      needs="an sm90 GPU (H100, H200: its kernels use Hopper's wgmma)")
   # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
   STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
             "sigmoid_grad": "mosaic"}
 
   def __init__(self, platform: str | None = None):
     super().__init__(platform=platform)
-    # Mosaic GPU compiles for sm90+; off the GPU it is interpreted.
-    self.mosaic_ok = self.interpret or _hopper_or_newer()
+    # The capability rule decides (off the GPU: the interpreter).
+    self.mosaic_ok = capability.support(
+        self.RUNS_ON, self.platform,
+        capability.device_info(self.platform)) in (capability.NATIVE,
+                                                   capability.INTERPRET)
 
   def _mosaic(self, stage, *arrays):
     return (self.mosaic_ok and self.STAGES[stage] == "mosaic"

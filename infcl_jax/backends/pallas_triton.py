@@ -31,6 +31,7 @@ import functools
 
 import jax.numpy as jnp
 
+from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_plumbing as kp
 from infcl_jax.backends.xla import check_diagonal
 from infcl_jax.kernels import lse_bwd
@@ -46,6 +47,14 @@ class PallasTritonBackend(kp.KernelBackend):
 
   name = "pallas"
   families = ("softmax", "sigmoid")
+  # Tuned: every GPU from sm80 whose shared memory per block is known (the
+  # configs fit it). Newer GPUs are untested; below sm80 Triton has no
+  # bfloat16 dot.
+  RUNS_ON = capability.RunsOn(
+      tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
+      floor=(8, 0), unknown_gpu=capability.UNTESTED,
+      needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
+            "no bfloat16 dot below)")
 
   # ------------------------------------------------------------ softmax
 

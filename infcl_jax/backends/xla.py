@@ -15,6 +15,7 @@ from jax import lax
 
 from infcl_jax import _axes
 from infcl_jax import _math
+from infcl_jax.backends import capability
 from infcl_jax.block_sizes import BlockSizes
 
 F32 = jnp.float32
@@ -131,6 +132,7 @@ class XlaBackend:
 
   name = "xla"
   families = ("softmax", "sigmoid")
+  RUNS_ON = capability.RunsOn(portable=True)
 
   def __init__(self, platform: str | None = None):
     self.platform = platform or jax.default_backend()
