@@ -24,7 +24,7 @@ import numpy as np
 from infcl_jax.backends.capability import SMEM_PER_BLOCK  # pylint: disable=unused-import
 from infcl_jax.backends.capability import smem_limit
 
-F32_PRECISIONS = ("tf32", "highest")
+from infcl_jax.backends.precision import F32_PRECISIONS
 BWD_IMPLS = ("pallas", "xla")
 
 
@@ -56,13 +56,13 @@ class BlockSizes:
     bwd_impl: Pallas backward: "pallas" (a fused kernel recomputes the
       logits and writes G) or "xla" (XLA's GEMM recomputes the logits of the
       panel in float32, then an elementwise fusion forms G; more memory).
-    f32_precision: Pallas, float32 inputs only: "tf32" runs the matmuls on
-      the tensor cores in TF32 (10-bit mantissa: logits carry ~1e-3 relative
-      error); "highest" keeps full float32 (CUDA cores, several times slower).
-      ``None`` (the default) follows JAX's own switch for float32 matmuls,
-      ``jax.default_matmul_precision`` / ``jax_default_matmul_precision``:
-      "highest" or "float32" there gives "highest", anything else TF32, as
-      XLA's own float32 GEMMs on the GPU do.
+    f32_precision: float32 inputs only: "tf32" runs the matmuls on the
+      tensor cores in TF32 (10-bit mantissa: logits carry ~1e-3 relative
+      error); "highest" keeps full float32 (CUDA cores, several times
+      slower). ``None`` (the default): "highest" if JAX's own float32 switch
+      (``jax.default_matmul_precision``) says "highest" or "float32", else
+      the backend's default: "highest" for xla, "tf32" for the kernel
+      backends (the one policy: ``infcl_jax.backends.precision``).
     single_exp: Pallas: one exponential per logit where a tile's range
       allows (a shared shift for row and column terms; the kernels check
       this per tile and fall back to the exact two-exponential form).
@@ -117,15 +117,6 @@ class BlockSizes:
         raise ValueError(
             f"BlockSizes.panel_rows ({self.panel_rows}) must be a multiple of "
             f"{name} ({getattr(self, name)})")
-
-  def resolved_f32_precision(self) -> str:
-    """"tf32" or "highest": the explicit setting, else JAX's matmul switch."""
-    if self.f32_precision is not None:
-      return self.f32_precision
-    import jax  # Read at trace time, so a `with jax.default_matmul_precision`
-    # block around the call takes effect (it is part of jit's cache key).
-    setting = jax.config.jax_default_matmul_precision
-    return "highest" if setting in ("highest", "float32", "fastest_float32_off") else "tf32"
 
   @classmethod
   def get_default(cls, backend: str = "xla", platform: str = "cpu",

@@ -354,7 +354,7 @@ def test_compiled_kernel_backend_does_not_warn():
   assert not be.interpret
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    be._block_sizes(BlockSizes(16, 32), jnp.float32)  # pylint: disable=protected-access
+    be.block_sizes(BlockSizes(16, 32), jnp.float32)
   assert not caught
 
 

@@ -27,6 +27,7 @@ from jax import lax
 
 from infcl_jax import _axes
 from infcl_jax import _math
+from infcl_jax.backends import base
 from infcl_jax.backends import capability
 from infcl_jax.block_sizes import BlockSizes
 
@@ -278,29 +279,28 @@ def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,
   return gs.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
 
 
-class KernelBackend:
-  """Plumbing of a kernel backend: interpret mode off the GPU, defaults.
+class KernelBackend(base.TileBackend):
+  """A kernel backend: interpret mode off the GPU, defaults by the GPU.
 
   Off the GPU the kernels run through the Pallas interpreter: exact, but
   several times slower than ``backend="xla"``; the first kernel call in a
   process warns about it (``capability.InfclPerformanceWarning``). On the
   GPU the default ``BlockSizes`` follow the device's compute capability
-  (``BlockSizes.get_default(..., capability=)``), so that they fit its
-  shared memory.
+  (``default_block_sizes``), so that they fit its shared memory.
   """
 
   name = "kernel"
-  block_sizes_key = "pallas"  # BlockSizes.get_default's backend name.
+  F32_DEFAULT = "tf32"  # Speed, as XLA's own GEMMs (backends.precision).
 
   def __init__(self, platform: str | None = None):
-    self.platform = platform or jax.default_backend()
+    super().__init__(platform)
     # Anything but a GPU runs the same kernels through the interpreter.
     self.interpret = self.platform != "gpu"
 
   def warn_if_interpreted(self):
     """Warns once per process when this backend's kernels are interpreted.
 
-    Called on every kernel op (through ``_block_sizes``), not on
+    Called on every kernel op (through ``block_sizes``), not on
     construction, so that probing a backend (``registry.available``) is
     silent.
     """
@@ -310,24 +310,14 @@ class KernelBackend:
           f"infcl_jax: backend={self.name!r} runs its Pallas kernels in "
           f"interpret mode on platform {self.platform!r} (they are GPU "
           f"kernels): exact, but several times slower than backend='xla'. "
-          f"Use backend='auto' or 'xla' off the GPU.", stacklevel=4)
+          f"Use backend='auto' or 'xla' off the GPU.", stacklevel=5)
 
   def default_block_sizes(self, platform, dtype):
     cc = capability.device_capability() if platform == "gpu" else None
-    return BlockSizes.get_default(self.block_sizes_key, platform, dtype,
-                                  capability=cc)
+    return BlockSizes.get_default("pallas", platform, dtype, capability=cc)
 
-  def _block_sizes(self, block_sizes, dtype):
+  def block_sizes(self, block_sizes, dtype):
     self.warn_if_interpreted()
-    bs = block_sizes
-    if bs is None:
-      bs = self.default_block_sizes(self.platform, dtype)
+    bs = super().block_sizes(block_sizes, dtype)
     bs.check_pallas()
     return bs
-
-  def _precision(self, bs, dtype):
-    if (jnp.dtype(dtype) == jnp.float32
-        and bs.resolved_f32_precision() == "highest"):
-      return lax.Precision.HIGHEST
-    # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
-    return lax.Precision.DEFAULT

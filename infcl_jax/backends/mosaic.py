@@ -75,7 +75,6 @@ import jax.numpy as jnp
 from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_plumbing as kp
 from infcl_jax.backends import pallas_triton
-from infcl_jax.backends.xla import check_diagonal
 from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.kernels.mosaic import common as mcommon
 from infcl_jax.kernels.mosaic import g_panel as mg_panel
@@ -160,9 +159,6 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
                     for a in arrays)
             and len({jnp.dtype(a.dtype) for a in arrays}) == 1)
 
-  def _mblocks(self, block_sizes, dtype):
-    bs = self._block_sizes(block_sizes, dtype)
-    return bs, mosaic_blocks(bs)
 
   @staticmethod
   def _panel_layout(mb, n, m, d):
@@ -174,13 +170,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
 
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
     if not self._mosaic("lse", x, y):
-      return super().lse(x, y, scale, bias, rows=rows, cols=cols,
-                         block_sizes=block_sizes)
-    if not (rows or cols):
-      return None, None
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+      return super()._lse(x, y, scale, bias, rows=rows, cols=cols, bs=bs)
+    mb = mosaic_blocks(bs)
     n, m = x.shape[0], y.shape[0]
     xp, yp = kp.pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
     nprog = bs.num_programs or kp.num_sms()
@@ -192,12 +185,12 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         num_programs=nprog, interpret=self.interpret,
         single_exp=bs.single_exp, **LSE_FWD_KERNEL)
 
-  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
     if not self._mosaic("lse_grad", x, y):
-      return super().lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
-                              col_coef, block_sizes=block_sizes)
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+      return super()._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
+                               col_coef, bs=bs)
+    mb = mosaic_blocks(bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
         block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
@@ -205,17 +198,16 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return kp.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self._precision(bs, x.dtype), panel=panel)
+        precision=self.precision(bs, x.dtype), panel=panel)
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
     if not self._mosaic("sigmoid_sum", x, y):
-      return super().sigmoid_sum(x, y, scale, bias, has_diagonal=has_diagonal,
-                                 block_sizes=block_sizes)
+      return super()._sigmoid_sum(x, y, scale, bias,
+                                  has_diagonal=has_diagonal, bs=bs)
     n, m = x.shape[0], y.shape[0]
-    check_diagonal(has_diagonal, n, m)
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+    mb = mosaic_blocks(bs)
     xp, yp = kp.pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
     ids = jnp.arange(xp.shape[0], dtype=jnp.int32)
     params = jnp.stack([jnp.asarray(scale, F32), jnp.asarray(bias, F32),
@@ -227,14 +219,11 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         num_programs=bs.num_programs, interpret=self.interpret,
         **SIGMOID_SUM_KERNEL)
 
-  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
     if not self._mosaic("sigmoid_grad", x, y):
-      return super().sigmoid_grad(x, y, scale, bias, coef,
-                                  has_diagonal=has_diagonal,
-                                  block_sizes=block_sizes)
-    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+      return super()._sigmoid_grad(x, y, scale, bias, coef,
+                                   has_diagonal=has_diagonal, bs=bs)
+    mb = mosaic_blocks(bs)
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return msigmoid.sigmoid_tiles(
@@ -246,7 +235,7 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return kp.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self._precision(bs, x.dtype),
+        precision=self.precision(bs, x.dtype),
         panel=None if bs.bwd_impl == "xla" else panel)
 
 

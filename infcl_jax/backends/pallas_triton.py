@@ -33,7 +33,6 @@ import jax.numpy as jnp
 
 from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_plumbing as kp
-from infcl_jax.backends.xla import check_diagonal
 from infcl_jax.kernels import lse_bwd
 from infcl_jax.kernels import lse_fwd
 from infcl_jax.kernels import sigmoid_bwd
@@ -58,10 +57,7 @@ class PallasTritonBackend(kp.KernelBackend):
 
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
-    if not (rows or cols):
-      return None, None
-    bs = self._block_sizes(block_sizes, x.dtype)
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
     n, m = x.shape[0], y.shape[0]
     xp, yp = kp.pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     nprog = bs.num_programs or kp.num_sms()
@@ -71,13 +67,12 @@ class PallasTritonBackend(kp.KernelBackend):
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
-        num_stages=bs.num_stages, precision=self._precision(bs, x.dtype),
+        num_stages=bs.num_stages, precision=self.precision(bs, x.dtype),
         interpret=self.interpret, single_exp=bs.single_exp)
 
-  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
-    bs = self._block_sizes(block_sizes, x.dtype)
-    prec = self._precision(bs, x.dtype)
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
+    prec = self.precision(bs, x.dtype)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         lse_bwd.g_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
         block_k=bs.bwd_block_k, block_d=bs.block_d,
@@ -90,29 +85,19 @@ class PallasTritonBackend(kp.KernelBackend):
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
-    """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
     n, m = x.shape[0], y.shape[0]
-    check_diagonal(has_diagonal, n, m)
-    bs = self._block_sizes(block_sizes, x.dtype)
     xp, yp = kp.pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     rows = sigmoid_fwd.sigmoid_row_sums(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, target_programs=bs.num_programs or kp.num_sms(),
         num_warps=bs.num_warps, num_stages=bs.num_stages,
-        precision=self._precision(bs, x.dtype), interpret=self.interpret)
+        precision=self.precision(bs, x.dtype), interpret=self.interpret)
     return jnp.sum(rows)
 
-  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
-    """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32.
-
-    The tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij).
-    """
-    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
-    bs = self._block_sizes(block_sizes, x.dtype)
-    prec = self._precision(bs, x.dtype)
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
+    prec = self.precision(bs, x.dtype)
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return sigmoid_bwd.g_panel(

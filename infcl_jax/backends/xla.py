@@ -15,18 +15,11 @@ from jax import lax
 
 from infcl_jax import _axes
 from infcl_jax import _math
+from infcl_jax.backends import base
 from infcl_jax.backends import capability
 from infcl_jax.block_sizes import BlockSizes
 
 F32 = jnp.float32
-
-
-def matmul_precision(dtype):
-  # float32 inputs must not silently drop to TF32 on GPU: the tests hold f32
-  # to ~1e-5. bf16/f16 inputs already run on the tensor cores at full rate.
-  if jnp.dtype(dtype) == jnp.float32:
-    return lax.Precision.HIGHEST
-  return lax.Precision.DEFAULT
 
 
 def _blocks(a, block):
@@ -59,15 +52,8 @@ def _positive_mask(rb, kb, bq, bk):
   return rows == cols
 
 
-def check_diagonal(has_diagonal, n, m):
-  if has_diagonal and n != m:
-    raise ValueError(
-        "has_diagonal=True needs square block pairs (positives at i == j), "
-        f"got x with {n} rows and y with {m} rows")
-
-
-def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
-                rescale=False):
+def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
+                col_vec=None, rescale=False):
   """sum over tiles of (G y, G^T x, sum G * x y^T, sum G), G recomputed.
 
   ``tile_g(rb, kb, s, r_blk, c_blk)`` forms a float32 tile of G from the
@@ -81,7 +67,6 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
   n, m = x.shape[0], y.shape[0]
   d = x.shape[1]
   bq, bk = min(bs.block_q, n), min(bs.block_k, m)
-  prec = matmul_precision(x.dtype)
   g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
   xb, row_valid = _blocks(x, bq)
   yb, col_valid = _blocks(y, bk)
@@ -127,37 +112,34 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
   return dx.reshape(-1, d)[:n], dy.reshape(-1, d)[:m], dsc, dbi
 
 
-class XlaBackend:
+class XlaBackend(base.TileBackend):
   """The portable tiled backend, softmax and sigmoid families."""
 
   name = "xla"
   families = ("softmax", "sigmoid")
   RUNS_ON = capability.RunsOn(portable=True)
-
-  def __init__(self, platform: str | None = None):
-    self.platform = platform or jax.default_backend()
+  F32_DEFAULT = "highest"  # The exactness baseline (backends.precision).
 
   def default_block_sizes(self, platform, dtype):
-    return BlockSizes.get_default("xla", platform, dtype)
+    del dtype
+    if platform == "gpu":
+      # Large tiles keep cuBLAS busy; 2048 x 8192 f32 is 64 MiB per buffer.
+      return BlockSizes(block_q=2048, block_k=8192)
+    # On CPU a few MiB per tile amortises the loop overhead.
+    return BlockSizes(block_q=512, block_k=2048)
 
-  def _block_sizes(self, block_sizes, dtype):
-    if block_sizes is None:
-      return self.default_block_sizes(self.platform, dtype)
-    return block_sizes
-
-  def _sweep(self, x, y, scale, bias, block_sizes):
+  def _sweep(self, x, y, scale, bias, bs):
     """What a forward sweep needs: tile shape, precision, blocked inputs."""
-    bs = self._block_sizes(block_sizes, x.dtype)
     bq, bk = min(bs.block_q, x.shape[0]), min(bs.block_k, y.shape[0])
-    return (bq, bk, matmul_precision(x.dtype), _blocks(x, bq), _blocks(y, bk),
-            jnp.asarray(scale, F32), jnp.asarray(bias, F32))
+    return (bq, bk, self.precision(bs, x.dtype), _blocks(x, bq),
+            _blocks(y, bk), jnp.asarray(scale, F32), jnp.asarray(bias, F32))
 
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
     n, m = x.shape[0], y.shape[0]
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
-        x, y, scale, bias, block_sizes)
+        x, y, scale, bias, bs)
     neg = _math.NEG_INF
 
     def row_block(col_stats, inputs):
@@ -192,9 +174,8 @@ class XlaBackend:
     col_out = _math.stats_to_lse(cm, cl).reshape(-1)[:m] if cols else None
     return row_out, col_out
 
-  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
-    bs = self._block_sizes(block_sizes, x.dtype)
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
     scale = jnp.asarray(scale, F32)
     bias = jnp.asarray(bias, F32)
     # The probabilities are in [0, 1]; the coefficients (~1/B) are applied
@@ -216,16 +197,15 @@ class XlaBackend:
 
     vec = lambda v: None if v is None else v.astype(F32)
     dx, dy, dsc, dbi = _grad_sweep(x, y, scale, bias, tile_g, bs=bs,
+                                   prec=self.precision(bs, x.dtype),
                                    row_vec=vec(row_lse), col_vec=vec(col_lse))
     return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
-    """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
-    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
-        x, y, scale, bias, block_sizes)
+        x, y, scale, bias, bs)
 
     def row_block(total, inputs):
       rb, x_blk, rv = inputs
@@ -249,15 +229,8 @@ class XlaBackend:
                         (jnp.arange(xb.shape[0]), xb, row_valid))
     return total
 
-  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
-    """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32.
-
-    The tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij).
-    """
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
     n, m = x.shape[0], y.shape[0]
-    check_diagonal(has_diagonal, n, m)
-    bs = self._block_sizes(block_sizes, x.dtype)
     bq, bk = min(bs.block_q, n), min(bs.block_k, m)
     coef = jnp.asarray(coef, F32)
     scale = jnp.asarray(scale, F32)
@@ -272,9 +245,10 @@ class XlaBackend:
         g = jnp.where(_positive_mask(rb, kb, bq, bk), -jax.nn.sigmoid(-s), g)
       return g
 
-    g_dtype = x.dtype if matmul_precision(x.dtype) == lax.Precision.DEFAULT else F32
+    prec = self.precision(bs, x.dtype)
+    g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
     dx, dy, dsc, dbi = _grad_sweep(
-        x, y, scale, bias, tile_g, bs=bs,
+        x, y, scale, bias, tile_g, bs=bs, prec=prec,
         rescale=jnp.dtype(g_dtype) == jnp.float16)
     return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 
