@@ -3,7 +3,7 @@
   python benchmarks/bench_configs.py --out benchmarks/results/configs_h200
 
 ``backend="auto"`` picks ``BlockSizes`` by the GPU's shared memory per
-block (``infcl_jax.block_sizes.TRITON_CONFIGS``): the H200 configs
+block (``infcl_jax.backends.triton_configs.TRITON_CONFIGS``): the H200 configs
 (``smem227k``: sm90, sm100), ``smem163k`` (sm80, sm87) and ``smem99k``
 (sm86, sm89, sm12x). A config that fits a smaller GPU runs on a larger one
 too, so on one H200 this measures what each smaller config costs there:
@@ -14,7 +14,7 @@ median of ``--reps`` synchronized calls after a warm-up. TFLOP/s counts
 them (same shared-memory budget, different trade-offs).
 
 Each row also carries the formula's shared-memory estimate
-(``block_sizes.triton_smem``: peak with buffer reuse, total without) of the
+(``triton_configs.triton_smem``: peak with buffer reuse, total without) of the
 forward and the backward kernel. ``--smem_probe`` additionally compiles
 every kernel of every config in a child process with XLA's verbose logging
 on and records the shared memory that XLA reports for it ("Shared memory
@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from infcl_jax import block_sizes as bsm  # noqa: E402
+from infcl_jax.backends import capability  # noqa: E402
+from infcl_jax.backends import triton_configs as bsm  # noqa: E402
 from infcl_jax.block_sizes import BlockSizes  # noqa: E402
 
 # Alternatives with the same shared-memory budget as a TRITON_CONFIGS entry
@@ -67,7 +68,7 @@ _SMEM_ERROR = re.compile(r"Shared memory size limit exceeded[^\n]*")
 
 def capabilities_of(tier: str) -> str:
   """The compute capabilities whose default config is ``tier``."""
-  caps = [cc for cc in sorted(bsm.SMEM_PER_BLOCK)
+  caps = [cc for cc in sorted(capability.SMEM_PER_BLOCK)
           if cc >= (8, 0) and bsm.triton_config_name(cc) == tier]
   return " ".join(f"sm{a}{b}" for a, b in caps)
 

@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mosaic_kernels.py --b 65536 --d 768
 
 Variants (keyword arguments of the kernels, see
-``infcl_jax/kernels/mosaic/NOTES.md``), one process, ~2-3 minutes:
+``docs/mosaic_notes.md``), one process, ~2-3 minutes:
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_mosaic_kernels.py \
         --variants all --out "$OUT"

@@ -178,9 +178,9 @@ def main():
                            direction="image_to_text"))
   record("f64check_B4096_f32_highest", lambda: check_f64(
       jnp.float32, bs=dataclasses.replace(
-          BlockSizes.get_default("pallas", "gpu", jnp.float32),
+          registry.get("pallas", "softmax").default_block_sizes("gpu", jnp.float32),
           f32_precision="highest")))
-  dflt = BlockSizes.get_default("pallas", "gpu", jnp.bfloat16)
+  dflt = registry.get("pallas", "softmax").default_block_sizes("gpu", jnp.bfloat16)
   record(f"full_pallas_B{b}_bf16", lambda: time_full(b, d, jnp.bfloat16, "pallas"))
   record(f"full_xla_B{b}_bf16", lambda: time_full(b, d, jnp.bfloat16, "xla"))
   record(f"fwd_rows+cols_B{b}_bf16", lambda: time_fwd(b, d, jnp.bfloat16, dflt))
@@ -216,8 +216,8 @@ def main():
 def probe_v2(b, d):
   """Second round: single-exp paths, backward tiles, float32 stages."""
   bf, f32 = jnp.bfloat16, jnp.float32
-  dflt = BlockSizes.get_default("pallas", "gpu", bf)
-  dflt32 = BlockSizes.get_default("pallas", "gpu", f32)
+  dflt = registry.get("pallas", "softmax").default_block_sizes("gpu", bf)
+  dflt32 = registry.get("pallas", "softmax").default_block_sizes("gpu", f32)
   no1 = dataclasses.replace(dflt, single_exp=False)
   rep = dataclasses.replace
   record("matmul_ceiling_bf16", matmul_ceiling)

@@ -92,7 +92,7 @@ def main():
     record(f"full_pallas_B{b}_{name}",
            lambda dt=dt: time_full(b, d, dt, "pallas"))
     record(f"full_xla_B{b}_{name}", lambda dt=dt: time_full(b, d, dt, "xla"))
-  dflt = BlockSizes.get_default("pallas", "gpu", jnp.bfloat16)
+  dflt = registry.get("pallas", "softmax").default_block_sizes("gpu", jnp.bfloat16)
   record(f"fwd_B{b}_bf16", lambda: time_fwd(b, d, jnp.bfloat16, dflt))
   record(f"bwd_B{b}_bf16", lambda: time_bwd(b, d, jnp.bfloat16, dflt))
   record(f"bwd_B{b}_f16", lambda: time_bwd(b, d, jnp.float16, dflt))

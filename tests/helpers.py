@@ -120,6 +120,13 @@ def kernel_calls(closed_jaxpr):
   return found
 
 
+def default_tiles(backend, dtype, platform="gpu", family="softmax"):
+  """The ``BlockSizes`` that ``backend`` runs by default on ``platform``."""
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  return registry.get(backend, family, platform=platform).default_block_sizes(
+      platform, dtype)
+
+
 def primitive_operands(closed_jaxpr, primitive):
   """[[(shape, dtype) of each operand]] of every ``primitive`` equation in a
   jaxpr, nested ones (scan bodies, custom_vjp rules) too."""

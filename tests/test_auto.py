@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import bench_configs
-from infcl_jax import block_sizes as bsm
+from infcl_jax.backends import triton_configs as tc
 from infcl_jax import contrastive_loss
 from infcl_jax.backends import capability
 from infcl_jax.backends import registry
@@ -184,7 +183,7 @@ def test_auto_rule_per_gpu(monkeypatch, kind, cc, want, verdicts, config,
     # The Triton defaults on this GPU are that capability's config.
     be = registry.get("pallas", family, platform="gpu")
     for dtype, idx in ((jnp.bfloat16, 1), (jnp.float16, 1), (jnp.float32, 2)):
-      assert be.default_block_sizes("gpu", dtype) == bsm.TRITON_CONFIGS[
+      assert be.default_block_sizes("gpu", dtype) == tc.TRITON_CONFIGS[
           config][idx]
 
 
@@ -361,67 +360,55 @@ def test_compiled_kernel_backend_does_not_warn():
 # ------------------------------------------------------------ shared memory
 
 def test_smem_formula_by_hand():
-  h200 = bsm.TRITON_CONFIGS["smem227k"][1]
-  fwd = bsm.triton_smem(h200, jnp.bfloat16, "fwd")
+  h200 = tc.TRITON_CONFIGS["smem227k"][1]
+  fwd = tc.triton_smem(h200, jnp.bfloat16, "fwd")
   # 3 stages x (128 + 256) rows x 64 x 2 bytes: the "~147 KB" of the H200.
   assert fwd.pipeline == 3 * 384 * 64 * 2 == 147456
   assert fwd.epilogue == 8 * 256 * 4
-  bwd = bsm.triton_smem(h200, jnp.bfloat16, "bwd")
+  bwd = tc.triton_smem(h200, jnp.bfloat16, "bwd")
   assert bwd.epilogue == 128 * 256 * 2 + 8 * 256 * 4
   assert (bwd.peak, bwd.total) == (147456, 147456 + 73728)
-  f32 = bsm.triton_smem(bsm.TRITON_CONFIGS["smem227k"][2], jnp.float32, "fwd")
+  f32 = tc.triton_smem(tc.TRITON_CONFIGS["smem227k"][2], jnp.float32, "fwd")
   assert f32.pipeline == 3 * 384 * 32 * 4
   with pytest.raises(ValueError, match="kernel"):
-    bsm.triton_smem(h200, jnp.bfloat16, "both")
+    tc.triton_smem(h200, jnp.bfloat16, "both")
 
 
-@pytest.mark.parametrize("cc", sorted(c for c in bsm.SMEM_PER_BLOCK
+@pytest.mark.parametrize("cc", sorted(c for c in capability.SMEM_PER_BLOCK
                                       if c >= (8, 0)))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_every_capability_config_fits_its_shared_memory(cc, dtype):
-  limit = bsm.SMEM_PER_BLOCK[cc]
-  name = bsm.triton_config_name(cc)
-  bs = BlockSizes.get_default("pallas", "gpu", dtype, capability=cc)
+  limit = capability.SMEM_PER_BLOCK[cc]
+  name = tc.triton_config_name(cc)
+  bs = tc.default("gpu", cc, dtype)
   bs.check_pallas()
-  assert bsm.TRITON_CONFIGS[name][0] <= limit
+  assert tc.TRITON_CONFIGS[name][0] <= limit
   for kernel in ("fwd", "bwd"):
-    est = bsm.triton_smem(bs, dtype, kernel)
+    est = tc.triton_smem(bs, dtype, kernel)
     assert est.peak <= limit, (cc, kernel, est)
     if name != "smem227k":
       # Untested GPUs: fits even if Triton reused no buffer.
       assert est.total <= limit, (cc, kernel, est)
 
 
-def test_every_config_and_candidate_fits_its_tier():
-  for dtype in (jnp.bfloat16, jnp.float32):
-    for name, (tier, bs) in bench_configs.configs(dtype).items():
-      limit = bsm.TRITON_CONFIGS[tier][0]
-      for kernel in ("fwd", "bwd"):
-        est = bsm.triton_smem(bs, dtype, kernel)
-        assert est.peak <= limit, (name, kernel)
-        if tier != "smem227k":
-          assert est.total <= limit, (name, kernel)
-
-
 def test_config_names_by_capability():
-  assert bsm.triton_config_name(None) == "smem227k"  # Unknown: H200's.
-  assert bsm.triton_config_name((9, 0)) == "smem227k"
-  assert bsm.triton_config_name((8, 0)) == "smem163k"
-  assert bsm.triton_config_name((8, 9)) == "smem99k"
-  assert bsm.triton_config_name((7, 5)) == "smem99k"  # Smallest: best effort.
-  assert bsm.triton_config_name((42, 0)) == "smem227k"
-  # Without a capability, get_default keeps the H200 configs.
-  assert (BlockSizes.get_default("pallas", "gpu", jnp.bfloat16)
-          == bsm.TRITON_CONFIGS["smem227k"][1])
-  assert (BlockSizes.get_default("pallas", "gpu", jnp.float32)
-          == bsm.TRITON_CONFIGS["smem227k"][2])
-  assert BlockSizes.get_default("xla", "gpu", capability=(8, 6)) == BlockSizes(
-      2048, 8192)
+  assert tc.triton_config_name(None) == "smem227k"  # Unknown: H200's.
+  assert tc.triton_config_name((9, 0)) == "smem227k"
+  assert tc.triton_config_name((8, 0)) == "smem163k"
+  assert tc.triton_config_name((8, 9)) == "smem99k"
+  assert tc.triton_config_name((7, 5)) == "smem99k"  # Smallest: best effort.
+  assert tc.triton_config_name((42, 0)) == "smem227k"
+  # Without a capability, the H200 configs; off the GPU, the interpreter's.
+  assert tc.default("gpu", None, jnp.bfloat16) == tc.TRITON_CONFIGS[
+      "smem227k"][1]
+  assert tc.default("gpu", None, jnp.float32) == tc.TRITON_CONFIGS[
+      "smem227k"][2]
+  assert tc.default("cpu", (9, 0), jnp.bfloat16) == tc.INTERPRET
 
 
 # ------------------------------------------------------------ exactness
 
-NON_HOPPER = [n for n in bsm.TRITON_CONFIGS if n != "smem227k"]
+NON_HOPPER = [n for n in tc.TRITON_CONFIGS if n != "smem227k"]
 
 
 @pytest.mark.parametrize("name", NON_HOPPER)
@@ -429,7 +416,7 @@ NON_HOPPER = [n for n in bsm.TRITON_CONFIGS if n != "smem227k"]
 def test_non_hopper_config_exact_in_interpret_mode_softmax(name, dtype):
   """The config's tiles in interpret mode: 300 rows are 3 row blocks and
   2 column blocks, D = 45 two K-steps, all with padding."""
-  bs = bsm.triton_config(_cc_of(name), dtype)
+  bs = tc.triton_config(_cc_of(name), dtype)
   rng = np.random.default_rng(11)
   x, y = rand_emb(rng, 300, 45, dtype), rand_emb(rng, 300, 45, dtype)
   softmax_checks.check_loss(x, y, 14.3, -0.5, "both", dtype, bs,
@@ -439,7 +426,7 @@ def test_non_hopper_config_exact_in_interpret_mode_softmax(name, dtype):
 @pytest.mark.parametrize("name", NON_HOPPER)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_non_hopper_config_exact_in_interpret_mode_sigmoid(name, dtype):
-  bs = bsm.triton_config(_cc_of(name), dtype)
+  bs = tc.triton_config(_cc_of(name), dtype)
   rng = np.random.default_rng(12)
   x, y = rand_emb(rng, 300, 45, dtype), rand_emb(rng, 300, 45, dtype)
   sigmoid_checks.check_loss(x, y, 10.0, -10.0, bs, rtol=tol(dtype),
@@ -448,36 +435,21 @@ def test_non_hopper_config_exact_in_interpret_mode_sigmoid(name, dtype):
 
 
 def _cc_of(name):
-  return min(cc for cc in bsm.SMEM_PER_BLOCK
-             if cc >= (8, 0) and bsm.triton_config_name(cc) == name)
-
-
-# ------------------------------------------------------------ bench parser
-
-def test_probe_log_parser():
-  tag = bench_configs.RESULT_TAG
-  case = ('{"config": "smem99k", "tier": "smem99k", "dtype": "bfloat16", '
-          '"family": "softmax", "kernel": "fwd"')
-  text = "\n".join([
-      "noise", tag + case + "}", "I0101 x.cc:1] Shared memory usage: 65536 B",
-      "other", tag + case + ', "status": "ok", "end": true}',
-      "Shared memory usage: 1 B"])  # Outside a case: ignored.
-  (row,) = bench_configs.parse_probe_log(text)
-  assert row["xla_reported"] == "65536" and row["status"] == "ok"
-  assert row["est_peak"] == 65536 and row["limit"] == 99 * 1024
+  return min(cc for cc in capability.SMEM_PER_BLOCK
+             if cc >= (8, 0) and tc.triton_config_name(cc) == name)
 
 
 # ------------------------------------------------------------------- GPU
 
-GPU_CHECKED = sorted(n for n, (tier, _) in bench_configs.configs(
-    jnp.bfloat16).items() if tier != "smem227k")
+GPU_CHECKED = NON_HOPPER
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (Triton lowering)")
 class TestConfigsOnGpu:
-  """Each non-Hopper config (and candidate) compiled through Triton on this
-  GPU, against float64 at B = 4096, D = 768, bf16."""
+  """Each non-Hopper config compiled through Triton on this GPU, against
+  float64 at B = 4096, D = 768, bf16 (a config that fits a smaller GPU's
+  shared memory runs on a larger one)."""
 
   def test_this_gpu_is_read(self):
     info = capability.device_info()
@@ -487,15 +459,16 @@ class TestConfigsOnGpu:
     assert info.platform == "gpu" and info.capability is not None
     known = capability.capability_from_kind(info.kind)
     assert known in (None, info.capability)
-    assert registry.resolve("auto", "softmax") in ("pallas", "mosaic")
-    assert registry.resolve("auto", "sigmoid") in ("pallas", "mosaic")
+    want = {(9, 0): "mosaic"}.get(info.capability, "pallas")
+    assert registry.resolve("auto", "softmax") == want
+    assert registry.resolve("auto", "sigmoid") == want
     be = registry.get("pallas", "softmax")
-    assert be.default_block_sizes("gpu", jnp.bfloat16) == bsm.triton_config(
+    assert be.default_block_sizes("gpu", jnp.bfloat16) == tc.triton_config(
         info.capability, jnp.bfloat16)
 
   @pytest.mark.parametrize("name", GPU_CHECKED)
   def test_softmax_b4096_matches_float64(self, name):
-    bs = bench_configs.configs(jnp.bfloat16)[name][1]
+    bs = tc.TRITON_CONFIGS[name][1]
     rng = np.random.default_rng(5)
     x = rand_emb(rng, 4096, 768, jnp.bfloat16)
     y = rand_emb(rng, 4096, 768, jnp.bfloat16)
@@ -504,7 +477,7 @@ class TestConfigsOnGpu:
 
   @pytest.mark.parametrize("name", GPU_CHECKED)
   def test_sigmoid_b4096_matches_float64(self, name):
-    bs = bench_configs.configs(jnp.bfloat16)[name][1]
+    bs = tc.TRITON_CONFIGS[name][1]
     rng = np.random.default_rng(41)
     x = rand_emb(rng, 4096, 768, jnp.bfloat16)
     y = rand_emb(rng, 4096, 768, jnp.bfloat16)

@@ -198,7 +198,7 @@ class TestInterpret:
 
 
 # Variants behind keyword arguments (defaults unchanged); each must match the
-# float64 reference like the default. See infcl_jax/kernels/mosaic/NOTES.md.
+# float64 reference like the default. See docs/mosaic_notes.md.
 FWD_VARIANTS = {
     "rmw2": dict(col_merge="rmw2"),
     "deferred": dict(col_merge="deferred"),

@@ -18,7 +18,7 @@ import pytest
 from infcl_jax import BlockSizes, contrastive_loss
 from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import (as64, assert_rel_close,
+from tests.helpers import (as64, assert_rel_close, default_tiles,
                            check_past_int32_against_xla, rand_emb, tol)
 
 # Every size below is off this block grid. num_programs=3 gives several
@@ -202,7 +202,7 @@ class TestPallasSoftmaxGpu(TestPallasSoftmaxInterpret):
   def test_b4096_default_blocks(self, dtype, f32_precision, rtol):
     rng = np.random.default_rng(5)
     x, y = rand_emb(rng, 4096, 768, dtype), rand_emb(rng, 4096, 768, dtype)
-    bs = dataclasses.replace(BlockSizes.get_default("pallas", "gpu", dtype),
+    bs = dataclasses.replace(default_tiles(self.NAME, dtype),
                              f32_precision=f32_precision)
     check_loss(x, y, 14.3, -2.0, "both", dtype, bs, rtol=rtol,
                backend=self.NAME)
@@ -249,8 +249,10 @@ def test_block_sizes_validation():
                      block_sizes=BlockSizes(16, 24))
   for dt in DTYPES:
     for platform in ("cpu", "gpu"):
-      BlockSizes.get_default("pallas", platform, dt).check_pallas()
-  assert BlockSizes.get_default("xla", "gpu") == BlockSizes(2048, 8192)
+      default_tiles("pallas", dt, platform).check_pallas()
+      default_tiles("mosaic", dt, platform).check_pallas()
+  assert default_tiles("xla", jnp.float32) == BlockSizes(2048, 8192)
+  assert default_tiles("xla", jnp.float32, "cpu") == BlockSizes(512, 2048)
 
 
 @pytest.mark.parametrize("family", ["softmax", "sigmoid"])

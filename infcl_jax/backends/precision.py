@@ -19,8 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-F32_PRECISIONS = ("tf32", "highest")
 _JAX_HIGHEST = ("highest", "float32", "fastest_float32_off")
 
 

@@ -39,12 +39,6 @@ def _vec_blocks(v, block, fill):
   return jnp.pad(v, (0, nb * block - n), constant_values=fill).reshape(nb, block)
 
 
-def _dot(a, b, contract, precision):
-  """a . b over the ``contract`` dims, float32 accumulation."""
-  return lax.dot_general(a, b, (contract, ((), ())),
-                         preferred_element_type=F32, precision=precision)
-
-
 def _positive_mask(rb, kb, bq, bk):
   """Where the global row index equals the global column index in a tile."""
   rows = rb * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -83,7 +77,7 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
     def col_block(carry, inputs):
       dx, dy, dsc, dbi = carry
       kb, y_blk, cv, c_blk = inputs
-      s0 = _dot(x_blk, y_blk, ((1,), (1,)), prec)
+      s0 = _math.dot(x_blk, y_blk, ((1,), (1,)), prec)
       g = tile_g(rb, kb, scale * s0 + bias, r_blk, c_blk)
       g = jnp.where(rv[:, None] & cv[None, :], g, 0.0)
       dsc = dsc + jnp.sum(g * s0)
@@ -95,8 +89,8 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
         g_max = jnp.where(g_max == 0, 1.0, g_max)
         g = g / g_max
       gc = g.astype(g_dtype)
-      dx = dx + g_max * _dot(gc, y_blk, ((1,), (0,)), prec)
-      dy = dy.at[kb].add(g_max * _dot(gc, x_blk, ((0,), (0,)), prec))
+      dx = dx + g_max * _math.dot(gc, y_blk, ((1,), (0,)), prec)
+      dy = dy.at[kb].add(g_max * _math.dot(gc, x_blk, ((0,), (0,)), prec))
       return (dx, dy, dsc, dbi), None
 
     # Inside shard_map a constant carry must vary like what is added to it.
@@ -147,7 +141,7 @@ class XlaBackend(base.TileBackend):
 
       def col_block(row_stats, inputs):
         y_blk, cv = inputs
-        s = scale * _dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
         s = jnp.where(rv[:, None] & cv[None, :], s, neg)
         out = ()
         if rows:
@@ -178,13 +172,9 @@ class XlaBackend(base.TileBackend):
                 col_coef, *, bs):
     scale = jnp.asarray(scale, F32)
     bias = jnp.asarray(bias, F32)
-    # The probabilities are in [0, 1]; the coefficients (~1/B) are applied
-    # after the matmuls, so that a float16 G does not underflow.
-    row_coef = jnp.asarray(row_coef if row_lse is not None else 0.0, F32)
-    col_coef = jnp.asarray(col_coef if col_lse is not None else 0.0, F32)
-    norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
-    norm = jnp.where(norm == 0, 1.0, norm)
-    a_r, a_c = row_coef / norm, col_coef / norm
+    a_r, a_c, norm = _math.unit_coefs(
+        row_coef if row_lse is not None else None,
+        col_coef if col_lse is not None else None)
 
     def tile_g(rb, kb, s, r_blk, c_blk):
       del rb, kb
@@ -212,7 +202,7 @@ class XlaBackend(base.TileBackend):
 
       def col_block(row_total, inputs):
         kb, y_blk, cv = inputs
-        s = scale * _dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
         # -z * s: the positives contribute softplus(-s), the negatives
         # softplus(s), each on its own.
         u = jnp.where(_positive_mask(rb, kb, bq, bk), -s, s) if has_diagonal else s

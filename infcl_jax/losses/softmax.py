@@ -47,7 +47,7 @@ Overlap on GPU. XLA turns each ``ppermute`` into an asynchronous
 collective-permute-start / -done pair, and its latency hiding scheduler
 places the tile's kernels between them
 (``--xla_gpu_enable_latency_hiding_scheduler=true``, the default in recent
-jaxlib builds). ``benchmarks/ring_hlo.py`` prints what runs between them.
+jaxlib builds). BENCHMARKS.md "Multi-device" shows what runs between them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the Mosaic GPU kernels share: constants, the TMA/wgmma tile layout,
+"""What the Mosaic GPU kernels share: the TMA/wgmma tile layout,
 the producer (memory warpgroup) loop, and the interpret switch.
 
 All kernels here use the same structure (one CTA = three warpgroups):
@@ -17,9 +17,6 @@ by the producer and the consumers, so the ring needs no other handshake.
 """
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -28,10 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from infcl_jax import _axes
 
 F32 = jnp.float32
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 NUM_CONSUMERS = 2
-MIN_SUM = 2.0**-64
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -86,13 +80,6 @@ def kernel_operands(warp_map, *arrays):
   (``_axes.drop_varying``: its ``mpmd_map`` refuses device-varying refs);
   its outputs are re-typed by ``vary_like`` from the originals."""
   return _axes.drop_varying(*arrays) if warp_map else arrays
-
-
-def num_sms():
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except RuntimeError:
-    return 132
 
 
 def align_smem(nbytes, alignment=1024):

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from infcl_jax import _device
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -248,7 +249,7 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
   fused = bool(single_exp and rows and cols)
-  nprog = max(1, min(num_programs or common.num_sms(), num_tiles))
+  nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))
   if epilogue_split not in (1, 2):
     raise ValueError(f"epilogue_split must be 1 or 2, got {epilogue_split}")
   bw = block_k // epilogue_split

@@ -35,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from infcl_jax import _device
+from infcl_jax import _math
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -100,7 +102,7 @@ def _shared_or_exact(s, m_i, l_i, old_c, col_merge="rmw"):
   p = jnp.exp2(s - big)
   lr = p.sum(axis=1)
   lc = p.sum(axis=0)
-  ok = (lr.min(axis=0) >= common.MIN_SUM) & (lc.min(axis=0) >= common.MIN_SUM)
+  ok = (lr.min(axis=0) >= _math.MIN_SUM) & (lc.min(axis=0) >= _math.MIN_SUM)
 
   def shared():
     m_new = jnp.maximum(m_i, big)
@@ -131,12 +133,12 @@ def _shared_flagged(s, m_i, l_i, old_c, col_merge, col_valid):
   lr = p.sum(axis=1)
   lc = p.sum(axis=0)
   nan_r = jnp.full(lr.shape, jnp.nan, F32)
-  bad_r = (lr < common.MIN_SUM) & (rmax > -jnp.inf)
+  bad_r = (lr < _math.MIN_SUM) & (rmax > -jnp.inf)
   m_new = jnp.maximum(m_i, big)
   sh = common.safe(m_new)
   l_new = l_i * jnp.exp2(m_i - sh) + jnp.where(bad_r, nan_r,
                                                 lr * jnp.exp2(big - sh))
-  bad_c = lc < common.MIN_SUM
+  bad_c = lc < _math.MIN_SUM
   if col_valid is not None:
     bad_c = bad_c & col_valid
   lc = jnp.where(bad_c, jnp.full(lc.shape, jnp.nan, F32), lc)
@@ -353,9 +355,9 @@ def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   n_pad, d_pad = x.shape
   m_pad = y.shape[0]
   nrb, nkb2, nd = n_pad // block_q, m_pad // (2 * block_k), d_pad // block_d
-  nprog = max(1, min(num_programs or common.num_sms(), nrb))
-  params = jnp.stack([jnp.asarray(scale, F32) * common.LOG2E,
-                      jnp.asarray(bias, F32) * common.LOG2E]).astype(F32)
+  nprog = max(1, min(num_programs or _device.num_sms(), nrb))
+  params = jnp.stack([jnp.asarray(scale, F32) * _math.LOG2E,
+                      jnp.asarray(bias, F32) * _math.LOG2E]).astype(F32)
   out_type = []
   if rows:
     out_type.append(jax.ShapeDtypeStruct((common.NUM_CONSUMERS, n_pad), F32))
@@ -398,10 +400,10 @@ def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   row_lse = col_lse = None
   if rows:
     r = outs.pop(0)[:, :n]
-    row_lse = common.logaddexp2(r[0], r[1]) * common.LN2
+    row_lse = common.logaddexp2(r[0], r[1]) * _math.LN2
   if cols:
     c = outs.pop(0)[:, :m]
     mx = common.safe(jnp.max(c, axis=0))
     col_lse = (mx + jnp.log2(jnp.sum(jnp.exp2(c - mx[None, :]), axis=0))
-               ) * common.LN2
+               ) * _math.LN2
   return row_lse, col_lse

@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from infcl_jax import _device
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -190,7 +191,7 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
   m_pad = y.shape[0]
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
-  nprog = max(1, min(num_programs or common.num_sms(), num_tiles))
+  nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))
   if num_stages is None:
     num_stages = 3 if mode == "g" else 4
   if rings not in ("shared", "split"):
