@@ -43,15 +43,8 @@ GPU_BLOCKS = dataclasses.replace(SMALL, block_q=128, block_k=256,
                                  panel_rows=256)
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-  yield
-  # After an exception the interpreter's global state must be reset.
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=import-outside-toplevel
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
-  except Exception:  # pylint: disable=broad-except
-    pass
+# After an exception the interpreter's global state must be reset.
+pytestmark = pytest.mark.usefixtures("reset_mosaic_interpreter")
 
 
 def hybrid_backend(monkeypatch, **stages):

@@ -141,18 +141,7 @@ def check_rerun_path(col_merge, interpret, n=200, m=300, d=64, **kernel_kw):
   assert _rel(c, _lse(s, 0)) < 1e-5
 
 
-@pytest.fixture(autouse=False)
-def _reset_interpreter():
-  yield
-  # After an exception the interpreter's global state must be reset.
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
-  except Exception:  # pylint: disable=broad-except
-    pass
-
-
-@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.usefixtures("reset_mosaic_interpreter")
 class TestInterpret:
   """Mosaic GPU interpreter on the CPU; small, padded sizes."""
 
@@ -259,7 +248,7 @@ def _dominated_inputs(n, m, d, dtype, seed, boost):
   return xp, yp, s0
 
 
-@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.usefixtures("reset_mosaic_interpreter")
 class TestInterpretVariants:
   """The keyword-argument variants in the interpreter (small, padded)."""
 
@@ -569,7 +558,7 @@ def check_sigmoid(n, m, d, dtype, mode, interpret, num_programs=None,
   assert abs(float(dbi) - np.sum(ref)) <= 1e-2 * np.sum(np.abs(ref)) + 1e-6
 
 
-@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.usefixtures("reset_mosaic_interpreter")
 class TestInterpretSigmoid:
   """The sigmoid kernel's ring settings in the interpreter."""
 
