@@ -11,9 +11,9 @@ Which implementation each stage uses (bf16 / f16 inputs). Measured on one
 H200, jax 0.11.2, B = 65536, D = 768, bf16, all in one job (BENCHMARKS.md
 "Mosaic GPU backend"):
 
-* softmax ``lse`` (both directions): Mosaic ``lse_fwd`` with
-  ``LSE_FWD_KERNEL``, 11.59 ms (569 TFLOP/s); Triton 14.40 ms.
-* softmax panel G: Mosaic ``g_panel`` with ``G_PANEL_KERNEL``, 0.713 ms per
+* softmax ``lse`` (both directions): Mosaic ``lse_fwd``, 11.59 ms
+  (569 TFLOP/s); Triton 14.40 ms.
+* softmax panel G: Mosaic ``g_panel``, 0.713 ms per
   4096-row panel (578 TFLOP/s); Triton 1.135 ms.
 * sigmoid sum: Mosaic ``sigmoid_tiles("sum")``, 13.76 ms (480); Triton
   18.11 ms.
@@ -47,10 +47,9 @@ user's ``BlockSizes`` keeps its meaning where the kernels allow it.
 consumers take half each); ``block_d`` is the K-step (64: one 128-byte
 swizzled row of bf16). Other values are rounded to the nearest allowed one
 (so Triton-tuned sizes, e.g. the H200's 128 x 256 x 64, map one to one).
-The pipeline depths and the kernels' other options are ``LSE_FWD_KERNEL``
-/ ``G_PANEL_KERNEL`` (softmax) and ``SIGMOID_SUM_KERNEL`` / ``FWD_STAGES``
-/ ``PANEL_STAGES`` (sigmoid): what fits 227 KB of shared memory and
-measured fastest. ``num_programs``, ``panel_rows`` (rounded up to a multiple of
+The pipeline depths and the kernels' other settings are the kernels' own
+defaults (``kernels.mosaic``): what fits 227 KB of shared memory and
+measured fastest; the backend runs them as they are. ``num_programs``, ``panel_rows`` (rounded up to a multiple of
 ``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
 as in the Triton backend.
 
@@ -87,26 +86,6 @@ from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
 from infcl_jax.kernels.mosaic import sigmoid as msigmoid
 
 F32 = jnp.float32
-FWD_STAGES = 4     # the sigmoid kernel's sweeps (sum; max |G| for float16)
-PANEL_STAGES = 3   # the sigmoid kernel's panel
-# The kernels' settings, the fastest of the variants measured on one H200
-# (B = 65536, D = 768, bf16; the variant table in BENCHMARKS.md "Mosaic GPU
-# backend"). Forward: a ring per consumer (split rings, 3 stages fit), so
-# that one consumer's wgmmas run during the other's epilogue; no per-tile
-# exactness test (the rare call that needs one is redone with it); the
-# one-exp2 column merge; 16 KB of reduction scratch. Panel: split rings with
-# ping-pong (the consumers alternate their epilogues) and a two-part
-# epilogue (half the G buffers, so three stages fit beside them).
-LSE_FWD_KERNEL = dict(num_stages=3, rings="split", check="rerun",
-                      col_merge="rmw2", reduction_scratch_bytes=16384)
-G_PANEL_KERNEL = dict(num_stages=3, rings="split", pingpong=True,
-                      epilogue_split=2, reduction_scratch_bytes=0)
-# The sigmoid forward sum keeps the shared ring, 4 stages: its consumers take
-# no turns, so a ring per consumer would only add the second x fetch
-# (measured slower: BENCHMARKS.md "Mosaic GPU backend").
-SIGMOID_SUM_KERNEL = dict(num_stages=FWD_STAGES, rings="shared")
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
   """Block shapes the Mosaic kernels take (bk: one consumer's columns)."""
@@ -203,7 +182,7 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
         num_programs=nprog, interpret=self.interpret,
-        single_exp=bs.single_exp, **LSE_FWD_KERNEL)
+        single_exp=bs.single_exp)
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
                 col_coef, *, bs):
@@ -214,7 +193,7 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
         block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
-        interpret=self.interpret, **G_PANEL_KERNEL)
+        interpret=self.interpret)
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
@@ -235,8 +214,7 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         xp, yp, row_ids(n, xp.shape[0]), params, mode="sum", m=m,
         mask=xp.shape[0] != n or yp.shape[0] != m, has_diagonal=has_diagonal,
         block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
-        num_programs=bs.num_programs, interpret=self.interpret,
-        **SIGMOID_SUM_KERNEL)
+        num_programs=bs.num_programs, interpret=self.interpret)
 
   def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
     if not self._mosaic("sigmoid_grad", x, y):
@@ -248,7 +226,6 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
       return msigmoid.sigmoid_tiles(
           x_p, yp, rid_p, params, mode=mode, block_q=mb.bwd_bq,
           block_k=mb.bwd_bk, block_d=mb.bd,
-          num_stages=FWD_STAGES if mode == "max" else PANEL_STAGES,
           num_programs=bs.num_programs, interpret=self.interpret, **kw)
 
     return pb.sigmoid_grad(
