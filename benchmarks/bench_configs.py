@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from infcl_jax.backends import capability  # noqa: E402
 from infcl_jax.backends import triton_configs as bsm  # noqa: E402
 from infcl_jax.block_sizes import BlockSizes  # noqa: E402
@@ -51,12 +52,12 @@ from infcl_jax.block_sizes import BlockSizes  # noqa: E402
 CANDIDATES = {
     # sm80 budget, K-step 32: 128 x 256 forward with 4 stages (104 KB total)
     # and backward with 3 (144 KB total). 1.05x slower than smem163k on the
-    # H200 (2026-11-30, when it was the smem163k entry).
+    # H200 (BENCHMARKS.md "Per-capability configs on the H200").
     "smem163k_bd32": ("smem163k", BlockSizes(
         block_q=128, block_k=256, block_d=32, num_stages=4, bwd_block_q=128,
         bwd_block_k=256, bwd_num_stages=3, panel_rows=4096)),
     # sm86 budget with 8 warps per program: 1.00-1.03x slower than smem99k
-    # (4 warps) on the H200 (when it was the smem99k entry).
+    # (4 warps) on the H200.
     "smem99k_w8": ("smem99k", dataclasses.replace(
         bsm.TRITON_CONFIGS["smem99k"][1], num_warps=8, bwd_num_warps=8)),
 }
@@ -100,14 +101,7 @@ def smem_columns(bs: BlockSizes, dtype, tier: str) -> dict:
 # ------------------------------------------------------------------ timing
 
 def _median_ms(fn, args, reps):
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
+  return harness.timeit(fn, *args, reps=reps, warmup=1).median * 1e3
 
 
 def time_case(loss, bs, b, d, dtype, reps, backend="pallas"):

@@ -6,7 +6,7 @@ and stages (forward with / without column statistics, the probability-panel
 kernel alone, the GEMMs alone, whole fwd+bwd) at B=65536, D=768. Every
 variant is isolated: a failure prints and the probe goes on.
 
-  python benchmarks/probe_pallas.py [--b 65536] [--quick]
+  python benchmarks/probes/pallas_softmax.py [--b 65536] [--quick]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -27,7 +27,7 @@ from jax import lax
 import infcl_jax
 from infcl_jax.backends import registry
 from infcl_jax.block_sizes import BlockSizes
-from benchmarks.probe_harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
+from benchmarks.probes.common import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 from infcl_jax.kernels import lse_bwd
 
 

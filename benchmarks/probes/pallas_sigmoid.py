@@ -6,7 +6,7 @@ fwd+bwd step against the XLA backend, the forward and backward tile ops
 alone, and a few block-size variants at B=65536, D=768. Every item is
 isolated: a failure prints and the probe goes on.
 
-  python benchmarks/probe_pallas_sigmoid.py [--b 65536] [--quick]
+  python benchmarks/probes/pallas_sigmoid.py [--b 65536] [--quick]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -26,7 +26,7 @@ import numpy as np
 import infcl_jax
 from infcl_jax.backends import registry
 from infcl_jax.block_sizes import BlockSizes
-from benchmarks.probe_harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
+from benchmarks.probes.common import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 
 
 def loss_grads(backend, bs=None):
