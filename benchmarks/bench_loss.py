@@ -94,17 +94,13 @@ def run_case(loss, backend, dtype_name, b, d, budget_s):
   try:
     compiled = step.lower(*args).compile()
   except Exception as e:  # pylint: disable=broad-except
-    if harness.is_oom(e):
-      return dict(res, status="oom")
-    return dict(res, status=f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(res, status=harness.failure(e))
   stats = dev.memory_stats() or {}
   base = stats.get("bytes_in_use", 0)
   try:
     sec, reps = _median_time(compiled, args, budget_s)
   except Exception as e:  # pylint: disable=broad-except
-    if harness.is_oom(e):
-      return dict(res, status="oom")
-    return dict(res, status=f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(res, status=harness.failure(e))
   stats = dev.memory_stats() or {}
   peak = stats.get("peak_bytes_in_use", 0)
   res.update(status="ok", ms=sec * 1e3, reps=reps,

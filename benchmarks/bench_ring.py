@@ -200,8 +200,7 @@ def run_case(spec):
     time.sleep(delay.get("compile", 0))
     compiled = fn.lower(emb, emb, scalar).compile()
   except Exception as e:  # pylint: disable=broad-except
-    return dict(status="oom" if harness.is_oom(e)
-                else f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(status=harness.failure(e))
   res["compile_s"] = round(time.time() - t0, 2)
   res.update(mem_plan(compiled))
   limits = _device_bytes(devices, "bytes_limit")
@@ -248,8 +247,7 @@ def run_case(spec):
       sec, reps = _median_time(compiled, (x, y, t), spec["budget_s"])
       out = compiled(x, y, t)
   except Exception as e:  # pylint: disable=broad-except
-    return dict(res, status="oom" if harness.is_oom(e)
-                else f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(res, status=harness.failure(e))
   res.update(status="ok", ms=sec * 1e3, reps=reps)
   if spec.get("once"):
     res["timing"] = "one call, no warm-up"
@@ -378,14 +376,7 @@ def plain_min_bytes(n, b, d, dtype):
 
 def set_flags(cpu_devices):
   """XLA reads XLA_FLAGS when the backend starts: call before that."""
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  if cpu_devices:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
-  else:
-    flags = xla_flags.recommended(" ".join(flags)).split()
-  os.environ["XLA_FLAGS"] = " ".join(flags)
+  harness.set_xla_flags(cpu_devices)
   # Allocate on demand (so peak_bytes_in_use is what the case used) and let
   # the allocator use nearly the whole device (for the max-batch search).
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -76,6 +76,29 @@ def is_oom(e) -> bool:
   return "RESOURCE_EXHAUSTED" in s or "out of memory" in s.lower()
 
 
+def failure(e):
+  """The status of a case that raised ``e``: "oom" or "error: ..."."""
+  if is_oom(e):
+    return "oom"
+  return f"error: {type(e).__name__}: {str(e)[:300]}"
+
+
+def set_xla_flags(cpu_devices=0):
+  """Sets XLA_FLAGS before JAX starts its backend (XLA reads them once):
+  ``cpu_devices`` simulated CPU devices, or else the ring's recommended GPU
+  flags (``infcl_jax.xla_flags``) added to the user's."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if cpu_devices:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = [f for f in flags
+             if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
+  else:
+    from infcl_jax import xla_flags  # pylint: disable=import-outside-toplevel
+    flags = xla_flags.recommended(" ".join(flags)).split()
+  os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
 def child_env(**extra):
   """The environment of a child: this one, unbuffered, with the repository
   root importable; ``extra`` entries set (a None value removes one)."""

@@ -355,8 +355,7 @@ class Diagnose:
             shutil.rmtree(tdir, ignore_errors=True)
       del x, y
     except Exception as e:  # pylint: disable=broad-except
-      row["status"] = ("oom" if harness.is_oom(e)
-                       else f"error: {type(e).__name__}: {str(e)[:300]}")
+      row["status"] = harness.failure(e)
     row["wall_s"] = round(time.time() - self.t0, 1)
     self.rows.append(row)
     print(json.dumps(row), flush=True)
