@@ -3,7 +3,7 @@
   python benchmarks/bench_configs.py --out benchmarks/results/configs_h200
 
 ``backend="auto"`` picks ``BlockSizes`` by the GPU's shared memory per
-block (``infcl_jax.block_sizes.TRITON_CONFIGS``): the H200 configs
+block (``infcl_jax.backends.triton_configs.TRITON_CONFIGS``): the H200 configs
 (``smem227k``: sm90, sm100), ``smem163k`` (sm80, sm87) and ``smem99k``
 (sm86, sm89, sm12x). A config that fits a smaller GPU runs on a larger one
 too, so on one H200 this measures what each smaller config costs there:
@@ -14,7 +14,7 @@ median of ``--reps`` synchronized calls after a warm-up. TFLOP/s counts
 them (same shared-memory budget, different trade-offs).
 
 Each row also carries the formula's shared-memory estimate
-(``block_sizes.triton_smem``: peak with buffer reuse, total without) of the
+(``triton_configs.triton_smem``: peak with buffer reuse, total without) of the
 forward and the backward kernel. ``--smem_probe`` additionally compiles
 every kernel of every config in a child process with XLA's verbose logging
 on and records the shared memory that XLA reports for it ("Shared memory
@@ -42,7 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from infcl_jax import block_sizes as bsm  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from infcl_jax.backends import capability  # noqa: E402
+from infcl_jax.backends import triton_configs as bsm  # noqa: E402
 from infcl_jax.block_sizes import BlockSizes  # noqa: E402
 
 # Alternatives with the same shared-memory budget as a TRITON_CONFIGS entry
@@ -50,12 +52,12 @@ from infcl_jax.block_sizes import BlockSizes  # noqa: E402
 CANDIDATES = {
     # sm80 budget, K-step 32: 128 x 256 forward with 4 stages (104 KB total)
     # and backward with 3 (144 KB total). 1.05x slower than smem163k on the
-    # H200 (2026-11-30, when it was the smem163k entry).
+    # H200 (BENCHMARKS.md "Per-capability configs on the H200").
     "smem163k_bd32": ("smem163k", BlockSizes(
         block_q=128, block_k=256, block_d=32, num_stages=4, bwd_block_q=128,
         bwd_block_k=256, bwd_num_stages=3, panel_rows=4096)),
     # sm86 budget with 8 warps per program: 1.00-1.03x slower than smem99k
-    # (4 warps) on the H200 (when it was the smem99k entry).
+    # (4 warps) on the H200.
     "smem99k_w8": ("smem99k", dataclasses.replace(
         bsm.TRITON_CONFIGS["smem99k"][1], num_warps=8, bwd_num_warps=8)),
 }
@@ -67,7 +69,7 @@ _SMEM_ERROR = re.compile(r"Shared memory size limit exceeded[^\n]*")
 
 def capabilities_of(tier: str) -> str:
   """The compute capabilities whose default config is ``tier``."""
-  caps = [cc for cc in sorted(bsm.SMEM_PER_BLOCK)
+  caps = [cc for cc in sorted(capability.SMEM_PER_BLOCK)
           if cc >= (8, 0) and bsm.triton_config_name(cc) == tier]
   return " ".join(f"sm{a}{b}" for a, b in caps)
 
@@ -99,14 +101,7 @@ def smem_columns(bs: BlockSizes, dtype, tier: str) -> dict:
 # ------------------------------------------------------------------ timing
 
 def _median_ms(fn, args, reps):
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
+  return harness.timeit(fn, *args, reps=reps, warmup=1).median * 1e3
 
 
 def time_case(loss, bs, b, d, dtype, reps, backend="pallas"):

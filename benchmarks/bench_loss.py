@@ -40,9 +40,12 @@ import csv
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
 
 D_DEFAULT = 768
 RESULT_TAG = "BENCH_RESULT "
@@ -51,25 +54,9 @@ RESULT_TAG = "BENCH_RESULT "
 # ----------------------------------------------------------------- children
 
 def _median_time(fn, args, budget_s):
-  """Median seconds of fn(*args), synchronized, after one warm-up run."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  first = time.perf_counter() - t0
-  reps = int(max(1, min(7, budget_s // max(first, 1e-6))))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)), reps
-
-
-def _is_oom(e):
-  s = str(e)
-  return ("RESOURCE_EXHAUSTED" in s or "Out of memory" in s
-          or "out of memory" in s.lower())
+  """(median seconds, repetitions) of fn(*args) after one warm-up call."""
+  t = harness.timeit(fn, *args, reps=7, warmup=1, budget_s=budget_s)
+  return t.median, t.reps
 
 
 def run_case(loss, backend, dtype_name, b, d, budget_s):
@@ -107,17 +94,13 @@ def run_case(loss, backend, dtype_name, b, d, budget_s):
   try:
     compiled = step.lower(*args).compile()
   except Exception as e:  # pylint: disable=broad-except
-    if _is_oom(e):
-      return dict(res, status="oom")
-    return dict(res, status=f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(res, status=harness.failure(e))
   stats = dev.memory_stats() or {}
   base = stats.get("bytes_in_use", 0)
   try:
     sec, reps = _median_time(compiled, args, budget_s)
   except Exception as e:  # pylint: disable=broad-except
-    if _is_oom(e):
-      return dict(res, status="oom")
-    return dict(res, status=f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(res, status=harness.failure(e))
   stats = dev.memory_stats() or {}
   peak = stats.get("peak_bytes_in_use", 0)
   res.update(status="ok", ms=sec * 1e3, reps=reps,
@@ -149,23 +132,10 @@ def run_ceiling():
 # ------------------------------------------------------------------- parent
 
 def _spawn(argv, timeout_s):
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-             PYTHONUNBUFFERED="1")
-  here = os.path.dirname(os.path.abspath(__file__))
-  root = os.path.dirname(here)
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  try:
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), *argv],
-                       capture_output=True, text=True, timeout=timeout_s,
-                       env=env, check=False)
-  except subprocess.TimeoutExpired:
-    return dict(status=f"timeout>{timeout_s}s")
-  for line in p.stdout.splitlines():
-    if line.startswith(RESULT_TAG):
-      return json.loads(line[len(RESULT_TAG):])
-  tail = (p.stderr or p.stdout)[-400:].replace("\n", " | ")
-  status = "oom" if "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower() else f"crash rc={p.returncode}: {tail}"
-  return dict(status=status)
+  return harness.run_child(
+      [os.path.abspath(__file__), *argv], result_tag=RESULT_TAG,
+      timeout_s=timeout_s,
+      env=harness.child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
 
 FIELDS = ["loss", "backend", "dtype", "B", "D", "status", "ms", "reps",

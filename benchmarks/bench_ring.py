@@ -85,7 +85,6 @@ import datetime
 import io
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -94,7 +93,7 @@ _ROOT = os.path.dirname(_HERE)
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
-from benchmarks import bench_loss  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import ring_hlo  # pylint: disable=wrong-import-position
 from infcl_jax import xla_flags  # pylint: disable=wrong-import-position
 
@@ -128,7 +127,7 @@ def add_tile_args(ap):
                   help="BlockSizes.num_programs (persistent CTAs); 0: default")
 
 
-def _block_sizes(spec):
+def block_sizes_of(spec):
   from infcl_jax import BlockSizes  # pylint: disable=import-outside-toplevel
   if not (spec.get("block_q") and spec.get("block_k")
           or spec.get("num_programs")):
@@ -140,7 +139,7 @@ def _block_sizes(spec):
                     num_programs=spec.get("num_programs") or None)
 
 
-def _mem_plan(compiled):
+def mem_plan(compiled):
   """XLA's per-device memory plan of a compiled SPMD program, in GB.
 
   xla_temp_gb: temporaries; xla_plan_gb: outputs + temporaries, i.e. the
@@ -184,7 +183,7 @@ def run_case(spec):
   dtype = jnp.dtype(spec["dtype"])
   mesh = ring_steps.make_mesh(n)
   devices = list(mesh.devices.flat)
-  bs = _block_sizes(spec)
+  bs = block_sizes_of(spec)
   kind = spec["kind"]
   if kind in ("step", "hlo"):
     fn = ring_steps.train_step(spec["strategy"], mesh, spec["backend"], bs)
@@ -201,10 +200,9 @@ def run_case(spec):
     time.sleep(delay.get("compile", 0))
     compiled = fn.lower(emb, emb, scalar).compile()
   except Exception as e:  # pylint: disable=broad-except
-    return dict(status="oom" if bench_loss._is_oom(e)  # pylint: disable=protected-access
-                else f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(status=harness.failure(e))
   res["compile_s"] = round(time.time() - t0, 2)
-  res.update(_mem_plan(compiled))
+  res.update(mem_plan(compiled))
   limits = _device_bytes(devices, "bytes_limit")
   if limits:
     res["bytes_limit_gb"] = min(limits) / 1e9
@@ -246,11 +244,10 @@ def run_case(spec):
       out = jax.block_until_ready(compiled(x, y, t))
       sec, reps = time.perf_counter() - t1, 1
     else:
-      sec, reps = bench_loss._median_time(compiled, (x, y, t), spec["budget_s"])  # pylint: disable=protected-access
+      sec, reps = _median_time(compiled, (x, y, t), spec["budget_s"])
       out = compiled(x, y, t)
   except Exception as e:  # pylint: disable=broad-except
-    return dict(res, status="oom" if bench_loss._is_oom(e)  # pylint: disable=protected-access
-                else f"error: {type(e).__name__}: {str(e)[:300]}")
+    return dict(res, status=harness.failure(e))
   res.update(status="ok", ms=sec * 1e3, reps=reps)
   if spec.get("once"):
     res["timing"] = "one call, no warm-up"
@@ -260,6 +257,12 @@ def run_case(spec):
   if base and peak and spec.get("fresh"):
     res["peak_gb"] = max(p - q for p, q in zip(peak, base)) / 1e9
   return res
+
+
+def _median_time(fn, args, budget_s):
+  """(median seconds, repetitions) after one warm-up call (``harness``)."""
+  t = harness.timeit(fn, *args, reps=7, warmup=1, budget_s=budget_s)
+  return t.median, t.reps
 
 
 def _jaxlib_version():
@@ -298,10 +301,9 @@ def _child_env(n, platform, first=0, strategy=None):
   preallocated arena runs it in 379 ms (2026-11-30). peak_bytes_in_use
   still counts the bytes in use, not the arena.
   """
-  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env = harness.child_env()
   if strategy == "plain" and platform == "gpu":
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
-  env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
   if platform == "cpu":
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if "xla_force_host_platform_device_count" not in f]
@@ -317,7 +319,7 @@ def _child_env(n, platform, first=0, strategy=None):
 
 
 def spawn(spec, platform, timeout_s, compile_timeout_s=0):
-  """Runs ``run_case(spec)`` (or the probe) in a fresh process.
+  """Runs ``run_case(spec)`` in a fresh process (``harness.run_child``).
 
   Two deadlines: the whole case gets ``timeout_s``; compilation (until the
   child reports its compiled plan) gets ``compile_timeout_s`` (0: none). A
@@ -327,88 +329,13 @@ def spawn(spec, platform, timeout_s, compile_timeout_s=0):
   told apart from a compile that does not end (e.g. rematerialization of a
   plan over XLA's memory limit).
   """
-  import queue  # pylint: disable=import-outside-toplevel
-  import tempfile  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
   spec = dict(spec, report_phases=True)
-  t0 = time.time()
-  with tempfile.TemporaryFile("w+") as err:
-    p = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, os.path.abspath(__file__), "--case", json.dumps(spec)],
-        stdout=subprocess.PIPE, stderr=err, text=True,
-        env=_child_env(spec.get("n", 0), platform, spec.get("first_device", 0),
-                       spec.get("strategy")),
-        start_new_session=True)
-    lines = queue.Queue()
-
-    def pump():
-      for line in p.stdout:
-        lines.put(line)
-      lines.put(None)
-    threading.Thread(target=pump, daemon=True).start()
-    out = []
-    try:
-      result, _, timed = _follow(p, lines, out, t0, timeout_s,
-                                     compile_timeout_s)
-    except BaseException:  # E.g. Ctrl-C / `timeout -s INT`: no orphan.
-      _kill(p)
-      raise
-    if timed is not None:
-      return timed
-    p.wait()
-    if result is not None:
-      return result
-    err.seek(0)
-    tail = (err.read() or "".join(out))[-400:].replace("\n", " | ")
-  oom = "RESOURCE_EXHAUSTED" in tail or "out of memory" in tail.lower()
-  return dict(status="oom" if oom else f"crash rc={p.returncode}: {tail}")
-
-
-def _follow(p, lines, out, t0, timeout_s, compile_timeout_s):
-  """Reads the child's lines under the two deadlines of ``spawn``; returns
-  (result, phase, timeout row or None)."""
-  import queue  # pylint: disable=import-outside-toplevel
-  phase, result = None, None
-  while True:
-    limit = timeout_s
-    if phase is None and compile_timeout_s:
-      limit = min(timeout_s, compile_timeout_s)
-    left = t0 + limit - time.time()
-    try:
-      line = lines.get(timeout=max(left, 0.01)) if left > 0 else None
-      timed_out = left <= 0
-    except queue.Empty:
-      line, timed_out = None, True
-    if timed_out:
-      _kill(p)
-      waited = time.time() - t0
-      if phase is None:
-        return None, None, dict(status=f"timeout in compile (>{limit:.0f}s"
-                                f", {waited:.0f}s)")
-      plan = (f"; XLA plan {phase['xla_total_gb']:.3g} GB/dev"
-              if phase.get("xla_total_gb") is not None else "")
-      lim = (f", limit {phase['bytes_limit_gb']:.3g} GB"
-             if phase.get("bytes_limit_gb") else "")
-      return None, phase, dict(
-          {k: v for k, v in phase.items() if k != "phase"},
-          status=f"timeout>{timeout_s}s while running (compiled in "
-          f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim})")
-    if line is None:
-      return result, phase, None
-    out.append(line)
-    if line.startswith(PHASE_TAG):
-      phase = json.loads(line[len(PHASE_TAG):])
-    elif line.startswith(RESULT_TAG):
-      result = json.loads(line[len(RESULT_TAG):])
-
-
-def _kill(p):
-  """Ends the child this module started (its own session) and waits."""
-  try:
-    os.killpg(p.pid, 9)
-  except OSError:
-    p.kill()
-  p.wait()
+  return harness.run_child(
+      [os.path.abspath(__file__), "--case", json.dumps(spec)],
+      result_tag=RESULT_TAG, phase_tag=PHASE_TAG, timeout_s=timeout_s,
+      compile_timeout_s=compile_timeout_s,
+      env=_child_env(spec.get("n", 0), platform, spec.get("first_device", 0),
+                     spec.get("strategy")))
 
 
 def xla_memory_limit_gb(bytes_limit_gb):
@@ -449,21 +376,14 @@ def plain_min_bytes(n, b, d, dtype):
 
 def set_flags(cpu_devices):
   """XLA reads XLA_FLAGS when the backend starts: call before that."""
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  if cpu_devices:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
-  else:
-    flags = xla_flags.recommended(" ".join(flags)).split()
-  os.environ["XLA_FLAGS"] = " ".join(flags)
+  harness.set_xla_flags(cpu_devices)
   # Allocate on demand (so peak_bytes_in_use is what the case used) and let
   # the allocator use nearly the whole device (for the max-batch search).
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 
-def _backend_started():
+def backend_started():
   try:
     from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
     return xla_bridge.backends_are_initialized()
@@ -955,7 +875,7 @@ def main(argv=None):
          else run_case(spec))
     print(RESULT_TAG + json.dumps(r), flush=True)
     return None
-  started = _backend_started()
+  started = backend_started()
   if not started:
     set_flags(args.cpu_devices)
   elif args.cpu_devices:

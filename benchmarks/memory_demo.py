@@ -10,13 +10,17 @@ its B x B logits would not fit in a fraction of host memory.
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import infcl_jax
+import jax  # noqa: E402  pylint: disable=wrong-import-position
+import jax.numpy as jnp  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
+
+import infcl_jax  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def compile_grad(backend, b, d, dtype):
@@ -52,10 +56,9 @@ def main():
       if backend == "reference" and temp > args.reference_limit_gb * 2**30:
         print(f"{b:>8} {backend:>9} {'(skipped)':>10} {temp / 2**20:>10.1f} {'-':>8}")
         continue
-      start = time.perf_counter()
-      loss, _ = fn(x, y, jnp.float32(10.0))
-      loss = float(loss)
-      secs = time.perf_counter() - start
+      t = jnp.float32(10.0)
+      secs = harness.timeit(fn, x, y, t, reps=1, warmup=0).median
+      loss = float(fn(x, y, t)[0])
       print(f"{b:>8} {backend:>9} {loss:>10.6f} {temp / 2**20:>10.1f} {secs:>8.2f}")
 
 

@@ -56,6 +56,7 @@ if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
 from benchmarks import bench_ring  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import ring_hlo  # pylint: disable=wrong-import-position
 
 CSV_FIELDS = ["kind", "n_dev", "b_local", "D", "dtype", "backend", "status",
@@ -305,7 +306,7 @@ class Diagnose:
     name = f"{kind}_N{n}_b{b}"
     try:
       mesh = ring_steps.make_mesh(n)
-      bs = bench_ring._block_sizes(vars(a))  # pylint: disable=protected-access
+      bs = bench_ring.block_sizes_of(vars(a))
       if kind in ("ring", "gather"):
         fn = ring_steps.train_step(kind, mesh, a.backend, bs)
       else:
@@ -318,7 +319,7 @@ class Diagnose:
       t = time.time()
       compiled = fn.lower(emb, emb, scalar).compile()
       row["compile_s"] = round(time.time() - t, 2)
-      row.update(bench_ring._mem_plan(compiled))  # pylint: disable=protected-access
+      row.update(bench_ring.mem_plan(compiled))
       hlo = compiled.as_text()
       opcodes = {i.name: i.op for instrs in ring_hlo.computations(hlo).values()
                  for i in instrs}
@@ -333,7 +334,8 @@ class Diagnose:
       x, y = ring_steps.make_inputs(mesh, b, a.dims, dtype)
       tt = jax.device_put(jnp.float32(ring_steps.LOGIT_SCALE),
                           NamedSharding(mesh, P()))
-      sec, reps = bench_loss._median_time(compiled, (x, y, tt), a.budget_s)  # pylint: disable=protected-access
+      t = harness.timeit(compiled, x, y, tt, warmup=1, budget_s=a.budget_s)
+      sec, reps = t.median, t.reps
       row.update(status="ok", ms=sec * 1e3, reps=reps)
       if kind in ("ring", "gather"):
         row["loss"] = float(compiled(x, y, tt)[0])
@@ -353,8 +355,7 @@ class Diagnose:
             shutil.rmtree(tdir, ignore_errors=True)
       del x, y
     except Exception as e:  # pylint: disable=broad-except
-      row["status"] = ("oom" if bench_loss._is_oom(e)  # pylint: disable=protected-access
-                       else f"error: {type(e).__name__}: {str(e)[:300]}")
+      row["status"] = harness.failure(e)
     row["wall_s"] = round(time.time() - self.t0, 1)
     self.rows.append(row)
     print(json.dumps(row), flush=True)
@@ -495,7 +496,7 @@ def _top_deltas(ring_ops, comp_ops, k=8):
 
 def main(argv=None):
   args = parse_args(argv)
-  if not bench_ring._backend_started():  # pylint: disable=protected-access
+  if not bench_ring.backend_started():
     bench_ring.set_flags(args.cpu_devices)
   elif args.cpu_devices:
     raise ValueError("--cpu-devices needs a process whose JAX backend has "

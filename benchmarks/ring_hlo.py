@@ -41,6 +41,10 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
+
 # Ops that launch work on the device (after fusion, nearly every kernel is a
 # fusion or a custom call).
 COMPUTE_OPS = ("fusion", "dot", "convolution", "custom-call", "reduce",
@@ -365,23 +369,9 @@ def parse_args():
   return p.parse_args()
 
 
-def set_flags(args):
-  """XLA reads XLA_FLAGS once, when the backend starts: before importing jax."""
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  if args.cpu_devices:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={args.cpu_devices}")
-  else:
-    from infcl_jax import xla_flags  # pylint: disable=import-outside-toplevel
-    flags = xla_flags.recommended(" ".join(flags)).split()
-  os.environ["XLA_FLAGS"] = " ".join(flags)
-
-
 def main():
   args = parse_args()
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  set_flags(args)
+  harness.set_xla_flags(args.cpu_devices)
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel

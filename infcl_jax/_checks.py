@@ -135,6 +135,20 @@ def check_backend(backend):
     raise ValueError(f"backend must be one of {backends()}, got {backend!r}")
 
 
+def check_block_sizes(block_sizes):
+  """``block_sizes`` must be None or a ``BlockSizes`` (a static, hashable
+  argument of the jitted loss: a dict would reach jit as an unhashable
+  static argument)."""
+  from infcl_jax.block_sizes import BlockSizes  # pylint: disable=import-outside-toplevel
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    hint = ""
+    if isinstance(block_sizes, dict):
+      hint = f": use infcl_jax.BlockSizes(**{block_sizes!r})"
+    raise TypeError(
+        f"block_sizes must be None or an infcl_jax.BlockSizes, got "
+        f"{type(block_sizes).__name__}{hint}")
+
+
 def check_strategy(strategy):
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

@@ -1,4 +1,4 @@
-"""Elementwise math that every layer shares: one copy of each formula.
+"""The math every layer shares: one copy of each formula and constant.
 
 The tiles of both families, the Pallas kernels and the full-matrix reference
 evaluate these in float32 (or wider); none of them is a kernel of its own.
@@ -8,11 +8,41 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
+F32 = jnp.float32
 NEG_INF = -jnp.inf
 # exp(v) = 2**(v * LOG2E): the kernels work in base 2 (exp2 is one
-# instruction on the GPU), so statistics and logits are scaled by this.
+# instruction on the GPU), so statistics and logits are scaled by this, and
+# a base-2 LSE times LN2 is the natural one.
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# The one-exponential forward (a shared shift per tile) is exact while every
+# row's and column's sum in the tile stays >= MIN_SUM, i.e. its max is within
+# ~64 binary orders of the tile's; below, a tile takes the exact
+# two-exponential path.
+MIN_SUM = 2.0**-64
+
+
+def dot(a, b, contract, precision):
+  """a . b over the ``contract`` dims, float32 accumulation."""
+  return lax.dot_general(a, b, (contract, ((), ())),
+                         preferred_element_type=F32, precision=precision)
+
+
+def unit_coefs(row_coef, col_coef):
+  """(a_r, a_c, norm): the softmax gradient's coefficients divided by the
+  larger magnitude (1 when both are 0); ``None`` means no such term.
+
+  The probabilities are in [0, 1] and the coefficients ~1/B; a tile of G is
+  formed as a_r P^r + a_c P^c and ``norm`` is applied after the matmuls,
+  so that a 16-bit G does not underflow.
+  """
+  row_coef = jnp.asarray(0.0 if row_coef is None else row_coef, F32)
+  col_coef = jnp.asarray(0.0 if col_coef is None else col_coef, F32)
+  norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
+  norm = jnp.where(norm == 0, 1.0, norm)
+  return row_coef / norm, col_coef / norm, norm
 
 
 def softplus(u):

@@ -67,6 +67,42 @@ def _n_queries_keys(direction, image_emb, text_emb):
   return (n_txt, n_img) if direction == "text_to_image" else (n_img, n_txt)
 
 
+# ------------------------------------------------------------ the spine
+#
+# Both families enter the same way: ``_checked`` (every argument check,
+# once, outside jit, where concrete values can be read; the backend name
+# resolved by the capability rule), then one jitted call (``_softmax`` /
+# ``_sigmoid``) that casts the validated arrays, types them for shard_map
+# and dispatches to the loss layer. The sharded entry points check the same
+# way and call the same jitted functions inside their shard_map.
+
+
+def _checked(family, image_emb, text_emb, logit_scale, logit_bias, *,
+             bias_required, backend, block_sizes):
+  """The checks both families share; returns (scale, bias, backend name)."""
+  _checks.check_embeddings(image_emb, text_emb)
+  _checks.check_backend(backend)
+  _checks.check_block_sizes(block_sizes)
+  scale = _checks.check_scalar("logit_scale", logit_scale)
+  bias = _checks.check_scalar("logit_bias", logit_bias,
+                              allow_none=not bias_required)
+  name = backend if backend == "reference" else registry.resolve(backend,
+                                                                 family)
+  return scale, bias, name
+
+
+def _checked_axes(axis_name):
+  axes = _axes.normalize(axis_name)
+  _axes.axis_size(axes)  # A clear error for an unbound or unknown axis.
+  return axes
+
+
+def _cast(image_emb, text_emb):
+  """Both towers in their promoted dtype."""
+  dtype = jnp.promote_types(image_emb.dtype, text_emb.dtype)
+  return image_emb.astype(dtype), text_emb.astype(dtype)
+
+
 def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
                      direction="both", labels=None, axis_name=None,
                      strategy="auto", backend="auto", block_sizes=None):
@@ -105,34 +141,28 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     The scalar float32 loss. Gradients flow to the embeddings, the scale and
     the bias.
   """
-  # Checked here, outside jit, where concrete label values can be read.
-  _checks.check_embeddings(image_emb, text_emb)
+  scale, bias, name = _checked(
+      softmax_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
+      bias_required=False, backend=backend, block_sizes=block_sizes)
+  _checks.check_strategy(strategy)
   _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0],
                           labels=labels is not None)
+  axes = _checked_axes(axis_name)
   n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
   labels = _checks.check_labels(labels, direction, n_q,
-                                n_keys=None if axis_name is not None else n_k)
-  return _contrastive_loss(
-      image_emb, text_emb, logit_scale, logit_bias=logit_bias,
-      direction=direction, labels=labels, axis_name=axis_name,
-      strategy=strategy, backend=backend, block_sizes=block_sizes)
+                                n_keys=None if axes else n_k)
+  return _softmax(image_emb, text_emb, scale, bias, labels,
+                  direction=direction, axes=axes, strategy=strategy,
+                  backend=name, block_sizes=block_sizes)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("direction", "axis_name", "strategy", "backend",
+    static_argnames=("direction", "axes", "strategy", "backend",
                      "block_sizes"))
-def _contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias,
-                      direction, labels, axis_name, strategy, backend,
-                      block_sizes):
-  dtype = _checks.check_embeddings(image_emb, text_emb)
-  _checks.check_backend(backend)
-  _checks.check_strategy(strategy)
-  scale = _checks.check_scalar("logit_scale", logit_scale)
-  bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
-  x, y = image_emb.astype(dtype), text_emb.astype(dtype)
-  axes = _axes.normalize(axis_name)
-  _axes.axis_size(axes)  # A clear error for an unbound or unknown axis.
+def _softmax(image_emb, text_emb, scale, bias, labels, *, direction, axes,
+             strategy, backend, block_sizes):
+  x, y = _cast(image_emb, text_emb)
   if backend == "reference":
     xs, ys = _gathered(x, y, axes)
     ls = labels
@@ -141,7 +171,7 @@ def _contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias,
     return reference.contrastive_loss_reference(
         xs, ys, scale, logit_bias=bias, direction=direction,
         labels=ls).astype(F32)
-  name = registry.resolve(backend, softmax_lib.FAMILY)
+  # Softmax has no bias by default (it cancels in every row's softmax).
   bias = jnp.zeros((), F32) if bias is None else bias
   scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
                                   jnp.asarray(bias, F32), x, y)
@@ -153,14 +183,14 @@ def _contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias,
     q, k, mode = y, x, "rows"
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
+  # Softmax only: the column statistics make gathering the keys an
+  # alternative to the ring (the sigmoid loss has nothing to gather for).
   strategy = strategy_lib.pick(strategy, _axes.axis_size(axes), k.shape[0])
   loss_fn = (gather.gather_loss if strategy == "gather" and axes
              else softmax_lib.softmax_loss)
-  return loss_fn(q, k, scale, bias, labels, name, mode, block_sizes, axes)
+  return loss_fn(q, k, scale, bias, labels, backend, mode, block_sizes, axes)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("axis_name", "backend", "block_sizes"))
 def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
                  axis_name=None, backend="auto", block_sizes=None):
   """Exact SigLIP sigmoid loss without the B x B logit matrix.
@@ -188,21 +218,28 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
     the bias; each term is computed per element with the stable identity
     ``-log sigmoid(u) = max(-u, 0) + log1p(exp(-|u|))``.
   """
-  dtype = _checks.check_embeddings(image_emb, text_emb)
+  scale, bias, name = _checked(
+      sigmoid_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
+      bias_required=True, backend=backend, block_sizes=block_sizes)
+  # Sigmoid only: one positive per row and column, so equal batches.
   _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
-  _checks.check_backend(backend)
-  scale = _checks.check_scalar("logit_scale", logit_scale)
-  bias = _checks.check_scalar("logit_bias", logit_bias)
-  x, y = image_emb.astype(dtype), text_emb.astype(dtype)
-  axes = _axes.normalize(axis_name)
-  _axes.axis_size(axes)
+  axes = _checked_axes(axis_name)
+  return _sigmoid(image_emb, text_emb, scale, bias, axes=axes, backend=name,
+                  block_sizes=block_sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("axes", "backend",
+                                             "block_sizes"))
+def _sigmoid(image_emb, text_emb, scale, bias, *, axes, backend,
+             block_sizes):
+  x, y = _cast(image_emb, text_emb)
   if backend == "reference":
     xs, ys = _gathered(x, y, axes)
     return reference.sigmoid_loss_reference(xs, ys, scale, bias).astype(F32)
-  name = registry.resolve(backend, sigmoid_lib.FAMILY)
   scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
                                   jnp.asarray(bias, F32), x, y)
-  return sigmoid_lib.sigmoid_loss(x, y, scale, bias, name, block_sizes, axes)
+  return sigmoid_lib.sigmoid_loss(x, y, scale, bias, backend, block_sizes,
+                                  axes)
 
 
 for _f in (contrastive_loss, sigmoid_loss):  # pylint: disable=invalid-name
@@ -215,18 +252,16 @@ for _f in (contrastive_loss, sigmoid_loss):  # pylint: disable=invalid-name
 def _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
                  labels=None):
   """Shards the batch over ``axes`` and runs ``local`` under shard_map, as
-  ``local(x, y, scale[, labels][, bias])``."""
+  ``local(x, y, scale, labels, bias)`` (labels and bias may be None)."""
   batch = P(axes[0] if len(axes) == 1 else axes)
   if _explicit(mesh):
     image_emb = jax.sharding.reshard(image_emb, NamedSharding(mesh, batch))
     text_emb = jax.sharding.reshard(text_emb, NamedSharding(mesh, batch))
-  args, in_specs = (image_emb, text_emb, scale), (batch, batch, P())
-  if labels is not None:
-    args, in_specs = args + (labels,), in_specs + (batch,)
-  if bias is not None:
-    args, in_specs = args + (bias,), in_specs + (P(),)
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs,
-                       out_specs=P())(*args)
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(batch, batch, P(), None if labels is None else batch,
+                None if bias is None else P()),
+      out_specs=P())(image_emb, text_emb, scale, labels, bias)
 
 
 def _explicit(mesh):
@@ -267,43 +302,36 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     ValueError: an axis name not in the mesh, or a global batch that the
       number of devices on the axis does not divide.
   """
-  _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
+  scale, bias, name = _checked(
+      softmax_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
+      bias_required=False, backend=backend, block_sizes=block_sizes)
+  _checks.check_strategy(strategy)
+  axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
   _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0],
                           labels=labels is not None)
   n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
   labels = _checks.check_labels(labels, direction, n_q, n_keys=n_k)
-  return _sharded_contrastive_loss(
-      image_emb, text_emb, logit_scale, mesh=mesh, axis_name=axis_name,
-      logit_bias=logit_bias, direction=direction, labels=labels,
-      strategy=strategy, backend=backend, block_sizes=block_sizes)
+  return _sharded_softmax(
+      image_emb, text_emb, scale, bias, labels, mesh=mesh, axes=axes,
+      direction=direction, strategy=strategy, backend=name,
+      block_sizes=block_sizes)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("mesh", "axis_name", "direction", "strategy", "backend",
+    static_argnames=("mesh", "axes", "direction", "strategy", "backend",
                      "block_sizes"))
-def _sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
-                              axis_name, logit_bias, direction, labels,
-                              strategy, backend, block_sizes):
-  axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
-  _checks.check_strategy(strategy)
-  scale = _checks.check_scalar("logit_scale", logit_scale)
-  bias = _checks.check_scalar("logit_bias", logit_bias, allow_none=True)
-
-  def local(x, y, s, *rest):
-    rest = list(rest)
-    lab = rest.pop(0) if labels is not None else None
-    return contrastive_loss(
-        x, y, s, logit_bias=rest[0] if rest else None, direction=direction,
-        labels=lab, axis_name=axes, strategy=strategy, backend=backend,
-        block_sizes=block_sizes)
+def _sharded_softmax(image_emb, text_emb, scale, bias, labels, *, mesh, axes,
+                     direction, strategy, backend, block_sizes):
+  def local(x, y, s, lab, b):
+    return _softmax(x, y, s, b, lab, direction=direction, axes=axes,
+                    strategy=strategy, backend=backend,
+                    block_sizes=block_sizes)
 
   return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
                       labels)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("mesh", "axis_name", "backend", "block_sizes"))
 def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
                          axis_name="data", backend="auto", block_sizes=None):
   """``sigmoid_loss`` on globally sharded arrays: the SigLIP ring for you.
@@ -312,13 +340,22 @@ def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
   gives the ordinary gradients of the global arrays. Arguments as in
   ``sharded_contrastive_loss`` and ``sigmoid_loss``.
   """
+  scale, bias, name = _checked(
+      sigmoid_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
+      bias_required=True, backend=backend, block_sizes=block_sizes)
+  _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
   axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
-  _checks.check_equal_batch(image_emb, text_emb)
-  scale = _checks.check_scalar("logit_scale", logit_scale)
-  bias = _checks.check_scalar("logit_bias", logit_bias)
+  return _sharded_sigmoid(image_emb, text_emb, scale, bias, mesh=mesh,
+                          axes=axes, backend=name, block_sizes=block_sizes)
 
-  def local(x, y, s, b):
-    return sigmoid_loss(x, y, s, b, axis_name=axes, backend=backend,
-                        block_sizes=block_sizes)
+
+@functools.partial(
+    jax.jit, static_argnames=("mesh", "axes", "backend", "block_sizes"))
+def _sharded_sigmoid(image_emb, text_emb, scale, bias, *, mesh, axes, backend,
+                     block_sizes):
+  def local(x, y, s, lab, b):
+    del lab
+    return _sigmoid(x, y, s, b, axes=axes, backend=backend,
+                    block_sizes=block_sizes)
 
   return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)

@@ -26,7 +26,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import flax.linen as nn
+try:
+  import flax.linen as nn
+except ImportError as e:  # The library itself needs only jax.
+  raise ImportError(
+      f"infcl_jax.flax needs flax ({e}); install the extra: "
+      f"pip install \"infcl-jax[flax]\"") from e
 import jax
 import jax.numpy as jnp
 

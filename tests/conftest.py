@@ -42,3 +42,22 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid in listed:
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def reset_mosaic_interpreter():
+  """Resets the Mosaic GPU interpreter's process-wide state after a test.
+
+  The interpreter keeps one simulated GPU per process; a kernel that raised
+  leaves barriers and allocations behind that would fail every later
+  interpreted kernel. The reset lives in JAX's private API, so a JAX that
+  moved it fails here, loudly, instead of leaking state silently.
+  """
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=import-outside-toplevel
+    reset = interpret_pallas_call.reset_gpu_interpret_mode_state
+  except (ImportError, AttributeError) as e:
+    pytest.fail(f"the Mosaic GPU interpreter's reset moved in this JAX "
+                f"({e}); update reset_mosaic_interpreter in tests/conftest.py")
+  yield
+  reset()

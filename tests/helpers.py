@@ -120,6 +120,42 @@ def kernel_calls(closed_jaxpr):
   return found
 
 
+def default_tiles(backend, dtype, platform="gpu", family="softmax"):
+  """The ``BlockSizes`` that ``backend`` runs by default on ``platform``."""
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  return registry.get(backend, family, platform=platform).default_block_sizes(
+      platform, dtype)
+
+
+def primitive_operands(closed_jaxpr, primitive):
+  """[[(shape, dtype) of each operand]] of every ``primitive`` equation in a
+  jaxpr, nested ones (scan bodies, custom_vjp rules) too."""
+  found = []
+
+  def subjaxprs(v):
+    if hasattr(v, "eqns"):
+      yield v
+    elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+      yield v.jaxpr
+    elif callable(v) and not isinstance(v, type):
+      return
+    elif isinstance(v, (tuple, list)):
+      for u in v:
+        yield from subjaxprs(u)
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == primitive:
+        found.append([(tuple(a.aval.shape), str(a.aval.dtype))
+                      for a in eqn.invars])
+      for v in eqn.params.values():
+        for sub in subjaxprs(v):
+          walk(sub)
+
+  walk(closed_jaxpr.jaxpr)
+  return found
+
+
 def compiled_pallas_class():
   """The Pallas-Triton backend as configured on a GPU, on any platform.
 

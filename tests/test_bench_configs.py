@@ -3,7 +3,10 @@ import csv
 import json
 import os
 
+import jax.numpy as jnp
+
 from benchmarks import bench_configs
+from infcl_jax.backends import triton_configs as tc
 
 
 def test_bench_configs_runs_and_writes_csv(tmp_path, capsys):
@@ -25,3 +28,27 @@ def test_bench_configs_runs_and_writes_csv(tmp_path, capsys):
   assert meta["B"] == 64
   out = capsys.readouterr().out
   assert "TFLOP/s" in out and "smem99k" in out
+
+
+def test_every_config_and_candidate_fits_its_tier():
+  for dtype in (jnp.bfloat16, jnp.float32):
+    for name, (tier, bs) in bench_configs.configs(dtype).items():
+      limit = tc.TRITON_CONFIGS[tier][0]
+      for kernel in ("fwd", "bwd"):
+        est = tc.triton_smem(bs, dtype, kernel)
+        assert est.peak <= limit, (name, kernel)
+        if tier != "smem227k":
+          assert est.total <= limit, (name, kernel)
+
+
+def test_probe_log_parser():
+  tag = bench_configs.RESULT_TAG
+  case = ('{"config": "smem99k", "tier": "smem99k", "dtype": "bfloat16", '
+          '"family": "softmax", "kernel": "fwd"')
+  text = "\n".join([
+      "noise", tag + case + "}", "I0101 x.cc:1] Shared memory usage: 65536 B",
+      "other", tag + case + ', "status": "ok", "end": true}',
+      "Shared memory usage: 1 B"])  # Outside a case: ignored.
+  (row,) = bench_configs.parse_probe_log(text)
+  assert row["xla_reported"] == "65536" and row["status"] == "ok"
+  assert row["est_peak"] == 65536 and row["limit"] == 99 * 1024

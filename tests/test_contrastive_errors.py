@@ -47,3 +47,37 @@ def test_axis_name_outside_shard_map_is_an_error():
   with pytest.raises(ValueError,
                      match=r"axis_name='data' is not bound.*outside shard_map"):
     contrastive_loss(X, X, 1.0, axis_name="data")
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_block_sizes_as_a_dict_names_the_argument_and_the_type(loss):
+  from infcl_jax import sigmoid_loss  # pylint: disable=import-outside-toplevel
+  call = ((lambda bs: contrastive_loss(X, X, 1.0, block_sizes=bs))
+          if loss == "softmax" else
+          (lambda bs: sigmoid_loss(X, X, 1.0, -1.0, block_sizes=bs)))
+  with pytest.raises(TypeError) as e:
+    call({"block_q": 4})
+  msg = str(e.value)
+  assert msg == ("block_sizes must be None or an infcl_jax.BlockSizes, got "
+                 "dict: use infcl_jax.BlockSizes(**{'block_q': 4})"), msg
+  with pytest.raises(TypeError, match="got tuple$"):
+    call((4, 4))
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas", "mosaic"])
+def test_seam_guards_are_the_same_for_every_backend(name):
+  """One home (backends/base.py): no statistic asked for, no gradient term,
+  and a diagonal that a non-square block pair cannot have."""
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  be = registry.get(name, "softmax", platform="cpu")
+  x, y = jnp.ones((5, 3), jnp.bfloat16), jnp.ones((7, 3), jnp.bfloat16)
+  assert be.lse(x, y, 1.0, 0.0, rows=False, cols=False) == (None, None)
+  dx, dy, dsc, dbi = be.lse_grad(x, y, 1.0, 0.0, None, None, 0.5, 0.5)
+  assert dx.shape == (5, 3) and dy.shape == (7, 3)
+  assert not (np.any(np.asarray(dx)) or np.any(np.asarray(dy)))
+  assert float(dsc) == 0.0 and float(dbi) == 0.0
+  for op in (lambda: be.sigmoid_sum(x, y, 1.0, 0.0, has_diagonal=True),
+             lambda: be.sigmoid_grad(x, y, 1.0, 0.0, 1.0, has_diagonal=True)):
+    with pytest.raises(ValueError, match=r"has_diagonal=True needs square "
+                       r"block pairs.*5 rows.*7 rows"):
+      op()

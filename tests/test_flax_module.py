@@ -166,3 +166,15 @@ def test_labels_pass_through_to_the_softmax_loss():
   with pytest.raises(ValueError, match="labels= applies to the softmax"):
     ContrastiveLoss(loss="sigmoid").init(jax.random.key(0), x, y,
                                          jnp.asarray(lab))
+
+
+def test_import_without_flax_names_the_extra(monkeypatch):
+  import importlib  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  for mod in ("flax", "flax.linen", "infcl_jax.flax"):
+    monkeypatch.setitem(sys.modules, mod, None)
+  monkeypatch.delitem(sys.modules, "infcl_jax.flax")
+  with pytest.raises(ImportError) as e:
+    importlib.import_module("infcl_jax.flax")
+  msg = str(e.value)
+  assert 'pip install "infcl-jax[flax]"' in msg and "\n" not in msg, msg

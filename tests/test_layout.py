@@ -13,7 +13,8 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "infcl_jax"
 # Each layer may import only the layers below it (and the shared base
 # modules); the public API sits on top.
 LAYERS = ["kernels", "backends", "losses", "api"]
-BASE = {"infcl_jax._axes", "infcl_jax._math", "infcl_jax.block_sizes"}
+BASE = {"infcl_jax._axes", "infcl_jax._device", "infcl_jax._math",
+        "infcl_jax.block_sizes"}
 
 
 def _module_name(path):

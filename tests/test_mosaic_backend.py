@@ -43,15 +43,8 @@ GPU_BLOCKS = dataclasses.replace(SMALL, block_q=128, block_k=256,
                                  panel_rows=256)
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-  yield
-  # After an exception the interpreter's global state must be reset.
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=import-outside-toplevel
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
-  except Exception:  # pylint: disable=broad-except
-    pass
+# After an exception the interpreter's global state must be reset.
+pytestmark = pytest.mark.usefixtures("reset_mosaic_interpreter")
 
 
 def hybrid_backend(monkeypatch, **stages):
@@ -400,11 +393,22 @@ def test_float32_routes_to_triton_kernels():
 
 
 def test_block_size_mapping():
+  """Mosaic's own default tiles, and how a user's BlockSizes is rounded to
+  the shapes its kernels take (written down)."""
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
-  mb = mosaic.mosaic_blocks(BlockSizes.get_default("pallas", "gpu",
-                                                   jnp.bfloat16))
+  be = mosaic.MosaicBackend(platform="cpu")
+  assert be.default_block_sizes("gpu", jnp.bfloat16) == mosaic.GPU_TILES
+  assert be.default_block_sizes("cpu", jnp.float16) == mosaic.INTERPRET_TILES
+  # float32 takes the Triton path, with its defaults.
+  assert be.default_block_sizes("gpu", jnp.float32) == BlockSizes(
+      block_q=128, block_k=256, block_d=32, bwd_block_q=128, bwd_block_k=256,
+      panel_rows=2048)
+  mb = mosaic.mosaic_blocks(mosaic.GPU_TILES)
   assert (mb.bq, mb.bk, mb.bwd_bq, mb.bwd_bk, mb.bd, mb.panel_rows) == (
       128, 128, 128, 128, 64, 4096)
+  mb = mosaic.mosaic_blocks(mosaic.INTERPRET_TILES)
+  assert (mb.bq, mb.bk, mb.bwd_bq, mb.bwd_bk, mb.panel_rows) == (
+      64, 64, 64, 64, 64)
   mb = mosaic.mosaic_blocks(test_pallas.TINY)
   assert (mb.bq, mb.bk, mb.bwd_bq, mb.bwd_bk, mb.panel_rows) == (
       64, 64, 64, 64, 64)

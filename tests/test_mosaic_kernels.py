@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import bench_mosaic_kernels as bench_variants
-from infcl_jax.backends import mosaic as mosaic_backend
 from infcl_jax.kernels.mosaic import g_panel as mosaic_g_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mosaic_lse_fwd
 
@@ -119,40 +117,28 @@ def check_panel(n, m, d, dtype, rows, cols, interpret, num_programs=None,
   assert abs(float(dbi) - ref_dbi) <= tol * ref_dbi
 
 
-def check_rerun_path(col_merge, interpret, n=200, m=300, d=64, **kernel_kw):
-  """Tiles the per-tile check would send to the exact path: the unchecked
-  pass must flag them (NaN), and ``check="rerun"`` must still be exact."""
+def check_rerun_path(interpret, n=200, m=300, d=64):
+  """Tiles the per-tile test would send to the exact path: the unchecked
+  pass must flag them (NaN), and the default (``check="rerun"``) must still
+  be exact, as must ``check="tile"``."""
   xp, yp, s0 = _dominated_inputs(n, m, d, jnp.bfloat16, 5, boost=8.0)
   scale, bias = 20.0, -1.0
   s = scale * s0 + bias
-  # The unchecked pass alone, with lse_fwd's defaults for the rest.
-  kw = {k: p.default for k, p in inspect.signature(
+  kw = dict(n=n, m=m, rows=True, cols=True, num_programs=1,
+            interpret=interpret)
+  once = {k: p.default for k, p in inspect.signature(
       mosaic_lse_fwd.lse_fwd).parameters.items()
-        if p.kind == p.KEYWORD_ONLY and k != "check"}
-  kw.update(kernel_kw)
-  kw.pop("check", None)
-  kw.update(n=n, m=m, rows=True, cols=True, num_programs=1,
-            interpret=interpret, col_merge=col_merge)
-  r, c = mosaic_lse_fwd._lse_fwd_once(xp, yp, scale, bias, check="rerun",
-                                      **kw)
+          if p.kind == p.KEYWORD_ONLY and k not in kw and k != "check"}
+  r, c = mosaic_lse_fwd._lse_fwd_once(xp, yp, scale, bias, check="rerun",  # pylint: disable=protected-access
+                                      **kw, **once)
   assert np.isnan(np.asarray(r)).any() or np.isnan(np.asarray(c)).any()
-  r, c = mosaic_lse_fwd.lse_fwd(xp, yp, scale, bias, check="rerun", **kw)
-  assert _rel(r, _lse(s, 1)) < 1e-5
-  assert _rel(c, _lse(s, 0)) < 1e-5
+  for check in ("rerun", "tile"):
+    r, c = mosaic_lse_fwd.lse_fwd(xp, yp, scale, bias, check=check, **kw)
+    assert _rel(r, _lse(s, 1)) < 1e-5, check
+    assert _rel(c, _lse(s, 0)) < 1e-5, check
 
 
-@pytest.fixture(autouse=False)
-def _reset_interpreter():
-  yield
-  # After an exception the interpreter's global state must be reset.
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
-  except Exception:  # pylint: disable=broad-except
-    pass
-
-
-@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.usefixtures("reset_mosaic_interpreter")
 class TestInterpret:
   """Mosaic GPU interpreter on the CPU; small, padded sizes."""
 
@@ -197,56 +183,6 @@ class TestInterpret:
     assert _rel(r, _lse(10.01 * s0, 1)) > 1e-5
 
 
-# Variants behind keyword arguments (defaults unchanged); each must match the
-# float64 reference like the default. See infcl_jax/kernels/mosaic/NOTES.md.
-FWD_VARIANTS = {
-    "rmw2": dict(col_merge="rmw2"),
-    "deferred": dict(col_merge="deferred"),
-    "private_nopp": dict(private_scratch=True, pingpong=False),
-    "private_pp": dict(private_scratch=True, pingpong=True),
-    "rerun": dict(check="rerun"),
-    "all": dict(check="rerun", col_merge="rmw2", private_scratch=True,
-                pingpong=False, reduction_scratch_bytes=16384),
-    "all_deferred": dict(check="rerun", col_merge="deferred",
-                         private_scratch=True, pingpong=False),
-    "split_rings": dict(rings="split", num_stages=3),
-    "split_rings_all": dict(rings="split", num_stages=3, check="rerun",
-                            col_merge="rmw2", private_scratch=True,
-                            pingpong=True, reduction_scratch_bytes=16384),
-    "split_rings_all_nopp": dict(rings="split", num_stages=3, check="rerun",
-                                 col_merge="rmw2", private_scratch=True,
-                                 pingpong=False),
-    # What backend="mosaic" runs.
-    "in_use": mosaic_backend.LSE_FWD_KERNEL,
-}
-PANEL_VARIANTS = {
-    "split2": dict(epilogue_split=2),
-    "split2_st4": dict(epilogue_split=2, num_stages=4,
-                       reduction_scratch_bytes=0),
-    "fused": dict(single_exp=True),
-    "fused_split2_st4": dict(single_exp=True, epilogue_split=2, num_stages=4,
-                             reduction_scratch_bytes=0),
-    "rings_pp": dict(rings="split", num_stages=3, epilogue_split=2,
-                     reduction_scratch_bytes=0, pingpong=True),
-    "rings_pp_fused": dict(rings="split", num_stages=3, epilogue_split=2,
-                           reduction_scratch_bytes=0, pingpong=True,
-                           single_exp=True),
-    "rings_st2_pp_fused": dict(rings="split", num_stages=2, pingpong=True,
-                               single_exp=True),
-    "in_use": mosaic_backend.G_PANEL_KERNEL,
-}
-# The kernels' own defaults and the settings the backend uses.
-SETTINGS = ["default", "in_use"]
-
-
-def _fwd_kw(name):
-  return {} if name == "default" else FWD_VARIANTS[name]
-
-
-def _panel_kw(name):
-  return {} if name == "default" else PANEL_VARIANTS[name]
-
-
 def _dominated_inputs(n, m, d, dtype, seed, boost):
   """Row 0 of x aligned with y row 0 and ``boost`` times longer: its logits
   dwarf the others', so in row block 0 the other rows' (and in column block
@@ -259,100 +195,32 @@ def _dominated_inputs(n, m, d, dtype, seed, boost):
   return xp, yp, s0
 
 
-@pytest.mark.usefixtures("_reset_interpreter")
-class TestInterpretVariants:
-  """The keyword-argument variants in the interpreter (small, padded)."""
+@pytest.mark.usefixtures("reset_mosaic_interpreter")
+class TestInterpretPaths:
+  """The forward's exactness paths in the interpreter (small, padded)."""
 
-  @pytest.mark.parametrize("name", ["rmw2", "deferred", "rerun",
-                                    "private_nopp", "split_rings_all",
-                                    "in_use"])
-  def test_fwd_both(self, name):
-    check_fwd(300, 270, 100, jnp.bfloat16, True, True, True, num_programs=2,
-              **FWD_VARIANTS[name])
-
-  @pytest.mark.parametrize("name", ["all", "all_deferred", "in_use"])
-  def test_fwd_large_logit_range(self, name):
+  @pytest.mark.parametrize("check", ["rerun", "tile"])
+  def test_fwd_large_logit_range(self, check):
     check_fwd(140, 300, 64, jnp.bfloat16, True, True, True, scale=100.0,
-              num_programs=1, **FWD_VARIANTS[name])
+              num_programs=1, check=check)
 
-  @pytest.mark.parametrize("name", ["rmw2", "split_rings_all_nopp"])
-  def test_fwd_merges(self, name):
+  @pytest.mark.parametrize("check", ["rerun", "tile"])
+  def test_fwd_merges(self, check):
     # Unpadded row blocks, one program: every column value is merged into a
     # finite running one three times on the shared path (the padded tests
-    # above merge there only into -inf).
+    # merge there only into -inf).
     check_fwd(512, 256, 64, jnp.bfloat16, True, True, True, num_programs=1,
-              **FWD_VARIANTS[name])
+              check=check)
 
-  @pytest.mark.parametrize("name", ["deferred", "private_nopp",
-                                    "split_rings_all", "in_use"])
-  def test_fwd_cols_only(self, name):
-    check_fwd(390, 200, 72, jnp.bfloat16, False, True, True, num_programs=3,
-              **FWD_VARIANTS[name])
+  def test_fwd_single_exp_off(self):
+    check_fwd(300, 270, 100, jnp.bfloat16, True, True, True, num_programs=2,
+              single_exp=False)
 
-  @pytest.mark.parametrize("col_merge", ["rmw", "rmw2"])
-  def test_fwd_rerun_path(self, col_merge):
-    check_rerun_path(col_merge, interpret=True)
+  def test_fwd_rerun_path(self):
+    check_rerun_path(interpret=True)
 
-  def test_fwd_rerun_path_in_use(self):
-    kw = dict(FWD_VARIANTS["in_use"])
-    check_rerun_path(kw.pop("col_merge"), interpret=True, **kw)
-
-  @pytest.mark.parametrize("name", ["split2_st4", "fused", "rings_pp_fused",
-                                    "rings_st2_pp_fused", "in_use"])
-  def test_panel_both(self, name):
-    check_panel(300, 270, 100, jnp.bfloat16, True, True, True,
-                num_programs=2, **PANEL_VARIANTS[name])
-
-  @pytest.mark.parametrize("name", ["split2_st4", "fused_split2_st4",
-                                    "rings_pp_fused"])
-  def test_panel_no_padding(self, name):
-    check_panel(256, 256, 128, jnp.float16, True, True, True, num_programs=1,
-                **PANEL_VARIANTS[name])
-
-  @pytest.mark.parametrize("name", ["rings_pp_fused", "in_use"])
-  @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-  def test_panel_one_way_split(self, rows, cols, name):
-    check_panel(130, 520, 72, jnp.bfloat16, rows, cols, True, num_programs=3,
-                **PANEL_VARIANTS[name])
-
-  @pytest.mark.parametrize("name", ["split_rings", "in_use"])
-  def test_fwd_rows_only_split_rings(self, name):
-    check_fwd(130, 520, 72, jnp.bfloat16, True, False, True, num_programs=3,
-              **FWD_VARIANTS[name])
-
-  def test_panel_fused_fallback(self):
-    """Row block 0's statistics are pushed 300 (base 2) up, so its tiles
-    span > FUSED_SPAN and take the two-exponential form, row block 1 the
-    fused one; G (any finite r, c define it) must match in both."""
-    n, m, d = 256, 512, 64
-    xp, yp, s0 = _inputs(n, m, d, jnp.bfloat16, 6)
-    scale, bias = 10.0, 0.0
-    s = scale * s0 + bias
-    r, c = _lse(s, 1), _lse(s, 0)
-    r[:BQ] += 300.0 / LOG2E
-    r2 = jnp.asarray(r * LOG2E, jnp.float32)
-    c2 = jnp.asarray(c * LOG2E, jnp.float32)
-    tab = np.asarray(mosaic_g_panel._shift_table(r2, c2, BQ, BK))
-    assert np.isinf(tab[:m // BK]).all() and np.isfinite(tab[m // BK:]).all()
-    params = jnp.asarray([scale * LOG2E, bias * LOG2E, 0.5, 0.5], jnp.float32)
-    g, _, dbi = mosaic_g_panel.g_panel(xp, yp, r2, c2, params, rows=True,
-                                       cols=True, mask=False, single_exp=True,
-                                       epilogue_split=2, num_programs=2,
-                                       interpret=True)
-    ref = 0.5 * np.exp(s - r[:, None]) + 0.5 * np.exp(s - c[None, :])
-    g64 = np.asarray(g, np.float64)
-    for rows_ in (slice(0, BQ), slice(BQ, n)):
-      assert _rel(g64[rows_], ref[rows_]) < 1e-2
-    assert abs(float(dbi) - ref.sum()) <= 1e-2 * ref.sum()
-
-  def test_shift_table_bounds(self):
-    # Padding (+inf) and wide spans get +inf; narrow spans the shift.
-    r2 = jnp.asarray([0.0] * 128 + [0.0] * 127 + [jnp.inf], jnp.float32)
-    c2 = jnp.asarray([1.0] * 128 + [10.0] * 127 + [200.0], jnp.float32)
-    tab = np.asarray(mosaic_g_panel._shift_table(r2, c2, 128, 128))
-    assert tab.shape == (4,)
-    assert tab[0] == mosaic_g_panel.FUSED_SHIFT
-    assert np.isinf(tab[1:]).all()
+  def test_panel_no_padding_f16(self):
+    check_panel(256, 256, 128, jnp.float16, True, True, True, num_programs=1)
 
 
 class TestLowering:
@@ -376,31 +244,9 @@ class TestLowering:
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
-  @pytest.mark.parametrize("name", list(bench_variants.VARIANTS))
-  def test_variant_lowers(self, name):
-    """Every variant the GPU benchmark runs (``--variants all``), with the
-    benchmark's stage depths, at a small shape."""
-    stage, kw = bench_variants.VARIANTS[name]
-    xp, yp, _ = _inputs(256, 256, 128, jnp.bfloat16, 0)
-    if stage == "fwd":
-      kw = {**bench_variants.FWD_BASE, **kw}
-      fn = lambda a, b: mosaic_lse_fwd.lse_fwd(a, b, 2.0, 0.5, n=256, m=256,
-                                               rows=True, cols=True, **kw)
-      lowered = jax.jit(fn).trace(xp, yp).lower(lowering_platforms=("cuda",))
-    else:
-      kw = {**bench_variants.PANEL_BASE, **kw}
-      params = jnp.ones((4,), jnp.float32)
-      r2 = jnp.zeros((256,), jnp.float32)
-      fn = lambda a, b, rr, cc: mosaic_g_panel.g_panel(
-          a, b, rr, cc, params, rows=True, cols=True, mask=False, **kw)
-      lowered = jax.jit(fn).trace(xp, yp, r2, r2).lower(
-          lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-
-  def test_panel_stages4_needs_split(self):
-    # 4 stages with whole-tile G buffers exceed the 227 KB of SMEM (the
-    # lowering checks it); 64-column sub-tiles (and no reduction scratch)
-    # fit: test_panel_variant_lowers[split2_st4].
+  def test_panel_four_stages_do_not_fit(self):
+    # Two rings of 4 stages (256 KB) exceed the 227 KB of SMEM (the lowering
+    # checks it): why the panel runs 3.
     xp, yp, _ = _inputs(256, 512, 128, jnp.bfloat16, 0)
     params = jnp.ones((4,), jnp.float32)
     r2 = jnp.zeros((xp.shape[0],), jnp.float32)
@@ -423,96 +269,43 @@ class TestLowering:
     assert "mosaic_gpu" in text
 
 
-class TestBenchVariants:
-  """``benchmarks/bench_mosaic_kernels.py --variants``: the script's
-  pipeline in the interpreter (what it compiles is lowered in
-  ``TestLowering.test_variant_lowers``)."""
-
-  @pytest.mark.slow
-  def test_variants_dry_run(self, tmp_path):
-    import json  # pylint: disable=g-import-not-at-top
-    import os  # pylint: disable=g-import-not-at-top
-    import subprocess  # pylint: disable=g-import-not-at-top
-    import sys  # pylint: disable=g-import-not-at-top
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "benchmarks",
-                                        "bench_mosaic_kernels.py"),
-           "--interpret", "1", "--b", "512", "--check_b", "256", "--panel",
-           "256", "--d", "64", "--reps", "1", "--inner", "1",
-           "--variants", "fwd_rerun_rmw2_rsb16k,fwd:bogus=1",
-           "--out", str(tmp_path)]
-    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.load(open(tmp_path / "mosaic_variants.json"))["variants"]
-    for name in ("fwd_default", "fwd_rerun_rmw2_rsb16k", "fwd_default#again"):
-      assert res[name]["status"] == "OK", (name, res[name])
-    assert res["fwd_rerun_rmw2_rsb16k"]["check"] == "PASS"
-    assert res["fwd_rerun_rmw2_rsb16k"]["col_rel_err"] < 1e-5
-    # A variant that raises is reported, and the run goes on.
-    assert res["fwd:bogus=1"]["status"] == "ERROR"
-    assert "PASS" in proc.stdout and "ERROR" in proc.stdout
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 class TestGpu:
   """Compiled for Hopper; float64 references at B = 4096 and odd shapes."""
 
-  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_fwd_4096(self, dtype, setting):
-    check_fwd(4096, 4096, 768, dtype, True, True, False, **_fwd_kw(setting))
+  def test_fwd_4096(self, dtype):
+    check_fwd(4096, 4096, 768, dtype, True, True, False)
 
-  @pytest.mark.parametrize("setting", SETTINGS)
+  def test_fwd_4096_tile_check(self):
+    check_fwd(4096, 4096, 768, jnp.bfloat16, True, True, False, check="tile")
+
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  def test_panel_4096(self, dtype, setting):
-    check_panel(4096, 4096, 768, dtype, True, True, False,
-                **_panel_kw(setting))
+  def test_panel_4096(self, dtype):
+    check_panel(4096, 4096, 768, dtype, True, True, False)
 
-  @pytest.mark.parametrize("setting", SETTINGS)
-  def test_fwd_odd(self, setting):
+  def test_fwd_odd(self):
     check_fwd(3001, 2777, 1000, jnp.bfloat16, True, True, False,
-              num_programs=7, **_fwd_kw(setting))
+              num_programs=7)
 
-  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-  def test_fwd_one_way(self, rows, cols, setting):
+  def test_fwd_one_way(self, rows, cols):
     n, m = (1000, 5000) if rows else (5000, 1000)
-    check_fwd(n, m, 520, jnp.bfloat16, rows, cols, False, **_fwd_kw(setting))
+    check_fwd(n, m, 520, jnp.bfloat16, rows, cols, False)
 
-  @pytest.mark.parametrize("setting", SETTINGS)
-  def test_panel_odd(self, setting):
+  def test_panel_odd(self):
     check_panel(3001, 2777, 1000, jnp.bfloat16, True, True, False,
-                num_programs=7, **_panel_kw(setting))
+                num_programs=7)
 
-  @pytest.mark.parametrize("setting", SETTINGS)
   @pytest.mark.parametrize("rows,cols", [(True, False), (False, True)])
-  def test_panel_one_way(self, rows, cols, setting):
-    check_panel(1000, 5000, 520, jnp.float16, rows, cols, False,
-                **_panel_kw(setting))
+  def test_panel_one_way(self, rows, cols):
+    check_panel(1000, 5000, 520, jnp.float16, rows, cols, False)
 
-  def test_fwd_in_use_rerun_path(self):
-    # A dominated row block forces the in-use settings' exact retry.
-    kw = dict(_fwd_kw("in_use"))
-    check_rerun_path(kw.pop("col_merge"), interpret=False, n=1000, m=1500,
-                     d=256, **kw)
-
-  @pytest.mark.parametrize("name", sorted(FWD_VARIANTS))
-  def test_fwd_variant_4096(self, name):
-    check_fwd(4096, 4096, 768, jnp.bfloat16, True, True, False,
-              **FWD_VARIANTS[name])
-
-  @pytest.mark.parametrize("col_merge", ["rmw", "rmw2", "deferred"])
-  def test_fwd_rerun_path(self, col_merge):
-    # NaN flags must survive the compiled merges (max.NaN etc.).
-    check_rerun_path(col_merge, interpret=False, n=1000, m=1500, d=256)
-
-  @pytest.mark.parametrize("name", sorted(PANEL_VARIANTS))
-  def test_panel_variant_4096(self, name):
-    check_panel(4096, 4096, 768, jnp.bfloat16, True, True, False,
-                **PANEL_VARIANTS[name])
+  def test_fwd_rerun_path(self):
+    # A dominated row block forces the exact retry; the NaN flags must
+    # survive the compiled merges.
+    check_rerun_path(interpret=False, n=1000, m=1500, d=256)
 
 
 def test_drop_varying_types_replicated_and_moves_nothing():
@@ -569,28 +362,21 @@ def check_sigmoid(n, m, d, dtype, mode, interpret, num_programs=None,
   assert abs(float(dbi) - np.sum(ref)) <= 1e-2 * np.sum(np.abs(ref)) + 1e-6
 
 
-@pytest.mark.usefixtures("_reset_interpreter")
+@pytest.mark.usefixtures("reset_mosaic_interpreter")
 class TestInterpretSigmoid:
-  """The sigmoid kernel's ring settings in the interpreter."""
+  """The sigmoid kernel's modes in the interpreter."""
 
-  @pytest.mark.parametrize("kw", [{}, dict(num_stages=3, rings="split"),
-                                  mosaic_backend.SIGMOID_SUM_KERNEL],
-                           ids=["shared", "split", "in_use"])
-  def test_sum(self, kw):
-    check_sigmoid(300, 270, 100, jnp.bfloat16, "sum", True, num_programs=2,
-                  **kw)
+  def test_sum(self):
+    check_sigmoid(300, 270, 100, jnp.bfloat16, "sum", True, num_programs=2)
 
-  def test_g_split_rings_two_stages(self):
-    check_sigmoid(130, 520, 72, jnp.float16, "g", True, num_programs=3,
-                  rings="split", num_stages=2)
+  def test_g(self):
+    check_sigmoid(130, 520, 72, jnp.float16, "g", True, num_programs=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 class TestGpuSigmoid:
 
-  @pytest.mark.parametrize("kw", [{}, mosaic_backend.SIGMOID_SUM_KERNEL],
-                           ids=["shared", "in_use"])
   @pytest.mark.parametrize("n,m,d", [(4096, 4096, 768), (3001, 2777, 1000)])
-  def test_sum(self, kw, n, m, d):
-    check_sigmoid(n, m, d, jnp.bfloat16, "sum", False, **kw)
+  def test_sum(self, n, m, d):
+    check_sigmoid(n, m, d, jnp.bfloat16, "sum", False)

@@ -18,7 +18,7 @@ import pytest
 from infcl_jax import BlockSizes, contrastive_loss
 from infcl_jax.backends import registry
 from tests import np_reference
-from tests.helpers import (as64, assert_rel_close,
+from tests.helpers import (as64, assert_rel_close, default_tiles,
                            check_past_int32_against_xla, rand_emb, tol)
 
 # Every size below is off this block grid. num_programs=3 gives several
@@ -202,7 +202,7 @@ class TestPallasSoftmaxGpu(TestPallasSoftmaxInterpret):
   def test_b4096_default_blocks(self, dtype, f32_precision, rtol):
     rng = np.random.default_rng(5)
     x, y = rand_emb(rng, 4096, 768, dtype), rand_emb(rng, 4096, 768, dtype)
-    bs = dataclasses.replace(BlockSizes.get_default("pallas", "gpu", dtype),
+    bs = dataclasses.replace(default_tiles(self.NAME, dtype),
                              f32_precision=f32_precision)
     check_loss(x, y, 14.3, -2.0, "both", dtype, bs, rtol=rtol,
                backend=self.NAME)
@@ -249,8 +249,10 @@ def test_block_sizes_validation():
                      block_sizes=BlockSizes(16, 24))
   for dt in DTYPES:
     for platform in ("cpu", "gpu"):
-      BlockSizes.get_default("pallas", platform, dt).check_pallas()
-  assert BlockSizes.get_default("xla", "gpu") == BlockSizes(2048, 8192)
+      default_tiles("pallas", dt, platform).check_pallas()
+      default_tiles("mosaic", dt, platform).check_pallas()
+  assert default_tiles("xla", jnp.float32) == BlockSizes(2048, 8192)
+  assert default_tiles("xla", jnp.float32, "cpu") == BlockSizes(512, 2048)
 
 
 @pytest.mark.parametrize("family", ["softmax", "sigmoid"])
@@ -285,12 +287,25 @@ def test_column_workspace_past_int32_is_a_clear_error():
 
 
 def test_f32_precision_follows_jax_matmul_precision_switch():
+  """The one float32 policy (backends.precision), as each backend reads it:
+  explicit setting, then JAX's switch, then the backend's default."""
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  hi, dflt = lax.Precision.HIGHEST, lax.Precision.DEFAULT
   bs = BlockSizes(block_q=8, block_k=8)
-  assert bs.resolved_f32_precision() == "tf32"
-  with jax.default_matmul_precision("highest"):
-    assert bs.resolved_f32_precision() == "highest"
-  explicit = BlockSizes(block_q=8, block_k=8, f32_precision="tf32")
-  with jax.default_matmul_precision("highest"):
-    assert explicit.resolved_f32_precision() == "tf32"
+  tf32 = BlockSizes(block_q=8, block_k=8, f32_precision="tf32")
+  full = BlockSizes(block_q=8, block_k=8, f32_precision="highest")
+  pallas = registry.get("pallas", "softmax")
+  xla = registry.get("xla", "softmax")
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  # backend, block sizes, dtype -> precision (outside / inside the switch).
+  cases = [(pallas, bs, f32, dflt, hi), (pallas, tf32, f32, dflt, dflt),
+           (pallas, full, f32, hi, hi), (pallas, full, bf16, dflt, dflt),
+           (xla, bs, f32, hi, hi), (xla, tf32, f32, dflt, dflt),
+           (xla, bs, bf16, dflt, dflt)]
+  for be, b, dt, outside, inside in cases:
+    assert be.precision(b, dt) == outside, (be.name, b.f32_precision, dt)
+    with jax.default_matmul_precision("highest"):
+      assert be.precision(b, dt) == inside, (be.name, b.f32_precision, dt)
   with pytest.raises(ValueError, match="f32_precision"):
     BlockSizes(block_q=8, block_k=8, f32_precision="fp16")

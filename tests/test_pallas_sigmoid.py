@@ -19,7 +19,7 @@ from infcl_jax.backends import registry
 from infcl_jax.kernels import sigmoid_fwd
 
 from tests import np_reference
-from tests.helpers import (as64, assert_rel_close,
+from tests.helpers import (as64, assert_rel_close, default_tiles,
                            check_past_int32_against_xla, rand_emb, tol)
 
 # Every size below is off the block grid; num_programs=5 splits the forward's
@@ -245,7 +245,7 @@ def test_default_block_sizes_and_vmap():
   xs = jnp.stack([rand_emb(rng, 21, 6, jnp.float32) for _ in range(2)])
   ys = jnp.stack([rand_emb(rng, 21, 6, jnp.float32) for _ in range(2)])
   bs = None if not ON_GPU else dataclasses.replace(
-      BlockSizes.get_default("pallas", "gpu", jnp.float32),
+      default_tiles("pallas", jnp.float32),
       f32_precision="highest")
 
   def f(x, y, t):
@@ -310,7 +310,7 @@ class TestPallasSigmoidGpu(TestPallasSigmoidInterpret):
     x, y = rand_emb(rng, 4096, 768, jnp.float32), rand_emb(
         rng, 4096, 768, jnp.float32)
     bs = dataclasses.replace(
-        BlockSizes.get_default("pallas", "gpu", jnp.float32),
+        default_tiles("pallas", jnp.float32),
         f32_precision="highest")
     check_loss(x, y, 14.3, -2.1, bs, rtol=1e-4, loss_rtol=2e-5,
                backend=self.NAME)

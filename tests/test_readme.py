@@ -1,47 +1,106 @@
-"""Every ```python block of README.md runs (on CPU, as written)."""
+"""Every ```python block of README.md runs (on CPU, as written), and what it
+prints is checked against a float64 numpy reference of the same inputs."""
+import ast
 import os
 import pathlib
 import re
 
+import numpy as np
 import pytest
+
+from tests import np_reference
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-# The "Across devices" snippet runs in its own test below, with checks.
-ACROSS = [b for b in BLOCKS if "sharded_contrastive_loss(a, b" in b]
-OTHERS = [b for b in BLOCKS if b not in ACROSS]
 
 
-def test_readme_has_python_snippets():
-  assert BLOCKS
+def _block(marker):
+  (code,) = [b for b in BLOCKS if marker in b]
+  return code
 
 
-@pytest.mark.parametrize("index", range(len(OTHERS)))
-def test_readme_snippet_runs(index):
-  # A snippet may set environment variables (e.g. XLA_FLAGS for simulated
-  # devices): they must not leak into later tests of this worker.
+def _run(code, capsys, name):
+  """Runs a snippet; returns its namespace and printed words. A snippet may
+  set environment variables (e.g. XLA_FLAGS for simulated devices): they
+  must not leak into later tests of this worker."""
   before = dict(os.environ)
-  code = OTHERS[index]
+  ns = {"__name__": "__readme__"}
   try:
-    exec(compile(code, f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, f"README.md {name}", "exec"), ns)  # pylint: disable=exec-used
   finally:
     os.environ.clear()
     os.environ.update(before)
+  return ns, capsys.readouterr().out.strip()
+
+
+def test_every_snippet_is_checked_below():
+  assert len(BLOCKS) == 5, "a README snippet was added or removed: check it"
+
+
+def _printed_loss_and_shapes(out):
+  loss, shapes = out.split(" ", 1)
+  return float(loss), ast.literal_eval(shapes)
+
+
+def test_quickstart_prints_the_exact_loss_and_grad_shapes(capsys):
+  ns, out = _run(_block("contrastive_loss(img, txt, jnp.exp(log_t))"),
+                 capsys, "quickstart")
+  loss, shapes = _printed_loss_and_shapes(out)
+  ref = np_reference.clip_loss_and_grads(ns["img"], ns["txt"],
+                                         np.exp(float(ns["log_t"])))
+  # A small loss (~0.017) from float32 LSEs of ~14: 1e-4 relative.
+  assert loss == pytest.approx(ref[0], rel=1e-4)
+  assert shapes == [(4096, 256), (4096, 256), ()]
+
+
+def test_labels_snippet_prints_the_exact_loss(capsys):
+  ns, out = _run(_block("labels = jnp.array([0, 0, 2, 5])"), capsys,
+                 "labels")
+  ref = np_reference.clip_loss_and_grads(
+      ns["img"], ns["txt"], 10.0, direction="image_to_text",
+      labels=np.asarray(ns["labels"]))
+  assert float(out) == pytest.approx(ref[0], rel=1e-5)
+
+
+def test_flax_head_snippet_prints_the_siglip_loss_and_grads(capsys):
+  ns, out = _run(_block("ContrastiveLoss(loss=\"sigmoid\")"), capsys, "flax")
+  loss, grads = out.split(" ", 1)
+  grads = ast.literal_eval(grads)
+  p = ns["params"]["params"]
+  # SigLIP's init, as the README says: log 10 and -10.
+  assert float(p["log_scale"]) == pytest.approx(np.log(10.0), rel=1e-6)
+  assert float(p["bias"]) == -10.0
+  unit = lambda a: (np.asarray(a, np.float64)
+                    / np.linalg.norm(np.asarray(a, np.float64), axis=-1,
+                                     keepdims=True))
+  ref = np_reference.sigmoid_loss_and_grads(unit(ns["img"]), unit(ns["txt"]),
+                                            10.0, -10.0)
+  assert float(loss) == pytest.approx(ref[0], rel=1e-4)
+  # d/d log_scale = t * dL/dt; d/d bias = dL/db.
+  assert grads["params"]["log_scale"] == pytest.approx(10.0 * ref[3],
+                                                       rel=1e-3, abs=1e-6)
+  assert grads["params"]["bias"] == pytest.approx(ref[4], rel=1e-3, abs=1e-6)
+
+
+def test_sigmoid_snippet_prints_the_exact_loss_and_grad_shapes(capsys):
+  ns, out = _run(_block("sigmoid_loss(img, txt, jnp.exp(t_prime), b)"),
+                 capsys, "sigmoid")
+  loss, shapes = _printed_loss_and_shapes(out)
+  ref = np_reference.sigmoid_loss_and_grads(ns["img"], ns["txt"], 10.0, -10.0)
+  assert loss == pytest.approx(ref[0], rel=1e-5)
+  assert shapes == [(2048, 128), (2048, 128), (), ()]
 
 
 def test_across_devices_snippet_normalizes_and_runs_on_8_devices(capsys):
-  """On one device its loss once underflowed to exactly 0; here (8 CPU
-  devices, tests/conftest.py) it must print 8 and a positive loss."""
-  (code,) = ACROSS
+  """8 CPU devices (tests/conftest.py): both ways give the global loss of
+  the whole batch, and the same gradients."""
+  code = _block("sharded_contrastive_loss(a, b")
   assert "xla_force_host_platform_device_count=8" in code
   assert "jnp.linalg.norm(img" in code and "jnp.linalg.norm(txt" in code
-  before = dict(os.environ)
-  try:
-    exec(compile(code, "README.md across devices", "exec"), {"__name__": "__readme__"})
-  finally:
-    os.environ.clear()
-    os.environ.update(before)
-  n, loss, loss2, dgrad = capsys.readouterr().out.split()
+  ns, out = _run(code, capsys, "across devices")
+  n, loss, loss2, dgrad = out.split()
   assert int(n) == 8
-  assert float(loss) > 0.01 and float(loss) == pytest.approx(float(loss2), rel=1e-5)
+  ref = np_reference.clip_loss_and_grads(ns["img"], ns["txt"], 10.0)
+  assert float(loss) == pytest.approx(ref[0], rel=1e-5)
+  assert float(loss2) == pytest.approx(ref[0], rel=1e-5)
   assert float(dgrad) < 1e-5

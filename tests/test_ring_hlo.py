@@ -234,11 +234,20 @@ def test_cpu_module_is_sync():
   assert n_sync >= 1 and n_async == n_overlapped == 0
 
 
-def test_never_raises_on_garbage():
-  for text in ("", "}", "ENTRY e {\n", "ENTRY e {\n  x = \n}\n",
-               "ENTRY e {\n  %s = (f32[2] collective-permute-start(%q)\n}\n",
-               GPU_HLO[: len(GPU_HLO) // 2], GPU_HLO.replace("{", "")):
-    ring_hlo.report(text, out=lambda _: None)
+def test_garbage_gives_counts_not_exceptions():
+  """Truncated or mangled HLO is reported on as far as it parses: the
+  counts (async, overlapped, sync) of what was found, no exception. A
+  start with no done (the module cut off) is async but not overlapped."""
+  cases = [("", (0, 0, 0)), ("}", (0, 0, 0)), ("ENTRY e {\n", (0, 0, 0)),
+           ("ENTRY e {\n  x = \n}\n", (0, 0, 0)),
+           ("ENTRY e {\n  %s = (f32[2] collective-permute-start(%q)\n}\n",
+            (1, 0, 0)),
+           (GPU_HLO[: len(GPU_HLO) // 2], (1, 1, 1)),
+           (GPU_HLO.replace("{", ""), (0, 0, 0))]
+  for text, want in cases:
+    lines = []
+    assert ring_hlo.report(text, out=lines.append) == want, text[:40]
+    assert len(ring_hlo.analyze(text)) == sum(want[::2]), text[:40]
 
 
 def _gpu_ring_hlo(family, b, d=768):

@@ -210,3 +210,34 @@ def test_sharded_sigmoid_loss_errors():
                          mesh=mesh, axis_name="model")
   with pytest.raises(ValueError, match="equal batch"):
     sharded_sigmoid_loss(jnp.ones((8, 4)), jnp.ones((12, 4)), 1.0, 0.0, mesh=mesh)
+
+
+@pytest.mark.parametrize("family", ["softmax", "sigmoid"])
+def test_backward_ties_its_accumulator_send_at_every_step(family):
+  """Both families' backward steps tie the travelling gradient accumulator
+  (float32, b x D) to the shard the tile reads (``Ring.pass_on``): at N = 4
+  the ring's middle steps (one scan body) and its last step each hold one
+  optimization barrier over it. At N = 2 each step sends one array, so this
+  is the case a 2-GPU schedule test cannot see."""
+  from infcl_jax import contrastive_loss  # pylint: disable=import-outside-toplevel
+  from tests.helpers import primitive_operands  # pylint: disable=import-outside-toplevel
+  mesh = mesh_of(4)
+  b, d = 6, 8
+  if family == "sigmoid":
+    loss = lambda x, y, t: sigmoid_loss(x, y, t, -1.0, axis_name="data",
+                                        backend="xla", block_sizes=TILES)
+  else:
+    loss = lambda x, y, t: contrastive_loss(
+        x, y, t, axis_name="data", strategy="ring", backend="xla",
+        block_sizes=TILES)
+  step = jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh,
+                       in_specs=(P("data"), P("data"), P()),
+                       out_specs=(P("data"), P("data")))
+  x = jax.ShapeDtypeStruct((4 * b, d), jnp.bfloat16)
+  t = jax.ShapeDtypeStruct((), jnp.float32)
+  barriers = primitive_operands(jax.make_jaxpr(step)(x, x, t),
+                                "optimization_barrier")
+  acc = [ops for ops in barriers if ((b, d), "float32") in ops]
+  assert len(acc) == 2, barriers
+  # Each ties the accumulator to a bf16 shard of the same shape.
+  assert all(((b, d), "bfloat16") in ops for ops in acc), acc

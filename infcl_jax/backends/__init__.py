@@ -1,8 +1,12 @@
 """Tile backends: the code that computes blocks of the logit matrix.
 
-``registry`` names them and defines what each loss family needs of one;
-``xla`` (portable) and ``pallas_triton`` (fused GPU kernels) implement both
-families; ``kernel_plumbing`` is what kernel backends share (padding, the
-panel backward). A backend module is imported only when a loss first uses
-it, so ``import infcl_jax`` loads no kernel code.
+``registry`` names them and defines the seam each loss family needs;
+``capability`` is the one rule of where each runs. ``base`` holds the
+seam's guards and ``precision`` the float32 policy, for every backend.
+``xla`` (portable), ``pallas_triton`` (fused Triton kernels, tuned per GPU
+by ``triton_configs``) and ``mosaic`` (Hopper's Mosaic GPU kernels)
+implement both families; the kernel backends share ``kernel_backend``
+(interpret mode), ``padding`` and ``panel_backward``. A backend module is
+imported only when a loss first uses it, so ``import infcl_jax`` loads no
+kernel code.
 """

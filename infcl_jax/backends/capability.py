@@ -1,9 +1,24 @@
-"""What the GPU in front of us can run: compute capability, one-time warnings.
+"""What the GPU in front of us can run: the one capability rule.
 
-``backend="auto"`` (``registry.resolve``) and the kernel backends' default
-``BlockSizes`` (``kernel_plumbing.KernelBackend``) read the device through
-``device_info`` here, so tests can replace one function (or ``jax.devices``)
-to pretend to be any GPU.
+Each backend class declares where it runs (``RUNS_ON``, a ``RunsOn``), and
+``support`` here is the only function that reads such a declaration against
+the device. ``backend="auto"``, ``registry.available`` and an explicit
+``backend=`` name all go through it (``registry.support``), and so does the
+Mosaic backend's choice of kernels; the kernel backends' default block
+sizes read the device through ``device_info`` too, so tests can replace one
+function (or ``jax.devices``) to pretend to be any GPU.
+
+The verdicts (``support``):
+
+* ``NATIVE``: compiled, on a GPU it is built and tuned for (or, for a
+  portable backend, any platform). Only these are picked by ``auto``.
+* ``UNTESTED``: a GPU newer than the tuned range, or one whose compute
+  capability cannot be read, that the kernels may well run on: an explicit
+  name is honoured, ``auto`` does not pick it.
+* ``INTERPRET``: off the GPU, a kernel backend runs in the Pallas
+  interpreter (exact, slow; for tests).
+* ``UNSUPPORTED``: cannot run here; an explicit name fails in one line that
+  names the GPU and the backend to use instead (``require``).
 
 The capability comes from ``Device.compute_capability`` (a string such as
 "9.0" on CUDA devices in jaxlib 0.11.2); where a device does not expose it,
@@ -107,6 +122,86 @@ def parse_capability(value) -> Capability | None:
   if m:
     return int(m.group(1)), int(m.group(2))
   return None
+
+
+# Maximum dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin),
+# by compute capability, from NVIDIA's CUDA C++ Programming Guide.
+SMEM_PER_BLOCK = {
+    (7, 0): 96 * 1024,    # V100
+    (7, 5): 64 * 1024,    # T4, RTX 20xx
+    (8, 0): 163 * 1024,   # A100, A30
+    (8, 6): 99 * 1024,    # A10, A40, RTX 30xx
+    (8, 7): 163 * 1024,   # Jetson Orin
+    (8, 9): 99 * 1024,    # L4, L40, RTX 40xx
+    (9, 0): 227 * 1024,   # H100, H200
+    (10, 0): 227 * 1024,  # B200
+    (10, 3): 227 * 1024,  # B300
+    (12, 0): 99 * 1024,   # RTX 50xx, RTX PRO Blackwell
+    (12, 1): 99 * 1024,   # GB10
+}
+
+
+def smem_limit(capability) -> int | None:
+  """Maximum shared memory per block of a compute capability, or None."""
+  return None if capability is None else SMEM_PER_BLOCK.get(tuple(capability))
+
+
+NATIVE, UNTESTED, INTERPRET, UNSUPPORTED = (
+    "native", "untested", "interpret", "unsupported")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunsOn:
+  """Where a backend runs, declared once by its class as ``RUNS_ON``.
+
+  Attributes:
+    portable: runs natively on every platform (the XLA backend); the other
+      fields are then unused.
+    tuned: the GPU compute capabilities it is compiled and tuned for.
+    floor: known GPUs at or above this capability but outside ``tuned``
+      are UNTESTED; below it (or with no floor) UNSUPPORTED.
+    unknown_gpu: the verdict for a GPU whose capability cannot be read.
+    needs: what it needs, in a few words, for the error message.
+  """
+  portable: bool = False
+  tuned: tuple[Capability, ...] = ()
+  floor: Capability | None = None
+  unknown_gpu: str = UNSUPPORTED
+  needs: str = ""
+
+
+def support(runs_on: RunsOn, platform: str, info: "DeviceInfo | None") -> str:
+  """The verdict of ``runs_on`` for ``platform`` and its first device.
+
+  ``platform="gpu"`` with no readable GPU (``info`` None) counts as a GPU of
+  unknown capability.
+  """
+  if runs_on.portable:
+    return NATIVE
+  if platform != "gpu":
+    return INTERPRET
+  cc = None if info is None or info.platform != "gpu" else info.capability
+  if cc is None:
+    return runs_on.unknown_gpu
+  if tuple(cc) in runs_on.tuned:
+    return NATIVE
+  if runs_on.floor is not None and tuple(cc) >= runs_on.floor:
+    return UNTESTED
+  return UNSUPPORTED
+
+
+def require(name: str, runs_on: RunsOn, platform: str,
+            info: "DeviceInfo | None", instead) -> str:
+  """``support``'s verdict; a one-line ValueError when UNSUPPORTED that
+  names the GPU and ``instead()``, the backend to use instead."""
+  verdict = support(runs_on, platform, info)
+  if verdict == UNSUPPORTED:
+    what = info.describe() if info is not None and info.platform == "gpu" \
+        else "this GPU (compute capability unknown)"
+    raise ValueError(
+        f"backend={name!r} cannot run on {what}: it needs {runs_on.needs}; "
+        f"use backend={instead()!r} ('auto' picks it here)")
+  return verdict
 
 
 def device_info(platform: str | None = None) -> DeviceInfo | None:

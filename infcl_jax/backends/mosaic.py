@@ -5,16 +5,15 @@ warp-specialized: one TMA producer warpgroup streams x and y chunks through
 a shared-memory ring, two consumer warpgroups run wgmma into float32
 accumulators and the epilogues. The plumbing (padding, the panel loop and its
 cuBLAS GEMMs, the shard_map typing of the panel carry) is
-``kernel_plumbing``'s, shared with the Triton backend.
+``padding`` and ``panel_backward``, shared with the Triton backend.
 
 Which implementation each stage uses (bf16 / f16 inputs). Measured on one
-H200, jax 0.11.2, B = 65536, D = 768, bf16, 2026-11-30, all in one job
-(``benchmarks/bench_mosaic.py --b 65536``; BENCHMARKS.md "Mosaic GPU
-backend"):
+H200, jax 0.11.2, B = 65536, D = 768, bf16, all in one job (BENCHMARKS.md
+"Mosaic GPU backend"):
 
-* softmax ``lse`` (both directions): Mosaic ``lse_fwd`` with
-  ``LSE_FWD_KERNEL``, 11.59 ms (569 TFLOP/s); Triton 14.40 ms.
-* softmax panel G: Mosaic ``g_panel`` with ``G_PANEL_KERNEL``, 0.713 ms per
+* softmax ``lse`` (both directions): Mosaic ``lse_fwd``, 11.59 ms
+  (569 TFLOP/s); Triton 14.40 ms.
+* softmax panel G: Mosaic ``g_panel``, 0.713 ms per
   4096-row panel (578 TFLOP/s); Triton 1.135 ms.
 * sigmoid sum: Mosaic ``sigmoid_tiles("sum")``, 13.76 ms (480); Triton
   18.11 ms.
@@ -34,20 +33,23 @@ float32 inputs: routed to the Triton path (``PallasTritonBackend``, TF32
 tensor cores by default, ``f32_precision="highest"`` for full float32):
 138.2 ms per softmax step at B = 65536 (3.1x bf16), 9.59 ms at 16384.
 The Mosaic kernels take 16-bit operands only; TF32 wgmma would need float32
-SMEM tiles (half the K-depth per stage) and is not written. Likewise any GPU
-older than sm90 (Mosaic GPU targets Hopper) runs everything on the Triton
-path.
+SMEM tiles (half the K-depth per stage) and is not written.
 
-Block sizes: ``BlockSizes`` keeps its meaning where the kernels allow it.
+Where it runs: sm90 only (``RUNS_ON``, read by ``capability.support``). On
+any other GPU ``backend="mosaic"`` fails in one line that names the GPU and
+the backend ``auto`` picks there; ``auto`` picks "mosaic" on sm90 alone.
+
+Block sizes: the defaults are this backend's own (``GPU_TILES``, and
+``INTERPRET_TILES`` off the GPU; float32 takes the Triton path's). A
+user's ``BlockSizes`` keeps its meaning where the kernels allow it.
 ``block_q`` / ``bwd_block_q`` are rows per CTA tile (64 or 128);
 ``block_k`` / ``bwd_block_k`` are columns per CTA tile (128 or 256: the two
 consumers take half each); ``block_d`` is the K-step (64: one 128-byte
 swizzled row of bf16). Other values are rounded to the nearest allowed one
-(so Triton-tuned sizes, e.g. the defaults 128 x 256 x 64, map one to one).
-The pipeline depths and the kernels' other options are ``LSE_FWD_KERNEL``
-/ ``G_PANEL_KERNEL`` (softmax) and ``SIGMOID_SUM_KERNEL`` / ``FWD_STAGES``
-/ ``PANEL_STAGES`` (sigmoid): what fits 227 KB of shared memory and
-measured fastest. ``num_programs``, ``panel_rows`` (rounded up to a multiple of
+(so Triton-tuned sizes, e.g. the H200's 128 x 256 x 64, map one to one).
+The pipeline depths and the kernels' other settings are the kernels' own
+defaults (``kernels.mosaic``): what fits 227 KB of shared memory and
+measured fastest; the backend runs them as they are. ``num_programs``, ``panel_rows`` (rounded up to a multiple of
 ``bwd_block_q``), ``single_exp`` and ``bwd_impl`` are read
 as in the Triton backend.
 
@@ -60,20 +62,23 @@ the CPU (slow; for tests).
 
 Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
 like their inputs (``kernels.mosaic.common.vary_like``), the panel carry by
-``kernel_plumbing.panel_backward``.
+``panel_backward.panel_backward``.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 
+from infcl_jax import _device
 from infcl_jax.backends import capability
-from infcl_jax.backends import kernel_plumbing as kp
 from infcl_jax.backends import pallas_triton
-from infcl_jax.backends.xla import check_diagonal
+from infcl_jax.backends import panel_backward as pb
+from infcl_jax.backends.padding import check_int32
+from infcl_jax.backends.padding import pad_inputs
+from infcl_jax.backends.padding import round_up
+from infcl_jax.backends.padding import row_ids
 from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.kernels.mosaic import common as mcommon
 from infcl_jax.kernels.mosaic import g_panel as mg_panel
@@ -81,28 +86,6 @@ from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
 from infcl_jax.kernels.mosaic import sigmoid as msigmoid
 
 F32 = jnp.float32
-FWD_STAGES = 4     # the sigmoid kernel's sweeps (sum; max |G| for float16)
-PANEL_STAGES = 3   # the sigmoid kernel's panel
-# The softmax kernels' settings: the fastest of the variants measured by
-# ``benchmarks/bench_mosaic_kernels.py --variants all`` (one H200, jax
-# 0.11.2, B = 65536, D = 768, bf16, 2026-11-30; the variant table in
-# BENCHMARKS.md "Mosaic GPU backend"). Forward: a ring per consumer (split rings, 3 stages),
-# no per-tile exactness test (a rerun with the test instead when a row or
-# column needs it), the one-exp2 column merge, 16 KB of reduction scratch:
-# 11.54 ms against 14.40 for the previous defaults. Panel: split rings with
-# ping-pong and a two-part epilogue: 0.721 ms per 4096-row panel against
-# 0.906.
-LSE_FWD_KERNEL = dict(num_stages=3, rings="split", check="rerun",
-                      col_merge="rmw2", reduction_scratch_bytes=16384)
-G_PANEL_KERNEL = dict(num_stages=3, rings="split", pingpong=True,
-                      epilogue_split=2, reduction_scratch_bytes=0)
-# The sigmoid forward sum keeps the shared ring, 4 stages: its consumers take
-# no turns, so a ring per consumer (rings="split", 3 stages) only adds the
-# second x fetch: 14.80 ms against 13.84 ms (H200, B = 65536, D = 768, bf16,
-# bench_mosaic.py, 2026-11-30 16:21 UTC).
-SIGMOID_SUM_KERNEL = dict(num_stages=FWD_STAGES, rings="shared")
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicBlocks:
   """Block shapes the Mosaic kernels take (bk: one consumer's columns)."""
@@ -127,16 +110,19 @@ def mosaic_blocks(bs: BlockSizes) -> MosaicBlocks:
   bwd_bq = _rows(bs.bwd_block_q)
   return MosaicBlocks(bq=_rows(bs.block_q), bk=_cols(bs.block_k),
                       bwd_bq=bwd_bq, bwd_bk=_cols(bs.bwd_block_k), bd=64,
-                      panel_rows=kp.round_up(bs.panel_rows, bwd_bq))
+                      panel_rows=round_up(bs.panel_rows, bwd_bq))
 
 
-def _hopper_or_newer():
-  """Whether the GPU can run Mosaic GPU kernels (sm90+; an unknown GPU is
-  given the benefit of the doubt, as by ``backend="auto"``)."""
-  info = capability.device_info("gpu")
-  if info is None or info.platform != "gpu":
-    return False
-  return info.capability is None or info.capability >= (9, 0)
+# The Mosaic kernels' own default tiles (bf16 / f16): 128-row CTA tiles of
+# 2 x 128 columns (one half per consumer), K-step 64 (one 128-byte swizzled
+# row of bf16), 4096-row panels. Off the GPU, for the interpreter, the
+# smallest tiles the kernels take, two programs: several tiles, programs and
+# panels even on small test shapes.
+GPU_TILES = BlockSizes(block_q=128, block_k=256, block_d=64,
+                       bwd_block_q=128, bwd_block_k=256, panel_rows=4096)
+INTERPRET_TILES = BlockSizes(block_q=64, block_k=128, block_d=64,
+                             num_programs=2, bwd_block_q=64,
+                             bwd_block_k=128, panel_rows=64)
 
 
 class MosaicBackend(pallas_triton.PallasTritonBackend):
@@ -144,14 +130,22 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
 
   name = "mosaic"
   families = ("softmax", "sigmoid")
+  # Hopper only: wgmma and TMA are sm90 instructions; sm100 (B200) has
+  # neither wgmma nor a Mosaic GPU lowering tested here.
+  RUNS_ON = capability.RunsOn(
+      tuned=((9, 0),), unknown_gpu=capability.UNSUPPORTED,
+      needs="an sm90 GPU (H100, H200: its kernels use Hopper's wgmma)")
   # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
   STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
             "sigmoid_grad": "mosaic"}
 
   def __init__(self, platform: str | None = None):
     super().__init__(platform=platform)
-    # Mosaic GPU compiles for sm90+; off the GPU it is interpreted.
-    self.mosaic_ok = self.interpret or _hopper_or_newer()
+    # The capability rule decides (off the GPU: the interpreter).
+    self.mosaic_ok = capability.support(
+        self.RUNS_ON, self.platform,
+        capability.device_info(self.platform)) in (capability.NATIVE,
+                                                   capability.INTERPRET)
 
   def _mosaic(self, stage, *arrays):
     return (self.mosaic_ok and self.STAGES[stage] == "mosaic"
@@ -159,93 +153,85 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
                     for a in arrays)
             and len({jnp.dtype(a.dtype) for a in arrays}) == 1)
 
-  def _mblocks(self, block_sizes, dtype):
-    bs = self._block_sizes(block_sizes, dtype)
-    return bs, mosaic_blocks(bs)
+
+  def default_block_sizes(self, platform, dtype):
+    """Mosaic's own tiles for the 16-bit inputs its kernels take; the Triton
+    path's defaults for the rest (float32)."""
+    if jnp.dtype(dtype) not in mcommon.SUPPORTED_DTYPES:
+      return super().default_block_sizes(platform, dtype)
+    return GPU_TILES if platform == "gpu" else INTERPRET_TILES
 
   @staticmethod
   def _panel_layout(mb, n, m, d):
-    # panel_layout pads m to bwd_block_k: here the CTA's two halves.
-    return kp.panel_layout(
-        BlockSizes(block_q=mb.bq, block_k=2 * mb.bk, block_d=mb.bd,
-                   bwd_block_q=mb.bwd_bq, bwd_block_k=2 * mb.bwd_bk,
-                   panel_rows=mb.panel_rows), n, m, d)
+    # Columns pad to the CTA's two consumer halves.
+    return pb.panel_layout(n, m, d, block_q=mb.bwd_bq, block_k=2 * mb.bwd_bk,
+                           block_d=mb.bd, panel_rows=mb.panel_rows)
 
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
     if not self._mosaic("lse", x, y):
-      return super().lse(x, y, scale, bias, rows=rows, cols=cols,
-                         block_sizes=block_sizes)
-    if not (rows or cols):
-      return None, None
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+      return super()._lse(x, y, scale, bias, rows=rows, cols=cols, bs=bs)
+    mb = mosaic_blocks(bs)
     n, m = x.shape[0], y.shape[0]
-    xp, yp = kp.pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
-    nprog = bs.num_programs or kp.num_sms()
-    kp.check_int32(self.name, column_workspace=min(
+    xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+    nprog = bs.num_programs or _device.num_sms()
+    check_int32(self.name, column_workspace=min(
         nprog, xp.shape[0] // mb.bq) * yp.shape[0])
     return mlse_fwd.lse_fwd(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
         num_programs=nprog, interpret=self.interpret,
-        single_exp=bs.single_exp, **LSE_FWD_KERNEL)
+        single_exp=bs.single_exp)
 
-  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
     if not self._mosaic("lse_grad", x, y):
-      return super().lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
-                              col_coef, block_sizes=block_sizes)
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+      return super()._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
+                               col_coef, bs=bs)
+    mb = mosaic_blocks(bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
         block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
-        interpret=self.interpret, **G_PANEL_KERNEL)
-    return kp.softmax_grad(
+        interpret=self.interpret)
+    return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self._precision(bs, x.dtype), panel=panel)
+        precision=self.precision(bs, x.dtype), panel=panel)
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
     if not self._mosaic("sigmoid_sum", x, y):
-      return super().sigmoid_sum(x, y, scale, bias, has_diagonal=has_diagonal,
-                                 block_sizes=block_sizes)
+      return super()._sigmoid_sum(x, y, scale, bias,
+                                  has_diagonal=has_diagonal, bs=bs)
     n, m = x.shape[0], y.shape[0]
-    check_diagonal(has_diagonal, n, m)
-    bs, mb = self._mblocks(block_sizes, x.dtype)
-    xp, yp = kp.pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
-    ids = jnp.arange(xp.shape[0], dtype=jnp.int32)
+    mb = mosaic_blocks(bs)
+    xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
     params = jnp.stack([jnp.asarray(scale, F32), jnp.asarray(bias, F32),
                         jnp.ones((), F32), jnp.zeros((), F32)])
     return msigmoid.sigmoid_tiles(
-        xp, yp, jnp.where(ids < n, ids, -1), params, mode="sum", m=m,
+        xp, yp, row_ids(n, xp.shape[0]), params, mode="sum", m=m,
         mask=xp.shape[0] != n or yp.shape[0] != m, has_diagonal=has_diagonal,
         block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
-        num_programs=bs.num_programs, interpret=self.interpret,
-        **SIGMOID_SUM_KERNEL)
+        num_programs=bs.num_programs, interpret=self.interpret)
 
-  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
     if not self._mosaic("sigmoid_grad", x, y):
-      return super().sigmoid_grad(x, y, scale, bias, coef,
-                                  has_diagonal=has_diagonal,
-                                  block_sizes=block_sizes)
-    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
-    bs, mb = self._mblocks(block_sizes, x.dtype)
+      return super()._sigmoid_grad(x, y, scale, bias, coef,
+                                   has_diagonal=has_diagonal, bs=bs)
+    mb = mosaic_blocks(bs)
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return msigmoid.sigmoid_tiles(
           x_p, yp, rid_p, params, mode=mode, block_q=mb.bwd_bq,
           block_k=mb.bwd_bk, block_d=mb.bd,
-          num_stages=FWD_STAGES if mode == "max" else PANEL_STAGES,
           num_programs=bs.num_programs, interpret=self.interpret, **kw)
 
-    return kp.sigmoid_grad(
+    return pb.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self._precision(bs, x.dtype),
+        precision=self.precision(bs, x.dtype),
         panel=None if bs.bwd_impl == "xla" else panel)
 
 

@@ -7,7 +7,7 @@ Both families, with the kernels of ``infcl_jax.kernels``:
   column statistics are merged in XLA.
 * sigmoid ``sigmoid_sum``: one fused sweep (``kernels.sigmoid_fwd``) sums
   softplus(-z s) per row; XLA adds the rows.
-* both gradients: the panel backward of ``kernel_plumbing``; per panel a
+* both gradients: the panel backward (``panel_backward``); per panel a
   kernel (``kernels.lse_bwd`` / ``kernels.sigmoid_bwd``) recomputes the
   logits once and writes G in the input dtype, and cuBLAS forms dx = G y and
   dy += G^T x.
@@ -31,8 +31,13 @@ import functools
 
 import jax.numpy as jnp
 
-from infcl_jax.backends import kernel_plumbing as kp
-from infcl_jax.backends.xla import check_diagonal
+from infcl_jax import _device
+from infcl_jax.backends import capability
+from infcl_jax.backends import kernel_backend
+from infcl_jax.backends import panel_backward as pb
+from infcl_jax.backends import triton_configs
+from infcl_jax.backends.padding import check_int32
+from infcl_jax.backends.padding import pad_inputs
 from infcl_jax.kernels import lse_bwd
 from infcl_jax.kernels import lse_fwd
 from infcl_jax.kernels import sigmoid_bwd
@@ -41,69 +46,75 @@ from infcl_jax.kernels import sigmoid_fwd
 F32 = jnp.float32
 
 
-class PallasTritonBackend(kp.KernelBackend):
+def _layout(bs, x, y):
+  """The panel backward's layout for the Triton panel kernels' tiles."""
+  return pb.panel_layout(x.shape[0], y.shape[0], x.shape[1],
+                         block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
+                         block_d=bs.block_d, panel_rows=bs.panel_rows)
+
+
+class PallasTritonBackend(kernel_backend.KernelBackend):
   """The fused Pallas-Triton backend, softmax and sigmoid families."""
 
   name = "pallas"
   families = ("softmax", "sigmoid")
+  # Tuned: every GPU from sm80 whose shared memory per block is known (the
+  # configs fit it). Newer GPUs are untested; below sm80 Triton has no
+  # bfloat16 dot.
+  RUNS_ON = capability.RunsOn(
+      tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
+      floor=(8, 0), unknown_gpu=capability.UNTESTED,
+      needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
+            "no bfloat16 dot below)")
+
+  def default_block_sizes(self, platform, dtype):
+    """The ``triton_configs`` entry that fits this GPU's shared memory."""
+    cc = capability.device_capability() if platform == "gpu" else None
+    return triton_configs.default(platform, cc, dtype)
 
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
-    if not (rows or cols):
-      return None, None
-    bs = self._block_sizes(block_sizes, x.dtype)
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
     n, m = x.shape[0], y.shape[0]
-    xp, yp = kp.pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
-    nprog = bs.num_programs or kp.num_sms()
-    kp.check_int32(self.name, column_workspace=min(
+    xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
+    nprog = bs.num_programs or _device.num_sms()
+    check_int32(self.name, column_workspace=min(
         nprog, xp.shape[0] // bs.block_q) * yp.shape[0])
     return lse_fwd.lse_fwd(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
-        num_stages=bs.num_stages, precision=self._precision(bs, x.dtype),
+        num_stages=bs.num_stages, precision=self.precision(bs, x.dtype),
         interpret=self.interpret, single_exp=bs.single_exp)
 
-  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
-    bs = self._block_sizes(block_sizes, x.dtype)
-    prec = self._precision(bs, x.dtype)
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
+    prec = self.precision(bs, x.dtype)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         lse_bwd.g_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
         block_k=bs.bwd_block_k, block_d=bs.block_d,
         num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
         precision=prec, interpret=self.interpret, single_exp=bs.single_exp)
-    return kp.softmax_grad(
+    return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-        layout=kp.panel_layout(bs, x.shape[0], y.shape[0], x.shape[1]),
+        layout=_layout(bs, x, y),
         precision=prec, panel=panel)
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
-    """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
     n, m = x.shape[0], y.shape[0]
-    check_diagonal(has_diagonal, n, m)
-    bs = self._block_sizes(block_sizes, x.dtype)
-    xp, yp = kp.pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
+    xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     rows = sigmoid_fwd.sigmoid_row_sums(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
-        block_d=bs.block_d, target_programs=bs.num_programs or kp.num_sms(),
+        block_d=bs.block_d, target_programs=bs.num_programs or _device.num_sms(),
         num_warps=bs.num_warps, num_stages=bs.num_stages,
-        precision=self._precision(bs, x.dtype), interpret=self.interpret)
+        precision=self.precision(bs, x.dtype), interpret=self.interpret)
     return jnp.sum(rows)
 
-  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
-    """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32.
-
-    The tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij).
-    """
-    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
-    bs = self._block_sizes(block_sizes, x.dtype)
-    prec = self._precision(bs, x.dtype)
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
+    prec = self.precision(bs, x.dtype)
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return sigmoid_bwd.g_panel(
@@ -112,9 +123,9 @@ class PallasTritonBackend(kp.KernelBackend):
           num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
           precision=prec, interpret=self.interpret, **kw)
 
-    return kp.sigmoid_grad(
+    return pb.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
-        layout=kp.panel_layout(bs, x.shape[0], y.shape[0], x.shape[1]),
+        layout=_layout(bs, x, y),
         precision=prec, panel=None if bs.bwd_impl == "xla" else panel)
 
 

@@ -29,7 +29,9 @@ never needs to know where positives are (beyond ``has_diagonal``).
 Registration. ``BUILTIN`` maps each name to the module that implements it;
 the module is imported on first use and must define ``BACKEND``, a class
 whose instances implement one or both families (``families`` lists which)
-and take an optional ``platform``. ``register`` adds a third-party backend
+and take an optional ``platform``, and which declares where it runs
+(``RUNS_ON``, a ``capability.RunsOn``). ``auto``, ``available`` and an
+explicit name all read that declaration through ``support``: one rule. ``register`` adds a third-party backend
 the same way. ``names()`` is what argument checking validates against, so a
 new backend needs no change to the public API. Tile ops also run inside
 ``shard_map`` (the ring and gather call them on shards): see ``_axes`` for
@@ -43,7 +45,6 @@ from typing import Protocol
 
 import jax
 
-from infcl_jax import block_sizes
 from infcl_jax.backends import capability
 
 FAMILIES = ("softmax", "sigmoid")
@@ -108,22 +109,56 @@ def _backend_class(name: str):
   return target
 
 
-def get(name: str, family: str, platform: str | None = None):
-  """An instance of backend ``name`` that implements ``family``."""
+def _check_family(name, cls, family):
   if family not in FAMILIES:
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-  cls = _backend_class(name)
   if family not in cls.families or not all(
       hasattr(cls, m) for m in _METHODS[family]):
     raise ValueError(f"backend {name!r} has no {family} tiles; it implements "
                      f"{list(cls.families)}")
+
+
+def get(name: str, family: str, platform: str | None = None):
+  """An instance of backend ``name`` that implements ``family`` (no
+  capability check: ``resolve`` made it when the loss was traced)."""
+  cls = _backend_class(name)
+  _check_family(name, cls, family)
   return cls(platform=platform)
 
 
-def available(name: str, family: str) -> bool:
-  """Whether backend ``name`` of ``family`` can be built here."""
+def _runs_on(cls) -> capability.RunsOn:
+  runs_on = getattr(cls, "RUNS_ON", None)
+  if not isinstance(runs_on, capability.RunsOn):
+    raise ValueError(f"backend class {cls.__name__} declares no RUNS_ON "
+                     f"(an infcl_jax.backends.capability.RunsOn)")
+  return runs_on
+
+
+def support(name: str, platform: str | None = None) -> str:
+  """The capability rule's verdict for backend ``name`` here (a
+  ``capability`` constant: NATIVE, UNTESTED, INTERPRET or UNSUPPORTED)."""
+  platform = platform or default_platform()
+  return capability.support(_runs_on(_backend_class(name)), platform,
+                            capability.device_info(platform))
+
+
+def require(name: str, family: str, platform: str | None = None) -> str:
+  """Checks that backend ``name`` implements ``family`` and can run here;
+  returns the verdict, or raises a one-line ValueError naming the GPU and
+  the backend to use instead."""
+  platform = platform or default_platform()
+  cls = _backend_class(name)
+  _check_family(name, cls, family)
+  return capability.require(
+      name, _runs_on(cls), platform, capability.device_info(platform),
+      instead=lambda: _native_choice(family, platform)[0])
+
+
+def available(name: str, family: str, platform: str | None = None) -> bool:
+  """Whether backend ``name`` of ``family`` can run here: importable,
+  implementing the family, and not UNSUPPORTED by its ``RUNS_ON``."""
   try:
-    get(name, family)
+    require(name, family, platform)
   except (ImportError, ValueError, NotImplementedError, RuntimeError):
     return False
   return True
@@ -136,11 +171,12 @@ def default_platform() -> str:
 ENV_VAR = "INFCL_JAX_BACKEND"
 
 
-def env_backend(family: str) -> str | None:
+def env_backend(family: str, platform: str | None = None) -> str | None:
   """The backend ``INFCL_JAX_BACKEND`` names for "auto", or None if unset.
 
   Raises a one-line ValueError naming the variable for a value that is not
-  a registered backend of ``family``.
+  a registered backend of ``family`` or that cannot run here (the same
+  capability rule as an explicit name).
   """
   value = os.environ.get(ENV_VAR, "").strip()
   if not value or value == "auto":
@@ -149,58 +185,85 @@ def env_backend(family: str) -> str | None:
     raise ValueError(
         f"{ENV_VAR}={value!r} is not a registered backend; set it to one of "
         f"{sorted(_TABLE)} or unset it")
-  if not available(value, family):
-    raise ValueError(
-        f"{ENV_VAR}={value!r}: backend {value!r} has no {family} tiles or "
-        f"cannot be built here; set it to one of {sorted(_TABLE)} or unset it")
+  try:
+    require(value, family, platform)
+  except (ImportError, ValueError) as e:
+    raise ValueError(f"{ENV_VAR}={value!r}: {e}; or unset it") from None
   return value
 
 
-def auto_backend(family: str, platform: str | None = None) -> str:
-  """The rule behind "auto", without the environment override.
+# The order in which "auto" tries the built-in backends: the first that is
+# registered, implements the family and is NATIVE here wins. "xla" is
+# portable, so the list always ends in a choice.
+AUTO_ORDER = ("mosaic", "pallas", "xla")
+KERNEL_BACKENDS = ("mosaic", "pallas")
 
-  * not a GPU (CPU, TPU): "xla" (the Pallas kernels here target GPUs; off
-    the GPU they would only run in the interpreter);
-  * a GPU, by compute capability (``capability.device_info``):
-    sm90 (H100, H200): "mosaic" where it is registered and implements the
-    family (its kernels use Hopper's wgmma), else "pallas";
-    sm80-sm89, sm100/sm103, sm120/sm121: "pallas", with ``BlockSizes``
-    defaults that fit the GPU's shared memory (``block_sizes.triton_config``);
-    below sm80 (no bfloat16 dot in Triton) or an unknown GPU: "xla", with an
-    ``InfclPerformanceWarning`` the first time.
+
+def auto_backend(family: str, platform: str | None = None) -> str:
+  """The rule behind "auto", without the environment override: the first
+  of ``AUTO_ORDER`` that the capability rule calls NATIVE here.
+
+  Off the GPU that is "xla" (the kernel backends would only be
+  interpreted). On a GPU, each backend's ``RUNS_ON`` decides: "mosaic" on
+  sm90 (H100, H200), "pallas" on sm80-sm89, sm100/sm103 and sm120/sm121
+  (with block sizes that fit the GPU's shared memory); elsewhere "xla",
+  with an ``InfclPerformanceWarning`` the first time.
   """
   platform = platform or default_platform()
-  if platform != "gpu":
-    return "xla"
+  name, fell_back = _native_choice(family, platform)
+  if fell_back:
+    _warn_xla_on_gpu(family, platform)
+  return name
+
+
+def _native_choice(family, platform):
+  """(the first NATIVE backend of ``AUTO_ORDER``, whether it is "xla" on a
+  GPU, i.e. a fallback)."""
+  for name in AUTO_ORDER:
+    if name not in _TABLE:
+      continue
+    if platform != "gpu" and name in KERNEL_BACKENDS:
+      # Off the GPU a kernel backend is INTERPRET, never NATIVE
+      # (capability.support): skip importing its kernels.
+      continue
+    try:
+      cls = _backend_class(name)
+      _check_family(name, cls, family)
+      verdict = support(name, platform)
+    except (ImportError, ValueError, NotImplementedError, RuntimeError):
+      continue
+    if verdict == capability.NATIVE:
+      return name, name == "xla" and platform == "gpu"
+  raise ValueError(f"backend='auto': no registered backend runs the {family} "
+                   f"family here; register one or pass backend=")
+
+
+def _warn_xla_on_gpu(family, platform):
   info = capability.device_info(platform)
-  cc = None if info is None else info.capability
-  if cc is not None and cc[0] == 9 and "mosaic" in _TABLE and available(
-      "mosaic", family):
-    return "mosaic"
-  if (cc is not None and cc >= (8, 0) and block_sizes.smem_limit(cc) is not None
-      and available("pallas", family)):
-    return "pallas"
   what = info.describe() if info is not None else "this GPU"
+  hint = ""
+  if "pallas" in _TABLE and available("pallas", family, platform):
+    hint = (f" {ENV_VAR}=pallas (or backend='pallas') runs the Triton "
+            f"kernels, untested on this GPU.")
   capability.warn_once(
       "auto-fallback",
-      f"infcl_jax: backend='auto' uses 'xla' on {what}: the Pallas kernels "
-      f"are tuned and tested for NVIDIA GPUs of compute capability 8.0 to "
+      f"infcl_jax: backend='auto' uses 'xla' on {what}: the kernel backends "
+      f"are built and tuned for NVIDIA GPUs of compute capability 8.0 to "
       f"12.1 (Triton has no bfloat16 dot below 8.0). The xla backend is "
-      f"exact but slower; {ENV_VAR}=pallas (or backend='pallas') tries the "
-      f"kernels anyway.")
-  return "xla"
+      f"exact but slower.{hint}")
 
 
 def resolve(backend: str, family: str, platform: str | None = None) -> str:
-  """Maps "auto" to the tiled backend of ``family`` to use here.
+  """The tiled backend of ``family`` to run here, checked.
 
-  ``INFCL_JAX_BACKEND`` (any registered name) overrides the rule; otherwise
+  "auto": ``INFCL_JAX_BACKEND`` (any registered name) if set, otherwise
   ``auto_backend``. Read when a loss is traced: set it before the first call
-  of a jitted function. Explicit backend names pass through unchanged.
+  of a jitted function. An explicit name must implement the family and not
+  be UNSUPPORTED on this device (``require``: a one-line error naming the
+  GPU and what to use instead).
   """
-  if backend != "auto":
-    return backend
-  forced = env_backend(family)
-  if forced is not None:
-    return forced
-  return auto_backend(family, platform)
+  if backend == "auto":
+    forced = env_backend(family, platform)
+    return forced if forced is not None else auto_backend(family, platform)
+  require(backend, family, platform)
+  return backend

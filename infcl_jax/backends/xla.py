@@ -15,17 +15,11 @@ from jax import lax
 
 from infcl_jax import _axes
 from infcl_jax import _math
+from infcl_jax.backends import base
+from infcl_jax.backends import capability
 from infcl_jax.block_sizes import BlockSizes
 
 F32 = jnp.float32
-
-
-def matmul_precision(dtype):
-  # float32 inputs must not silently drop to TF32 on GPU: the tests hold f32
-  # to ~1e-5. bf16/f16 inputs already run on the tensor cores at full rate.
-  if jnp.dtype(dtype) == jnp.float32:
-    return lax.Precision.HIGHEST
-  return lax.Precision.DEFAULT
 
 
 def _blocks(a, block):
@@ -45,12 +39,6 @@ def _vec_blocks(v, block, fill):
   return jnp.pad(v, (0, nb * block - n), constant_values=fill).reshape(nb, block)
 
 
-def _dot(a, b, contract, precision):
-  """a . b over the ``contract`` dims, float32 accumulation."""
-  return lax.dot_general(a, b, (contract, ((), ())),
-                         preferred_element_type=F32, precision=precision)
-
-
 def _positive_mask(rb, kb, bq, bk):
   """Where the global row index equals the global column index in a tile."""
   rows = rb * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -58,15 +46,8 @@ def _positive_mask(rb, kb, bq, bk):
   return rows == cols
 
 
-def check_diagonal(has_diagonal, n, m):
-  if has_diagonal and n != m:
-    raise ValueError(
-        "has_diagonal=True needs square block pairs (positives at i == j), "
-        f"got x with {n} rows and y with {m} rows")
-
-
-def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
-                rescale=False):
+def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
+                col_vec=None, rescale=False):
   """sum over tiles of (G y, G^T x, sum G * x y^T, sum G), G recomputed.
 
   ``tile_g(rb, kb, s, r_blk, c_blk)`` forms a float32 tile of G from the
@@ -80,7 +61,6 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
   n, m = x.shape[0], y.shape[0]
   d = x.shape[1]
   bq, bk = min(bs.block_q, n), min(bs.block_k, m)
-  prec = matmul_precision(x.dtype)
   g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
   xb, row_valid = _blocks(x, bq)
   yb, col_valid = _blocks(y, bk)
@@ -97,7 +77,7 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
     def col_block(carry, inputs):
       dx, dy, dsc, dbi = carry
       kb, y_blk, cv, c_blk = inputs
-      s0 = _dot(x_blk, y_blk, ((1,), (1,)), prec)
+      s0 = _math.dot(x_blk, y_blk, ((1,), (1,)), prec)
       g = tile_g(rb, kb, scale * s0 + bias, r_blk, c_blk)
       g = jnp.where(rv[:, None] & cv[None, :], g, 0.0)
       dsc = dsc + jnp.sum(g * s0)
@@ -109,8 +89,8 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
         g_max = jnp.where(g_max == 0, 1.0, g_max)
         g = g / g_max
       gc = g.astype(g_dtype)
-      dx = dx + g_max * _dot(gc, y_blk, ((1,), (0,)), prec)
-      dy = dy.at[kb].add(g_max * _dot(gc, x_blk, ((0,), (0,)), prec))
+      dx = dx + g_max * _math.dot(gc, y_blk, ((1,), (0,)), prec)
+      dy = dy.at[kb].add(g_max * _math.dot(gc, x_blk, ((0,), (0,)), prec))
       return (dx, dy, dsc, dbi), None
 
     # Inside shard_map a constant carry must vary like what is added to it.
@@ -126,36 +106,34 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, row_vec=None, col_vec=None,
   return dx.reshape(-1, d)[:n], dy.reshape(-1, d)[:m], dsc, dbi
 
 
-class XlaBackend:
+class XlaBackend(base.TileBackend):
   """The portable tiled backend, softmax and sigmoid families."""
 
   name = "xla"
   families = ("softmax", "sigmoid")
-
-  def __init__(self, platform: str | None = None):
-    self.platform = platform or jax.default_backend()
+  RUNS_ON = capability.RunsOn(portable=True)
+  F32_DEFAULT = "highest"  # The exactness baseline (backends.precision).
 
   def default_block_sizes(self, platform, dtype):
-    return BlockSizes.get_default("xla", platform, dtype)
+    del dtype
+    if platform == "gpu":
+      # Large tiles keep cuBLAS busy; 2048 x 8192 f32 is 64 MiB per buffer.
+      return BlockSizes(block_q=2048, block_k=8192)
+    # On CPU a few MiB per tile amortises the loop overhead.
+    return BlockSizes(block_q=512, block_k=2048)
 
-  def _block_sizes(self, block_sizes, dtype):
-    if block_sizes is None:
-      return self.default_block_sizes(self.platform, dtype)
-    return block_sizes
-
-  def _sweep(self, x, y, scale, bias, block_sizes):
+  def _sweep(self, x, y, scale, bias, bs):
     """What a forward sweep needs: tile shape, precision, blocked inputs."""
-    bs = self._block_sizes(block_sizes, x.dtype)
     bq, bk = min(bs.block_q, x.shape[0]), min(bs.block_k, y.shape[0])
-    return (bq, bk, matmul_precision(x.dtype), _blocks(x, bq), _blocks(y, bk),
-            jnp.asarray(scale, F32), jnp.asarray(bias, F32))
+    return (bq, bk, self.precision(bs, x.dtype), _blocks(x, bq),
+            _blocks(y, bk), jnp.asarray(scale, F32), jnp.asarray(bias, F32))
 
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
     n, m = x.shape[0], y.shape[0]
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
-        x, y, scale, bias, block_sizes)
+        x, y, scale, bias, bs)
     neg = _math.NEG_INF
 
     def row_block(col_stats, inputs):
@@ -163,7 +141,7 @@ class XlaBackend:
 
       def col_block(row_stats, inputs):
         y_blk, cv = inputs
-        s = scale * _dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
         s = jnp.where(rv[:, None] & cv[None, :], s, neg)
         out = ()
         if rows:
@@ -190,18 +168,13 @@ class XlaBackend:
     col_out = _math.stats_to_lse(cm, cl).reshape(-1)[:m] if cols else None
     return row_out, col_out
 
-  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
-    bs = self._block_sizes(block_sizes, x.dtype)
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
     scale = jnp.asarray(scale, F32)
     bias = jnp.asarray(bias, F32)
-    # The probabilities are in [0, 1]; the coefficients (~1/B) are applied
-    # after the matmuls, so that a float16 G does not underflow.
-    row_coef = jnp.asarray(row_coef if row_lse is not None else 0.0, F32)
-    col_coef = jnp.asarray(col_coef if col_lse is not None else 0.0, F32)
-    norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
-    norm = jnp.where(norm == 0, 1.0, norm)
-    a_r, a_c = row_coef / norm, col_coef / norm
+    a_r, a_c, norm = _math.unit_coefs(
+        row_coef if row_lse is not None else None,
+        col_coef if col_lse is not None else None)
 
     def tile_g(rb, kb, s, r_blk, c_blk):
       del rb, kb
@@ -214,23 +187,22 @@ class XlaBackend:
 
     vec = lambda v: None if v is None else v.astype(F32)
     dx, dy, dsc, dbi = _grad_sweep(x, y, scale, bias, tile_g, bs=bs,
+                                   prec=self.precision(bs, x.dtype),
                                    row_vec=vec(row_lse), col_vec=vec(col_lse))
     return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
-    """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
-    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
-        x, y, scale, bias, block_sizes)
+        x, y, scale, bias, bs)
 
     def row_block(total, inputs):
       rb, x_blk, rv = inputs
 
       def col_block(row_total, inputs):
         kb, y_blk, cv = inputs
-        s = scale * _dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
         # -z * s: the positives contribute softplus(-s), the negatives
         # softplus(s), each on its own.
         u = jnp.where(_positive_mask(rb, kb, bq, bk), -s, s) if has_diagonal else s
@@ -247,15 +219,8 @@ class XlaBackend:
                         (jnp.arange(xb.shape[0]), xb, row_valid))
     return total
 
-  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
-    """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32.
-
-    The tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij).
-    """
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
     n, m = x.shape[0], y.shape[0]
-    check_diagonal(has_diagonal, n, m)
-    bs = self._block_sizes(block_sizes, x.dtype)
     bq, bk = min(bs.block_q, n), min(bs.block_k, m)
     coef = jnp.asarray(coef, F32)
     scale = jnp.asarray(scale, F32)
@@ -270,9 +235,10 @@ class XlaBackend:
         g = jnp.where(_positive_mask(rb, kb, bq, bk), -jax.nn.sigmoid(-s), g)
       return g
 
-    g_dtype = x.dtype if matmul_precision(x.dtype) == lax.Precision.DEFAULT else F32
+    prec = self.precision(bs, x.dtype)
+    g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
     dx, dy, dsc, dbi = _grad_sweep(
-        x, y, scale, bias, tile_g, bs=bs,
+        x, y, scale, bias, tile_g, bs=bs, prec=prec,
         rescale=jnp.dtype(g_dtype) == jnp.float16)
     return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 

@@ -31,7 +31,6 @@ bias), which is what the GPU's special-function unit computes natively.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -39,14 +38,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from infcl_jax._axes import out_struct
+from infcl_jax._math import LN2
 from infcl_jax._math import LOG2E
+from infcl_jax._math import MIN_SUM as _MIN_SUM
 from infcl_jax._math import safe_max as _safe
 from infcl_jax.kernels import interpret_vma
 from infcl_jax.kernels import tile_dot
 
 F32 = jnp.float32
-LN2 = math.log(2.0)
-_MIN_SUM = 2.0**-64
 
 
 def _kernel(*refs, interpret, **kw):

@@ -63,6 +63,28 @@ class Ring:
     """
     return lax.optimization_barrier((held, tree))
 
+  def pass_on(self, send, sent, held, acc):
+    """The transfers that open one ring step, issued before its tile; both
+    families' steps, both directions, go through here.
+
+    ``sent`` (the shard held, with whatever travels with it; None at a step
+    that keeps its shard) goes on with ``send`` first and untied, so that it
+    can start at once. A travelling accumulator ``acc`` (None: nothing
+    travels) is then tied to ``held``, what this step's tile reads, and
+    sent: its transfer waits for the held shard, so XLA cannot combine it
+    with that shard's earlier one (``tie``).
+
+    Returns:
+      (held, acc_in, sent_next): the tile's (tied) input, the accumulator
+      received (None without one), the shard received (None if kept).
+    """
+    sent_next = send(sent) if sent is not None else None
+    acc_in = None
+    if acc is not None:
+      held, acc = self.tie(held, acc)
+      acc_in = send(acc)
+    return held, acc_in, sent_next
+
   def hop_home(self, acc):
     """After N - 1 steps the accumulator held here belongs to the next
     device's shard; one more hop takes every accumulator home."""

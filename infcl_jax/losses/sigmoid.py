@@ -70,9 +70,12 @@ def _fwd(x, y, scale, bias, backend, block_sizes, axes):
   def step(n, state, last):
     del n  # Every tile but the home one is all negatives.
     yc, total = state
-    # The last step keeps its shard (device me + 1's): the backward's first.
-    y_next = ring.send(yc) if not last else yc
-    return y_next, total + tile(yc, False)
+    # Unlike softmax, no statistics travel forward (the sigmoid loss has
+    # none), so there is no accumulator to tie. The last step keeps its
+    # shard (device me + 1's): the backward's first.
+    y_held, _, y_next = ring.pass_on(ring.send, None if last else yc, yc,
+                                     None)
+    return (yc if last else y_next), total + tile(y_held, False)
 
   y_next = ring.send_next(y)  # Issued before the home tile.
   y_last, total = ring.run((y_next, tile(y, True)), step)
@@ -95,9 +98,10 @@ def _bwd(backend, block_sizes, axes, res, g):
     compute the held tile; the home tile comes last (``Ring.source_back``)."""
     del n
     yc, (dx, dy_prev, dsc, dbi) = state
-    dy_in = ring.send_back(dy_prev)
-    y_next = ring.send_back(yc) if not home else None
-    dx_t, dy_t, dsc_t, dbi_t = tile(y if home else yc, home)
+    # As in softmax: the dy accumulator's send is tied to the held shard.
+    y_held, dy_in, y_next = ring.pass_on(
+        ring.send_back, None if home else yc, y if home else yc, dy_prev)
+    dx_t, dy_t, dsc_t, dbi_t = tile(y_held, home)
     return y_next, (dx + dx_t, dy_in + dy_t, dsc + dsc_t, dbi + dbi_t)
 
   if ring.size == 1:

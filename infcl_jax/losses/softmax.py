@@ -47,7 +47,7 @@ Overlap on GPU. XLA turns each ``ppermute`` into an asynchronous
 collective-permute-start / -done pair, and its latency hiding scheduler
 places the tile's kernels between them
 (``--xla_gpu_enable_latency_hiding_scheduler=true``, the default in recent
-jaxlib builds). ``benchmarks/ring_hlo.py`` prints what runs between them.
+jaxlib builds). BENCHMARKS.md "Multi-device" shows what runs between them.
 """
 from __future__ import annotations
 
@@ -113,15 +113,12 @@ def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
   def step(n, state, last):
     """One ring step: start the transfers, then compute the held tile."""
     kc, (r, c_prev, pos) = state
+    # The column statistics travel with the key shard (mode "both").
     # The last step keeps its shard: the backward starts with it.
-    k_next = ring.send(kc) if not last else kc
-    c_in = None
-    if cols:
-      # The statistics' send waits for the held shard, so XLA cannot merge
-      # it into that shard's (earlier) transfer.
-      kc, c_prev = ring.tie(kc, c_prev)
-      c_in = ring.send(c_prev)
-    row, col, pos_t = tile(kc, ring.source(n))
+    k_held, c_in, k_next = ring.pass_on(ring.send, None if last else kc, kc,
+                                        c_prev if cols else None)
+    k_next = kc if last else k_next
+    row, col, pos_t = tile(k_held, ring.source(n))
     c_out = jnp.logaddexp(c_in, col) if cols else None
     return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
 
@@ -168,11 +165,11 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
     compute the held tile; the home tile comes last (``Ring.source_back``).
     """
     kv, (dq, dk_prev, dsc, dbi) = state
-    # The accumulator's send waits for the held shard and its statistics
-    # (c_home at home), so XLA cannot merge it into their transfer.
-    (kc, cc), dk_prev = ring.tie((k, c_home) if home else kv, dk_prev)
-    dk_in = ring.send_back(dk_prev)
-    kv_next = ring.send_back(kv) if not home else None
+    # The held shard travels with its column statistics; the home tile
+    # reads the local ones.
+    (kc, cc), dk_in, kv_next = ring.pass_on(
+        ring.send_back, None if home else kv, (k, c_home) if home else kv,
+        dk_prev)
     dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, ring.source_back(n))
     return kv_next, (dq + dq_t, dk_in + dk_t, dsc + dsc_t, dbi + dbi_t)
 

@@ -10,8 +10,8 @@ G = a_r P^r + a_c P^c in the input dtype, plus the sums of G * (x y^T) and G.
 ``sigmoid.sigmoid_tiles``: the sigmoid family's forward sum of softplus(-z s),
 its G panel, and the float16 max |G| pre-pass (one kernel, three modes).
 ``common``: the producer loop and the wgmma tile both share.
-Timing scripts: ``benchmarks/bench_mosaic_kernels.py`` (kernels) and
-``benchmarks/bench_mosaic.py`` (stages and full steps).
+Their measurements, and the variants that lost, are in BENCHMARKS.md
+"Mosaic GPU backend".
 
 Inputs must be bf16 or f16 (wgmma with float32 accumulation). Every kernel
 also runs, unchanged, under jax's Mosaic GPU interpreter on the CPU

@@ -1,4 +1,4 @@
-"""What the Mosaic GPU kernels share: constants, the TMA/wgmma tile layout,
+"""What the Mosaic GPU kernels share: the TMA/wgmma tile layout,
 the producer (memory warpgroup) loop, and the interpret switch.
 
 All kernels here use the same structure (one CTA = three warpgroups):
@@ -17,9 +17,6 @@ by the producer and the consumers, so the ring needs no other handshake.
 """
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -28,10 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from infcl_jax import _axes
 
 F32 = jnp.float32
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 NUM_CONSUMERS = 2
-MIN_SUM = 2.0**-64
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -88,18 +82,6 @@ def kernel_operands(warp_map, *arrays):
   return _axes.drop_varying(*arrays) if warp_map else arrays
 
 
-def num_sms():
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except RuntimeError:
-    return 132
-
-
-def align_smem(nbytes, alignment=1024):
-  """Rounds an SMEM byte count up to Mosaic GPU's allocation alignment."""
-  return -(-nbytes // alignment) * alignment
-
-
 _FLOOR = -1e30
 
 
@@ -119,86 +101,87 @@ def logaddexp2(a, b):
   return sh + jnp.log2(jnp.exp2(mx - sh) + jnp.exp2(mn - sh))
 
 
+def my_count(pid, total, nprog):
+  """How many of ``total`` round-robin work items CTA ``pid`` of ``nprog``
+  owns (items pid, pid + nprog, ...)."""
+  return lax.div(total - pid + nprog - 1, nprog)
+
+
+def tile_coords(pid, u, nprog, ni):
+  """(row block, column block) of CTA ``pid``'s u-th tile of a grid with
+  ``ni`` row blocks, row blocks fastest (CTAs running together share a y
+  tile; the x panel stays in L2)."""
+  tile = pid + u * nprog
+  return lax.rem(tile, ni), lax.div(tile, ni)
+
+
 def producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed, *,
-             coords, num_tiles, nd, bq, bk2, bd, stages):
+             coords, num_tiles, nd, bq, bk, bd, stages, split_rings):
   """The memory warpgroup: TMA copies for ``num_tiles`` tiles of nd chunks.
 
   ``coords(u)`` maps this program's u-th tile to its (row block, column
   block); chunk k of tile u is ring step u * nd + k, in slot step % stages.
+
+  Shared ring: one stream of (bq, bd) x and (2 * bk, bd) y chunks that both
+  consumers read. Split rings (``split_rings``): warp w of the warpgroup
+  feeds consumer w's own ring (slots w * stages + s) with the x chunk and
+  consumer w's (bk, bd) half of y. x is then fetched once per consumer (4/3
+  of the L2 -> SMEM traffic per tile pair), but the consumers are no longer
+  tied through shared slots: one can run its wgmmas while the other runs
+  its epilogue.
   """
   total = num_tiles * nd
 
-  @pl.loop(0, total)
-  def _(g):
-    slot = lax.rem(g, stages)
-    rb, cb = coords(lax.div(g, nd))
-    k = lax.rem(g, nd)
+  def stream(warp):
+    """The copies of one ring: the shared one (``warp`` None) or consumer
+    ``warp``'s own."""
+    def slot(g):
+      s = lax.rem(g, stages)
+      return s if warp is None else warp * stages + s
 
-    @pl.when(g >= stages)
-    def _():
-      plgpu.barrier_wait(consumed.at[slot])
+    @pl.loop(0, total)
+    def _(g):
+      b = slot(g)
+      rb, cb = coords(lax.div(g, nd))
+      k = lax.rem(g, nd)
 
-    plgpu.copy_gmem_to_smem(
-        x_ref.at[pl.ds(rb * bq, bq), pl.ds(k * bd, bd)], x_smem.at[slot],
-        x_full.at[slot])
-    plgpu.copy_gmem_to_smem(
-        y_ref.at[pl.ds(cb * bk2, bk2), pl.ds(k * bd, bd)], y_smem.at[slot],
-        y_full.at[slot])
+      @pl.when(g >= stages)
+      def _():
+        plgpu.barrier_wait(consumed.at[b])
 
-  # Drain: observe the consumers' release of the last slots, so that no
-  # barrier completes unobserved (the interpreter checks this) and the CTA
-  # does not retire with copies still being read.
-  @pl.loop(jnp.maximum(total - stages, 0), total)
-  def _(g):
-    plgpu.barrier_wait(consumed.at[lax.rem(g, stages)])
+      plgpu.copy_gmem_to_smem(
+          x_ref.at[pl.ds(rb * bq, bq), pl.ds(k * bd, bd)], x_smem.at[b],
+          x_full.at[b])
+      if warp is None:
+        y_rows = pl.ds(cb * (NUM_CONSUMERS * bk), NUM_CONSUMERS * bk)
+      else:
+        y_rows = pl.ds(cb * (NUM_CONSUMERS * bk) + warp * bk, bk)
+      plgpu.copy_gmem_to_smem(y_ref.at[y_rows, pl.ds(k * bd, bd)],
+                              y_smem.at[b], y_full.at[b])
 
+    # Drain: observe the consumers' release of the last slots, so that no
+    # barrier completes unobserved (the interpreter checks this) and the CTA
+    # does not retire with copies still being read.
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _(g):
+      plgpu.barrier_wait(consumed.at[slot(g)])
 
-def producer_split(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed, *,
-                   coords, num_tiles, nd, bq, bk, bd, stages):
-  """The memory warpgroup for per-consumer rings (``rings="split"``).
-
-  Warp w of the memory warpgroup feeds consumer w's own ring of ``stages``
-  slots (slot index w * stages + s): the (bq, bd) x chunk and consumer w's
-  (bk, bd) half of the y chunk. The x chunk is fetched once per consumer
-  (L2 -> SMEM traffic per tile pair 4/3 of the shared ring's), but the two
-  consumers are no longer tied to each other through the slots they share:
-  one can run its wgmmas while the other runs its epilogue, as far ahead as
-  it likes.
-  """
-  total = num_tiles * nd
+  if not split_rings:
+    stream(None)
+    return
 
   @plgpu.warp_map
   def _(warp):
     @pl.when(warp < NUM_CONSUMERS)
     def _():
-      @pl.loop(0, total)
-      def _(g):
-        b = warp * stages + lax.rem(g, stages)
-        rb, cb = coords(lax.div(g, nd))
-        k = lax.rem(g, nd)
-
-        @pl.when(g >= stages)
-        def _():
-          plgpu.barrier_wait(consumed.at[b])
-
-        plgpu.copy_gmem_to_smem(
-            x_ref.at[pl.ds(rb * bq, bq), pl.ds(k * bd, bd)], x_smem.at[b],
-            x_full.at[b])
-        plgpu.copy_gmem_to_smem(
-            y_ref.at[pl.ds(cb * (NUM_CONSUMERS * bk) + warp * bk, bk),
-                     pl.ds(k * bd, bd)],
-            y_smem.at[b], y_full.at[b])
-
-      @pl.loop(jnp.maximum(total - stages, 0), total)
-      def _(g):
-        plgpu.barrier_wait(consumed.at[warp * stages + lax.rem(g, stages)])
+      stream(warp)
 
 
 def mma_tile(x_smem, y_smem, x_full, y_full, consumed, *, g0, nd, wg, bq, bk,
              stages, split_rings=False):
   """One consumer's (bq, bk) float32 tile over nd chunks from ring step g0.
 
-  ``split_rings``: the consumer's own ring (``producer_split``), slots
+  ``split_rings``: the consumer's own ring (``producer``), slots
   wg * stages + s holding its (bk, bd) y half; else the shared ring."""
 
   def slot_of(g):
@@ -243,26 +226,19 @@ class Turns:
     stores), the other issues its wgmmas, so the tensor cores stay busy.
   """
 
-  def __init__(self, turn, wg, enabled):
-    self.turn, self.wg, self.enabled = turn, wg, enabled
+  def __init__(self, turn, wg):
+    self.turn, self.wg = turn, wg
 
   def wait(self, k):
-    if not self.enabled:
-      return
-
     @pl.when((self.wg != 0) | (k != 0))
     def _():
       plgpu.barrier_wait(self.turn.at[self.wg])
 
   def done(self):
-    if self.enabled:
-      plgpu.barrier_arrive(self.turn.at[1 - self.wg])
+    plgpu.barrier_arrive(self.turn.at[1 - self.wg])
 
   def drain(self, num_tiles):
     """Consumer 0 observes consumer 1's last arrival."""
-    if not self.enabled:
-      return
-
     @pl.when((self.wg == 0) & (num_tiles > 0))
     def _():
       plgpu.barrier_wait(self.turn.at[0])
@@ -295,3 +271,32 @@ def ring_scratch(dtype, *, bq, bk, bd, stages, split_rings):
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
   ]
+
+
+# Registers per thread: the consumers hold a (128, 128) float32 accumulator
+# and the epilogue's temporaries; the producer only issues copies.
+COMPUTE_REGS = 232
+MEMORY_REGS = 40
+
+
+def launch(body, *, operands, out_type, scratch, nprog, name, interpret,
+           split_rings, reduction_scratch_bytes=None):
+  """Runs ``body`` as a persistent kernel of ``nprog`` CTAs of three
+  warpgroups (two consumers and the producer), on ``operands``; returns its
+  outputs (a list) typed device-varying like the operands."""
+  cp = dict(approx_math=True)
+  if reduction_scratch_bytes is not None:
+    cp["reduction_scratch_bytes"] = reduction_scratch_bytes
+  outs = plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(nprog,),
+      grid_names=("p",),
+      num_threads=NUM_CONSUMERS + 1,
+      thread_name="wg",
+      kernel_name=name,
+      compiler_params=plgpu.CompilerParams(**cp),
+      interpret=interpret_params(interpret),
+  )(*kernel_operands(split_rings, *operands))
+  return vary_like(list(outs), *operands)

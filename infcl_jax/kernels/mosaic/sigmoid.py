@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from infcl_jax import _device
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -69,7 +70,7 @@ def softplus(u):
 
 def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
             has_diagonal, scaled, bq, bk, bd, nd, ni, num_tiles, nprog,
-            stages, compute_regs, memory_regs, split_rings):
+            stages):
   refs = list(refs)
   g_ref = refs.pop(0) if mode == "g" else None
   part_ref = refs.pop(0)
@@ -80,28 +81,21 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
     g_smem = None
   pid = lax.axis_index("p")
   wg = lax.axis_index("wg")
-  my_tiles = lax.div(num_tiles - pid + nprog - 1, nprog)
+  my_tiles = common.my_count(pid, num_tiles, nprog)
+  coords = lambda u: common.tile_coords(pid, u, nprog, ni)
 
-  def coords(u):
-    tile = pid + u * nprog
-    return lax.rem(tile, ni), lax.div(tile, ni)
-
+  # One shared ring: with no column statistics the consumers take no turns,
+  # so a ring per consumer would only add a second fetch of x.
   @pl.when(wg == common.NUM_CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(memory_regs, action="decrease")
-    if split_rings:
-      common.producer_split(
-          x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
-          coords=coords, num_tiles=my_tiles, nd=nd, bq=bq, bk=bk, bd=bd,
-          stages=stages)
-    else:
-      common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
-                      coords=coords, num_tiles=my_tiles, nd=nd, bq=bq,
-                      bk2=2 * bk, bd=bd, stages=stages)
+    plgpu.set_max_registers(common.MEMORY_REGS, action="decrease")
+    common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
+                    coords=coords, num_tiles=my_tiles, nd=nd, bq=bq, bk=bk,
+                    bd=bd, stages=stages, split_rings=False)
 
   @pl.when(wg < common.NUM_CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(compute_regs, action="increase")
+    plgpu.set_max_registers(common.COMPUTE_REGS, action="increase")
     scale = params_ref[0]
     bias = params_ref[1]
     g_scale = params_ref[2]
@@ -115,7 +109,7 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
                        optimized=False)
       s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
                            g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
-                           stages=stages, split_rings=split_rings)
+                           stages=stages, split_rings=False)
       s = s0 * scale + bias
       rid2 = None
       if has_diagonal or mask:
@@ -157,8 +151,7 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
 
 def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
                   scaled=False, block_q=128, block_k=128, block_d=64,
-                  num_stages=None, num_programs=None, interpret=False,
-                  compute_regs=232, memory_regs=40, rings="shared"):
+                  num_stages=None, num_programs=None, interpret=False):
   """The sigmoid forward sum, G panel or max |G| of padded x against y.
 
   Args:
@@ -170,13 +163,9 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
     m: valid rows of y (static); mask: whether any padding exists (static).
     has_diagonal: whether the pairs (row id == column) are the positives.
     scaled: "g" only: store G * g_scale (float16 panels).
-    rings: ``"shared"`` (default): one SMEM ring of (x chunk, 2 * block_k-row
-      y chunk) slots read by both consumers, which keeps them within
-      ``num_stages`` chunks of each other; ``"split"``: a ring per consumer
-      fed by its own producer warp (as in ``lse_fwd``), so one consumer's
-      wgmmas can run during the other's epilogue (the softplus / sigmoid
-      work). Split rings take 2 * num_stages * 32 KB of SMEM: 3 stages for
-      "sum" / "max"; with "g" (64 KB of G buffers) at most 2.
+    num_stages: ring slots; default 4 for "sum" / "max", 3 for "g" (whose
+      64 KB of G buffers take the fourth's shared memory).
+    num_programs: persistent CTAs (default: one per SM).
 
   Returns:
     "sum": the float32 sum of softplus(-z s) over the valid pairs;
@@ -190,13 +179,11 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
   m_pad = y.shape[0]
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
-  nprog = max(1, min(num_programs or common.num_sms(), num_tiles))
+  nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))
   if num_stages is None:
     num_stages = 3 if mode == "g" else 4
-  if rings not in ("shared", "split"):
-    raise ValueError(f"rings must be shared or split, got {rings!r}")
   ring = common.ring_scratch(x.dtype, bq=block_q, bk=block_k, bd=block_d,
-                             stages=num_stages, split_rings=rings == "split")
+                             stages=num_stages, split_rings=False)
   scratch = ring[:2]
   if mode == "g":
     scratch.append(plgpu.SMEM((common.NUM_CONSUMERS, block_q, block_k),
@@ -212,23 +199,12 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
   kernel = functools.partial(
       _kernel, mode=mode, m=m, mask=mask, has_diagonal=has_diagonal,
       scaled=scaled, bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni,
-      num_tiles=num_tiles, nprog=nprog, stages=num_stages,
-      compute_regs=compute_regs, memory_regs=memory_regs,
-      split_rings=rings == "split")
+      num_tiles=num_tiles, nprog=nprog, stages=num_stages)
   ins = (params.astype(F32), x, y, row_ids.astype(jnp.int32))
-  outs = plgpu.kernel(
-      kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(nprog,),
-      grid_names=("p",),
-      num_threads=common.NUM_CONSUMERS + 1,
-      thread_name="wg",
-      kernel_name=f"infcl_mosaic_sigmoid_{mode}",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=common.interpret_params(interpret),
-  )(*common.kernel_operands(rings == "split", *ins))
-  outs = common.vary_like(list(outs), *ins)
+  outs = common.launch(kernel, operands=ins, out_type=out_type,
+                       scratch=scratch, nprog=nprog,
+                       name=f"infcl_mosaic_sigmoid_{mode}",
+                       interpret=interpret, split_rings=False)
   part = outs[-1]
   if mode == "sum":
     return jnp.sum(part[:, :, 0])

@@ -6,7 +6,7 @@ and stages (forward with / without column statistics, the probability-panel
 kernel alone, the GEMMs alone, whole fwd+bwd) at B=65536, D=768. Every
 variant is isolated: a failure prints and the probe goes on.
 
-  python benchmarks/probe_pallas.py [--b 65536] [--quick]
+  python benchmarks/probes/pallas_softmax.py [--b 65536] [--quick]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -27,7 +27,7 @@ from jax import lax
 import infcl_jax
 from infcl_jax.backends import registry
 from infcl_jax.block_sizes import BlockSizes
-from benchmarks.probe_harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
+from benchmarks.probes.common import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 from infcl_jax.kernels import lse_bwd
 
 
@@ -178,9 +178,9 @@ def main():
                            direction="image_to_text"))
   record("f64check_B4096_f32_highest", lambda: check_f64(
       jnp.float32, bs=dataclasses.replace(
-          BlockSizes.get_default("pallas", "gpu", jnp.float32),
+          registry.get("pallas", "softmax").default_block_sizes("gpu", jnp.float32),
           f32_precision="highest")))
-  dflt = BlockSizes.get_default("pallas", "gpu", jnp.bfloat16)
+  dflt = registry.get("pallas", "softmax").default_block_sizes("gpu", jnp.bfloat16)
   record(f"full_pallas_B{b}_bf16", lambda: time_full(b, d, jnp.bfloat16, "pallas"))
   record(f"full_xla_B{b}_bf16", lambda: time_full(b, d, jnp.bfloat16, "xla"))
   record(f"fwd_rows+cols_B{b}_bf16", lambda: time_fwd(b, d, jnp.bfloat16, dflt))
@@ -216,8 +216,8 @@ def main():
 def probe_v2(b, d):
   """Second round: single-exp paths, backward tiles, float32 stages."""
   bf, f32 = jnp.bfloat16, jnp.float32
-  dflt = BlockSizes.get_default("pallas", "gpu", bf)
-  dflt32 = BlockSizes.get_default("pallas", "gpu", f32)
+  dflt = registry.get("pallas", "softmax").default_block_sizes("gpu", bf)
+  dflt32 = registry.get("pallas", "softmax").default_block_sizes("gpu", f32)
   no1 = dataclasses.replace(dflt, single_exp=False)
   rep = dataclasses.replace
   record("matmul_ceiling_bf16", matmul_ceiling)

@@ -1,5 +1,10 @@
 """A/B of the ring's compiled schedule on 2 GPUs: where the backward's last
-f32 accumulator send sits. Prints one JSON line per (program, b)."""
+f32 accumulator send sits. Prints one JSON line per (program, b).
+
+  PYTHONPATH=. AB_B=8192,65536 python3 benchmarks/probes/ring_ab_hlo.py
+
+(BENCHMARKS.md "The backward's last accumulator send"; its logs are in
+benchmarks/results/ring_2xh200_2026-11-30b/ab_hlo/.)"""
 import json, os, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P, NamedSharding

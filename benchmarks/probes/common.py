@@ -6,26 +6,20 @@ be lost to one broken variant), and ``summary()`` prints every result.
 """
 from __future__ import annotations
 
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import harness
+
 RESULTS = []
 
 
 def bench(f, *args, reps=5, warmup=2):
   """Median wall time of ``f(*args)`` in ms, after warm-up (compilation)."""
-  for _ in range(warmup):
-    jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
+  return harness.timeit(f, *args, reps=reps, warmup=warmup).median * 1e3
 
 
 def record(name, fn):

@@ -6,7 +6,7 @@ fwd+bwd step against the XLA backend, the forward and backward tile ops
 alone, and a few block-size variants at B=65536, D=768. Every item is
 isolated: a failure prints and the probe goes on.
 
-  python benchmarks/probe_pallas_sigmoid.py [--b 65536] [--quick]
+  python benchmarks/probes/pallas_sigmoid.py [--b 65536] [--quick]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import dataclasses
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -26,7 +26,7 @@ import numpy as np
 import infcl_jax
 from infcl_jax.backends import registry
 from infcl_jax.block_sizes import BlockSizes
-from benchmarks.probe_harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
+from benchmarks.probes.common import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 
 
 def loss_grads(backend, bs=None):
@@ -92,7 +92,7 @@ def main():
     record(f"full_pallas_B{b}_{name}",
            lambda dt=dt: time_full(b, d, dt, "pallas"))
     record(f"full_xla_B{b}_{name}", lambda dt=dt: time_full(b, d, dt, "xla"))
-  dflt = BlockSizes.get_default("pallas", "gpu", jnp.bfloat16)
+  dflt = registry.get("pallas", "softmax").default_block_sizes("gpu", jnp.bfloat16)
   record(f"fwd_B{b}_bf16", lambda: time_fwd(b, d, jnp.bfloat16, dflt))
   record(f"bwd_B{b}_bf16", lambda: time_bwd(b, d, jnp.bfloat16, dflt))
   record(f"bwd_B{b}_f16", lambda: time_bwd(b, d, jnp.float16, dflt))

@@ -1,85 +1,35 @@
-"""What the kernel backends share, for both loss families.
+"""The panel backward that both kernel backends run, for both families.
 
-* Padding: the kernels take B and D padded to block multiples and mask the
-  padding themselves, so any shape works.
-* Indexing past 2**31 elements: Pallas' Triton lowering switches a ref's
-  element offsets to 64 bits when the array exceeds 4 GiB, so inputs and
-  panels of any size are indexed correctly (tested on the GPU past 2**31).
-  What stays int32 is index arithmetic a kernel does itself on a flat
-  buffer (the forward's column workspace); ``check_int32`` guards that.
-* The panel backward: per panel of R rows, a kernel recomputes the logits
-  once and writes the gradient panel G (R x B, the input dtype), and the
-  library GEMMs form dx = G y and dy += G^T x. The loop over panels, its
-  carry (typed device-varying inside ``shard_map``) and the GEMMs are here;
-  a family supplies only the kernel that writes G.
-* ``KernelBackend``: platform -> interpret mode (with a one-time warning),
-  default block sizes by the GPU's compute capability, the matmul precision
-  of float32 inputs.
+Per panel of R rows, a kernel recomputes the logits once and writes the
+gradient panel G (R x B, the input dtype), and the library GEMMs form
+dx = G y and dy += G^T x. The loop over panels, its carry (typed
+device-varying inside ``shard_map``) and the GEMMs are here; a family
+supplies only the kernel that writes G (``softmax_grad``, ``sigmoid_grad``),
+and ``bwd_impl="xla"`` forms the same panels in XLA.
+
+Why not a fully fused dX / dY kernel: accumulating dX over D = 768 in one
+program needs three 256-wide float32 accumulators and spilled on the H200
+(BENCHMARKS.md); writing G once in 16 bits costs ~2 bytes per logit of HBM
+traffic and lets cuBLAS run both products near its peak.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import _axes
 from infcl_jax import _math
-from infcl_jax.backends import capability
-from infcl_jax.block_sizes import BlockSizes
+from infcl_jax.backends.padding import MAX_INT32_ELEMS
+from infcl_jax.backends.padding import pad1
+from infcl_jax.backends.padding import pad2
+from infcl_jax.backends.padding import round_up
+from infcl_jax.backends.padding import row_ids
 
 F32 = jnp.float32
-MAX_INT32_ELEMS = 2**31 - 1
-
-
-def round_up(v, k):
-  return -(-v // k) * k
-
-
-def pad2(a, rows, cols):
-  r, c = a.shape
-  if (r, c) == (rows, cols):
-    return a
-  return jnp.pad(a, ((0, rows - r), (0, cols - c)))
-
-
-def pad1(v, n, fill):
-  if v.shape[0] == n:
-    return v
-  return jnp.pad(v, (0, n - v.shape[0]), constant_values=fill)
-
-
-def dot(a, b, contract, precision):
-  return lax.dot_general(a, b, (contract, ((), ())),
-                         preferred_element_type=F32, precision=precision)
-
-
-def check_int32(backend, **sizes):
-  """A flat buffer that a kernel indexes with its own int32 arithmetic must
-  have fewer than 2**31 elements."""
-  for what, elems in sizes.items():
-    if elems > MAX_INT32_ELEMS:
-      raise ValueError(
-          f"backend={backend!r}: {what} has {elems} elements (padded), over "
-          f"the 2**31 that the kernels' int32 indexing allows; use "
-          f"backend='xla' or shard the batch (axis_name)")
-
-
-def num_sms():
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-  except RuntimeError:
-    return 132
-
-
-def pad_inputs(x, y, block_q, block_k, block_d):
-  """x, y zero-padded to (block_q | block_k) x block_d multiples."""
-  d_pad = round_up(x.shape[1], block_d)
-  xp = pad2(x, round_up(x.shape[0], block_q), d_pad)
-  yp = pad2(y, round_up(y.shape[0], block_k), d_pad)
-  return xp, yp
+dot = _math.dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +45,18 @@ class PanelLayout:
     return self.rows * self.n_panels
 
 
-def panel_layout(bs, n, m, d) -> PanelLayout:
-  """At most ``bs.panel_rows`` rows per panel, few padded; a panel stays
-  below 2**31 elements."""
-  bq = bs.bwd_block_q
-  m_pad = round_up(m, bs.bwd_block_k)
-  cap = max(bq, (MAX_INT32_ELEMS // m_pad) // bq * bq)
-  r = min(bs.panel_rows, cap, round_up(n, bq))
+def panel_layout(n, m, d, *, block_q, block_k, block_d,
+                 panel_rows) -> PanelLayout:
+  """At most ``panel_rows`` rows per panel (a multiple of the kernel's
+  ``block_q``), few padded; columns padded to ``block_k``, D to
+  ``block_d``. A panel stays below 2**31 elements."""
+  m_pad = round_up(m, block_k)
+  cap = max(block_q, (MAX_INT32_ELEMS // m_pad) // block_q * block_q)
+  r = min(panel_rows, cap, round_up(n, block_q))
   n_panels = -(-n // r)
   # Spread the rows evenly so that the last panel is not mostly padding.
-  r = round_up(-(-n // n_panels), bq)
-  return PanelLayout(r, n_panels, m_pad, round_up(d, bs.block_d))
+  r = round_up(-(-n // n_panels), block_q)
+  return PanelLayout(r, n_panels, m_pad, round_up(d, block_d))
 
 
 def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=()):
@@ -173,23 +124,21 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   params = [scale log2 e, bias log2 e, a_r, a_c], r_p / c2 the base-2
   statistics (+inf on padding). ``panel=None`` forms the panel in XLA.
   """
-  n, d = x.shape
+  n = x.shape[0]
   m = y.shape[0]
   rows, cols = row_lse is not None, col_lse is not None
   scale = jnp.asarray(scale, F32)
   bias = jnp.asarray(bias, F32)
-  row_coef = jnp.asarray(row_coef if rows else 0.0, F32)
-  col_coef = jnp.asarray(col_coef if cols else 0.0, F32)
-  norm = jnp.maximum(jnp.abs(row_coef), jnp.abs(col_coef))
-  norm = jnp.where(norm == 0, 1.0, norm)
+  a_r, a_c, norm = _math.unit_coefs(row_coef if rows else None,
+                                    col_coef if cols else None)
   # Base-2 statistics, +inf on padding; an unused direction gets zeros
   # (its exp term is compiled out) but keeps +inf on padding for masking.
   r2 = (row_lse.astype(F32) * _math.LOG2E) if rows else jnp.zeros((n,), F32)
   c2 = (col_lse.astype(F32) * _math.LOG2E) if cols else jnp.zeros((m,), F32)
   r2 = pad1(r2, layout.n_pad, jnp.inf)
   c2 = pad1(c2, layout.m_pad, jnp.inf)
-  params = jnp.stack([scale * _math.LOG2E, bias * _math.LOG2E,
-                      row_coef / norm, col_coef / norm]).astype(F32)
+  params = jnp.stack([scale * _math.LOG2E, bias * _math.LOG2E, a_r,
+                      a_c]).astype(F32)
   mask = layout.n_pad != n or layout.m_pad != m
   panel = panel or functools.partial(_xla_softmax_panel, precision=precision)
 
@@ -224,8 +173,7 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   bias = jnp.asarray(bias, F32)
   coef = jnp.asarray(coef, F32)
   rescale = jnp.dtype(x.dtype) == jnp.float16
-  ids = jnp.arange(layout.n_pad, dtype=jnp.int32)
-  row_ids = jnp.where(ids < n, ids, -1)
+  rid = row_ids(n, layout.n_pad)
   kw = dict(m=m, mask=layout.n_pad != n or layout.m_pad != m, scaled=rescale,
             has_diagonal=has_diagonal)
   panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision)
@@ -239,14 +187,15 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
     g, dsc, dbi = panel(x_p, yp, rid_p, params, "g", **kw)
     return g, g_max, dsc, dbi
 
-  dx, dy, dsc, dbi = panel_backward(x, y, row_ids, g_panel, layout=layout,
+  dx, dy, dsc, dbi = panel_backward(x, y, rid, g_panel, layout=layout,
                                     precision=precision, refs=(scale, bias))
   return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 
 
 # ``bwd_impl="xla"``: the same panels from XLA's GEMM and a fusion. They
 # materialise the (R, B) float32 logits of a panel (more memory and HBM
-# traffic than the kernels) and are kept to measure the difference.
+# traffic than the kernels); a user's escape hatch where a panel kernel
+# does not compile, and the measure of what the kernels save.
 
 def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
                        precision):
@@ -276,58 +225,3 @@ def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,
     return jnp.max(jnp.abs(g))
   gs = g * params[2] if scaled else g
   return gs.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
-
-
-class KernelBackend:
-  """Plumbing of a kernel backend: interpret mode off the GPU, defaults.
-
-  Off the GPU the kernels run through the Pallas interpreter: exact, but
-  several times slower than ``backend="xla"``; the first kernel call in a
-  process warns about it (``capability.InfclPerformanceWarning``). On the
-  GPU the default ``BlockSizes`` follow the device's compute capability
-  (``BlockSizes.get_default(..., capability=)``), so that they fit its
-  shared memory.
-  """
-
-  name = "kernel"
-  block_sizes_key = "pallas"  # BlockSizes.get_default's backend name.
-
-  def __init__(self, platform: str | None = None):
-    self.platform = platform or jax.default_backend()
-    # Anything but a GPU runs the same kernels through the interpreter.
-    self.interpret = self.platform != "gpu"
-
-  def warn_if_interpreted(self):
-    """Warns once per process when this backend's kernels are interpreted.
-
-    Called on every kernel op (through ``_block_sizes``), not on
-    construction, so that probing a backend (``registry.available``) is
-    silent.
-    """
-    if self.interpret:
-      capability.warn_once(
-          "interpret",
-          f"infcl_jax: backend={self.name!r} runs its Pallas kernels in "
-          f"interpret mode on platform {self.platform!r} (they are GPU "
-          f"kernels): exact, but several times slower than backend='xla'. "
-          f"Use backend='auto' or 'xla' off the GPU.", stacklevel=4)
-
-  def default_block_sizes(self, platform, dtype):
-    cc = capability.device_capability() if platform == "gpu" else None
-    return BlockSizes.get_default(self.block_sizes_key, platform, dtype,
-                                  capability=cc)
-
-  def _block_sizes(self, block_sizes, dtype):
-    self.warn_if_interpreted()
-    bs = block_sizes
-    if bs is None:
-      bs = self.default_block_sizes(self.platform, dtype)
-    bs.check_pallas()
-    return bs
-
-  def _precision(self, bs, dtype):
-    if (jnp.dtype(dtype) == jnp.float32
-        and bs.resolved_f32_precision() == "highest"):
-      return lax.Precision.HIGHEST
-    # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
-    return lax.Precision.DEFAULT

@@ -1,0 +1,203 @@
+"""What every benchmark script shares: one timer, one child runner, one OOM
+test.
+
+* ``timeit``: device-synchronized wall time of a jitted call, median of
+  repetitions after a warm-up; with ``budget_s`` the repetitions adapt to
+  the step's length (long steps get fewer).
+* ``run_child``: runs a case in a fresh Python process (so that the
+  device's peak-memory counter and the allocator start from zero, and a
+  crash or a hang costs one case, not the sweep), under a deadline and,
+  optionally, a shorter one until the child reports its compiled phase.
+  The child prints one ``result_tag`` + JSON line; a timeout, a crash or an
+  out-of-memory end becomes a status row instead.
+* ``is_oom``: whether an exception or a child's output says the device ran
+  out of memory.
+
+Scripts import it as ``from benchmarks import harness``.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Timing = collections.namedtuple("Timing", "median min max reps")
+
+
+def timeit(fn, *args, reps=7, inner=1, warmup=2, budget_s=None):
+  """Seconds per call of ``fn(*args)``, device-synchronized.
+
+  ``warmup`` calls first (the first compiles, unless ``fn`` is compiled);
+  then ``reps`` timed runs of ``inner`` back-to-back calls each, synced at
+  the end of each run. With ``budget_s``, the runs are as many as fit in it
+  at the last warm-up call's time (at least 1, at most ``reps``).
+
+  Returns:
+    ``Timing(median, min, max, reps)``, seconds per call.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  last = 0.0
+  for _ in range(warmup):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    last = time.perf_counter() - t0
+  if budget_s is not None:
+    reps = int(max(1, min(reps, budget_s // max(last, 1e-6))))
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t0) / inner)
+  return Timing(statistics.median(ts), min(ts), max(ts), reps)
+
+
+def report(name, flops, t):
+  """One line: median ms, [min-max], TFLOP/s of ``flops`` at the median."""
+  print(f"{name:44s} {t.median * 1e3:8.3f} ms  [{t.min * 1e3:.3f}-"
+        f"{t.max * 1e3:.3f}]  {flops / t.median / 1e12:7.1f} TFLOP/s",
+        flush=True)
+
+
+def is_oom(e) -> bool:
+  """Whether an exception (or a child's output text) is out of memory."""
+  s = str(e)
+  return "RESOURCE_EXHAUSTED" in s or "out of memory" in s.lower()
+
+
+def failure(e):
+  """The status of a case that raised ``e``: "oom" or "error: ..."."""
+  if is_oom(e):
+    return "oom"
+  return f"error: {type(e).__name__}: {str(e)[:300]}"
+
+
+def set_xla_flags(cpu_devices=0):
+  """Sets XLA_FLAGS before JAX starts its backend (XLA reads them once):
+  ``cpu_devices`` simulated CPU devices, or else the ring's recommended GPU
+  flags (``infcl_jax.xla_flags``) added to the user's."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  if cpu_devices:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = [f for f in flags
+             if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
+  else:
+    from infcl_jax import xla_flags  # pylint: disable=import-outside-toplevel
+    flags = xla_flags.recommended(" ".join(flags)).split()
+  os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+def child_env(**extra):
+  """The environment of a child: this one, unbuffered, with the repository
+  root importable; ``extra`` entries set (a None value removes one)."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  for k, v in extra.items():
+    if v is None:
+      env.pop(k, None)
+    else:
+      env[k] = v
+  return env
+
+
+def run_child(argv, *, result_tag, timeout_s, env=None, phase_tag=None,
+              compile_timeout_s=0):
+  """Runs ``python argv...`` in a fresh process; returns its result dict.
+
+  The child prints ``result_tag`` + a JSON object (its result) and, when
+  ``phase_tag`` is given, ``phase_tag`` + JSON once it has compiled (the
+  compile deadline ``compile_timeout_s`` ends there; 0: none). A timed-out
+  case says in which phase it stopped and, after compilation, carries the
+  phase's fields (e.g. XLA's memory plan), so that a hang at run time is
+  told apart from a compile that does not end. A child that ends without a
+  result is ``oom`` if its output says so (``is_oom``), else ``crash``.
+  """
+  t0 = time.time()
+  with tempfile.TemporaryFile("w+") as err:
+    p = subprocess.Popen(  # pylint: disable=consider-using-with
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=err,
+        text=True, env=env or child_env(), start_new_session=True)
+    lines = queue.Queue()
+
+    def pump():
+      for line in p.stdout:
+        lines.put(line)
+      lines.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    out = []
+    try:
+      result, timed = _follow(p, lines, out, t0, timeout_s, compile_timeout_s,
+                              result_tag, phase_tag)
+    except BaseException:  # E.g. Ctrl-C / `timeout -s INT`: no orphan.
+      kill(p)
+      raise
+    if timed is not None:
+      return timed
+    p.wait()
+    if result is not None:
+      return result
+    err.seek(0)
+    tail = (err.read() or "".join(out))[-400:].replace("\n", " | ")
+  return dict(status="oom" if is_oom(tail)
+              else f"crash rc={p.returncode}: {tail}")
+
+
+def _follow(p, lines, out, t0, timeout_s, compile_timeout_s, result_tag,
+            phase_tag):
+  """Reads the child's lines under the deadlines of ``run_child``; returns
+  (result, timeout row or None)."""
+  phase, result = None, None
+  while True:
+    limit = timeout_s
+    if phase is None and compile_timeout_s:
+      limit = min(timeout_s, compile_timeout_s)
+    left = t0 + limit - time.time()
+    try:
+      line = lines.get(timeout=max(left, 0.01)) if left > 0 else None
+      timed_out = left <= 0
+    except queue.Empty:
+      line, timed_out = None, True
+    if timed_out:
+      kill(p)
+      if phase_tag is None:
+        return None, dict(status=f"timeout>{timeout_s}s")
+      waited = time.time() - t0
+      if phase is None:
+        return None, dict(status=f"timeout in compile (>{limit:.0f}s"
+                          f", {waited:.0f}s)")
+      plan = (f"; XLA plan {phase['xla_total_gb']:.3g} GB/dev"
+              if phase.get("xla_total_gb") is not None else "")
+      lim = (f", limit {phase['bytes_limit_gb']:.3g} GB"
+             if phase.get("bytes_limit_gb") else "")
+      return None, dict(
+          {k: v for k, v in phase.items() if k != "phase"},
+          status=f"timeout>{timeout_s}s while running (compiled in "
+          f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim})")
+    if line is None:
+      return result, None
+    out.append(line)
+    if phase_tag is not None and line.startswith(phase_tag):
+      phase = json.loads(line[len(phase_tag):])
+    elif line.startswith(result_tag):
+      result = json.loads(line[len(result_tag):])
+
+
+def kill(p):
+  """Ends a child started here (in its own session) and waits for it."""
+  try:
+    os.killpg(p.pid, 9)
+  except OSError:
+    p.kill()
+  p.wait()

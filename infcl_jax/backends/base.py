@@ -1,0 +1,90 @@
+"""What every tile backend shares: the seam's guards, block sizes, precision.
+
+A backend subclasses ``TileBackend`` and implements the underscored
+operations (``_lse``, ``_lse_grad``, ``_sigmoid_sum``, ``_sigmoid_grad``)
+of the families it lists. The public operations of the seam
+(``registry.SoftmaxTiles`` / ``SigmoidTiles``) are defined here once, so
+that each guard has one home: a softmax call that asks for no statistic,
+a sigmoid block pair whose diagonal cannot exist, the block sizes resolved
+(with the backend's defaults) and the float32 precision policy
+(``precision``).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from infcl_jax.backends import precision as precision_lib
+
+F32 = jnp.float32
+
+
+def check_diagonal(has_diagonal, n, m):
+  if has_diagonal and n != m:
+    raise ValueError(
+        "has_diagonal=True needs square block pairs (positives at i == j), "
+        f"got x with {n} rows and y with {m} rows")
+
+
+class TileBackend:
+  """The seam's operations with their guards; subclasses do the tiles."""
+
+  name = "base"
+  families: tuple[str, ...] = ()
+  # Float32 inputs without an explicit setting: see ``precision``.
+  F32_DEFAULT = "highest"
+
+  def __init__(self, platform: str | None = None):
+    self.platform = platform or jax.default_backend()
+
+  # ------------------------------------------------------- configuration
+
+  def default_block_sizes(self, platform, dtype):
+    raise NotImplementedError
+
+  def block_sizes(self, block_sizes, dtype):
+    """``block_sizes``, or this backend's default for ``dtype`` here."""
+    if block_sizes is None:
+      return self.default_block_sizes(self.platform, dtype)
+    return block_sizes
+
+  def precision(self, bs, dtype):
+    """The matmul precision for inputs of ``dtype`` (one policy:
+    ``backends.precision``)."""
+    return precision_lib.matmul_precision(dtype, bs.f32_precision,
+                                          self.F32_DEFAULT)
+
+  # ------------------------------------------------------------ softmax
+
+  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+    """(row_lse (n,), col_lse (m,)), float32; None where not asked for."""
+    if not (rows or cols):
+      return None, None
+    return self._lse(x, y, scale, bias, rows=rows, cols=cols,
+                     bs=self.block_sizes(block_sizes, x.dtype))
+
+  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
+               *, block_sizes=None):
+    """(dx, dy, dscale, dbias), float32; a None statistic has no term."""
+    if row_lse is None and col_lse is None:
+      zero = jnp.zeros((), F32)
+      return (jnp.zeros(x.shape, F32), jnp.zeros(y.shape, F32), zero, zero)
+    return self._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
+                          col_coef, bs=self.block_sizes(block_sizes, x.dtype))
+
+  # ------------------------------------------------------------ sigmoid
+
+  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
+    """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
+    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
+    return self._sigmoid_sum(x, y, scale, bias, has_diagonal=has_diagonal,
+                             bs=self.block_sizes(block_sizes, x.dtype))
+
+  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
+                   block_sizes=None):
+    """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32: the
+    tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij)."""
+    check_diagonal(has_diagonal, x.shape[0], y.shape[0])
+    return self._sigmoid_grad(x, y, scale, bias, coef,
+                              has_diagonal=has_diagonal,
+                              bs=self.block_sizes(block_sizes, x.dtype))
