@@ -7,7 +7,8 @@
 3. Build the optimizer (locked tower masked out) and the train state.
 4. Resume from the newest checkpoint in ``workdir`` if there is one (train
    state and data iterator state), else start fresh.
-5. Loop: next batch -> (cached image embeddings) -> train step -> metrics
+5. Loop: micro-batches -> image embeddings (the locked tower per
+   micro-batch, or precomputed) -> train step -> metrics
    (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
    checkpoint every M steps.
 6. Final checkpoint, final eval, and a summary with zero-shot vs chance.
@@ -38,10 +39,12 @@ from infcl_jax.flax import ContrastiveLoss
 from train import checkpoint as checkpoint_lib
 from train import config_base
 from train import data as data_lib
-from train import embedding_cache
 from train import evaluate
 from train import models
+from train import precompute as precompute_lib
 from train import step as step_lib
+from train import stream as stream_lib
+from train.towers import tower as tower_lib
 from train import workdir as workdir_lib
 
 
@@ -129,6 +132,47 @@ def make_models(config, tokenizer):
       config.model.text, tokenizer.vocab_size, tokenizer.max_len,
       config.model.embed_dim, dtype, pad_id=tokenizer.pad_id)
   return image_tower, text_tower, make_head(config)
+
+
+def image_tower_of(config, module, params) -> tower_lib.Tower:
+  """The config's own image tower as a Tower: [-1, 1] normalisation on the
+  device, config.data.image_size."""
+  return tower_lib.Tower(
+      module=module, params=params, image_size=config.data.image_size,
+      normalization=tower_lib.SYMMETRIC, embed_dim=config.model.embed_dim,
+      dtype=jnp.dtype(config.model.dtype),
+      source=config.model.image.init or "random")
+
+
+def make_locked_tower(config, tokenizer) -> tower_lib.Tower:
+  """The (locked) image tower of ``config``, loaded as training loads it."""
+  image_tower, text_tower, head = make_models(config, tokenizer)
+  params = init_params(config, image_tower, text_tower, head, tokenizer)
+  return image_tower_of(config, image_tower, jax.device_get(params["img"]))
+
+
+def _training_source(config, workdir, tower, is_main):
+  """The source of config.data; with precompute_image_embeddings, the
+  embeddings of it in ``workdir/image_embeddings`` (computed there first,
+  once: a resumed run reuses them)."""
+  data = config.data
+  if (config.precompute_image_embeddings
+      and data_lib.sources.kind_of(data.name) != "embeddings"):
+    out = os.path.join(workdir, "image_embeddings")
+    precompute_lib.precompute(
+        config, out, tower, process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        log=print if is_main else (lambda *_: None))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("precompute image embeddings")
+    data = data.copy_and_resolve_references()
+    with data.unlocked():
+      data.name = f"embeddings:{out}"
+  source = data_lib.open_source(data, data.split)
+  if data_lib.sources.kind_of(source.spec) == "embeddings":
+    source.check_fingerprint(tower.fingerprint, "config.model.image")
+  return source
 
 
 def init_params(config, image_tower, text_tower, head, tokenizer):
@@ -387,11 +431,27 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   state = step_lib.init_state(mesh, params, optimizer)
   del params
 
-  # Data: each process reads its own shard.
+  # The locked image tower as the data path sees it: images cross the host
+  # and the transfer as uint8 and are normalised on the device. (A host copy
+  # of its params: the train step donates the state's.)
+  tower = image_tower_of(config, image_tower,
+                         jax.device_get(state["params"]["img"]))
+  n_proc, n_local = jax.process_count(), len(jax.local_devices())
+  mb = config.microbatch_size
+  chunked = 0 < mb < config.batch_size
+  num_micro = config.batch_size // mb if chunked else 1
+
+  # Data: each process reads its own shard, as micro-batches.
+  source = _training_source(config, workdir, tower, is_main)
+  precomputed = data_lib.sources.kind_of(source.spec) == "embeddings"
+  streamed = not precomputed and chunked and config.model.image.locked
   train_iter = data_lib.make_train_iterator(
-      config, batch_size=config.batch_size // jax.process_count(),
-      process_index=jax.process_index(), process_count=jax.process_count(),
-      seed=config.seed, tokenizer=tokenizer)
+      config, batch_size=config.batch_size // n_proc,
+      microbatch_size=(mb if chunked else config.batch_size) // n_proc,
+      process_index=jax.process_index(), process_count=n_proc,
+      seed=config.seed, tokenizer=tokenizer, source=source)
+  if is_main:
+    print(f"[lit] data: {source.describe()}", flush=True)
 
   # Resume.
   start_step = 0
@@ -403,42 +463,49 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     print(f"[lit] resumed from the checkpoint of step {start_step} in "
           f"{workdir}", flush=True)
 
-  # The step. With more than one device the loss runs the ring.
+  # The step. With more than one device the loss runs the ring. Streamed:
+  # the locked tower embeds each micro-batch as it arrives (train/stream.py)
+  # and the step sees the (B, D) embeddings, as with precomputed ones.
   grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=image_tower, text_tower=text_tower, head=head,
+      mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
       microbatch_size=config.microbatch_size, global_batch=config.batch_size,
-      precomputed=config.precompute_image_embeddings,
+      precomputed=precomputed or streamed,
       image_locked=config.model.image.locked)
   if is_main:
-    mb = config.microbatch_size
     across = "" if mesh.size == 1 else ", ring across devices"
     print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
           f"{jax.process_count()} process(es); global batch "
           f"{config.batch_size}"
-          + (f", GradCache micro-batch {mb}" if 0 < mb < config.batch_size
-             else "")
+          + (f", GradCache micro-batch {mb}" if chunked else "")
           + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
           + f"; image tower {config.model.image.kind}"
           + (" locked" if config.model.image.locked else " trained")
-          + (", precomputed embeddings" if config.precompute_image_embeddings
-             else ""), flush=True)
+          + (", precomputed embeddings" if precomputed else "")
+          + (", embedded on the fly per micro-batch" if streamed else ""),
+          flush=True)
   train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
                                         optimizer=optimizer, schedule=schedule)
   embed_img = step_lib.make_embed_fn(mesh, image_tower)
   embed_txt = step_lib.make_embed_fn(mesh, text_tower)
   eval_bs = _round_up(config.eval.batch_size, mesh.size)
-  cache = None
-  if config.precompute_image_embeddings:
-    # Each process embeds the images of its own data shard, a different
-    # number per step: on its own devices only, never in a program that
-    # spans (and would wait for) the other processes. A host copy: the train
-    # step donates (frees) the state's buffers each step.
-    local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
-    cache = embedding_cache.ImageEmbeddingCache(
-        step_lib.make_embed_fn(local_mesh, image_tower),
-        jax.device_put(jax.device_get(state["params"]["img"]),
-                       NamedSharding(local_mesh, P())),
-        _round_up(config.eval.batch_size, local_mesh.size))
+  streamer = None
+  if streamed:
+    streamer = stream_lib.StreamedImageTower(
+        mesh, tower, jax.device_put(tower.params, NamedSharding(mesh, P())),
+        depth=max(1, config.data.prefetch_batches))
+
+  def next_inputs():
+    """The step's global batch: embedded micro-batch by micro-batch when
+    streamed, else the micro-batches put on the devices as one batch (in
+    the same device-major order, see train/stream.py)."""
+    if streamer is not None:
+      return streamer.step_inputs(train_iter, num_micro)
+    parts = [next(train_iter) for _ in range(num_micro)]
+    key = "image_emb" if precomputed else "image"
+    return step_lib.shard_batch(mesh, {
+        k: stream_lib.device_major([p[k] for p in parts], n_local)
+        for k in (key, "text")})
+
   zs, rs = data_lib.make_eval_sets(config, tokenizer)
 
   def run_eval():
@@ -454,19 +521,17 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   train_metrics = {}
   t_loop, steps_run = time.time(), 0
   for step in range(start_step + 1, config.total_steps + 1):
-    batch = next(train_iter)
-    inputs = {"text": batch["text"]}
-    if cache is not None:
-      inputs["image_emb"] = cache(batch["image"])
-    else:
-      inputs["image"] = batch["image"]
-    state, metrics = train_step(state, step_lib.shard_batch(mesh, inputs))
+    state, metrics = train_step(state, next_inputs())
     progress["step"] = step
     steps_run += 1
     if pbar is not None:
       pbar.update(1)
     if step % config.log_every_steps == 0 or step == config.total_steps:
       train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      # This process's skipped examples (its ledger also stops the run past
+      # config.data.max_bad_fraction).
+      train_metrics["data/bad_examples"] = train_iter.bad
+      train_metrics["data/bad_fraction"] = train_iter.ledger.fraction
       train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
       writer.write(step, train_metrics)
       if pbar is not None:
@@ -492,8 +557,6 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   summary = {"steps": config.total_steps, "resumed_from": start_step,
              "wall_s": time.time() - t_start, **train_metrics,
              **{f"eval/{k}": v for k, v in eval_metrics.items()}}
-  if cache is not None:
-    summary["image_embeddings_cached"] = len(cache)
   if is_main:
     print_summary(summary)
     with open(os.path.join(workdir, "summary.json"), "w") as f:

@@ -15,14 +15,21 @@ from train.data import tokenizer as tokenizer_lib
 def default_data_config() -> ml_collections.ConfigDict:
   """Defaults: the embedded synthetic_shapes dataset at 32x32."""
   c = ml_collections.ConfigDict()
-  # "synthetic_shapes" (generated locally) or a TFDS dataset name, optionally
-  # with config and version: "coco_captions", "coco_captions/2017:1.1.0".
+  # The training source:
+  #   "synthetic_shapes" (generated locally) or a TFDS dataset name,
+  #     optionally with config and version: "coco_captions/2017:1.1.0";
+  #   "webdataset:/data/shard-{000000..000127}.tar" (img2dataset's shards);
+  #   "csv:/data/pairs.csv", "tsv:/data/pairs.tsv", "jsonl:/data/pairs.jsonl"
+  #     (image path + caption per row, paths relative to the file);
+  #   "embeddings:/dir" (precomputed by `python -m train.precompute`).
   c.name = "synthetic_shapes"
   # TFDS data directory. "" means: for synthetic_shapes $INFCL_DATA_DIR or
   # ~/.cache/infcl_jax/tfds (generated there on first use); for a TFDS name
   # $TFDS_DATA_DIR or ~/tensorflow_datasets (must already be prepared).
   c.data_dir = ""
   c.split = "train"
+  # A TFDS split; for a file source, the held-out set as a source of its
+  # own ("webdataset:/data/val-{0..3}.tar", "csv:/data/val.csv").
   c.eval_split = "test"
   # Feature keys; "/" walks nested features ("captions/text" is a sequence
   # of captions: training samples one per example and epoch).
@@ -30,6 +37,19 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.text_key = "captions/text"
   # Integer class label feature; "" if the dataset has none (label = -1).
   c.label_key = "label"
+  # webdataset: image member extensions in order of preference, the
+  # caption member's extension, and a .json field with an integer label ("").
+  c.wds_image_exts = "jpg;jpeg;png;webp"
+  c.wds_caption_ext = "txt"
+  c.wds_label_field = ""
+  # csv/tsv/jsonl: column names (a JSONL caption may be a list of captions).
+  c.table_image_column = "image"
+  c.table_caption_column = "caption"
+  c.table_label_column = ""
+  # Bad examples (undecodable image, empty caption, member without its pair,
+  # truncated shard) are skipped and counted; more than this fraction of the
+  # examples seen (after 1000) stops the run.
+  c.max_bad_fraction = 0.01
   c.image_size = 32
   # synthetic_shapes only: examples generated for train and test, and seed.
   c.num_train_examples = 4096
@@ -47,7 +67,8 @@ def default_data_config() -> ml_collections.ConfigDict:
   # Prompt templates with "{}" for the class name; empty = dataset default
   # (synthetic_shapes: its held-out templates).
   c.zeroshot_templates = ()
-  # Input pipeline: reader threads and batches prefetched ahead.
+  # Input pipeline: reader (decode) threads, and micro-batches prefetched
+  # ahead on the host.
   c.num_threads = 2
   c.prefetch_batches = 2
   # A process's shard is decoded and resized once and kept in memory when
@@ -96,6 +117,10 @@ def check_data_config(config) -> None:
                        "cache_max_mb") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
+  if not (isinstance(data.max_bad_fraction, (int, float))
+          and 0 <= data.max_bad_fraction <= 1):
+    raise ValueError(f"config.data.max_bad_fraction={data.max_bad_fraction!r}"
+                     " must be a number in [0, 1]")
   for tmpl in data.zeroshot_templates:
     if "{}" not in tmpl:
       raise ValueError(f"config.data.zeroshot_templates entry {tmpl!r} has no "

@@ -9,11 +9,14 @@ ones no training caption uses.
 
 import dataclasses
 
+from absl import logging
+
 import numpy as np
 
 from train.data import pipeline
 from train.data import sources
 from train.data import synthetic
+from train.data.source import Bad
 
 # Generic prompts for TFDS classification datasets without their own.
 DEFAULT_TEMPLATES = (
@@ -57,22 +60,26 @@ def make_eval_sets(config, tokenizer):
   without label_key and without zeroshot_name).
   """
   data = config.data
-  builder = sources.builder_for(data)
-  source = builder.as_data_source(split=data.eval_split)
+  source = sources.open_source(data, data.eval_split,
+                               what="config.data.eval_split")
   limit = data.num_eval_examples if data.name != synthetic.NAME else 0
   n = len(source) if not limit else min(limit, len(source))
-  compact = pipeline.Compact(image_key=data.image_key, text_key=data.text_key,
-                             label_key=data.label_key,
-                             image_size=data.image_size)
+  compact = pipeline.Compact(source, data.image_size)
   images, captions, labels = [], [], []
   for i in range(n):
-    item = compact(source[i])
+    item = compact(i)
+    if isinstance(item, Bad):
+      logging.warning("held-out example skipped: %s: %s", item.where,
+                      item.reason)
+      continue
     images.append(pipeline.to_float(item["image"]))
     labels.append(item["label"])
     captions.append(_decode(item["captions"][0] if item["captions"] else b""))
   images = np.stack(images)
   retrieval = RetrievalSet(images=images, texts=tokenizer.encode(captions),
                            captions=captions)
+  builder = (sources.builder_for(data)
+             if sources.kind_of(data.name) == "tfds" else None)
 
   templates = list(data.zeroshot_templates)
   if data.zeroshot_name:
@@ -84,8 +91,11 @@ def make_eval_sets(config, tokenizer):
                              data.image_size, data.num_eval_examples)
     classnames = [c.replace("_", " ") for c in label_feature.names]
     zeroshot = ZeroShotSet(images=zs[0], labels=zs[1], classnames=classnames,
-                           templates=templates or list(DEFAULT_TEMPLATES))
-  elif data.label_key:
+                           templates=templates or list(
+                               synthetic.ZEROSHOT_TEMPLATES
+                               if data.zeroshot_name == synthetic.NAME
+                               else DEFAULT_TEMPLATES))
+  elif data.label_key and builder is not None:
     label_feature = sources.feature_at(builder.info.features, data.label_key)
     names = getattr(label_feature, "names", None)
     if not names:

@@ -379,3 +379,83 @@ def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
       fcntl.flock(lock, fcntl.LOCK_UN)
   return path
 
+
+
+# ----------------------------------------------------------------- as files
+
+
+def _encode(image: np.ndarray, fmt: str, quality: int) -> bytes:
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  buf = io.BytesIO()
+  if fmt in ("jpg", "jpeg"):
+    Image.fromarray(image).save(buf, format="JPEG", quality=quality)
+  else:
+    Image.fromarray(image).save(buf, format=fmt.upper())
+  return buf.getvalue()
+
+
+def _tar_add(tar, name: str, data: bytes) -> None:
+  import tarfile  # pylint: disable=import-outside-toplevel
+  info = tarfile.TarInfo(name)
+  info.size = len(data)
+  info.mtime = 0  # Reproducible shards.
+  tar.addfile(info, io.BytesIO(data))
+
+
+def write_webdataset(out_dir, *, split: str = "train", num: int,
+                     image_size: int, seed: int = 0, shard_size: int = 64,
+                     fmt: str = "jpg", quality: int = 95) -> str:
+  """Writes synthetic_shapes as img2dataset-style webdataset shards.
+
+  Each example is ``<key>.<fmt>``, ``<key>.txt`` (its first caption) and
+  ``<key>.json`` ({"label": shape id, "captions": [...]}). Returns the brace
+  pattern of the shards (for config.data.name after "webdataset:").
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import tarfile  # pylint: disable=import-outside-toplevel
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  num_shards = -(-num // shard_size)
+  for s in range(num_shards):
+    with tarfile.open(os.path.join(out_dir, f"{split}-{s:05d}.tar"),
+                      "w", format=tarfile.USTAR_FORMAT) as tar:
+      for i in range(s * shard_size, min(num, (s + 1) * shard_size)):
+        image, attrs, rng = render_example(seed, split, i, image_size)
+        captions = make_captions(attrs, rng, split)
+        key = f"{i:09d}"
+        _tar_add(tar, f"{key}.{fmt}", _encode(image, fmt, quality))
+        _tar_add(tar, f"{key}.txt", captions[0].encode())
+        _tar_add(tar, f"{key}.json", json.dumps(
+            {"label": attrs["shape_id"], "captions": captions}).encode())
+  return os.path.join(out_dir, f"{split}-{{{0:05d}..{num_shards - 1:05d}}}.tar")
+
+
+def write_table(out_dir, *, split: str = "train", num: int, image_size: int,
+                seed: int = 0, table: str = "csv", fmt: str = "jpg",
+                quality: int = 95) -> str:
+  """Writes synthetic_shapes as image files plus a csv/tsv/jsonl table of
+  (image, caption, label) with paths relative to the table; returns the
+  table's path."""
+  import csv  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  out_dir = os.fspath(out_dir)
+  os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+  rows = []
+  for i in range(num):
+    image, attrs, rng = render_example(seed, split, i, image_size)
+    name = os.path.join("images", f"{split}-{i:09d}.{fmt}")
+    with open(os.path.join(out_dir, name), "wb") as f:
+      f.write(_encode(image, fmt, quality))
+    rows.append({"image": name, "caption": make_captions(attrs, rng, split)[0],
+                 "label": attrs["shape_id"]})
+  path = os.path.join(out_dir, f"{split}.{table}")
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    if table == "jsonl":
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+    else:
+      w = csv.DictWriter(f, fieldnames=["image", "caption", "label"],
+                         delimiter="\t" if table == "tsv" else ",")
+      w.writeheader()
+      w.writerows(rows)
+  return path
