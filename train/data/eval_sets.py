@@ -60,8 +60,10 @@ def make_eval_sets(config, tokenizer):
   without label_key and without zeroshot_name).
   """
   data = config.data
-  source = sources.open_source(data, data.eval_split,
-                               what="config.data.eval_split")
+  # eval_split "" (a file source without a held-out set): no retrieval set.
+  source = (sources.open_source(data, data.eval_split,
+                                what="config.data.eval_split")
+            if data.eval_split else [])
   limit = data.num_eval_examples if data.name != synthetic.NAME else 0
   n = len(source) if not limit else min(limit, len(source))
   compact = pipeline.Compact(source, data.image_size)
@@ -75,9 +77,11 @@ def make_eval_sets(config, tokenizer):
     images.append(pipeline.to_float(item["image"]))
     labels.append(item["label"])
     captions.append(_decode(item["captions"][0] if item["captions"] else b""))
-  images = np.stack(images)
-  retrieval = RetrievalSet(images=images, texts=tokenizer.encode(captions),
-                           captions=captions)
+  retrieval = None
+  if images:
+    images = np.stack(images)
+    retrieval = RetrievalSet(images=images, texts=tokenizer.encode(captions),
+                             captions=captions)
   builder = (sources.builder_for(data)
              if sources.kind_of(data.name) == "tfds" else None)
 

@@ -79,8 +79,10 @@ def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
 
 
 def to_float(image: np.ndarray) -> np.ndarray:
-  """uint8 -> float32 in [-1, 1]."""
-  return image.astype(np.float32) * (2.0 / 255.0) - 1.0
+  """uint8 -> float32 in [-1, 1], bitwise as the towers' SYMMETRIC
+  normalisation computes it on the device (train/towers/tower.py)."""
+  return (image.astype(np.float32) - np.float32(127.5)) * np.float32(
+      1.0 / 127.5)
 
 
 def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
@@ -190,7 +192,8 @@ class TrainIterator:
   batch_size // microbatch_size of them in a row (``next_batch``).
 
   ``bad`` counts the examples skipped so far (those found while opening
-  the source included), ``seen`` all examples looked at.
+  the source included, once; one bad when read is skipped, and counted,
+  in every epoch), ``seen`` all examples looked at.
   """
 
   def __init__(self, dataset, read_options, fingerprint: dict, *,

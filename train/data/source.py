@@ -68,7 +68,8 @@ class BadDataLedger:
   def add_bad(self, where: str, reason: str) -> None:
     self.bad += 1
     self.seen += 1
-    self.by_reason[reason.split(":")[0]] += 1
+    # The kind of problem, without the path or details that follow it.
+    self.by_reason[reason.split(":")[0].split(" (")[0].split(" '")[0]] += 1
     if self.bad <= self.log_first:
       logging.warning("skipped a bad example of the %s: %s: %s", self.what,
                       where, reason)

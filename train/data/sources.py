@@ -262,6 +262,12 @@ def check_sources(data) -> None:
   if kind_of(data.name) != "tfds":
     _check_file_source(data.name, "config.data.name")
     if data.eval_split and data.eval_split != data.split:
+      if kind_of(data.eval_split) == "tfds":
+        raise ValueError(
+            f"config.data.eval_split={data.eval_split!r}: a "
+            f"{kind_of(data.name)} source has no named splits; give the "
+            "held-out set as a source of its own (webdataset:..., csv:...), "
+            "or '' for no retrieval evaluation")
       _check_file_source(data.eval_split, "config.data.eval_split")
     builder = None
   elif data.name == synthetic.NAME:
