@@ -459,3 +459,48 @@ def write_table(out_dir, *, split: str = "train", num: int, image_size: int,
       w.writeheader()
       w.writerows(rows)
   return path
+
+
+class JpegPool:
+  """A source of ``num`` examples whose images are JPEG bytes, for benchmarks.
+
+  ``pool`` distinct ``size`` x ``size`` photos-like images (smooth colour
+  fields with texture, JPEG quality 90, about 20 KB at 256 px) are encoded
+  once; example i carries pool image i % pool as encoded bytes, so the input
+  pipeline decodes, resizes and crops every example as it would a web
+  corpus, without gigabytes of shards on disk. Captions are short random
+  word strings. Meets the source contract (train/data/source.py).
+  """
+
+  def __init__(self, num: int, *, size: int = 256, pool: int = 256,
+               seed: int = 0):
+    from PIL import Image  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(seed)
+    self.spec = f"jpeg_pool:{num}x{size}px/{pool}/seed{seed}"
+    self.bad_at_open = []
+    self._num = num
+    self._jpegs = []
+    for _ in range(pool):
+      low = rng.uniform(0, 255, (8, 8, 3)).astype(np.uint8)
+      im = np.asarray(Image.fromarray(low).resize((size, size),
+                                                  Image.BICUBIC), np.float32)
+      im += rng.normal(0, 12, im.shape)
+      buf = io.BytesIO()
+      Image.fromarray(np.clip(im, 0, 255).astype(np.uint8)).save(
+          buf, format="JPEG", quality=90)
+      self._jpegs.append(buf.getvalue())
+    words = ("a", "photo", "of", "the", "red", "small", "dog", "on", "grass",
+             "city", "street", "at", "night", "two", "people", "blue")
+    self._captions = [" ".join(rng.choice(words, 8)) for _ in range(pool)]
+
+  def __len__(self):
+    return self._num
+
+  def describe(self) -> str:
+    return self.spec
+
+  def __getitem__(self, index: int) -> dict:
+    j = index % len(self._jpegs)
+    return {"key": f"{index:09d}", "image": self._jpegs[j],
+            "captions": [self._captions[(j * 7 + index) % len(self._jpegs)]],
+            "label": -1}
