@@ -14,7 +14,8 @@ measures:
   ``resize_crop``) on one thread: img/s per core;
 * the trainer's whole host pipeline (``make_train_iterator`` over the
   shards: read, decode, crop, tokenize, shuffle, uint8 micro-batches) with
-  1, 2, 4, ... reader threads up to the core count.
+  1, 2, 4, ... reader threads up to the core count, and with ``--workers``
+  worker processes (``config.data.num_workers``).
 
 Writes bench_data.json into --out and prints a table.
 """
@@ -72,10 +73,15 @@ def read_webdataset(pattern):
 
 
 def main():
+  # (Worker processes are spawned: this module must not run on import.)
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--num", type=int, default=4096)
   ap.add_argument("--max_threads", type=int, default=os.cpu_count())
+  ap.add_argument("--workers", default="",
+                  help="comma-separated worker-process counts to measure "
+                  "(config.data.num_workers, 1 thread each)")
+  ap.add_argument("--skip_threads", action="store_true")
   args = ap.parse_args()
   import numpy as np  # pylint: disable=import-outside-toplevel
   import ml_collections  # pylint: disable=import-outside-toplevel
@@ -117,8 +123,10 @@ def main():
     res["decode_crop_img_s_per_core"] = len(jpgs) / (time.perf_counter() - t0)
     # The whole pipeline.
     res["pipeline"] = []
-    threads = 1
-    while threads <= args.max_threads:
+    runs = [] if args.skip_threads else [
+        (0, 2**k) for k in range(args.max_threads.bit_length())]
+    runs += [(int(w), 1) for w in args.workers.split(",") if w.strip()]
+    for workers, threads in runs:
       config = ml_collections.ConfigDict()
       config.data = data_config.default_data_config()
       config.tokenizer = data_config.default_tokenizer_config()
@@ -126,6 +134,7 @@ def main():
       config.data.name = "webdataset:" + pattern
       config.data.image_size = 224
       config.data.num_threads = threads
+      config.data.num_workers = workers
       config.data.cache_max_mb = 0
       it = pipeline.make_train_iterator(config, batch_size=256, seed=0)
       next(it)  # Start-up.
@@ -134,12 +143,12 @@ def main():
       for _ in range(k):
         next(it)
       rate = k * 256 / (time.perf_counter() - t0)
-      res["pipeline"].append({"threads": threads, "img_s": rate,
-                              "img_s_per_thread": rate / threads})
-      print(f"[bench_data] pipeline {threads} threads: {rate:.0f} img/s",
-            flush=True)
+      cores = workers or threads
+      res["pipeline"].append({"threads": threads, "workers": workers,
+                              "img_s": rate, "img_s_per_core": rate / cores})
+      print(f"[bench_data] pipeline {workers} workers x {threads} threads: "
+            f"{rate:.0f} img/s", flush=True)
       it.close()
-      threads *= 2
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "bench_data.json"), "w") as f:
     json.dump(res, f, indent=1)
@@ -152,8 +161,9 @@ def main():
   print(f"decode+crop 256->224: {res['decode_crop_img_s_per_core']:.0f} "
         "img/s on one core")
   for r in res["pipeline"]:
-    print(f"pipeline {r['threads']:>3} threads: {r['img_s']:>7.0f} img/s "
-          f"({r['img_s_per_thread']:.0f} per thread)")
+    print(f"pipeline {r['workers']:>3} worker processes x {r['threads']:>2} "
+          f"threads: {r['img_s']:>7.0f} img/s ({r['img_s_per_core']:.0f} per "
+          "core)")
 
 
 if __name__ == "__main__":

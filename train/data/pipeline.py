@@ -7,7 +7,9 @@
       -> shuffle(seed) + repeat: a fresh permutation of the shard each epoch
       -> map_with_index: pick one caption (random per stream position, so it
          varies across epochs), tokenize
-      -> threaded prefetch (grain, num_threads readers)
+      -> prefetch: grain's reader threads (num_threads), in num_workers
+         worker processes when set (decoding is CPU-bound Python-level
+         work: threads stop scaling at a few cores, processes do not)
       -> micro-batches of good examples: uint8 images, int32 tokens
 
 Bad examples (an image that does not decode, an empty caption, an unreadable
@@ -197,9 +199,11 @@ class TrainIterator:
   """
 
   def __init__(self, dataset, read_options, fingerprint: dict, *,
-               microbatch_size: int, ledger: BadDataLedger):
+               microbatch_size: int, ledger: BadDataLedger,
+               num_workers: int = 0):
     self._dataset = dataset  # grain MapDataset of (position, element)
     self._read_options = read_options
+    self._num_workers = num_workers
     self._fingerprint = fingerprint
     self.microbatch_size = microbatch_size
     self.ledger = ledger
@@ -218,8 +222,24 @@ class TrainIterator:
     if self._iter is None:
       # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
-      self._iter = iter(self._dataset[self._next_position:].to_iter_dataset(
-          self._read_options))
+      ds = self._dataset[self._next_position:].to_iter_dataset(
+          self._read_options)
+      if self._num_workers:
+        # Worker processes, each on a slice of the positions, interleaved
+        # back in order: the stream is the same for any number of workers
+        # (the pipeline has no filter; a bad example is an element too).
+        import grain  # pylint: disable=import-outside-toplevel
+        from absl import flags  # pylint: disable=import-outside-toplevel
+        if not flags.FLAGS.is_parsed():
+          # grain reads absl flags in its workers (defaults when not parsed,
+          # e.g. outside train.main).
+          flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=self._num_workers,
+            per_worker_buffer_size=max(
+                2, self._read_options.prefetch_buffer_size
+                // self._num_workers)))
+      self._iter = iter(ds)
 
   def __iter__(self):
     return self
@@ -265,9 +285,11 @@ class TrainIterator:
     self.ledger.set_state(state["bad_data"])
     # Drop a running iterator (and its prefetched elements); the next
     # __next__ starts a fresh one at the restored position.
-    self._iter = None
+    self.close()
 
   def close(self):
+    if self._iter is not None and hasattr(self._iter, "close"):
+      self._iter.close()  # Stops worker processes.
     self._iter = None
 
 
@@ -335,7 +357,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                  "image_size": data.image_size,
                  "max_len": tokenizer.max_len}
   return TrainIterator(ds, read_options, fingerprint,
-                       microbatch_size=microbatch_size, ledger=ledger)
+                       microbatch_size=microbatch_size, ledger=ledger,
+                       num_workers=data.num_workers)
 
 
 def _read_all(compact, shard: range, num_threads: int) -> list:
