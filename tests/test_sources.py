@@ -220,3 +220,29 @@ def test_uint8_normalised_on_device_equals_the_host_float_path():
                              rtol=1e-6, atol=1e-6)
   # Cast to the compute dtype on the device.
   assert tower_lib.SYMMETRIC(images, jnp.bfloat16).dtype == jnp.bfloat16
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_stream(corpus):
+  """grain worker processes (config.data.num_workers) and reader threads
+  give the same micro-batches, bad examples included, and resume alike."""
+  base = _config("webdataset:" + corpus.pattern, cache_max_mb=0)
+  procs = _config("webdataset:" + corpus.pattern, cache_max_mb=0,
+                  num_workers=2, num_threads=1)
+  a = D.make_train_iterator(base, batch_size=24, seed=3, microbatch_size=8)
+  want = _take(a, 12)
+  b = D.make_train_iterator(procs, batch_size=24, seed=3, microbatch_size=8)
+  try:
+    got = _take(b, 7)
+    state = b.get_state()
+    assert _same(want[:7], got) and b.bad == _take_bad(a, base, 7)
+    b.set_state(state)
+    assert _same(want[7:], _take(b, 5))
+  finally:
+    b.close()
+
+
+def _take_bad(_, config, k):
+  it = D.make_train_iterator(config, batch_size=24, seed=3, microbatch_size=8)
+  _take(it, k)
+  return it.bad

@@ -181,8 +181,22 @@ class _Indices:
     return self._indices[i]
 
 
-def _stack(elements: list) -> dict:
-  return {k: np.stack([e[k] for e in elements]) for k in elements[0]}
+# Consecutive stream positions travel together (stacked where they are read,
+# in a reader thread or a worker process): one hand-over per chunk, not per
+# example, is what lets worker processes scale past a few cores.
+CHUNK = 64
+
+
+def _pack(items: list) -> dict:
+  """(position, element or Bad) x n -> one chunk: the good elements stacked,
+  which local positions were good, and the bad ones named."""
+  good = np.array([not isinstance(e, Bad) for _, e in items])
+  elements = [e for _, e in items if not isinstance(e, Bad)]
+  return {"pos0": items[0][0], "good": good,
+          "arrays": ({k: np.stack([e[k] for e in elements])
+                      for k in elements[0]} if elements else None),
+          "bad": [(i, e.where, e.reason) for i, (_, e) in enumerate(items)
+                  if isinstance(e, Bad)]}
 
 
 class TrainIterator:
@@ -209,6 +223,8 @@ class TrainIterator:
     self.ledger = ledger
     self._iter = None
     self._next_position = 0
+    self._chunk = None  # The chunk being consumed, and the cursor in it.
+    self._cursor = 0
 
   @property
   def bad(self) -> int:
@@ -222,8 +238,8 @@ class TrainIterator:
     if self._iter is None:
       # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
-      ds = self._dataset[self._next_position:].to_iter_dataset(
-          self._read_options)
+      ds = self._dataset[self._next_position:].batch(
+          CHUNK, batch_fn=_pack).to_iter_dataset(self._read_options)
       if self._num_workers:
         # Worker processes, each on a slice of the positions, interleaved
         # back in order: the stream is the same for any number of workers
@@ -245,18 +261,34 @@ class TrainIterator:
     return self
 
   def __next__(self) -> dict:
+    """The next micro-batch: the next ``microbatch_size`` good examples of
+    the stream; the bad ones passed on the way are counted (exactly those
+    before the last example taken, so a resumed stream counts the same)."""
     self._ensure_iter()
-    good = []
-    while len(good) < self.microbatch_size:
-      position, element = next(self._iter)
-      self._next_position = position + 1
-      if isinstance(element, Bad):
-        self.ledger.add_bad(element.where, element.reason)
-        self.ledger.check()
-      else:
-        good.append(element)
-    self.ledger.add_good(len(good))
-    return _stack(good)
+    need, parts = self.microbatch_size, []
+    while need:
+      if self._chunk is None or self._cursor >= len(self._chunk["good"]):
+        self._chunk, self._cursor = next(self._iter), 0
+      chunk, k = self._chunk, self._cursor
+      good = chunk["good"]
+      ahead = np.flatnonzero(good[k:]) + k  # local positions of goods
+      take = ahead[:need]
+      end = take[-1] + 1 if len(take) == need else len(good)
+      for i, where, reason in chunk["bad"]:
+        if k <= i < end:
+          self.ledger.add_bad(where, reason)
+      if len(take):
+        rank0 = int(np.count_nonzero(good[:take[0]]))
+        parts.append({key: v[rank0:rank0 + len(take)]
+                      for key, v in chunk["arrays"].items()})
+      need -= len(take)
+      self._cursor = int(end)
+      self._next_position = chunk["pos0"] + self._cursor
+      self.ledger.check()
+    self.ledger.add_good(self.microbatch_size)
+    if len(parts) == 1:
+      return {k: np.ascontiguousarray(v) for k, v in parts[0].items()}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
   def next_batch(self, num_microbatches: int) -> dict:
     """``num_microbatches`` micro-batches concatenated (a whole step)."""
@@ -291,6 +323,7 @@ class TrainIterator:
     if self._iter is not None and hasattr(self._iter, "close"):
       self._iter.close()  # Stops worker processes.
     self._iter = None
+    self._chunk, self._cursor = None, 0
 
 
 def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
@@ -343,7 +376,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   ds = ds.map_with_index(Finalize(tokenizer, seed=seed, stream=process_index))
   read_options = grain.ReadOptions(
       num_threads=data.num_threads,
-      prefetch_buffer_size=max(1, data.prefetch_batches) * microbatch_size)
+      prefetch_buffer_size=max(
+          2, max(1, data.prefetch_batches) * microbatch_size // CHUNK))
   # A process's share of the bad examples found while opening.
   bad_open = source.bad_at_open[process_index::process_count]
   ledger = BadDataLedger(data.max_bad_fraction,
