@@ -22,7 +22,6 @@ from PIL import Image
 from tests import corpus as corpus_lib
 from train import data as D
 from train.data import pipeline
-from train.data import sources
 from train.data.source import TooMuchBadData
 from train.towers import tower as tower_lib
 

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 
-from absl import logging
 import jax
 import numpy as np
 from jax.sharding import Mesh
