@@ -42,6 +42,9 @@ FULL = dict(embed_dim=768, text_len=16, vocab=32000, text_width=768,
             text_depth=12, text_heads=12, text_mlp=3072, image_size=224,
             vit_patch=16, vit_width=768, vit_depth=12, vit_heads=12,
             vit_mlp=3072, dtype="bfloat16")
+# ViT-L/14 image tower (Inf-CL's Table 2 model), the same text tower.
+LARGE = dict(FULL, vit_patch=14, vit_width=1024, vit_depth=24, vit_heads=16,
+             vit_mlp=4096)
 QUICK = dict(embed_dim=32, text_len=8, vocab=300, text_width=32, text_depth=1,
              text_heads=2, text_mlp=64, image_size=32, vit_patch=8,
              vit_width=32, vit_depth=1, vit_heads=2, vit_mlp=64,
@@ -87,9 +90,13 @@ def _build(spec):
   optimizer = optim.make_optimizer(
       name="adamw", schedule=schedule, weight_decay=1e-4, grad_clip_norm=1.0,
       params=params, image_locked=True)
-  precomputed = spec["mode"] == "precomputed"
+  from train.towers import tower as tower_lib  # pylint: disable=g-import-not-at-top
+  tower = tower_lib.Tower(module=img, params=params["img"], image_size=s,
+                          normalization=tower_lib.SYMMETRIC,
+                          embed_dim=m["embed_dim"], dtype=dtype)
+  precomputed = spec["mode"] in ("precomputed", "stream")
   grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=img, text_tower=txt, head=head,
+      mesh=mesh, image_tower=tower, text_tower=txt, head=head,
       microbatch_size=spec["microbatch"], global_batch=spec["batch"],
       precomputed=precomputed, image_locked=True)
   train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
@@ -110,7 +117,7 @@ def _build(spec):
       emb = jax.random.normal(k3, (b, d), jnp.float32).astype(dtype)
       batch["image_emb"] = jax.lax.with_sharding_constraint(emb, sharded)
     else:
-      im = jax.random.uniform(k3, (b, s, s, 3), dtype, -1.0, 1.0)
+      im = jax.random.randint(k3, (b, s, s, 3), 0, 256).astype(jnp.uint8)
       batch["image"] = jax.lax.with_sharding_constraint(im, sharded)
     return batch
 
@@ -124,7 +131,15 @@ def _build(spec):
         lambda hp, x, y: head.apply({"params": hp}, x, y), argnums=(0, 1, 2)))
     return fn, (hp, x, y)
 
-  return train_step, state, make_batch, loss_only
+  parts = dict(mesh=mesh, tower=tower, params_img=head_img_copy(params),
+               text_len=m["text_len"])
+  return train_step, state, make_batch, loss_only, parts
+
+
+def head_img_copy(params):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(jnp.copy, params["img"])
 
 
 def _peak_bytes():
@@ -151,7 +166,9 @@ def child(spec) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   out = dict(spec, model=None)
   t0 = time.perf_counter()
-  train_step, state, make_batch, loss_only = _build(spec)
+  if spec["mode"] == "stream":
+    return stream_child(spec)
+  train_step, state, make_batch, loss_only, _ = _build(spec)
   # Two batches alternate (one when they are raw 224 px images: 19 GiB at 64k).
   batches = [make_batch(jax.random.key(i))
              for i in range(2 if spec["mode"] == "precomputed" else 1)]
@@ -170,11 +187,106 @@ def child(spec) -> dict:
   out["step_s"], out["step_all_s"], loss = _timed(one_step, spec["reps"])
   out["loss_value"] = float(loss)
   out["peak_gib"] = _peak_bytes() / 2**30
+  out["host_peak_gib"] = _host_peak_gib()
   if spec.get("measure_loss"):
     fn, args = loss_only()
     jax.block_until_ready(fn(*args))
     out["loss_s"], _, _ = _timed(lambda: fn(*args), spec["reps"])
     out["loss_share"] = out["loss_s"] / out["step_s"]
+  out["device"] = jax.devices()[0].device_kind
+  out["num_devices"] = jax.device_count()
+  out["jax"] = jax.__version__
+  out["total_s"] = time.perf_counter() - t0
+  out["status"] = "ok"
+  return out
+
+
+def _host_peak_gib():
+  import resource  # pylint: disable=g-import-not-at-top
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def stream_child(spec) -> dict:
+  """The trainer's real input path: JPEG bytes -> grain threads (decode,
+  resize/crop to 224, tokenize) -> uint8 micro-batches -> device_put ->
+  the locked tower per micro-batch (train/stream.py) -> the train step on
+  the (B, D) embeddings. Step time, peak GPU and host memory, time the host
+  made the device wait, and the device's embedding rate alone."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  from train.data import config as data_config  # pylint: disable=g-import-not-at-top
+  from train.data import pipeline  # pylint: disable=g-import-not-at-top
+  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  out = dict(spec, model=None)
+  t0 = time.perf_counter()
+  train_step, state, _, _, parts = _build(spec)
+  mesh, tower = parts["mesh"], parts["tower"]
+  b, mb = spec["batch"], spec["microbatch"]
+  jax_params = jax.device_put(parts["params_img"])
+  streamer = stream_lib.StreamedImageTower(mesh, tower, jax_params, depth=2)
+  config = ml_collections.ConfigDict()
+  config.data = data_config.default_data_config()
+  config.tokenizer = data_config.default_tokenizer_config()
+  config.tokenizer.max_len = parts["text_len"]
+  config.data.image_size = tower.image_size
+  # Worker processes (threads alone stop scaling at ~4 cores: bench_data).
+  config.data.num_workers = spec.get("threads") or os.cpu_count()
+  config.data.num_threads = 1
+  config.data.prefetch_batches = 2
+  config.data.cache_max_mb = 0
+  source = synthetic.JpegPool(b * spec.get("steps", 1) + mb, size=256,
+                              pool=1024)
+  it = pipeline.make_train_iterator(config, batch_size=b, microbatch_size=mb,
+                                    seed=0, source=source)
+  waited = [0.0]
+
+  class Timed:
+    def __next__(self):
+      t = time.perf_counter()
+      x = next(it)
+      waited[0] += time.perf_counter() - t
+      return x
+
+  # Compile ahead (abstract inputs), so the step time is the step.
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  abstract = {"image_emb": jax.ShapeDtypeStruct((b, tower.embed_dim),
+                                                np.float32, sharding=sh),
+              "text": jax.ShapeDtypeStruct((b, parts["text_len"]), np.int32,
+                                           sharding=sh)}
+  t1 = time.perf_counter()
+  compiled = train_step.lower(state, abstract).compile()
+  out["compile_s"] = time.perf_counter() - t1
+  # The device alone: the embedding rate on a fixed uint8 micro-batch.
+  x = np.random.default_rng(0).integers(0, 256, (mb, tower.image_size,
+                                                  tower.image_size, 3),
+                                         dtype=np.uint8)
+  jax.block_until_ready(streamer.embed_microbatch(x))
+  t1 = time.perf_counter()
+  reps = 8
+  es = [streamer.embed_microbatch(x) for _ in range(reps)]
+  jax.block_until_ready(es)
+  del es
+  out["device_embed_img_s"] = reps * mb / (time.perf_counter() - t1)
+  times = []
+  for _ in range(spec.get("steps", 1)):
+    waited[0] = 0.0
+    t1 = time.perf_counter()
+    inputs = streamer.step_inputs(Timed(), b // mb)
+    state, metrics = compiled(state, inputs)
+    loss = float(metrics["loss"])
+    times.append(time.perf_counter() - t1)
+  out["step_s"] = times[-1]
+  out["step_all_s"] = times
+  out["host_wait_s"] = waited[0]
+  out["pipeline_img_s"] = b / times[-1]
+  out["input_bound"] = waited[0] > 0.2 * times[-1]
+  out["loss_value"] = loss
+  out["peak_gib"] = _peak_bytes() / 2**30
+  out["host_peak_gib"] = _host_peak_gib()
+  out["threads"] = config.data.num_threads
+  out["bad_examples"] = it.bad
   out["device"] = jax.devices()[0].device_kind
   out["num_devices"] = jax.device_count()
   out["jax"] = jax.__version__
@@ -226,6 +338,17 @@ def main():
                   "search (default 262144,1048576; quick: 512,1024)")
   ap.add_argument("--microbatch", type=int, default=None,
                   help="GradCache micro-batch (default 8192; quick: 64)")
+  ap.add_argument("--stream_batches", default="",
+                  help="comma-separated global batches through the trainer's "
+                  "real input path (JPEG bytes decoded on the host's cores, "
+                  "uint8 micro-batches, the locked tower per micro-batch)")
+  ap.add_argument("--stream_steps", type=int, default=2,
+                  help="steps per stream case (the last is reported)")
+  ap.add_argument("--threads", type=int, default=0,
+                  help="stream cases: decode worker processes (0 = all "
+                  "cores)")
+  ap.add_argument("--image_model", default="b16", choices=["b16", "l14"],
+                  help="ViT-B/16 or ViT-L/14 image tower")
   ap.add_argument("--modes", default="precomputed,image_tower",
                   help="step-case modes: precomputed, image_tower")
   ap.add_argument("--loss", default="softmax", help="softmax or sigmoid")
@@ -241,7 +364,7 @@ def main():
     return
 
   quick = args.quick
-  model = QUICK if quick else FULL
+  model = QUICK if quick else (LARGE if args.image_model == "l14" else FULL)
   def ints(arg, default):  # "" means none.
     text = default if arg is None else arg
     return [int(x) for x in text.split(",") if x.strip()]
@@ -254,6 +377,10 @@ def main():
     for mode in args.modes.split(","):
       cases.append(dict(kind="step", batch=b, mode=mode,
                         microbatch=min(micro, b), measure_loss=True, reps=reps))
+  for b in ints(args.stream_batches, ""):
+    cases.append(dict(kind="stream", batch=b, mode="stream",
+                      microbatch=min(micro, b), measure_loss=False, reps=1,
+                      steps=args.stream_steps, threads=args.threads))
   for b in ladder:
     # One timed step after the compiling first step: fitting is the result,
     # and a 1M step takes about a minute on an H200.
@@ -262,7 +389,9 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   results = []
   cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
-          "loss_s", "loss_share", "peak_gib", "compile_and_first_step_s",
+          "loss_s", "loss_share", "peak_gib", "host_peak_gib",
+          "compile_and_first_step_s", "compile_s", "host_wait_s",
+          "pipeline_img_s", "device_embed_img_s", "input_bound", "threads",
           "loss_value", "device", "num_devices", "jax"]
 
   def write():
@@ -299,18 +428,26 @@ def main():
           flush=True)
     if case["kind"] == "max_batch" and r["status"] != "ok":
       break  # Larger batches will not fit either.
+    if r.get("pipeline_img_s"):
+      print(f"[bench_train]   stream: {r['pipeline_img_s']:.0f} img/s through "
+            f"the input path, device alone {r['device_embed_img_s']:.0f} "
+            f"img/s, host wait {r['host_wait_s']:.1f}s, peak GPU "
+            f"{r['peak_gib']:.1f} GiB, host {r['host_peak_gib']:.1f} GiB",
+            flush=True)
 
   summary = write()
   print()
   print(f"{'kind':<10}{'mode':<13}{'B':>9}{'micro':>7}{'status':>8}"
-        f"{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}")
+        f"{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}"
+        f"{'host GiB':>10}")
   for r in results:
     share = r.get("loss_share")
     print(f"{r['kind']:<10}{r['mode']:<13}{r['batch']:>9}{r['microbatch']:>7}"
           f"{r['status']:>8}{_fmt(r.get('step_s')):>9}"
           f"{_fmt(r.get('loss_s')):>9}"
           f"{_fmt(None if share is None else 100 * share, '{:.1f}'):>8}"
-          f"{_fmt(r.get('peak_gib'), '{:.1f}'):>10}")
+          f"{_fmt(r.get('peak_gib'), '{:.1f}'):>10}"
+          f"{_fmt(r.get('host_peak_gib'), '{:.1f}'):>10}")
   dev = next((r["device"] for r in results if r.get("device")), "?")
   print(f"\nlargest global batch that trains here ({dev}, precomputed image "
         f"embeddings, GradCache micro-batch {micro}): "

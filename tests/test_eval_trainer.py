@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 
 from infcl_jax.flax import ContrastiveLoss
 from train import diagnostics
-from train import models
+from train.towers import own
+from train.towers import text as text_lib
 from train import optim
 from train import step as step_lib
 
@@ -61,9 +62,9 @@ def test_train_step_metrics_carry_the_diagnostics():
   """The step's metrics (what metrics.jsonl and TensorBoard get) hold the
   diagnostics of the parameters the step's loss saw."""
   L, S, D, B = 6, 8, 8, 16
-  img = models.make_image_tower(NS(kind="cnn", cnn_features=(4,)), D,
+  img = own.make_module(NS(kind="cnn", cnn_features=(4,)), D,
                                 jnp.float32)
-  txt = models.make_text_tower(NS(width=8, depth=1, num_heads=2, mlp_dim=16),
+  txt = text_lib.from_scratch(NS(width=8, depth=1, num_heads=2, mlp_dim=16),
                                40, L, D, jnp.float32)
   head = ContrastiveLoss(backend="xla")
   rng = np.random.default_rng(1)

@@ -88,11 +88,13 @@ class _ConcatenatedShards:
   batch is process 0's batch followed by process 1's.
   """
 
-  def __init__(self, make_iterator, config, tokenizer):
+  def __init__(self, make_iterator, config, tokenizer, source):
     self.shards = [make_iterator(
         config, batch_size=config.batch_size // NUM_PROCESSES,
         process_index=p, process_count=NUM_PROCESSES, seed=config.seed,
-        tokenizer=tokenizer) for p in range(NUM_PROCESSES)]
+        tokenizer=tokenizer, source=source) for p in range(NUM_PROCESSES)]
+    self.ledger = self.shards[0].ledger
+    self.bad = 0
 
   def __next__(self):
     batches = [next(s) for s in self.shards]
@@ -138,8 +140,10 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
     with open(ckpt_dir / step / "data" / "metadata") as f:  # orbax JsonSave
       per_process = json.load(f)["processes"]
     # One iterator state per process, each for its own shard.
-    assert [(s["process_index"], s["process_count"], s["next_batch"])
-            for s in per_process] == [(p, NUM_PROCESSES, int(step))
+    # (No bad examples: a step moves each stream by its 8 examples.)
+    per = _tiny_config(data_dir).batch_size // NUM_PROCESSES
+    assert [(s["process_index"], s["process_count"], s["next_position"])
+            for s in per_process] == [(p, NUM_PROCESSES, int(step) * per)
                                       for p in range(NUM_PROCESSES)]
   params = train_lib.load_params(str(work))
 
@@ -158,8 +162,8 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
   make_iterator = data_lib.make_train_iterator
   monkeypatch.setattr(
       data_lib, "make_train_iterator",
-      lambda config, tokenizer, **_: _ConcatenatedShards(
-          make_iterator, config, tokenizer))
+      lambda config, tokenizer, source, **_: _ConcatenatedShards(
+          make_iterator, config, tokenizer, source))
   ref_dir = tmp_path / "one_process"
   train_lib.train_and_evaluate(_tiny_config(data_dir), str(ref_dir))
   ref_params = train_lib.load_params(str(ref_dir))

@@ -25,8 +25,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.batch_size = 256            # Global batch (all devices, all processes).
   # GradCache micro-batch (global). 0, or >= batch_size: no micro-batching.
   c.microbatch_size = 0
-  # LiT: embed each image once with the locked tower and train on cached
-  # embeddings (needs model.image.locked).
+  # LiT: embed the training split once with the locked tower (into
+  # <workdir>/image_embeddings, as `python -m train.precompute` does) and
+  # train on those embeddings, decoding no image (needs model.image.locked).
   c.precompute_image_embeddings = False
 
   c.model = ml_collections.ConfigDict()
@@ -205,6 +206,10 @@ def check_config(config) -> None:
   need(not config.precompute_image_embeddings or config.model.image.locked,
        "config.precompute_image_embeddings needs config.model.image.locked="
        "True (an unlocked tower's embeddings change every step)")
+  need(not config.data.name.startswith("embeddings:")
+       or config.model.image.locked,
+       "config.data.name=embeddings:... needs config.model.image.locked=True "
+       "(precomputed embeddings are of a frozen tower)")
   need((config.loss.block_q > 0) == (config.loss.block_k > 0),
        "config.loss.block_q and block_k must both be set (> 0) or both be 0")
   need(config.checkpoint.keep >= 1, "config.checkpoint.keep must be >= 1")

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from train import diagnostics
 from train import gradcache
+from train.towers import tower as tower_lib
 
 AXIS = "data"
 
@@ -54,6 +55,13 @@ def make_loss_fn(head, mesh):
 # ----------------------------------------------------------------- the step
 
 
+def embed_fn_of(tower):
+  """``embed(params, x) -> (b, D)`` of a Tower (uint8 in) or a Flax module."""
+  if isinstance(tower, tower_lib.Tower):
+    return tower.embed
+  return lambda p, x: tower.apply({"params": p}, x)
+
+
 def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
                  head: nn.Module, microbatch_size: int, global_batch: int,
                  precomputed: bool, image_locked: bool):
@@ -61,7 +69,10 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
 
   Args:
     mesh: 1-D mesh with axis "data" over all devices.
-    image_tower, text_tower, head: the Flax modules (head without axis_name).
+    image_tower: a ``train.towers.Tower`` (batches carry uint8 "image",
+      normalised on the device by ``Tower.embed``) or a Flax module (float
+      images, already normalised).
+    text_tower, head: the Flax modules (head without axis_name).
     microbatch_size: global micro-batch of GradCache; 0 or >= global_batch
       runs the plain un-chunked step.
     global_batch: global batch size.
@@ -87,9 +98,7 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
     num_chunks = global_batch // microbatch_size
   loss_fn = make_loss_fn(head, mesh)
   image_key = "image_emb" if precomputed else "image"
-
-  def embed_img(p, x):
-    return image_tower.apply({"params": p}, x)
+  embed_img = embed_fn_of(image_tower)
 
   def embed_txt(p, t):
     return text_tower.apply({"params": p}, t)
@@ -162,8 +171,10 @@ def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule,
   return jax.jit(train_step, donate_argnums=(0,))
 
 
-def make_embed_fn(mesh, tower: nn.Module):
+def make_embed_fn(mesh, tower):
   """Jitted data-parallel ``embed(params, inputs) -> (b, D)`` for eval etc.
+
+  ``tower``: a ``Tower`` (uint8 images) or a Flax module (see make_grad_fn).
 
   ``inputs`` is the same host array in every process of ``mesh`` (each
   device embeds its rows); the output is replicated, so every process can
@@ -175,7 +186,7 @@ def make_embed_fn(mesh, tower: nn.Module):
   @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
   def embed(params, x):
     x = jax.lax.with_sharding_constraint(x, sharding)
-    return tower.apply({"params": params}, x)
+    return embed_fn_of(tower)(params, x)
 
   return embed
 

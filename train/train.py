@@ -7,7 +7,8 @@
 3. Build the optimizer (locked tower masked out) and the train state.
 4. Resume from the newest checkpoint in ``workdir`` if there is one (train
    state and data iterator state), else start fresh.
-5. Loop: next batch -> (cached image embeddings) -> train step -> metrics
+5. Loop: micro-batches -> image embeddings (the locked tower per
+   micro-batch, or precomputed) -> train step -> metrics
    (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
    checkpoint every M steps.
 6. Final checkpoint, final eval, and a summary with zero-shot vs chance
@@ -19,6 +20,7 @@ checkpoint in flight and says where to resume (``_stop_after_interrupt``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging as std_logging
@@ -40,13 +42,14 @@ from train import checkpoint as checkpoint_lib
 from train import config_base
 from train import data as data_lib
 from train import diagnostics
-from train import embedding_cache
 from train import evaluate
 from train import optim
+from train import precompute as precompute_lib
 from train import step as step_lib
+from train import stream as stream_lib
 from train.towers import build as towers_build
+from train.towers import tower as tower_lib
 from train import workdir as workdir_lib
-from train.data import sources
 from train.eval import zeroshot as zeroshot_lib
 
 
@@ -139,6 +142,37 @@ def make_models(config, tokenizer):
   return image_tower, text_tower, make_head(config)
 
 
+def make_locked_tower(config, tokenizer) -> tower_lib.Tower:
+  """The (locked) image tower of ``config``, loaded as training loads it."""
+  image_tower, _, _ = make_models(config, tokenizer)
+  return dataclasses.replace(image_tower,
+                             params=jax.device_get(image_tower.params))
+
+
+def _training_source(config, workdir, tower, is_main):
+  """The source of config.data; with precompute_image_embeddings, the
+  embeddings of it in ``workdir/image_embeddings`` (computed there first,
+  once: a resumed run reuses them)."""
+  data = config.data
+  if (config.precompute_image_embeddings
+      and data_lib.sources.kind_of(data.name) != "embeddings"):
+    out = os.path.join(workdir, "image_embeddings")
+    precompute_lib.precompute(
+        config, out, tower, process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        log=print if is_main else (lambda *_: None))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("precompute image embeddings")
+    data = data.copy_and_resolve_references()
+    with data.unlocked():
+      data.name = f"embeddings:{out}"
+  source = data_lib.open_source(data, data.split)
+  if data_lib.sources.kind_of(source.spec) == "embeddings":
+    source.check_fingerprint(tower.fingerprint, "config.model.image")
+  return source
+
+
 def init_params(config, image_tower, text_tower, head, tokenizer):
   """The image tower's params (loaded by ``make_models``), the text tower's
   (fresh, or from ``config.model.text.init``) and a fresh head."""
@@ -184,15 +218,6 @@ def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
       mesh=mesh, image_tower=image_tower,
       text_tower=text_tower, tokenizer=tokenizer, zeroshot=zs, retrieval=rs,
       batch_size=_round_up(config.eval.batch_size, mesh.size))
-
-
-def _train_split_size(config) -> int | None:
-  """Examples in the training split, when the source says (else None)."""
-  try:
-    builder = sources.builder_for(config.data, prepare=False)
-    return int(builder.info.splits[config.data.split].num_examples)
-  except Exception:  # pylint: disable=broad-except
-    return None  # A source that does not know its size: no check.
 
 
 def _eval_line(step: int, m: dict) -> str:
@@ -389,13 +414,28 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   state = step_lib.init_state(mesh, params, optimizer)
   del params
 
-  # Data: each process reads its own shard.
+  # The locked image tower as the data path sees it: images cross the host
+  # and the transfer as uint8 and are normalised on the device. (A host copy
+  # of its params: the train step donates the state's.)
+  tower = dataclasses.replace(image_tower,
+                              params=jax.device_get(state["params"]["img"]))
+  n_proc, n_local = jax.process_count(), len(jax.local_devices())
+  mb = config.microbatch_size
+  chunked = 0 < mb < config.batch_size
+  num_micro = config.batch_size // mb if chunked else 1
+
+  # Data: each process reads its own shard, as micro-batches.
+  source = _training_source(config, workdir, tower, is_main)
+  precomputed = data_lib.sources.kind_of(source.spec) == "embeddings"
+  streamed = not precomputed and chunked and config.model.image.locked
   train_iter = data_lib.make_train_iterator(
-      config, batch_size=config.batch_size // jax.process_count(),
-      process_index=jax.process_index(), process_count=jax.process_count(),
-      seed=config.seed, tokenizer=tokenizer)
-  warning = optim.batch_repeat_warning(config.batch_size,
-                                       _train_split_size(config),
+      config, batch_size=config.batch_size // n_proc,
+      microbatch_size=(mb if chunked else config.batch_size) // n_proc,
+      process_index=jax.process_index(), process_count=n_proc,
+      seed=config.seed, tokenizer=tokenizer, source=source)
+  if is_main:
+    print(f"[lit] data: {source.describe()}", flush=True)
+  warning = optim.batch_repeat_warning(config.batch_size, len(source),
                                        config.data.split)
   if warning and is_main:
     print(warning, flush=True)
@@ -410,44 +450,52 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     print(f"[lit] resumed from the checkpoint of step {start_step} in "
           f"{workdir}", flush=True)
 
-  # The step. With more than one device the loss runs the ring.
+  # The step. With more than one device the loss runs the ring. Streamed:
+  # the locked tower embeds each micro-batch as it arrives (train/stream.py)
+  # and the step sees the (B, D) embeddings, as with precomputed ones.
   grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=image_tower, text_tower=text_tower, head=head,
+      mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
       microbatch_size=config.microbatch_size, global_batch=config.batch_size,
-      precomputed=config.precompute_image_embeddings,
+      precomputed=precomputed or streamed,
       image_locked=config.model.image.locked)
   if is_main:
-    mb = config.microbatch_size
     across = "" if mesh.size == 1 else ", ring across devices"
     print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
           f"{jax.process_count()} process(es); global batch "
           f"{config.batch_size}"
-          + (f", GradCache micro-batch {mb}" if 0 < mb < config.batch_size
-             else "")
+          + (f", GradCache micro-batch {mb}" if chunked else "")
           + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
           + f"; image tower {config.model.image.kind}"
           + (" locked" if config.model.image.locked else " trained")
-          + (", precomputed embeddings" if config.precompute_image_embeddings
-             else ""), flush=True)
+          + (", precomputed embeddings" if precomputed else "")
+          + (", embedded on the fly per micro-batch" if streamed else ""),
+          flush=True)
+  # The loss diagnostics re-embed a few pairs of the batch as the step sees
+  # them: uint8 images through the tower, or the embeddings themselves.
   embed_sample = diagnostics.make_sample_embedder(
-      embed_img=(None if config.precompute_image_embeddings else
-                 lambda p, x: image_tower.apply({"params": p}, x)),
+      embed_img=None if (precomputed or streamed) else tower.embed,
       embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
   train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
                                         optimizer=optimizer, schedule=schedule,
                                         embed_sample=embed_sample)
-  cache = None
-  if config.precompute_image_embeddings:
-    # Each process embeds the images of its own data shard, a different
-    # number per step: on its own devices only, never in a program that
-    # spans (and would wait for) the other processes. A host copy: the train
-    # step donates (frees) the state's buffers each step.
-    local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
-    cache = embedding_cache.ImageEmbeddingCache(
-        step_lib.make_embed_fn(local_mesh, image_tower),
-        jax.device_put(jax.device_get(state["params"]["img"]),
-                       NamedSharding(local_mesh, P())),
-        _round_up(config.eval.batch_size, local_mesh.size))
+  streamer = None
+  if streamed:
+    streamer = stream_lib.StreamedImageTower(
+        mesh, tower, jax.device_put(tower.params, NamedSharding(mesh, P())),
+        depth=max(1, config.data.prefetch_batches))
+
+  def next_inputs():
+    """The step's global batch: embedded micro-batch by micro-batch when
+    streamed, else the micro-batches put on the devices as one batch (in
+    the same device-major order, see train/stream.py)."""
+    if streamer is not None:
+      return streamer.step_inputs(train_iter, num_micro)
+    parts = [next(train_iter) for _ in range(num_micro)]
+    key = "image_emb" if precomputed else "image"
+    return step_lib.shard_batch(mesh, {
+        k: stream_lib.device_major([p[k] for p in parts], n_local)
+        for k in (key, "text")})
+
   evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
   if is_main:
     print("\n".join(evaluator.describe()), flush=True)
@@ -464,19 +512,17 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   train_metrics = {}
   t_loop, steps_run = time.time(), 0
   for step in range(start_step + 1, config.total_steps + 1):
-    batch = next(train_iter)
-    inputs = {"text": batch["text"]}
-    if cache is not None:
-      inputs["image_emb"] = cache(batch["image"])
-    else:
-      inputs["image"] = batch["image"]
-    state, metrics = train_step(state, step_lib.shard_batch(mesh, inputs))
+    state, metrics = train_step(state, next_inputs())
     progress["step"] = step
     steps_run += 1
     if pbar is not None:
       pbar.update(1)
     if step % config.log_every_steps == 0 or step == config.total_steps:
       train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      # This process's skipped examples (its ledger also stops the run past
+      # config.data.max_bad_fraction).
+      train_metrics["data/bad_examples"] = train_iter.bad
+      train_metrics["data/bad_fraction"] = train_iter.ledger.fraction
       train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
       writer.write(step, train_metrics)
       if pbar is not None:
@@ -502,8 +548,6 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   summary = {"steps": config.total_steps, "resumed_from": start_step,
              "wall_s": time.time() - t_start, **train_metrics,
              **{f"eval/{k}": v for k, v in eval_metrics.items()}}
-  if cache is not None:
-    summary["image_embeddings_cached"] = len(cache)
   if is_main:
     print_summary(summary)
     with open(os.path.join(workdir, "summary.json"), "w") as f:

@@ -16,14 +16,21 @@ from train.eval import names as names_lib
 def default_data_config() -> ml_collections.ConfigDict:
   """Defaults: the embedded synthetic_shapes dataset at 32x32."""
   c = ml_collections.ConfigDict()
-  # "synthetic_shapes" (generated locally) or a TFDS dataset name, optionally
-  # with config and version: "coco_captions", "coco_captions/2017:1.1.0".
+  # The training source:
+  #   "synthetic_shapes" (generated locally) or a TFDS dataset name,
+  #     optionally with config and version: "coco_captions/2017:1.1.0";
+  #   "webdataset:/data/shard-{000000..000127}.tar" (img2dataset's shards);
+  #   "csv:/data/pairs.csv", "tsv:/data/pairs.tsv", "jsonl:/data/pairs.jsonl"
+  #     (image path + caption per row, paths relative to the file);
+  #   "embeddings:/dir" (precomputed by `python -m train.precompute`).
   c.name = "synthetic_shapes"
   # TFDS data directory. "" means: for synthetic_shapes $INFCL_DATA_DIR or
   # ~/.cache/infcl_jax/tfds (generated there on first use); for a TFDS name
   # $TFDS_DATA_DIR or ~/tensorflow_datasets (must already be prepared).
   c.data_dir = ""
   c.split = "train"
+  # A TFDS split; for a file source, the held-out set as a source of its
+  # own ("webdataset:/data/val-{0..3}.tar", "csv:/data/val.csv").
   c.eval_split = "test"
   # Feature keys; "/" walks nested features ("captions/text" is a sequence
   # of captions: training samples one per example and epoch).
@@ -31,6 +38,19 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.text_key = "captions/text"
   # Integer class label feature; "" if the dataset has none (label = -1).
   c.label_key = "label"
+  # webdataset: image member extensions in order of preference, the
+  # caption member's extension, and a .json field with an integer label ("").
+  c.wds_image_exts = "jpg;jpeg;png;webp"
+  c.wds_caption_ext = "txt"
+  c.wds_label_field = ""
+  # csv/tsv/jsonl: column names (a JSONL caption may be a list of captions).
+  c.table_image_column = "image"
+  c.table_caption_column = "caption"
+  c.table_label_column = ""
+  # Bad examples (undecodable image, empty caption, member without its pair,
+  # truncated shard) are skipped and counted; more than this fraction of the
+  # examples seen (after 1000) stops the run.
+  c.max_bad_fraction = 0.01
   c.image_size = 32
   # synthetic_shapes only: examples generated for train and test, and seed.
   c.num_train_examples = 4096
@@ -57,8 +77,13 @@ def default_data_config() -> ml_collections.ConfigDict:
   # CLIP's "a photo of a {}.").
   c.zeroshot_templates = ()
   c.zeroshot_templates_file = ""
-  # Input pipeline: reader threads and batches prefetched ahead.
+  # Input pipeline: reader (decode) threads, and micro-batches prefetched
+  # ahead on the host.
   c.num_threads = 2
+  # Worker processes decoding in parallel (grain's mp_prefetch), each with
+  # num_threads readers; 0 = none (threads in this process only). Set it to
+  # the cores to spare for a JPEG corpus: threads alone stop scaling at ~4.
+  c.num_workers = 0
   c.prefetch_batches = 2
   # A process's shard is decoded and resized once and kept in memory when
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
@@ -103,10 +128,11 @@ def check_data_config(config) -> None:
     _check_keys(config.tokenizer, default_tokenizer_config(), "config.tokenizer")
     tokenizer_lib.check_tokenizer_config(config.tokenizer)
   for key in ("image_size", "num_eval_examples", "num_threads",
-              "prefetch_batches", "num_train_examples", "cache_max_mb"):
+              "prefetch_batches", "num_train_examples", "cache_max_mb",
+              "num_workers"):
     value = data.get(key)
     low = 0 if key in ("num_eval_examples", "prefetch_batches",
-                       "cache_max_mb") else 1
+                       "cache_max_mb", "num_workers") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
   names_lib.check_templates(data.zeroshot_templates,
@@ -120,4 +146,8 @@ def check_data_config(config) -> None:
   if data.zeroshot_templates and data.zeroshot_templates_file:
     raise ValueError("config.data.zeroshot_templates and "
                      "zeroshot_templates_file are both set: give one")
+  if not (isinstance(data.max_bad_fraction, (int, float))
+          and 0 <= data.max_bad_fraction <= 1):
+    raise ValueError(f"config.data.max_bad_fraction={data.max_bad_fraction!r}"
+                     " must be a number in [0, 1]")
   sources.check_sources(data)

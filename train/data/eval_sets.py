@@ -23,6 +23,7 @@ import numpy as np
 from train.data import pipeline
 from train.data import sources
 from train.data import synthetic
+from train.data.source import Bad
 from train.eval import names as names_lib
 
 
@@ -32,8 +33,9 @@ class EvalSplit:
 
   ``read(indices)`` returns one dict per index: ``{"image": uint8 [S, S, 3],
   "captions": [str], "label": int}`` (label -1 and captions [] where the
-  split has none). It is the one place that touches the source, so another
-  source format (webdataset, CSV) plugs in by giving its own ``read``.
+  split has none). A bad example (an image that does not decode, an empty
+  caption) comes back with ``"bad": "where: why"`` and a blank image, so a
+  batch keeps its rows; evaluation drops it from the metrics and counts it.
   """
   name: str
   num_examples: int
@@ -99,45 +101,68 @@ def decode_text(text) -> str:
   return text.decode("utf-8") if isinstance(text, bytes) else str(text)
 
 
-class _TFDSReader:
-  """``read(indices)`` of a TFDS split: compact examples, text decoded."""
+class _SourceReader:
+  """``read(indices)`` of a training-format source (TFDS, webdataset, CSV:
+  train/data/source.py): uint8 images at ``image_size``, text decoded."""
 
-  def __init__(self, source, *, image_key, text_key, label_key, image_size):
+  def __init__(self, source, image_size: int):
+    self._compact = pipeline.Compact(source, image_size)
+    self._image_size = image_size
+
+  def __call__(self, indices):
+    out = []
+    for i in indices:
+      c = self._compact(i)
+      if isinstance(c, Bad):
+        s = self._image_size
+        out.append({"image": np.zeros((s, s, 3), np.uint8), "captions": [],
+                    "label": -1, "bad": f"{c.where}: {c.reason}"})
+      else:
+        out.append({"image": c["image"],
+                    "captions": [decode_text(t) for t in c["captions"]],
+                    "label": int(c["label"])})
+    return out
+
+
+class _ClassificationReader:
+  """``read(indices)`` of a TFDS classification split (``zeroshot_name``):
+  image and label only."""
+
+  def __init__(self, source, *, image_key, label_key, image_size):
     self._source = source
     self._image_key, self._label_key = image_key, label_key
-    self._compact = (pipeline.Compact(image_key=image_key, text_key=text_key,
-                                      label_key=label_key,
-                                      image_size=image_size)
-                     if text_key else None)
     self._image_size = image_size
 
   def __call__(self, indices):
     examples = self._source.__getitems__(list(indices)) if len(indices) else []
-    out = []
-    for ex in examples:
-      if self._compact is not None:
-        c = self._compact(ex)
-        c["captions"] = [decode_text(t) for t in c["captions"]]
-      else:  # A classification set: image and label only.
-        c = {"image": pipeline.resize_crop(
+    return [{"image": pipeline.resize_crop(
                  np.asarray(sources.value_at(ex, self._image_key)),
                  self._image_size),
              "captions": [],
              "label": int(sources.value_at(ex, self._label_key))}
-      out.append(c)
-    return out
+            for ex in examples]
 
 
-def _split(builder, split, *, image_key, text_key, label_key, image_size,
-           limit) -> EvalSplit:
+def _classification_split(builder, split, *, image_key, label_key,
+                          image_size, limit) -> EvalSplit:
   source = builder.as_data_source(split=split)
   total = len(source)
   n = total if not limit else min(limit, total)
   return EvalSplit(
       name=f"{builder.info.full_name}[{split}]", num_examples=n,
       total_examples=total, image_size=image_size,
-      read=_TFDSReader(source, image_key=image_key, text_key=text_key,
-                       label_key=label_key, image_size=image_size))
+      read=_ClassificationReader(source, image_key=image_key,
+                                 label_key=label_key, image_size=image_size))
+
+
+def _source_split(data, limit) -> EvalSplit:
+  source = sources.open_source(data, data.eval_split,
+                               what="config.data.eval_split")
+  total = len(source)
+  n = total if not limit else min(limit, total)
+  return EvalSplit(name=source.spec, num_examples=n, total_examples=total,
+                   image_size=data.image_size,
+                   read=_SourceReader(source, data.image_size))
 
 
 def make_eval_sets(config, tokenizer=None):
@@ -149,25 +174,30 @@ def make_eval_sets(config, tokenizer=None):
   """
   del tokenizer
   data = config.data
-  builder = sources.builder_for(data)
   limit = data.num_eval_examples if data.name != synthetic.NAME else 0
-  main = _split(builder, data.eval_split, image_key=data.image_key,
-                text_key=data.text_key, label_key=data.label_key,
-                image_size=data.image_size, limit=limit)
-  retrieval = RetrievalSet(split=main)
+  # eval_split "" (a file source without a held-out set): no retrieval set.
+  main = _source_split(data, limit) if data.eval_split else None
+  retrieval = RetrievalSet(split=main) if main is not None else None
 
   if data.zeroshot_name:
     zs_builder = sources.zeroshot_builder_for(data)
     label_feature = sources.feature_at(zs_builder.info.features,
                                        data.zeroshot_label_key)
-    split = _split(zs_builder, data.zeroshot_split,
-                   image_key=data.zeroshot_image_key, text_key="",
-                   label_key=data.zeroshot_label_key,
-                   image_size=data.image_size, limit=data.num_eval_examples)
-    prompts = names_lib.resolve(data, list(label_feature.names))
+    split = _classification_split(
+        zs_builder, data.zeroshot_split, image_key=data.zeroshot_image_key,
+        label_key=data.zeroshot_label_key, image_size=data.image_size,
+        limit=data.num_eval_examples)
+    dataset_templates = (synthetic.ZEROSHOT_TEMPLATES
+                         if data.zeroshot_name == synthetic.NAME else None)
+    prompts = names_lib.resolve(data, list(label_feature.names),
+                                dataset_templates=dataset_templates)
     return ZeroShotSet(split=split, prompts=prompts), retrieval
-  if not data.label_key:
+  # Class names come from a TFDS ClassLabel; a file source's labels need
+  # zeroshot_name (a labelled TFDS set) for zero-shot.
+  if (not data.label_key or main is None
+      or sources.kind_of(data.name) != "tfds"):
     return None, retrieval
+  builder = sources.builder_for(data)
   label_feature = sources.feature_at(builder.info.features, data.label_key)
   label_names = getattr(label_feature, "names", None)
   if not label_names:

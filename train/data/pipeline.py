@@ -1,27 +1,59 @@
-"""The training input pipeline: TFDS array_record source -> grain -> batches.
+"""The training input pipeline: source -> grain -> uint8 micro-batches.
 
-    source (random access, one process's shard: examples p, p+P, p+2P, ...)
-      -> map: decode, keep image/captions/label, resize + central crop to
-         image_size (uint8); done once and kept in memory when the shard
-         fits in cache_max_mb
-      -> shuffle(seed) + repeat: a fresh permutation every epoch
-      -> map_with_index: pick one caption (random per position, so it varies
-         across epochs), tokenize, scale the image to [-1, 1]
-      -> batch(per-process batch size)
-      -> threaded prefetch
+    source (random access by example index; this process's shard: examples
+            p, p+P, p+2P, ...; see train/data/source.py)
+      -> map: read, decode, resize + central crop to image_size (uint8);
+         done once and kept in memory when the shard fits in cache_max_mb
+      -> shuffle(seed) + repeat: a fresh permutation of the shard each epoch
+      -> map_with_index: pick one caption (random per stream position, so it
+         varies across epochs), tokenize
+      -> prefetch: grain's reader threads (num_threads), in num_workers
+         worker processes when set (decoding is CPU-bound Python-level
+         work: threads stop scaling at a few cores, processes do not)
+      -> micro-batches of good examples: uint8 images, int32 tokens
 
-Each batch is a pure function of (seed, shard, batch index): grain computes
-the permutation from the position alone and the caption pick is seeded by it.
-The iterator's state is therefore just the next batch index (resuming slices
-the batch dataset there), and
-`set_state(get_state())` continues with bitwise the same batches as an
-uninterrupted run, whatever the number of threads.
+Bad examples (an image that does not decode, an empty caption, an unreadable
+file; those a source found while opening are counted at start) are skipped
+where they fall in the stream, logged with their shard and key, and counted;
+more than config.data.max_bad_fraction of them stops the run.
+
+Each element is a pure function of (seed, shard, stream position), whatever
+the thread count, so the iterator's state is the next stream position (plus
+the bad-data counts): resuming slices the stream there and yields bitwise
+the batches an uninterrupted run would have. Images stay uint8 all the way
+to the device, where the tower normalises them (train/towers/tower.py).
 """
+
+import io
 
 import numpy as np
 
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
+from train.data.source import Bad
+from train.data.source import BadDataLedger
+from train.data.source import BadExample
+
+
+def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
+  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3].
+
+  With ``size``, a JPEG is decoded at the smallest DCT scale that keeps both
+  sides >= size (Pillow's draft mode: a large photo decodes several times
+  faster, and resize_crop then sees fewer pixels). BadExample if it does not
+  decode, fully (a truncated file fails here, not later).
+  """
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  try:
+    with Image.open(io.BytesIO(data)) as im:
+      if size:
+        im.draft("RGB", (size, size))
+      im = im.convert("RGB")
+      return np.asarray(im, np.uint8)
+  except Exception as e:  # pylint: disable=broad-except
+    # Pillow raises many types (OSError, SyntaxError, ValueError, ...).
+    raise BadExample(where, f"undecodable image ({type(e).__name__}: "
+                     f"{e})") from None
 
 
 def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -49,8 +81,10 @@ def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
 
 
 def to_float(image: np.ndarray) -> np.ndarray:
-  """uint8 -> float32 in [-1, 1]."""
-  return image.astype(np.float32) * (2.0 / 255.0) - 1.0
+  """uint8 -> float32 in [-1, 1], bitwise as the towers' SYMMETRIC
+  normalisation computes it on the device (train/towers/tower.py)."""
+  return (image.astype(np.float32) - np.float32(127.5)) * np.float32(
+      1.0 / 127.5)
 
 
 def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
@@ -58,38 +92,39 @@ def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
   return to_float(resize_crop(image, size))
 
 
-def _as_text_list(value) -> list:
-  if isinstance(value, (bytes, str)):
-    return [value]
-  return list(value)
-
-
 class Compact:
-  """A decoded TFDS example -> {"image": uint8 [S, S, 3], "captions", "label"}.
+  """A source example -> {"image": uint8 [S, S, 3] (or "image_emb"),
+  "captions", "label"}, or a ``Bad`` naming it.
 
   Keeps only what training needs, at the final resolution, so a cached
-  split costs S*S*3 bytes per example whatever the original image size.
+  shard costs S*S*3 bytes per example whatever the original image size.
   """
 
-  def __init__(self, *, image_key, text_key, label_key, image_size):
-    self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
-    self.image_size = image_size
+  def __init__(self, source, image_size: int):
+    self.source, self.image_size = source, image_size
 
-  def __call__(self, example: dict) -> dict:
-    return {
-        "image": resize_crop(sources.value_at(example, self.image_key),
-                             self.image_size),
-        "captions": _as_text_list(sources.value_at(example, self.text_key)),
-        "label": (int(sources.value_at(example, self.label_key))
-                  if self.label_key else -1),
-    }
+  def __call__(self, index: int):
+    try:
+      ex = self.source[int(index)]
+      out = {"captions": ex["captions"], "label": ex["label"]}
+      if "image_emb" in ex:
+        out["image_emb"] = ex["image_emb"]
+      else:
+        image = ex["image"]
+        if isinstance(image, (bytes, bytearray, memoryview)):
+          image = decode_image(image, ex["key"], self.image_size)
+        out["image"] = resize_crop(image, self.image_size)
+      return out
+    except BadExample as e:
+      return Bad(e.where, e.reason)
 
 
 class Finalize:
-  """A compact example at stream position p -> {"image", "text", "label"}.
+  """A compact example at stream position p -> {"image" (uint8) or
+  "image_emb", "text", "label", "position"}; a Bad passes through.
 
   Picks one caption (random, seeded by (seed, stream, p): it varies across
-  epochs but is the same on every run), tokenizes it and scales the image.
+  epochs but is the same on every run) and tokenizes it.
   """
 
   def __init__(self, tokenizer, *, seed=0, stream=0, first_caption=False):
@@ -104,18 +139,23 @@ class Finalize:
     rng = np.random.default_rng([self.seed, self.stream, position])
     return captions[int(rng.integers(len(captions)))]
 
-  def __call__(self, position: int, compact: dict) -> dict:
+  def __call__(self, position: int, compact):
+    if isinstance(compact, Bad):
+      return (position, compact)
     caption = self.pick_caption(compact["captions"], position)
-    return {"image": to_float(compact["image"]),
-            "text": self.tokenizer.encode([caption])[0],
-            "label": np.int32(compact["label"])}
+    out = {"text": self.tokenizer.encode([caption])[0],
+           "label": np.int32(compact["label"])}
+    for k in ("image", "image_emb"):
+      if k in compact:
+        out[k] = compact[k]
+    return (position, out)
 
 
 class _InMemorySource:
   """Compact examples held in memory: a random-access source for grain.
 
   Small datasets (synthetic_shapes) are decoded once instead of once per
-  epoch; decoding (protobuf parse + PNG) is most of the per-example cost.
+  epoch; decoding is most of the per-example cost.
   """
 
   def __init__(self, examples: list):
@@ -128,47 +168,138 @@ class _InMemorySource:
     return self._examples[index]
 
 
-def _read_compact(source, indices, compact, chunk: int = 256) -> list:
-  out = []
-  for start in range(0, len(indices), chunk):
-    out.extend(compact(ex) for ex in
-               source.__getitems__(list(indices[start:start + chunk])))
-  return out
+class _Indices:
+  """The example indices of one process's shard, as a grain source."""
+
+  def __init__(self, indices: range):
+    self._indices = indices
+
+  def __len__(self):
+    return len(self._indices)
+
+  def __getitem__(self, i):
+    return self._indices[i]
+
+
+# Consecutive stream positions travel together (stacked where they are read,
+# in a reader thread or a worker process): one hand-over per chunk, not per
+# example, is what lets worker processes scale past a few cores.
+CHUNK = 64
+
+
+def _pack(items: list) -> dict:
+  """(position, element or Bad) x n -> one chunk: the good elements stacked,
+  which local positions were good, and the bad ones named."""
+  good = np.array([not isinstance(e, Bad) for _, e in items])
+  elements = [e for _, e in items if not isinstance(e, Bad)]
+  return {"pos0": items[0][0], "good": good,
+          "arrays": ({k: np.stack([e[k] for e in elements])
+                      for k in elements[0]} if elements else None),
+          "bad": [(i, e.where, e.reason) for i, (_, e) in enumerate(items)
+                  if isinstance(e, Bad)]}
 
 
 class TrainIterator:
-  """Infinite, deterministic, resumable iterator of per-process batches.
+  """Infinite, deterministic, resumable iterator of per-process micro-batches.
 
-  Yields {"image": float32 [b, H, W, 3] in [-1, 1], "text": int32 [b, L],
-  "label": int32 [b] (-1 without labels)} as numpy arrays.
+  Yields {"image": uint8 [m, S, S, 3] (or "image_emb": float32 [m, D] from
+  precomputed embeddings), "text": int32 [m, L], "label": int32 [m] (-1
+  without labels)} as numpy arrays, m = microbatch_size; a step takes
+  batch_size // microbatch_size of them in a row (``next_batch``).
+
+  ``bad`` counts the examples skipped so far (those found while opening
+  the source included, once; one bad when read is skipped, and counted,
+  in every epoch), ``seen`` all examples looked at.
   """
 
-  def __init__(self, dataset, read_options, fingerprint: dict):
-    self._dataset = dataset  # grain MapDataset of batches (infinite)
+  def __init__(self, dataset, read_options, fingerprint: dict, *,
+               microbatch_size: int, ledger: BadDataLedger,
+               num_workers: int = 0):
+    self._dataset = dataset  # grain MapDataset of (position, element)
     self._read_options = read_options
+    self._num_workers = num_workers
     self._fingerprint = fingerprint
+    self.microbatch_size = microbatch_size
+    self.ledger = ledger
     self._iter = None
-    self._next_batch = 0
+    self._next_position = 0
+    self._chunk = None  # The chunk being consumed, and the cursor in it.
+    self._cursor = 0
+
+  @property
+  def bad(self) -> int:
+    return self.ledger.bad
+
+  @property
+  def seen(self) -> int:
+    return self.ledger.seen
 
   def _ensure_iter(self):
     if self._iter is None:
-      # Batches are indexed by position, so resuming is slicing: no reliance
+      # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
-      self._iter = iter(self._dataset[self._next_batch:].to_iter_dataset(
-          self._read_options))
+      ds = self._dataset[self._next_position:].batch(
+          CHUNK, batch_fn=_pack).to_iter_dataset(self._read_options)
+      if self._num_workers:
+        # Worker processes, each on a slice of the positions, interleaved
+        # back in order: the stream is the same for any number of workers
+        # (the pipeline has no filter; a bad example is an element too).
+        import grain  # pylint: disable=import-outside-toplevel
+        from absl import flags  # pylint: disable=import-outside-toplevel
+        if not flags.FLAGS.is_parsed():
+          # grain reads absl flags in its workers (defaults when not parsed,
+          # e.g. outside train.main).
+          flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=self._num_workers,
+            per_worker_buffer_size=max(
+                2, self._read_options.prefetch_buffer_size
+                // self._num_workers)))
+      self._iter = iter(ds)
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
+    """The next micro-batch: the next ``microbatch_size`` good examples of
+    the stream; the bad ones passed on the way are counted (exactly those
+    before the last example taken, so a resumed stream counts the same)."""
     self._ensure_iter()
-    batch = next(self._iter)
-    self._next_batch += 1
-    return batch
+    need, parts = self.microbatch_size, []
+    while need:
+      if self._chunk is None or self._cursor >= len(self._chunk["good"]):
+        self._chunk, self._cursor = next(self._iter), 0
+      chunk, k = self._chunk, self._cursor
+      good = chunk["good"]
+      ahead = np.flatnonzero(good[k:]) + k  # local positions of goods
+      take = ahead[:need]
+      end = take[-1] + 1 if len(take) == need else len(good)
+      for i, where, reason in chunk["bad"]:
+        if k <= i < end:
+          self.ledger.add_bad(where, reason)
+      if len(take):
+        rank0 = int(np.count_nonzero(good[:take[0]]))
+        parts.append({key: v[rank0:rank0 + len(take)]
+                      for key, v in chunk["arrays"].items()})
+      need -= len(take)
+      self._cursor = int(end)
+      self._next_position = chunk["pos0"] + self._cursor
+      self.ledger.check()
+    self.ledger.add_good(self.microbatch_size)
+    if len(parts) == 1:
+      return {k: np.ascontiguousarray(v) for k, v in parts[0].items()}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def next_batch(self, num_microbatches: int) -> dict:
+    """``num_microbatches`` micro-batches concatenated (a whole step)."""
+    parts = [next(self) for _ in range(num_microbatches)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
   def get_state(self) -> dict:
-    """JSON-serializable state: the next batch index plus a fingerprint."""
-    return {"next_batch": self._next_batch, **self._fingerprint}
+    """JSON-serializable state: the next stream position, the bad-data
+    counts and a fingerprint of the stream."""
+    return {"next_position": self._next_position,
+            "bad_data": self.ledger.state(), **self._fingerprint}
 
   def set_state(self, state: dict) -> None:
     """Continues from `state`; ValueError if it came from another stream."""
@@ -179,64 +310,93 @@ class TrainIterator:
                          for k, (a, b) in sorted(mismatch.items()))
       raise ValueError("data iterator state does not match this input "
                        f"pipeline ({detail})")
-    next_batch = int(state["next_batch"])
-    if next_batch < 0:
-      raise ValueError(f"data iterator state next_batch={next_batch} < 0")
-    self._next_batch = next_batch
-    # Drop a running iterator (and its prefetched batches); the next
+    position = int(state["next_position"])
+    if position < 0:
+      raise ValueError(f"data iterator state next_position={position} < 0")
+    self._next_position = position
+    self.ledger.set_state(state["bad_data"])
+    # Drop a running iterator (and its prefetched elements); the next
     # __next__ starts a fresh one at the restored position.
-    self._iter = None
+    self.close()
 
   def close(self):
+    if self._iter is not None and hasattr(self._iter, "close"):
+      self._iter.close()  # Stops worker processes.
     self._iter = None
+    self._chunk, self._cursor = None, 0
 
 
 def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                         process_count: int = 1, seed: int = 0,
-                        tokenizer=None) -> TrainIterator:
+                        tokenizer=None, microbatch_size: int = 0,
+                        source=None) -> TrainIterator:
   """The training iterator of config.data for one process.
 
   Args:
     config: the full config (`data` and `tokenizer` sections).
-    batch_size: per-process batch size.
+    batch_size: per-process batch size (of one step).
     process_index, process_count: this process's shard: examples
-      process_index, process_index + process_count, ... of the split, so
-      processes read disjoint data that together cover the split.
+      process_index, process_index + process_count, ... of the source, so
+      processes read disjoint data that together cover it.
     seed: shuffling and caption-sampling seed.
     tokenizer: defaults to make_tokenizer(config).
+    microbatch_size: per-process micro-batch the iterator yields (it must
+      divide batch_size); 0 = whole batches.
+    source: an opened source (default: ``sources.open_source(config.data,
+      config.data.split)``), e.g. precomputed embeddings.
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
     raise ValueError(f"batch_size={batch_size} must be >= 1")
+  microbatch_size = microbatch_size or batch_size
+  if batch_size % microbatch_size:
+    raise ValueError(f"microbatch_size={microbatch_size} must divide "
+                     f"batch_size={batch_size}")
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} must be in "
                      f"[0, process_count={process_count})")
   data = config.data
   tokenizer = tokenizer or tokenizer_lib.make_tokenizer(config)
-  builder = sources.builder_for(data)
-  source = builder.as_data_source(split=data.split)
+  if source is None:
+    source = sources.open_source(data, data.split)
   if len(source) < process_count:
-    raise ValueError(f"split {data.split!r} has {len(source)} examples, fewer "
+    raise ValueError(f"{source.spec} has {len(source)} examples, fewer "
                      f"than process_count={process_count}")
-  compact = Compact(image_key=data.image_key, text_key=data.text_key,
-                    label_key=data.label_key, image_size=data.image_size)
+  compact = Compact(source, data.image_size)
   shard = range(process_index, len(source), process_count)
-  cache_bytes = len(shard) * data.image_size ** 2 * 3
-  if cache_bytes <= data.cache_max_mb * 2**20:
-    ds = grain.MapDataset.source(
-        _InMemorySource(_read_compact(source, shard, compact)))
+  precomputed = sources.kind_of(source.spec) == "embeddings"
+  example_bytes = (4 * source.dim if precomputed
+                   else data.image_size ** 2 * 3)
+  if len(shard) * example_bytes <= data.cache_max_mb * 2**20:
+    ds = grain.MapDataset.source(_InMemorySource(
+        _read_all(compact, shard, data.num_threads)))
   else:
-    ds = grain.MapDataset.source(source)[process_index::process_count]
-    ds = ds.map(compact)
+    ds = grain.MapDataset.source(_Indices(shard)).map(compact)
   ds = ds.shuffle(seed=seed).repeat(None)
   ds = ds.map_with_index(Finalize(tokenizer, seed=seed, stream=process_index))
-  ds = ds.batch(batch_size, drop_remainder=True)
-  read_options = grain.ReadOptions(num_threads=data.num_threads,
-                                   prefetch_buffer_size=data.prefetch_batches)
-  fingerprint = {"dataset": builder.info.full_name, "split": data.split,
+  read_options = grain.ReadOptions(
+      num_threads=data.num_threads,
+      prefetch_buffer_size=max(
+          2, max(1, data.prefetch_batches) * microbatch_size // CHUNK))
+  # A process's share of the bad examples found while opening.
+  bad_open = source.bad_at_open[process_index::process_count]
+  ledger = BadDataLedger(data.max_bad_fraction,
+                         min_seen=min(1000, len(shard)))
+  for where, reason in bad_open:
+    ledger.add_bad(where, reason)
+  ledger.check()
+  fingerprint = {"dataset": source.spec, "num_examples": len(source),
                  "process_index": process_index,
                  "process_count": process_count, "seed": seed,
-                 "batch_size": batch_size, "image_size": data.image_size,
+                 "image_size": data.image_size,
                  "max_len": tokenizer.max_len}
-  return TrainIterator(ds, read_options, fingerprint)
+  return TrainIterator(ds, read_options, fingerprint,
+                       microbatch_size=microbatch_size, ledger=ledger,
+                       num_workers=data.num_workers)
 
+
+def _read_all(compact, shard: range, num_threads: int) -> list:
+  """compact(i) for every i of the shard, in order, on reader threads."""
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  with concurrent.futures.ThreadPoolExecutor(max(1, num_threads)) as pool:
+    return list(pool.map(compact, shard, chunksize=64))

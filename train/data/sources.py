@@ -1,4 +1,16 @@
-"""Opening TFDS datasets as random-access sources, without TensorFlow.
+"""Opening the training sources: TFDS datasets, webdataset shards, tables.
+
+``open_source(data, split)`` is the one entry point: it reads
+config.data.name and returns a random-access source meeting the contract of
+train/data/source.py (examples ``{"key", "image", "captions", "label"}``):
+
+- "synthetic_shapes" or a TFDS name ("coco_captions/2017"): this module;
+- "webdataset:/path/shard-{000000..000127}.tar": train/data/webdataset.py;
+- "csv:/path/pairs.csv", "tsv:...", "jsonl:...": train/data/table.py;
+- "embeddings:/dir" (written by ``python -m train.precompute``):
+  train/data/embeddings.py.
+
+TFDS datasets:
 
 Every dataset, the embedded synthetic_shapes included, is read the same way:
 its prepared TFDS directory (data_dir/name[/config]/version, array_record
@@ -15,7 +27,10 @@ import logging
 import os
 import re
 
+import numpy as np
+
 from train.data import synthetic
+from train.data.source import BadExample
 
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
@@ -145,6 +160,14 @@ def builder_for(data, *, prepare: bool = True):
 
 
 def zeroshot_builder_for(data):
+  if data.zeroshot_name == synthetic.NAME:
+    # The labelled held-out split of synthetic_shapes, e.g. beside a
+    # webdataset or CSV training source.
+    data_dir = data.data_dir or default_data_dir(synthetic.NAME)
+    return _builder_from_dir(synthetic.prepare(
+        data_dir, image_size=data.image_size,
+        num_train=data.num_train_examples, num_test=data.num_eval_examples,
+        seed=data.synthetic_seed))
   data_dir = data.data_dir or default_data_dir(data.zeroshot_name)
   return _builder_from_dir(resolve_dataset_dir(
       data.zeroshot_name, data_dir, what="config.data.zeroshot_name"))
@@ -214,9 +237,40 @@ def check_split_and_keys(builder, split: str, keys: dict, where: str) -> None:
                        f"an integer label of {builder.info.full_name}")
 
 
+def _check_file_source(name: str, what: str) -> None:
+  """A file source's files exist and are readable (cheap: no indexing)."""
+  kind = kind_of(name)
+  if kind == "webdataset":
+    from train.data import webdataset  # pylint: disable=import-outside-toplevel
+    webdataset.expand_shards(name[len("webdataset:"):], what)
+  elif kind == "table":
+    path = os.path.expanduser(name.partition(":")[2])
+    if not os.path.isfile(path):
+      raise ValueError(f"{what}: table {path!r} does not exist")
+    if not os.access(path, os.R_OK):
+      raise ValueError(f"{what}: table {path!r} is not readable")
+  elif kind == "embeddings":
+    from train.data import embeddings  # pylint: disable=import-outside-toplevel
+    embeddings.read_meta(name[len("embeddings:"):], what)
+  else:
+    raise ValueError(f"{what}={name!r} is not a source (webdataset:..., "
+                     "csv:..., tsv:..., jsonl:..., embeddings:...)")
+
+
 def check_sources(data) -> None:
   """The dataset part of check_data_config (see there)."""
-  if data.name == synthetic.NAME:
+  if kind_of(data.name) != "tfds":
+    _check_file_source(data.name, "config.data.name")
+    if data.eval_split and data.eval_split != data.split:
+      if kind_of(data.eval_split) == "tfds":
+        raise ValueError(
+            f"config.data.eval_split={data.eval_split!r}: a "
+            f"{kind_of(data.name)} source has no named splits; give the "
+            "held-out set as a source of its own (webdataset:..., csv:...), "
+            "or '' for no retrieval evaluation")
+      _check_file_source(data.eval_split, "config.data.eval_split")
+    builder = None
+  elif data.name == synthetic.NAME:
     if data.split not in ("train", "test") or data.eval_split not in ("train", "test"):
       raise ValueError(f"{synthetic.NAME} has splits 'train' and 'test'; got "
                        f"config.data.split={data.split!r}, "
@@ -264,3 +318,112 @@ def check_sources(data) -> None:
       raise ValueError(f"config.data.zeroshot_label_key="
                        f"{data.zeroshot_label_key!r} must be a ClassLabel "
                        "(its names are the zero-shot class names)")
+
+
+# ----------------------------------------------------------------- all sources
+
+FILE_PREFIXES = ("webdataset:", "csv:", "tsv:", "jsonl:", "embeddings:")
+
+
+def kind_of(name: str) -> str:
+  """"tfds" (synthetic_shapes included), "webdataset", "table" or
+  "embeddings", from a config.data.name."""
+  if name.startswith("webdataset:"):
+    return "webdataset"
+  if name.startswith(("csv:", "tsv:", "jsonl:")):
+    return "table"
+  if name.startswith("embeddings:"):
+    return "embeddings"
+  return "tfds"
+
+
+def _as_text_list(value) -> list:
+  if isinstance(value, (bytes, str)):
+    return [value]
+  return list(value)
+
+
+class TfdsSource:
+  """A split of a prepared TFDS dataset, in the source contract.
+
+  Images arrive decoded (TFDS decodes through Pillow), as uint8 arrays.
+  """
+
+  def __init__(self, data, split: str):
+    self._builder = builder_for(data)
+    self._source = self._builder.as_data_source(split=split)
+    self._keys = (data.image_key, data.text_key, data.label_key)
+    self.split = split
+    self.spec = f"{self._builder.info.full_name}[{split}]"
+    self.bad_at_open = []
+
+  def __len__(self):
+    return len(self._source)
+
+  def describe(self) -> str:
+    return f"TFDS {self.spec}: {len(self)} examples"
+
+  def _convert(self, index, example) -> dict:
+    image_key, text_key, label_key = self._keys
+    where = f"{self.spec}#{index}"
+    captions = [c for c in _as_text_list(value_at(example, text_key))
+                if (c.strip() if isinstance(c, (str, bytes)) else True)]
+    if not captions:
+      raise BadExample(where, f"missing or empty caption ({text_key!r})")
+    return {"key": where, "image": np.asarray(value_at(example, image_key)),
+            "captions": captions,
+            "label": int(value_at(example, label_key)) if label_key else -1}
+
+  def __getitem__(self, index: int) -> dict:
+    return self._convert(index, self._source[index])
+
+  def __getitems__(self, indices):
+    out = []
+    for i, ex in zip(indices, self._source.__getitems__(list(indices))):
+      try:
+        out.append(self._convert(i, ex))
+      except BadExample as e:
+        out.append(e)
+    return out
+
+
+def split_spec(data, split: str) -> str:
+  """The config.data.name of ``split``: for a file source the training
+  split is data.name itself and any other split is a source spec of its own
+  (``eval_split = "webdataset:/data/val-{0..3}.tar"``)."""
+  if kind_of(data.name) == "tfds" or split == data.split:
+    return data.name
+  return split
+
+
+def open_source(data, split: str, *, what: str = "config.data.name"):
+  """The random-access source of ``split`` of config.data (the contract of
+  train/data/source.py). One-line ValueError for a missing shard, table or
+  directory, an unreadable file, or a split a file source cannot have.
+
+  Evaluation (train/data/eval_sets.py) uses it with data.eval_split; the
+  examples come back in source order, with their keys.
+  """
+  name = split_spec(data, split)
+  kind = kind_of(name)
+  if kind == "tfds" and kind_of(data.name) != "tfds":
+    raise ValueError(
+        f"config.data.{'split' if split == data.split else 'eval_split'}="
+        f"{split!r}: a {kind_of(data.name)} source has no named splits; give "
+        f"the held-out set as a source of its own (webdataset:..., csv:...)")
+  if kind == "webdataset":
+    from train.data import webdataset  # pylint: disable=import-outside-toplevel
+    return webdataset.WebDatasetSource(
+        name[len("webdataset:"):], image_exts=data.wds_image_exts,
+        caption_ext=data.wds_caption_ext, label_field=data.wds_label_field,
+        num_threads=max(data.num_threads, 4), what=what)
+  if kind == "table":
+    from train.data import table  # pylint: disable=import-outside-toplevel
+    return table.TableSource(
+        name, image_column=data.table_image_column,
+        caption_column=data.table_caption_column,
+        label_column=data.table_label_column, what=what)
+  if kind == "embeddings":
+    from train.data import embeddings  # pylint: disable=import-outside-toplevel
+    return embeddings.EmbeddingSource(name[len("embeddings:"):], what=what)
+  return TfdsSource(data, split)

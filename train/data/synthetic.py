@@ -379,3 +379,128 @@ def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
       fcntl.flock(lock, fcntl.LOCK_UN)
   return path
 
+
+
+# ----------------------------------------------------------------- as files
+
+
+def _encode(image: np.ndarray, fmt: str, quality: int) -> bytes:
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  buf = io.BytesIO()
+  if fmt in ("jpg", "jpeg"):
+    Image.fromarray(image).save(buf, format="JPEG", quality=quality)
+  else:
+    Image.fromarray(image).save(buf, format=fmt.upper())
+  return buf.getvalue()
+
+
+def _tar_add(tar, name: str, data: bytes) -> None:
+  import tarfile  # pylint: disable=import-outside-toplevel
+  info = tarfile.TarInfo(name)
+  info.size = len(data)
+  info.mtime = 0  # Reproducible shards.
+  tar.addfile(info, io.BytesIO(data))
+
+
+def write_webdataset(out_dir, *, split: str = "train", num: int,
+                     image_size: int, seed: int = 0, shard_size: int = 64,
+                     fmt: str = "jpg", quality: int = 95) -> str:
+  """Writes synthetic_shapes as img2dataset-style webdataset shards.
+
+  Each example is ``<key>.<fmt>``, ``<key>.txt`` (its first caption) and
+  ``<key>.json`` ({"label": shape id, "captions": [...]}). Returns the brace
+  pattern of the shards (for config.data.name after "webdataset:").
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import tarfile  # pylint: disable=import-outside-toplevel
+  out_dir = os.fspath(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  num_shards = -(-num // shard_size)
+  for s in range(num_shards):
+    with tarfile.open(os.path.join(out_dir, f"{split}-{s:05d}.tar"),
+                      "w", format=tarfile.USTAR_FORMAT) as tar:
+      for i in range(s * shard_size, min(num, (s + 1) * shard_size)):
+        image, attrs, rng = render_example(seed, split, i, image_size)
+        captions = make_captions(attrs, rng, split)
+        key = f"{i:09d}"
+        _tar_add(tar, f"{key}.{fmt}", _encode(image, fmt, quality))
+        _tar_add(tar, f"{key}.txt", captions[0].encode())
+        _tar_add(tar, f"{key}.json", json.dumps(
+            {"label": attrs["shape_id"], "captions": captions}).encode())
+  return os.path.join(out_dir, f"{split}-{{{0:05d}..{num_shards - 1:05d}}}.tar")
+
+
+def write_table(out_dir, *, split: str = "train", num: int, image_size: int,
+                seed: int = 0, table: str = "csv", fmt: str = "jpg",
+                quality: int = 95) -> str:
+  """Writes synthetic_shapes as image files plus a csv/tsv/jsonl table of
+  (image, caption, label) with paths relative to the table; returns the
+  table's path."""
+  import csv  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  out_dir = os.fspath(out_dir)
+  os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+  rows = []
+  for i in range(num):
+    image, attrs, rng = render_example(seed, split, i, image_size)
+    name = os.path.join("images", f"{split}-{i:09d}.{fmt}")
+    with open(os.path.join(out_dir, name), "wb") as f:
+      f.write(_encode(image, fmt, quality))
+    rows.append({"image": name, "caption": make_captions(attrs, rng, split)[0],
+                 "label": attrs["shape_id"]})
+  path = os.path.join(out_dir, f"{split}.{table}")
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    if table == "jsonl":
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+    else:
+      w = csv.DictWriter(f, fieldnames=["image", "caption", "label"],
+                         delimiter="\t" if table == "tsv" else ",")
+      w.writeheader()
+      w.writerows(rows)
+  return path
+
+
+class JpegPool:
+  """A source of ``num`` examples whose images are JPEG bytes, for benchmarks.
+
+  ``pool`` distinct ``size`` x ``size`` photos-like images (smooth colour
+  fields with texture, JPEG quality 90, about 20 KB at 256 px) are encoded
+  once; example i carries pool image i % pool as encoded bytes, so the input
+  pipeline decodes, resizes and crops every example as it would a web
+  corpus, without gigabytes of shards on disk. Captions are short random
+  word strings. Meets the source contract (train/data/source.py).
+  """
+
+  def __init__(self, num: int, *, size: int = 256, pool: int = 256,
+               seed: int = 0):
+    from PIL import Image  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(seed)
+    self.spec = f"jpeg_pool:{num}x{size}px/{pool}/seed{seed}"
+    self.bad_at_open = []
+    self._num = num
+    self._jpegs = []
+    for _ in range(pool):
+      low = rng.uniform(0, 255, (8, 8, 3)).astype(np.uint8)
+      im = np.asarray(Image.fromarray(low).resize((size, size),
+                                                  Image.BICUBIC), np.float32)
+      im += rng.normal(0, 12, im.shape)
+      buf = io.BytesIO()
+      Image.fromarray(np.clip(im, 0, 255).astype(np.uint8)).save(
+          buf, format="JPEG", quality=90)
+      self._jpegs.append(buf.getvalue())
+    words = ("a", "photo", "of", "the", "red", "small", "dog", "on", "grass",
+             "city", "street", "at", "night", "two", "people", "blue")
+    self._captions = [" ".join(rng.choice(words, 8)) for _ in range(pool)]
+
+  def __len__(self):
+    return self._num
+
+  def describe(self) -> str:
+    return self.spec
+
+  def __getitem__(self, index: int) -> dict:
+    j = index % len(self._jpegs)
+    return {"key": f"{index:09d}", "image": self._jpegs[j],
+            "captions": [self._captions[(j * 7 + index) % len(self._jpegs)]],
+            "label": -1}

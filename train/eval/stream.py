@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from absl import logging
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -31,6 +32,7 @@ class Embedded:
   images: np.ndarray        # float32 [N, D]
   labels: np.ndarray        # int32 [N] (-1 without labels)
   captions: list            # per image, its captions (list of str)
+  num_bad: int = 0          # Examples left out: unreadable or uncaptioned.
 
 
 def make_image_embed(mesh, embed):
@@ -99,7 +101,8 @@ def embed_split(split, *, mesh, image_embed, params, batch_size: int,
     for r in valid:
       ex = examples[r]
       meta.append((start + r, int(ex["label"]),
-                   list(ex["captions"]) if keep_captions else []))
+                   list(ex["captions"]) if keep_captions else [],
+                   ex.get("bad")))
     pad = np.zeros((s, s, 3), np.uint8)
 
     def rows(index, examples=examples):
@@ -120,9 +123,16 @@ def embed_split(split, *, mesh, image_embed, params, batch_size: int,
   if [m[0] for m in meta] != list(range(n)):
     raise RuntimeError(f"evaluation of {split.name}: the processes read "
                        f"{len(meta)} of its {n} examples")
+  bad = [m for m in meta if m[3]]
+  if bad:
+    # Skipped, counted and named; the metrics are over the readable rest.
+    logging.warning("evaluation of %s: %d bad example(s) left out (first: "
+                    "%s)", split.name, len(bad), bad[0][3])
+    keep = np.asarray([not m[3] for m in meta])
+    emb, meta = emb[keep], [m for m in meta if not m[3]]
   return Embedded(images=emb,
                   labels=np.asarray([m[1] for m in meta], np.int32),
-                  captions=[m[2] for m in meta])
+                  captions=[m[2] for m in meta], num_bad=len(bad))
 
 
 def embed_host_array(embed_fn, params, inputs: np.ndarray, batch_size: int):

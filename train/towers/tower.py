@@ -31,31 +31,32 @@ import numpy as np
 class Normalization:
   """Per-channel ``(x / 255 - mean) / std``, mean and std in [0, 1] units.
 
-  ``SYMMETRIC`` (mean = std = 0.5) is the [-1, 1] scaling of big_vision and of
-  this project's own towers; it is computed as ``x * (2/255) - 1``, the exact
-  float formula of the host path it replaces.
+  Computed as ``(x - 255 mean) * (1 / (255 std))`` with float32 constants:
+  a subtraction, then a multiplication, each rounded once, so the device
+  (where XLA would fuse ``x * a - b`` into one fused multiply-add, rounded
+  differently) and the host (``numpy``) give bitwise the same floats.
+  ``SYMMETRIC`` (mean = std = 0.5) is the [-1, 1] scaling of big_vision and
+  of this project's own towers: ``(x - 127.5) * (1 / 127.5)``, exactly -1
+  and 1 at 0 and 255.
   """
   mean: tuple[float, float, float]
   std: tuple[float, float, float]
 
+  def _constants(self):
+    shift = np.asarray([255.0 * m for m in self.mean], np.float32)
+    scale = np.asarray([1.0 / (255.0 * s) for s in self.std], np.float32)
+    return shift, scale
+
   def __call__(self, images, dtype=jnp.float32):
     """uint8 (or float in [0, 255]) [..., 3] -> ``dtype``, normalised."""
-    x = images.astype(jnp.float32)
-    if self == SYMMETRIC:
-      x = x * (2.0 / 255.0) - 1.0
-    else:
-      mean = jnp.asarray(self.mean, jnp.float32)
-      std = jnp.asarray(self.std, jnp.float32)
-      x = (x * (1.0 / 255.0) - mean) / std
+    shift, scale = self._constants()
+    x = (images.astype(jnp.float32) - shift) * scale
     return x.astype(dtype)
 
   def numpy(self, images: np.ndarray) -> np.ndarray:
-    """The same on the host, in float32 (a reference for tests)."""
-    x = np.asarray(images, np.float32)
-    if self == SYMMETRIC:
-      return x * np.float32(2.0 / 255.0) - np.float32(1.0)
-    return ((x * np.float32(1.0 / 255.0) - np.asarray(self.mean, np.float32))
-            / np.asarray(self.std, np.float32))
+    """The same on the host, in float32 (bitwise equal to the device)."""
+    shift, scale = self._constants()
+    return (np.asarray(images, np.float32) - shift) * scale
 
 
 SYMMETRIC = Normalization((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))

@@ -1,0 +1,121 @@
+"""Precomputed image embeddings on disk (written by ``train.precompute``).
+
+    DIR/meta.json            fingerprint of the tower, source, n, D, shard size
+    DIR/shard-00000.npy      bfloat16 [rows, D] (stored as its uint16 bits)
+    DIR/shard-00000.json     keys, captions, labels and bad rows of the shard,
+                             written last: its presence marks the shard done
+
+Row i of the concatenated shards is example i of the source (its index, in
+source order), so training reads an embedding by example index from a
+memory-mapped file and decodes no image; ``row_of(key)`` gives the row of a
+key. An example whose image was bad when precomputing is bad here too, at the
+same index, so a stream skips the same examples either way.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+
+from train.data.source import BadExample
+
+FORMAT = "infcl-jax image embeddings v1"
+PREFIX = "embeddings:"
+
+
+def shard_paths(directory: str, k: int) -> tuple[str, str]:
+  base = os.path.join(directory, f"shard-{k:05d}")
+  return base + ".npy", base + ".json"
+
+
+def read_meta(directory: str, what: str = "config.data.name") -> dict:
+  path = os.path.join(os.path.expanduser(directory), "meta.json")
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except OSError as e:
+    raise ValueError(f"{what}: no precomputed embeddings at {directory!r} "
+                     f"({path}: {e.strerror or e}); write them with `python "
+                     "-m train.precompute --config ... --out DIR`") from None
+  except ValueError as e:
+    raise ValueError(f"{what}: {path} is not valid JSON ({e})") from None
+  if meta.get("format") != FORMAT:
+    raise ValueError(f"{what}: {path} is not an embeddings directory of this "
+                     f"trainer (format {meta.get('format')!r})")
+  return meta
+
+
+class EmbeddingSource:
+  """Random access to precomputed embeddings, in the source contract
+  (examples carry ``image_emb`` float32 [D] instead of ``image``)."""
+
+  def __init__(self, directory: str, *, what: str = "config.data.name"):
+    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.meta = read_meta(self.directory, what)
+    self.spec = PREFIX + self.directory
+    self.fingerprint = self.meta["fingerprint"]
+    self.rows = int(self.meta["rows_per_shard"])
+    n, k = int(self.meta["num_examples"]), int(self.meta["num_shards"])
+    missing = [s for s in range(k) if not os.path.exists(
+        shard_paths(self.directory, s)[1])]
+    if missing:
+      raise ValueError(
+          f"{what}: the embeddings in {self.directory} are incomplete: "
+          f"{len(missing)} of {k} shards missing (first: {missing[0]}); "
+          "rerun `python -m train.precompute` with the same --out to finish")
+    self._emb, self.keys, self._captions, self._labels = [], [], [], []
+    self._bad = {}
+    for s in range(k):
+      npy, js = shard_paths(self.directory, s)
+      with open(js) as f:
+        info = json.load(f)
+      self._emb.append(np.load(npy, mmap_mode="r"))
+      base = s * self.rows
+      self.keys.extend(info["keys"])
+      self._captions.extend(info["captions"])
+      self._labels.extend(info["labels"])
+      self._bad.update({base + int(r): why for r, why in info["bad"].items()})
+    if len(self.keys) != n:
+      raise ValueError(f"{what}: {self.directory} holds {len(self.keys)} "
+                       f"rows, meta.json says {n}")
+    # Found while opening the images' source: counted as bad here as well.
+    self.bad_at_open = [tuple(b) for b in self.meta.get("bad_at_open", [])]
+    self._row_of = None
+
+  @property
+  def dim(self) -> int:
+    return int(self.meta["dim"])
+
+  def __len__(self):
+    return len(self.keys)
+
+  def describe(self) -> str:
+    return (f"precomputed embeddings: {len(self)} x {self.dim} "
+            f"{self.meta['dtype']} in {len(self._emb)} shard(s) of "
+            f"{self.directory} (of {self.meta['source']})")
+
+  def check_fingerprint(self, fingerprint: str, what: str) -> None:
+    if fingerprint != self.fingerprint:
+      raise ValueError(
+          f"the embeddings in {self.directory} were computed by another "
+          f"image tower or preprocessing (fingerprint {self.fingerprint}) "
+          f"than {what} ({fingerprint}); recompute them with `python -m "
+          "train.precompute`")
+
+  def row_of(self, key: str) -> int:
+    if self._row_of is None:
+      self._row_of = {k: i for i, k in enumerate(self.keys)}
+    return self._row_of[key]
+
+  def __getitem__(self, index: int) -> dict:
+    key = self.keys[index]
+    why = self._bad.get(index)
+    if why is not None:
+      raise BadExample(key, why)
+    row = self._emb[index // self.rows][index % self.rows]
+    return {"key": key,
+            "image_emb": np.asarray(row).view(ml_dtypes.bfloat16).astype(
+                np.float32),
+            "captions": self._captions[index], "label": self._labels[index]}

@@ -1,0 +1,104 @@
+"""The contract every training source meets, and the bad-data ledger.
+
+A source is a random-access sequence of examples (``len`` and
+``source[i]``), read by example index; ``source[i]`` returns
+
+    {"key": str,         # stable and unique: "shard.tar:000123", "row 17"
+     "image": bytes | np.ndarray,   # encoded file bytes, or uint8 [H, W, C]
+     "captions": list[str | bytes], # at least one, non-empty
+     "label": int}       # -1 without labels
+
+or, for precomputed embeddings, ``"image_emb": float32 [D]`` instead of
+"image". A bad record (a missing or empty caption, an image file that cannot
+be read) raises ``BadExample``, naming it; an image that does not decode is
+found later by the pipeline, which raises the same. Bad examples found while
+a source is opened (a tar member without its pair, a truncated shard) are
+listed in ``source.bad_at_open``.
+
+Every source has ``spec`` (what config.data.name said, for checkpoint
+fingerprints) and ``describe()`` (one line for the log). Random access makes
+the order of a stream a pure function of (seed, position), so a position is
+all a resumed run needs.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from absl import logging
+
+
+class BadExample(Exception):
+  """One example that is skipped: ``where`` names it, ``reason`` says why."""
+
+  def __init__(self, where: str, reason: str):
+    super().__init__(f"{where}: {reason}")
+    self.where, self.reason = where, reason
+
+
+@dataclasses.dataclass
+class Bad:
+  """A skipped example as it travels through the pipeline (not an error)."""
+  where: str
+  reason: str
+
+
+class TooMuchBadData(ValueError):
+  pass
+
+
+class BadDataLedger:
+  """Counts and names skipped examples; stops the run past a threshold.
+
+  The first ``log_first`` bad examples are logged one by one with their
+  shard and key, then one line each time the count doubles, so a corpus with
+  many bad files cannot flood the log. ``check()`` raises TooMuchBadData once
+  more than ``max_fraction`` of the examples seen (after ``min_seen`` of
+  them) were bad.
+  """
+
+  def __init__(self, max_fraction: float, min_seen: int, log_first: int = 20,
+               what: str = "training data"):
+    self.max_fraction, self.min_seen = max_fraction, max(1, min_seen)
+    self.log_first, self.what = log_first, what
+    self.bad, self.seen = 0, 0
+    self.by_reason = collections.Counter()
+    self._next_log = log_first * 2
+
+  def add_bad(self, where: str, reason: str) -> None:
+    self.bad += 1
+    self.seen += 1
+    # The kind of problem, without the path or details that follow it.
+    self.by_reason[reason.split(":")[0].split(" (")[0].split(" '")[0]] += 1
+    if self.bad <= self.log_first:
+      logging.warning("skipped a bad example of the %s: %s: %s", self.what,
+                      where, reason)
+    elif self.bad >= self._next_log:
+      self._next_log *= 2
+      logging.warning("%d bad examples of the %s skipped so far (last: %s: "
+                      "%s); by reason: %s", self.bad, self.what, where, reason,
+                      dict(self.by_reason))
+
+  def add_good(self, n: int = 1) -> None:
+    self.seen += n
+
+  @property
+  def fraction(self) -> float:
+    return self.bad / max(self.seen, 1)
+
+  def check(self) -> None:
+    if self.seen >= self.min_seen and self.fraction > self.max_fraction:
+      raise TooMuchBadData(
+          f"{self.bad} of {self.seen} examples of the {self.what} were bad "
+          f"({100 * self.fraction:.2f}% > config.data.max_bad_fraction="
+          f"{self.max_fraction}); by reason: {dict(self.by_reason)} (see the "
+          "log for their shards and keys)")
+
+  def state(self) -> dict:
+    return {"bad": self.bad, "seen": self.seen,
+            "by_reason": dict(self.by_reason)}
+
+  def set_state(self, state: dict) -> None:
+    self.bad, self.seen = int(state["bad"]), int(state["seen"])
+    self.by_reason = collections.Counter(state.get("by_reason", {}))
+    self._next_log = max(self.log_first * 2, 1 << self.bad.bit_length())

@@ -1,0 +1,138 @@
+"""CSV / TSV / JSONL tables of (image path, caption) as a random-access source.
+
+    config.data.name = "csv:/data/pairs.csv"      # or a .tsv file
+    config.data.name = "jsonl:/data/pairs.jsonl"
+
+Columns are named by ``config.data.table_image_column`` and
+``table_caption_column`` (and optionally ``table_label_column``); image paths
+are relative to the table file's directory unless absolute. A JSONL caption
+may be a list of captions (one is drawn per epoch). The table is read whole
+at start-up (the standard library's csv and json: a million rows take
+seconds); the images are read when their example is. Rows with an empty
+caption or no image path are listed in ``bad_at_open``; an image file that
+cannot be read, or does not decode, is skipped when it is reached.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+from train.data.source import BadExample
+
+PREFIXES = ("csv:", "tsv:", "jsonl:")
+
+
+def _rows(path: str, fmt: str, what: str):
+  try:
+    f = open(path, newline="", encoding="utf-8")
+  except OSError as e:
+    raise ValueError(f"{what}: cannot read table {path!r}: "
+                     f"{e.strerror or e}") from None
+  with f:
+    if fmt == "jsonl":
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+        except ValueError as e:
+          yield n, None, f"not a JSON object ({e})"
+          continue
+        if not isinstance(row, dict):
+          yield n, None, f"not a JSON object (a {type(row).__name__})"
+        else:
+          yield n, row, ""
+    else:
+      reader = csv.DictReader(f, delimiter="\t" if fmt == "tsv" else ",")
+      if reader.fieldnames is None:
+        raise ValueError(f"{what}: table {path!r} is empty (no header row)")
+      for row in reader:
+        yield reader.line_num, row, ""
+
+
+class TableSource:
+  """Random access to the (image file, caption) rows of a table.
+
+  Args:
+    spec: "csv:PATH", "tsv:PATH" or "jsonl:PATH" ("csv:" with a .tsv or
+      .jsonl file reads that format).
+    image_column, caption_column, label_column: column names ("" = no
+      labels: -1).
+  """
+
+  def __init__(self, spec: str, *, image_column: str, caption_column: str,
+               label_column: str = "", what: str = "config.data.name"):
+    self.spec = spec
+    fmt, _, path = spec.partition(":")
+    path = os.path.abspath(os.path.expanduser(path))
+    if fmt == "csv" and path.endswith((".tsv", ".jsonl")):
+      fmt = path.rsplit(".", 1)[1]
+    if not os.path.isfile(path):
+      raise ValueError(f"{what}: table {path!r} does not exist")
+    self.path, self.format = path, fmt
+    root = os.path.dirname(path)
+    self.bad_at_open = []
+    self._images, self._captions, self._labels, self.keys = [], [], [], []
+    checked_header = False
+    for line, row, problem in _rows(path, fmt, what):
+      where = f"{os.path.basename(path)}:{line}"
+      if row is None:
+        self.bad_at_open.append((where, problem))
+        continue
+      if not checked_header:
+        checked_header = True
+        for col in (image_column, caption_column, label_column):
+          if col and fmt != "jsonl" and col not in row:
+            raise ValueError(f"{what}: table {path!r} has no column {col!r} "
+                             f"(columns: {sorted(row)}); set config.data."
+                             "table_image_column / table_caption_column / "
+                             "table_label_column")
+      image = row.get(image_column)
+      captions = row.get(caption_column)
+      if isinstance(captions, str) or captions is None:
+        captions = [captions] if captions is not None else []
+      captions = [str(c).strip() for c in captions
+                  if c is not None and str(c).strip()]
+      if not image:
+        self.bad_at_open.append((where, f"no image path (column "
+                                 f"{image_column!r})"))
+        continue
+      if not captions:
+        self.bad_at_open.append((where, f"missing or empty caption (column "
+                                 f"{caption_column!r})"))
+        continue
+      label = -1
+      if label_column:
+        try:
+          label = int(row.get(label_column))
+        except (TypeError, ValueError):
+          self.bad_at_open.append((where, f"label {row.get(label_column)!r} "
+                                   f"(column {label_column!r}) is not an "
+                                   "integer"))
+          continue
+      self._images.append(os.path.join(root, os.path.expanduser(str(image))))
+      self._captions.append(captions)
+      self._labels.append(label)
+      self.keys.append(where)
+    if not self.keys:
+      raise ValueError(f"{what}: table {path!r} has no usable (image, "
+                       f"caption) rows ({len(self.bad_at_open)} bad)")
+
+  def __len__(self):
+    return len(self.keys)
+
+  def describe(self) -> str:
+    return (f"{self.format}: {len(self)} rows of {self.path}, "
+            f"{len(self.bad_at_open)} bad found while reading it")
+
+  def __getitem__(self, index: int) -> dict:
+    key, path = self.keys[index], self._images[index]
+    try:
+      with open(path, "rb") as f:
+        data = f.read()
+    except OSError as e:
+      raise BadExample(key, f"cannot read image {path!r}: "
+                       f"{e.strerror or e}") from None
+    return {"key": key, "image": data, "captions": self._captions[index],
+            "label": self._labels[index]}

@@ -1,0 +1,217 @@
+"""Embeds a dataset once with the locked image tower, for LiT training.
+
+    python -m train.precompute --config configs/lit_coco.py --out /data/emb
+    # then: --config.data.name=embeddings:/data/emb
+
+The config's image tower (``config.model.image``, loaded as for training)
+runs over ``config.data.split`` of ``config.data.name`` in source order;
+the embeddings are written as bfloat16 shards with the keys, captions and
+labels of their examples and the tower's fingerprint (layout:
+train/data/embeddings.py). Training then reads them by example index and
+decodes no image; a tower or preprocessing other than the one that made
+them is refused.
+
+Resumable: a shard is written to a temporary file and renamed into place,
+its .json last, and a rerun with the same --out skips the shards that are
+complete (a different tower or source in --out is an error). Multi-process:
+process p of P writes shards p, p+P, ... (run the same command in every
+process of a ``jax.distributed`` job); the directory is complete when all
+are. Bad examples (an image that does not decode, an empty caption, ...)
+are recorded as bad rows and skipped by training.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from train import step as step_lib
+from train.data import embeddings as emb_lib
+from train.data import pipeline
+from train.data import sources
+from train.data.source import Bad
+
+DEFAULT_ROWS_PER_SHARD = 65536
+
+
+def _atomic_write(path: str, write) -> None:
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "wb") as f:
+    write(f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _meta(source, tower, rows_per_shard: int) -> dict:
+  return {"format": emb_lib.FORMAT, "fingerprint": tower.fingerprint,
+          "source": source.spec, "num_examples": len(source),
+          "num_shards": -(-len(source) // rows_per_shard),
+          "rows_per_shard": rows_per_shard, "dim": tower.embed_dim,
+          "dtype": "bfloat16", "image_size": tower.image_size,
+          "tower": tower.source,
+          # Found while opening the source: training counts them as bad too.
+          "bad_at_open": [list(b) for b in source.bad_at_open]}
+
+
+def _check_or_write_meta(out: str, meta: dict) -> None:
+  path = os.path.join(out, "meta.json")
+  if os.path.exists(path):
+    old = emb_lib.read_meta(out, "--out")
+    diff = sorted(k for k in meta if old.get(k) != meta[k])
+    if diff:
+      raise ValueError(
+          f"--out {out} holds embeddings of another tower or source ("
+          + ", ".join(f"{k}: {old.get(k)!r} there, {meta[k]!r} now"
+                      for k in diff) + "); use a new directory")
+    return
+  os.makedirs(out, exist_ok=True)
+  _atomic_write(path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+
+def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
+               process_count: int = 1,
+               rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+               batch_size: int = 0, log=print) -> str:
+  """Writes the embeddings of ``config.data``'s training split into ``out``.
+
+  Args:
+    config: the trainer config (data section; eval.batch_size is the default
+      embedding batch).
+    out: the directory (created; resumed if it holds a partial run).
+    tower: the locked ``train.towers.Tower``.
+    source: an opened source (default: config.data.name, split).
+    process_index, process_count: this process's shards (p, p+P, ...).
+    rows_per_shard: examples per shard file.
+    batch_size: images per embedding call (rounded up to the local device
+      count); 0 = config.eval.batch_size.
+
+  Returns:
+    ``out``.
+  """
+  data = config.data
+  out = os.path.abspath(os.path.expanduser(out))
+  if source is None:
+    source = sources.open_source(data, data.split)
+  if sources.kind_of(source.spec) == "embeddings":
+    raise ValueError("config.data.name already names precomputed embeddings")
+  meta = _meta(source, tower, rows_per_shard)
+  _check_or_write_meta(out, meta)
+  local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
+  n_local = local_mesh.size
+  bs = batch_size or config.eval.batch_size
+  bs = -(-bs // n_local) * n_local
+  embed = step_lib.make_embed_fn(local_mesh, tower)
+  params = jax.device_put(tower.params, NamedSharding(local_mesh, P()))
+  compact = pipeline.Compact(source, tower.image_size)
+  todo = [k for k in range(process_index, meta["num_shards"], process_count)
+          if not os.path.exists(emb_lib.shard_paths(out, k)[1])]
+  done = len(range(process_index, meta["num_shards"], process_count)) - len(
+      todo)
+  if done:
+    log(f"[precompute] {out}: {done} shard(s) of this process already "
+        "complete, skipped")
+  t0, n_done = time.time(), 0
+  with concurrent.futures.ThreadPoolExecutor(max(1, data.num_threads)) as pool:
+    for k in todo:
+      lo = k * rows_per_shard
+      hi = min(len(source), lo + rows_per_shard)
+      keys, captions, labels, bad = [], [], [], {}
+      emb = np.zeros((hi - lo, tower.embed_dim), np.float32)
+      # Decoding runs on the reader threads, one batch ahead of the device.
+      batches = [range(s, min(hi, s + bs)) for s in range(lo, hi, bs)]
+      futures = [pool.submit(lambda r: [compact(i) for i in r], batches[0])]
+      for j, rows in enumerate(batches):
+        if j + 1 < len(batches):
+          futures.append(pool.submit(lambda r: [compact(i) for i in r],
+                                     batches[j + 1]))
+        items = futures[j].result()
+        futures[j] = None
+        images = np.zeros((bs, tower.image_size, tower.image_size, 3),
+                          np.uint8)
+        for r, (i, item) in enumerate(zip(rows, items)):
+          keys.append(source.keys[i] if hasattr(source, "keys")
+                      else f"{source.spec}#{i}")
+          if isinstance(item, Bad):
+            bad[str(i - lo)] = item.reason
+            captions.append([])
+            labels.append(-1)
+          else:
+            images[r] = item["image"]
+            captions.append([c.decode() if isinstance(c, bytes) else c
+                             for c in item["captions"]])
+            labels.append(int(item["label"]))
+        out_rows = np.asarray(embed(params, images), np.float32)
+        emb[rows.start - lo:rows.stop - lo] = out_rows[:len(rows)]
+      if not np.all(np.isfinite(emb)):
+        bad_rows = np.where(~np.all(np.isfinite(emb), axis=1))[0]
+        for r in bad_rows:
+          bad.setdefault(str(int(r)), "non-finite embedding")
+      npy, js = emb_lib.shard_paths(out, k)
+      bits = emb.astype(jax.numpy.bfloat16).view(np.uint16)
+      _atomic_write(npy, lambda f, b=bits: np.save(f, b))
+      _atomic_write(js, lambda f: f.write(json.dumps(
+          {"keys": keys, "captions": captions, "labels": labels,
+           "bad": bad}).encode()))
+      n_done += hi - lo
+      log(f"[precompute] shard {k + 1}/{meta['num_shards']}: {hi - lo} "
+          f"examples ({len(bad)} bad), {n_done / (time.time() - t0):.0f} "
+          "img/s")
+  return out
+
+
+def main(argv) -> None:
+  del argv
+  from train import config_base  # pylint: disable=import-outside-toplevel
+  from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train import train as train_lib  # pylint: disable=import-outside-toplevel
+  if FLAGS.jax_distributed:
+    jax.distributed.initialize()
+  config = FLAGS.config
+  try:
+    config_base.check_config(config)
+    data_lib.check_data_config(config)
+    if not FLAGS.out:
+      raise ValueError("--out DIR is required")
+    tokenizer = data_lib.make_tokenizer(config)
+    tower = train_lib.make_locked_tower(config, tokenizer)
+    precompute(config, FLAGS.out, tower, process_index=jax.process_index(),
+               process_count=jax.process_count(),
+               rows_per_shard=FLAGS.rows_per_shard,
+               batch_size=FLAGS.batch_size)
+  except (ValueError, FileNotFoundError) as e:
+    if os.environ.get("INFCL_TRACEBACK"):
+      raise
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  print(f"[precompute] done: {FLAGS.out} (fingerprint {tower.fingerprint})",
+        flush=True)
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  FLAGS = flags.FLAGS
+  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py"
+                                  "), optionally with ':arg'; "
+                                  "--config.<key>=<value> overrides.",
+                                  lock_config=True)
+  flags.DEFINE_string("out", None, "Embeddings directory (resumed if it "
+                      "holds a partial run of the same tower and source).")
+  flags.DEFINE_integer("rows_per_shard", DEFAULT_ROWS_PER_SHARD,
+                       "Examples per shard file.")
+  flags.DEFINE_integer("batch_size", 0, "Images per embedding call "
+                       "(0 = config.eval.batch_size).")
+  flags.DEFINE_bool("jax_distributed", False, "Multi-process: call "
+                    "jax.distributed.initialize() first; process p writes "
+                    "shards p, p+P, ...")
+  app.run(main)
