@@ -27,12 +27,14 @@ Arguments (default ``hf``):
 - ``tiny``: a seconds-long CPU run of the same code path with the committed
   tiny HF CLIP fixture (image and text towers) on synthetic_shapes.
 
-The dataset is COCO captions as in ``configs/lit_coco.py`` (prepared by the
-user); ``tiny`` uses the embedded synthetic_shapes.
+Everything but the towers and the tokenizer is ``configs/lit_coco.py``:
+COCO captions (prepared by the user), big_vision's LiT-on-COCO optimizer and
+schedule (cited there), retrieval on the whole test split with every
+caption. ``tiny`` uses the embedded synthetic_shapes.
 """
 import os
 
-from train import config_base
+from configs import lit_coco
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FIXTURES = os.path.join(_ROOT, "tests", "fixtures", "towers")
@@ -54,10 +56,7 @@ def get_config(arg=None):
   if arg not in (*_SOURCES, "tiny"):
     raise ValueError(f"configs/lit_pretrained.py takes one of "
                      f"{', '.join(list(_SOURCES) + ['tiny'])}, got {arg!r}")
-  c = config_base.base_config()
-  c.total_steps = 20_000
-  c.batch_size = 16_384
-  c.microbatch_size = 1024
+  c = lit_coco.get_config()
   # The locked tower embeds each image once; the step trains the text.
   c.precompute_image_embeddings = True
 
@@ -79,28 +78,8 @@ def get_config(arg=None):
     c.model.text.init = init
 
   c.loss.name = loss
-  c.loss.backend = "auto"
-  c.optim.name = "adamw"
-  c.optim.lr = 1e-3
-  c.optim.weight_decay = 1e-4
-  c.optim.b2 = 0.98
-  c.optim.warmup_steps = 1000
-  c.optim.grad_clip_norm = 1.0
-
-  c.eval.every_steps = 2000
-  c.eval.batch_size = 1024
-  c.checkpoint.every_steps = 1000
-  c.checkpoint.keep = 3
-  c.log_every_steps = 50
-
-  c.data.name = "coco_captions"
-  c.data.split = "train"
-  c.data.eval_split = "val"
-  c.data.image_key = "image"
-  c.data.text_key = "captions/text"
-  c.data.label_key = ""
-  c.data.image_size = 224
-  c.data.num_eval_examples = 5000
+  if loss == "sigmoid":  # SigLIP's own start: t' = log 10, b = -10.
+    c.loss.init_log_scale = None
   c.tokenizer.kind = tok
   c.tokenizer.max_len = 64
   if tok == "clip_bpe":

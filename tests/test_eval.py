@@ -21,6 +21,7 @@ from configs import lit_demo
 from train import data as data_lib
 from train import evaluate
 from train import step as step_lib
+from train.data import pipeline
 from train import train
 from train.data import eval_sets
 from train.data import synthetic
@@ -252,9 +253,9 @@ def _in_memory(config, tokenizer, image_tower, text_tower, params):
   """The whole split in memory, one forward pass, as [-1, 1] floats."""
   zs, rs = data_lib.make_eval_sets(config, tokenizer)
   examples = zs.split.read_all()
-  images = np.stack([e["image"] for e in examples]).astype(np.float32)
-  images = images * np.float32(2 / 255) - np.float32(1)
-  img = np.asarray(image_tower.apply({"params": params["img"]}, images))
+  images = pipeline.to_float(np.stack([e["image"] for e in examples]))
+  img = np.asarray(image_tower.module.apply({"params": params["img"]},
+                                            images))
   prompts = zeroshot.prompts(zs.classnames, zs.templates)
   cls = zeroshot.average_templates(np.asarray(text_tower.apply(
       {"params": params["txt"]}, tokenizer.encode(prompts))),
@@ -383,7 +384,8 @@ def test_the_training_split_size_feeds_the_batch_warning(data_dir):
   from train.data import sources  # pylint: disable=import-outside-toplevel
   config = _tiny(data_dir)
   sources.builder_for(config.data)  # Prepared.
-  n = train._train_split_size(config)  # pylint: disable=protected-access
+  # The trainer passes the training source's length (any source format).
+  n = len(sources.open_source(config.data, config.data.split))
   assert n == config.data.num_train_examples == 128
   assert optim.batch_repeat_warning(256, n, "train").startswith(
       "[lit] warning: config.batch_size=256 is larger than the 128 examples")

@@ -34,7 +34,7 @@ def _run(code, capsys, name):
 
 
 def test_every_snippet_is_checked_below():
-  assert len(BLOCKS) == 5, "a README snippet was added or removed: check it"
+  assert len(BLOCKS) == 6, "a README snippet was added or removed: check it"
 
 
 def _printed_loss_and_shapes(out):
@@ -104,3 +104,25 @@ def test_across_devices_snippet_normalizes_and_runs_on_8_devices(capsys):
   assert float(loss) == pytest.approx(ref[0], rel=1e-5)
   assert float(loss2) == pytest.approx(ref[0], rel=1e-5)
   assert float(dgrad) < 1e-5
+
+
+def test_pretrained_tower_snippet_embeds_as_transformers_does(capsys):
+  """The snippet's tower is the committed tiny HF CLIP: what it prints is
+  that checkpoint's, and its embedding of the fixture images equals the one
+  transformers computed (tests/fixtures/towers/expected.npz)."""
+  root = README.parent
+  cwd = os.getcwd()
+  os.chdir(root)  # The snippet names the fixture relative to the checkout.
+  try:
+    ns, out = _run(_block("pretrained.load_image_tower("), capsys,
+                   "pretrained tower")
+  finally:
+    os.chdir(cwd)
+  tower = ns["tower"]
+  assert out.startswith("(4, 20) float32 32 (0.48145466, 0.4578275, "
+                        "0.40821073)"), out
+  assert "hf-clip" in out
+  expected = np.load(root / "tests" / "fixtures" / "towers" / "expected.npz")
+  ref = expected["hf_clip/embedding"]
+  emb = np.asarray(tower(expected["hf_clip/images"]), np.float64)
+  assert np.max(np.abs(emb - ref)) <= 1e-5 * np.max(np.abs(ref))

@@ -100,17 +100,6 @@ class Tower:
     x = self.normalization(images, self.dtype)
     return self.module.apply({"params": params}, x).astype(jnp.float32)
 
-  def apply(self, variables, images):
-    """``module.apply`` on float images in [-1, 1] (the host pipeline's
-    current output), renormalised to this tower's mean/std: a bridge for
-    callers that still hand the tower float images (exact for SYMMETRIC
-    towers; otherwise the same up to float rounding of ``(x + 1) * 127.5``).
-    New code calls ``embed`` with uint8 images."""
-    x = images
-    if self.normalization != SYMMETRIC:
-      x = self.normalization((x.astype(jnp.float32) + 1.0) * 127.5)
-    return self.module.apply(variables, x.astype(self.dtype))
-
   @functools.cached_property
   def _jitted(self):
     return jax.jit(self.embed)
