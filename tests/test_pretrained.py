@@ -7,6 +7,7 @@ embeddings those libraries compute of fixed uint8 images in float64
 checks them against the committed ones, scripts/tower_oracles.sh). Here only
 numpy and safetensors are needed.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from safetensors.numpy import load_file
 from safetensors.numpy import save_file
 
 from train import pretrained
+from train import towers
 from train.data import tokenizer as tokenizer_lib
 from train.towers import text as text_lib
 
@@ -115,12 +117,21 @@ def test_tower_exposes_what_the_trainer_needs():
   emb = tower(images)
   assert emb.dtype == jnp.float32
   assert _rel(emb, EXPECTED["hf_siglip/embedding"]) < 3e-2  # bf16 compute.
-  # The [-1, 1] float bridge of the current step gives the uint8 result.
+  # The fingerprint names params and preprocessing: the same checkpoint
+  # loaded again gives it again; another param value or another
+  # normalisation does not (stored embeddings are never reused for them).
   f32 = pretrained.load_image_tower(os.path.join(FIX, "hf_clip_vision"))
-  pm1 = (images.astype(np.float32) / 127.5 - 1.0)
-  np.testing.assert_allclose(f32.apply({"params": f32.params}, pm1),
-                             f32(images), rtol=1e-4, atol=1e-5)
   assert len(f32.fingerprint) == 32
+  again = pretrained.load_image_tower(os.path.join(FIX, "hf_clip_vision"))
+  assert again.fingerprint == f32.fingerprint
+  nudged = jax.tree.map(np.asarray, f32.params)
+  leaf = nudged["embedding"]["kernel"]
+  leaf = leaf.copy()
+  leaf.flat[0] += 1e-3
+  nudged["embedding"]["kernel"] = leaf
+  assert dataclasses.replace(f32, params=nudged).fingerprint != f32.fingerprint
+  assert dataclasses.replace(
+      f32, normalization=towers.SYMMETRIC).fingerprint != f32.fingerprint
 
 
 # ------------------------------------------------------------ bad input
