@@ -48,8 +48,22 @@ class EvalSplit:
     return self.read(list(range(self.num_examples)))
 
 
+class _WholeSplit:
+  """The whole split in memory, read once on first use: for notebooks and
+  tests; evaluation itself streams ``split``."""
+
+  @functools.cached_property
+  def _all(self):
+    return self.split.read_all()
+
+  @property
+  def images(self) -> np.ndarray:
+    """uint8 [N, S, S, 3] of the whole split (exploration only)."""
+    return np.stack([e["image"] for e in self._all])
+
+
 @dataclasses.dataclass
-class ZeroShotSet:
+class ZeroShotSet(_WholeSplit):
   """Zero-shot classification: images of ``split`` against classnames x
   templates (``prompts.templates`` have "{}" for the class name)."""
   split: EvalSplit
@@ -63,33 +77,15 @@ class ZeroShotSet:
   def templates(self):
     return list(self.prompts.templates)
 
-  @functools.cached_property
-  def _all(self):
-    return self.split.read_all()
-
-  @property
-  def images(self) -> np.ndarray:
-    """uint8 [N, S, S, 3] of the whole split (exploration only)."""
-    return np.stack([e["image"] for e in self._all])
-
   @property
   def labels(self) -> np.ndarray:
     return np.asarray([e["label"] for e in self._all], np.int32)
 
 
 @dataclasses.dataclass
-class RetrievalSet:
+class RetrievalSet(_WholeSplit):
   """Image <-> text retrieval over ``split``: every caption of every image."""
   split: EvalSplit
-
-  @functools.cached_property
-  def _all(self):
-    return self.split.read_all()
-
-  @property
-  def images(self) -> np.ndarray:
-    """uint8 [N, S, S, 3] of the whole split (exploration only)."""
-    return np.stack([e["image"] for e in self._all])
 
   @property
   def captions(self) -> list:
