@@ -51,6 +51,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import harness  # pylint: disable=wrong-import-position
 
 RESULT_TAG = "BENCH_TRAIN_RESULT "
+PHASE_TAG = "BENCH_TRAIN_PHASE "
 
 # ViT-B/16-size towers; embed_dim 768.
 FULL = dict(embed_dim=768, text_len=16, vocab=32000, text_width=768,
@@ -166,6 +167,21 @@ def _peak_bytes():
     return 0  # CPU: no memory stats.
 
 
+def _compiled(compiled, compile_s):
+  """Tells the parent the step compiled (a later timeout row then carries
+  the compile time and XLA's memory plan) and returns the plan's fields."""
+  phase = {"phase": "compiled", "compile_s": compile_s}
+  try:
+    m = compiled.memory_analysis()
+    phase["xla_total_gb"] = (m.argument_size_in_bytes + m.output_size_in_bytes
+                             + m.temp_size_in_bytes
+                             - m.alias_size_in_bytes) / 1e9
+  except Exception:  # pylint: disable=broad-except
+    pass  # No plan on this backend.
+  print(PHASE_TAG + json.dumps(phase), flush=True)
+  return {k: v for k, v in phase.items() if k != "phase"}
+
+
 def child(spec) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   out = dict(spec, model=None)
@@ -182,7 +198,7 @@ def child(spec) -> dict:
   jax.block_until_ready(batches)
   t1 = time.perf_counter()
   compiled = train_step.lower(state, batches[0]).compile()
-  out["compile_s"] = time.perf_counter() - t1
+  out.update(_compiled(compiled, time.perf_counter() - t1))
   holder = {"state": state, "loss": None}
 
   def one_step(i=[0]):  # pylint: disable=dangerous-default-value
@@ -276,7 +292,7 @@ def stream_child(spec) -> dict:
                                            sharding=sh)}
   t1 = time.perf_counter()
   compiled = train_step.lower(state, abstract).compile()
-  out["compile_s"] = time.perf_counter() - t1
+  out.update(_compiled(compiled, time.perf_counter() - t1))
   # The device alone: the embedding rate on a fixed uint8 micro-batch at
   # the host's size (resized on the device when decode_size is set).
   c = pipeline.host_size(config.data)
@@ -328,7 +344,7 @@ def run_case(spec, timeout_s) -> dict:
   t0 = time.time()
   r = harness.run_child([os.path.abspath(__file__), "--child",
                          json.dumps(spec)], result_tag=RESULT_TAG,
-                        timeout_s=timeout_s, env=env)
+                        timeout_s=timeout_s, env=env, phase_tag=PHASE_TAG)
   if r.get("status") == "ok":
     return r
   return dict(spec, model=None, total_s=time.time() - t0, **r)
@@ -419,6 +435,7 @@ def main():
   results = []
   cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
           "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
+          "xla_total_gb",
           "host_wait_s", "pipeline_img_s", "device_embed_img_s",
           "input_bound", "workers", "decode_size", "loss_value", "device",
           "num_devices", "jax"]
