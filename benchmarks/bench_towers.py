@@ -68,25 +68,26 @@ FULL = dict(
     text=dict(vocab=49408, width=512, depth=12, heads=8, mlp=2048, embed=512,
               batch=1024, lengths=(16, 77)),
     lit=dict(batch=65536, micro=8192, img_batch=1024, embed_batches=16,
-             embed_dim=512,
-             text_width=768, text_depth=12, text_heads=12, text_mlp=3072,
-             text_len=16, vocab=32000, reps=3, reps_on_the_fly=1))
+             embed_dim=512, text_width=768, text_depth=12, text_heads=12,
+             text_mlp=3072, text_len=16, vocab=32000, reps=3,
+             reps_on_the_fly=1))
 QUICK = dict(
     vit=dict(patch_size=8, width=32, depth=2, num_heads=2, mlp_dim=64,
              image=32, batch=4),
     text=dict(vocab=300, width=32, depth=1, heads=2, mlp=64, embed=32,
               batch=4, lengths=(16, 77)),
     lit=dict(batch=32, micro=16, img_batch=16, embed_batches=1,
-             embed_dim=24, text_width=32,
-             text_depth=1, text_heads=2, text_mlp=64, text_len=16, vocab=300,
-             reps=1, reps_on_the_fly=1))
+             embed_dim=24, text_width=32, text_depth=1, text_heads=2,
+             text_mlp=64, text_len=16, vocab=300, reps=1, reps_on_the_fly=1))
 
-# ViT forward variants: (name, label, spec). ``act`` is the module's
+# ViT forward variants: name -> (label, spec). ``act`` is the module's
 # activation name; ``gelu`` the formulation put in place of
-# ``layers.ACTIVATIONS["gelu"]`` in that case's process (``_GELU_FORMS``);
+# ``layers.ACTIVATIONS["gelu"]`` in that case's process (``_gelu_forms``);
 # ``barrier``: an optimisation barrier on the activation's output, so that
-# XLA cannot fuse the activation into fc2's GEMM (recomputed per tile), only
-# into fc1's or its own kernel; ``xla_flags``: added for that process.
+# XLA cannot fuse the activation into fc2's GEMM as a prologue (evaluated
+# again for every output tile), only into fc1's epilogue or a kernel of its
+# own; ``xla_flags``: added for that process; ``full_hlo``: the whole
+# optimised HLO is written too, not only its kernel list.
 VIT_CASES = {
     "vit_erfc": ("ours, GELU jax.nn.gelu (erfc)",
                  dict(act="gelu", gelu="erfc", full_hlo=True)),
