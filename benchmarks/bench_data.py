@@ -21,8 +21,10 @@ measures:
   ``--workers`` worker processes (``config.data.num_workers``), at
   ``--decode_size``, and at the most workers with host resize for
   comparison. Each in a child process (``harness.run_child``, deadline
-  ``--timeout_s``): img/s over ``--measure_s`` after start-up, and the peak
-  host memory of the child and its workers (``harness.HostMemory``).
+  ``--timeout_s``): img/s over ``--measure_s`` after start-up, the peak
+  host memory of the child and its workers (``harness.HostMemory``), and
+  the main process's own CPU time per image (all its threads, and the
+  calling thread alone): the cores it needs beside the workers.
 
 Rows go to bench_data.jsonl as they finish (a cut-off run keeps them), the
 summary to bench_data.json; a table is printed.
@@ -133,9 +135,15 @@ def pipeline_child(spec) -> dict:
     out["startup_s"] = time.perf_counter() - t0
     out["image_shape"] = list(first["image"].shape)
     n, t0 = 0, time.perf_counter()
+    cpu0, thread0 = time.process_time(), time.thread_time()
     while n < 2 * mb or time.perf_counter() - t0 < spec["measure_s"]:
       n += len(next(it)["image"])
     elapsed = time.perf_counter() - t0
+    # This process's own work (workers excluded): taking the chunks out of
+    # shared memory into micro-batches, on its threads in all and on the
+    # calling thread (the part a train step waits for).
+    out["main_cpu_us_per_image"] = 1e6 * (time.process_time() - cpu0) / n
+    out["main_thread_us_per_image"] = 1e6 * (time.thread_time() - thread0) / n
     it.close()
   out["images"] = n
   out["img_s"] = n / elapsed
@@ -268,13 +276,15 @@ def main():
         f"256->{args.image_size} {res['decode_resize_img_s_per_core']:.0f} "
         "img/s")
   print(f"{'workers':>8}{'threads':>8}{'decode_size':>12}{'status':>8}"
-        f"{'img/s':>9}{'per core':>9}{'host GiB':>9}")
+        f"{'img/s':>9}{'per core':>9}{'host GiB':>9}{'main us/img':>12}"
+        f"{'thread us':>10}")
   for r in res["pipeline"]:
     ok = r["status"] == "ok"
     print(f"{r['workers']:>8}{r['threads']:>8}{r['decode_size']:>12}"
           f"{r['status'][:8]:>8}"
           + (f"{r['img_s']:>9.0f}{r['img_s_per_core']:>9.0f}"
-             f"{r['host_peak_gib']:>9.2f}" if ok else ""))
+             f"{r['host_peak_gib']:>9.2f}{r['main_cpu_us_per_image']:>12.0f}"
+             f"{r['main_thread_us_per_image']:>10.0f}" if ok else ""))
 
 
 if __name__ == "__main__":

@@ -228,6 +228,12 @@ def child(spec) -> dict:
   return out
 
 
+def default_workers() -> int:
+  """Decode workers of the stream cases: the cores less 4 for the main
+  process (the hand-over from the workers, the transfers, JAX's threads)."""
+  return max(1, len(os.sched_getaffinity(0)) - 4)
+
+
 def stream_child(spec) -> dict:
   """The trainer's real input path: JPEG bytes (256 px) -> worker processes
   (decode; resize/crop on the host only without decode_size) -> uint8
@@ -258,9 +264,9 @@ def stream_child(spec) -> dict:
   config.tokenizer.max_len = parts["text_len"]
   config.data.image_size = tower.image_size
   config.data.decode_size = spec["decode_size"]
-  # Worker processes (threads alone stop scaling at ~4 cores: bench_data).
-  config.data.num_workers = spec.get("workers") or len(
-      os.sched_getaffinity(0))
+  # Worker processes (threads alone stop scaling at ~4 cores: bench_data),
+  # leaving 4 cores to this process (train/data/config.py num_workers).
+  config.data.num_workers = spec.get("workers") or default_workers()
   config.data.num_threads = 1
   config.data.prefetch_batches = 2
   config.data.cache_max_mb = 0
@@ -374,8 +380,8 @@ def main():
   ap.add_argument("--stream_steps", type=int, default=1,
                   help="steps per stream case (the last is reported)")
   ap.add_argument("--workers", type=int, default=0,
-                  help="stream cases: decode worker processes (0 = all "
-                  "cores)")
+                  help="stream cases: decode worker processes (0 = the "
+                  "cores less 4)")
   ap.add_argument("--decode_size", type=int, default=None,
                   help="stream cases: config.data.decode_size (the host "
                   "decodes the 256 px JPEGs only, the device resizes; 0 = "

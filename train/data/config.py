@@ -89,8 +89,13 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.num_threads = 2
   # Worker processes decoding in parallel (grain's mp_prefetch), each with
   # num_threads readers; 0 = none (threads in this process only). Set it to
-  # the cores to spare for a JPEG corpus: threads alone stop scaling at ~4.
+  # the cores to spare for a JPEG corpus (threads alone stop scaling at ~4),
+  # less about 4: the main process needs cores of its own to take the
+  # workers' chunks out of shared memory into micro-batches and to feed the
+  # device (16 cores of an H200 host: 12 workers 10.3k img/s, 16 workers
+  # 6.5k, benchmarks/bench_data.py).
   c.num_workers = 0
+  # Micro-batches held ahead on the host, in all (workers included).
   c.prefetch_batches = 2
   # A process's shard is decoded and resized once and kept in memory when
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per

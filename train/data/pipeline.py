@@ -28,6 +28,7 @@ normalises them and casts them (``Tower.embed``, train/towers/tower.py).
 """
 
 import io
+import sys
 
 import numpy as np
 
@@ -197,6 +198,65 @@ class _Indices:
 CHUNK = 64
 
 
+def worker_buffers(read_options, num_workers: int):
+  """(read options inside a worker, per-worker buffer) for num_workers
+  worker processes, from the pipeline's read options, whose
+  prefetch_buffer_size is the chunks to hold ahead in all (prefetch_batches
+  micro-batches).
+
+  A worker holds about inner + 1 chunks of its own (its reader threads' buffer
+  and the one it is handing over), and each worker's share of the rest twice:
+  grain's queue from the worker and the main process's thread that empties it
+  each buffer per_worker chunks. Together about prefetch_buffer_size +
+  4 * num_workers chunks, whatever the number of workers: the host memory the
+  input holds ahead is bounded by the micro-batch size, not the batch size.
+  (A worker reading ahead by the whole prefetch_buffer_size, as the
+  threads-only pipeline does, would hold num_workers times that.)
+  """
+  import grain  # pylint: disable=import-outside-toplevel
+  threads = read_options.num_threads
+  inner = grain.ReadOptions(num_threads=threads,
+                            prefetch_buffer_size=max(2, threads))
+  per_worker = max(1, -(-read_options.prefetch_buffer_size
+                        // (2 * num_workers)))
+  return inner, per_worker
+
+
+# The keys of a micro-batch that hold most of its bytes.
+_LARGE = ("image", "image_emb")
+
+
+class _Buffers:
+  """Reused arrays for the micro-batches' images.
+
+  A fresh 1.6 GB array per micro-batch (8192 images of 256 px) costs the
+  main process more in page faults than the copy into it: on the input's
+  critical path, where it competes with the decoding workers for cores. An
+  array is handed out again only once nothing outside this pool refers to it
+  (the caller dropped the micro-batch, and any device transfer or zero-copy
+  device array that held it is gone), so a micro-batch kept by the caller is
+  never overwritten. At most ``size`` arrays are kept; beyond that (a caller
+  holding many micro-batches) fresh ones are made.
+  """
+
+  def __init__(self, size: int = 4):
+    self._size, self._arrays = size, []
+
+  def empty(self, shape: tuple, dtype) -> np.ndarray:
+    for i in range(len(self._arrays)):
+      a = self._arrays[i]
+      # 3 = this list, ``a`` and getrefcount's argument: nobody else.
+      if a.shape == shape and a.dtype == dtype and sys.getrefcount(a) == 3:
+        return a
+      del a
+    a = np.empty(shape, dtype)
+    self._arrays = [b for b in self._arrays
+                    if b.shape == shape and b.dtype == dtype]
+    if len(self._arrays) < self._size:
+      self._arrays.append(a)
+    return a
+
+
 def _pack(items: list) -> dict:
   """(position, element or Bad) x n -> one chunk: the good elements stacked,
   which local positions were good, and the bad ones named."""
@@ -235,6 +295,7 @@ class TrainIterator:
     self._next_position = 0
     self._chunk = None  # The chunk being consumed, and the cursor in it.
     self._cursor = 0
+    self._buffers = _Buffers()
 
   @property
   def bad(self) -> int:
@@ -248,9 +309,10 @@ class TrainIterator:
     if self._iter is None:
       # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
-      ds = self._dataset[self._next_position:].batch(
-          CHUNK, batch_fn=_pack).to_iter_dataset(self._read_options)
-      if self._num_workers:
+      ds = self._dataset[self._next_position:].batch(CHUNK, batch_fn=_pack)
+      if not self._num_workers:
+        ds = ds.to_iter_dataset(self._read_options)
+      else:
         # Worker processes, each on a slice of the positions, interleaved
         # back in order: the stream is the same for any number of workers
         # (the pipeline has no filter; a bad example is an element too).
@@ -260,11 +322,11 @@ class TrainIterator:
           # grain reads absl flags in its workers (defaults when not parsed,
           # e.g. outside train.main).
           flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(
-            num_workers=self._num_workers,
-            per_worker_buffer_size=max(
-                2, self._read_options.prefetch_buffer_size
-                // self._num_workers)))
+        inner, per_worker = worker_buffers(self._read_options,
+                                           self._num_workers)
+        ds = ds.to_iter_dataset(inner).mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=self._num_workers,
+                                         per_worker_buffer_size=per_worker))
       self._iter = iter(ds)
 
   def __iter__(self):
@@ -296,9 +358,15 @@ class TrainIterator:
       self._next_position = chunk["pos0"] + self._cursor
       self.ledger.check()
     self.ledger.add_good(self.microbatch_size)
-    if len(parts) == 1:
-      return {k: np.ascontiguousarray(v) for k, v in parts[0].items()}
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    out = {}
+    for key, first in parts[0].items():
+      shape = (self.microbatch_size, *first.shape[1:])
+      # The images are most of the bytes: they go into a reused buffer
+      # (see _Buffers); the rest is small.
+      buf = (self._buffers.empty(shape, first.dtype) if key in _LARGE
+             else np.empty(shape, first.dtype))
+      out[key] = np.concatenate([p[key] for p in parts], out=buf)
+    return out
 
   def next_batch(self, num_microbatches: int) -> dict:
     """``num_microbatches`` micro-batches concatenated (a whole step)."""
