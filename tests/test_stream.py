@@ -60,16 +60,18 @@ def _parts(loss="softmax", seed=0):
   return tower, txt, head, params, images, tokens
 
 
-@pytest.mark.parametrize("n_dev,loss", [(1, "softmax"), (8, "sigmoid")])
-def test_streamed_step_equals_the_whole_batch_step(n_dev, loss):
-  tower, txt, head, params, images, tokens = _parts(loss)
+def streamed_and_whole(tower, txt, head, params, images, tokens, n_dev, mb):
+  """The whole-batch step and the streamed step on the same micro-batches:
+  (loss, grads) of each, the device-major host batch and the streamed
+  step's inputs. Equal bitwise on one device, to rounding on more."""
+  b = len(images)
   mesh = Mesh(np.array(jax.devices()[:n_dev]), (step_lib.AXIS,))
   kw = dict(mesh=mesh, image_tower=tower, text_tower=txt, head=head,
-            microbatch_size=MB, global_batch=B, image_locked=True)
+            microbatch_size=mb, global_batch=b, image_locked=True)
   whole = jax.jit(step_lib.make_grad_fn(precomputed=False, **kw))
   streamed = jax.jit(step_lib.make_grad_fn(precomputed=True, **kw))
-  micro = [{"image": images[i:i + MB], "text": tokens[i:i + MB]}
-           for i in range(0, B, MB)]
+  micro = [{"image": images[i:i + mb], "text": tokens[i:i + mb]}
+           for i in range(0, b, mb)]
   # Today's step: the whole batch of uint8 images, in the device-major
   # order the streamed step builds (each device's rows of each micro-batch).
   batch = {k: stream_lib.device_major([m[k] for m in micro], n_dev)
@@ -77,17 +79,25 @@ def test_streamed_step_equals_the_whole_batch_step(n_dev, loss):
   loss0, g0 = whole(params, step_lib.shard_batch(mesh, batch))
   streamer = stream_lib.StreamedImageTower(mesh, tower, params["img"],
                                            depth=1)
-  inputs = streamer.step_inputs(iter(micro), B // MB)
-  assert inputs["image_emb"].shape == (B, D)
+  inputs = streamer.step_inputs(iter(micro), b // mb)
   loss1, g1 = streamed(params, inputs)
   if n_dev == 1:
     assert float(loss1) == float(loss0)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-      np.testing.assert_array_equal(a, b)
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+      np.testing.assert_array_equal(x, y)
   else:
     np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g1["txt"]), jax.tree.leaves(g0["txt"])):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for x, y in zip(jax.tree.leaves(g1["txt"]), jax.tree.leaves(g0["txt"])):
+      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  return batch, inputs
+
+
+@pytest.mark.parametrize("n_dev,loss", [(1, "softmax"), (8, "sigmoid")])
+def test_streamed_step_equals_the_whole_batch_step(n_dev, loss):
+  tower, txt, head, params, images, tokens = _parts(loss)
+  batch, inputs = streamed_and_whole(tower, txt, head, params, images,
+                                     tokens, n_dev, MB)
+  assert inputs["image_emb"].shape == (B, D)
   # The embeddings are those of the whole-batch tower, row for row.
   want = np.asarray(tower(batch["image"]))
   np.testing.assert_allclose(np.asarray(inputs["image_emb"]), want,

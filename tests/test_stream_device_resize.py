@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 from PIL import Image
 from types import SimpleNamespace as NS
 
@@ -28,8 +27,6 @@ from tests import corpus as corpus_lib
 from tests import test_stream as ts
 from train import data as D
 from train import precompute as precompute_lib
-from train import step as step_lib
-from train import stream as stream_lib
 from train import train as train_lib
 from train.data import embeddings as emb_lib
 from train.data import pipeline
@@ -124,26 +121,8 @@ def test_streamed_step_equals_the_whole_batch_step_with_decode_size(n_dev):
   params = {"img": tower.params,
             "txt": txt.init(jax.random.key(1), tokens[:1])["params"],
             "head": head.init(jax.random.key(2), e, e)["params"]}
-  mesh = Mesh(np.array(jax.devices()[:n_dev]), (step_lib.AXIS,))
-  kw = dict(mesh=mesh, image_tower=tower, text_tower=txt, head=head,
-            microbatch_size=mb, global_batch=b, image_locked=True)
-  whole = jax.jit(step_lib.make_grad_fn(precomputed=False, **kw))
-  streamed = jax.jit(step_lib.make_grad_fn(precomputed=True, **kw))
-  micro = [{"image": images[i:i + mb], "text": tokens[i:i + mb]}
-           for i in range(0, b, mb)]
-  batch = {k: stream_lib.device_major([m[k] for m in micro], n_dev)
-           for k in ("image", "text")}
-  loss0, g0 = whole(params, step_lib.shard_batch(mesh, batch))
-  streamer = stream_lib.StreamedImageTower(mesh, tower, params["img"],
-                                           depth=1)
-  inputs = streamer.step_inputs(iter(micro), b // mb)
-  loss1, g1 = streamed(params, inputs)
-  if n_dev == 1:
-    assert float(loss1) == float(loss0)
-    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-      np.testing.assert_array_equal(x, y)
-  else:
-    np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
+  batch, inputs = ts.streamed_and_whole(tower, txt, head, params, images,
+                                        tokens, n_dev, mb)
   # And both are the tower's embeddings of the host-resized images, to the
   # resize's few levels.
   host = np.stack([pipeline.resize_crop(im, s) for im in batch["image"]])
