@@ -48,14 +48,6 @@ class PallasTritonBackend(triton_tiles.TritonTilesBackend):
   """The fused Pallas-Triton backend, softmax and sigmoid families."""
 
   name = "pallas"
-  # Tuned: every GPU from sm80 whose shared memory per block is known (the
-  # configs fit it). Newer GPUs are untested; below sm80 Triton has no
-  # bfloat16 dot.
-  RUNS_ON = capability.RunsOn(
-      tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
-      floor=(8, 0), unknown_gpu=capability.UNTESTED,
-      needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
-            "no bfloat16 dot below)")
 
   def default_block_sizes(self, platform, dtype):
     """The ``triton_configs`` entry that fits this GPU's shared memory."""

@@ -24,6 +24,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from infcl_jax import _device
+from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_backend
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends.padding import check_int32
@@ -52,6 +53,14 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
   """Both families over a subclass's ``KERNELS``."""
 
   families = ("softmax", "sigmoid")
+  # Where Triton's kernels run, for both launch paths: every GPU from sm80
+  # whose shared memory per block is known (the configs fit it). Newer GPUs
+  # are untested; below sm80 Triton has no bfloat16 dot.
+  RUNS_ON = capability.RunsOn(
+      tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
+      floor=(8, 0), unknown_gpu=capability.UNTESTED,
+      needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
+            "no bfloat16 dot below)")
 
   def kernels(self) -> Kernels:
     raise NotImplementedError
