@@ -111,20 +111,26 @@ SMALL = BlockSizes(block_q=16, block_k=16, block_d=16, num_programs=2,
                    f32_precision="highest")
 
 
-def test_labels_match_float64():
+@pytest.mark.parametrize("direction", ["image_to_text", "text_to_image"])
+def test_labels_match_xla(direction):
+  """labels= (one positive key per query, one-way, more keys than queries)
+  against the xla backend in float32 "highest"."""
   rng = np.random.default_rng(21)
-  x, y = rand_emb(rng, 24, 10, jnp.float32), rand_emb(rng, 24, 10, jnp.float32)
-  labels = jnp.asarray(rng.integers(0, 5, 24), jnp.int32)
+  nq, nk = 24, 37
+  bx, by = (nq, nk) if direction == "image_to_text" else (nk, nq)
+  x, y = rand_emb(rng, bx, 10, jnp.float32), rand_emb(rng, by, 10, jnp.float32)
+  labels = jnp.asarray(rng.integers(0, nk, nq), jnp.int32)
   got = {}
   for backend in ("triton", "xla"):
     f = lambda x, y, backend=backend: contrastive_loss(
-        x, y, 7.0, labels=labels, backend=backend,
+        x, y, 7.0, labels=labels, direction=direction, backend=backend,
         block_sizes=SMALL if backend == "triton" else None)
     got[backend] = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, y)
   (v, (dx, dy)), (vx, (dxx, dyx)) = got["triton"], got["xla"]
-  assert_rel_close(v, as64(vx), rtol=1e-5, what="labels loss")
-  assert_rel_close(dx, as64(dxx), rtol=1e-4, atol=1e-7, what="labels dx")
-  assert_rel_close(dy, as64(dyx), rtol=1e-4, atol=1e-7, what="labels dy")
+  tol = 1e-5 if not ON_GPU else 2e-3
+  assert_rel_close(v, as64(vx), rtol=tol, what="labels loss")
+  assert_rel_close(dx, as64(dxx), rtol=10 * tol, atol=1e-7, what="labels dx")
+  assert_rel_close(dy, as64(dyx), rtol=10 * tol, atol=1e-7, what="labels dy")
 
 
 @pytest.mark.parametrize("family", ["softmax", "sigmoid"])

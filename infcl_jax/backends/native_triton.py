@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import jax
 
-from infcl_jax.backends import capability
 from infcl_jax.backends import native_triton_configs
 from infcl_jax.backends import triton_tiles
 
@@ -82,8 +81,7 @@ class NativeTritonBackend(triton_tiles.TritonTilesBackend):
 
   def default_block_sizes(self, platform, dtype):
     """The ``native_triton_configs`` entry that fits this GPU."""
-    cc = capability.device_capability() if platform == "gpu" else None
-    return native_triton_configs.default(platform, cc, dtype)
+    return native_triton_configs.default_here(platform, dtype)
 
   def block_sizes(self, block_sizes, dtype):
     if self.interpret and not launch.interpreting():

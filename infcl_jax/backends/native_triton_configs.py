@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from infcl_jax.backends import capability
 from infcl_jax.backends import triton_configs
 from infcl_jax.block_sizes import BlockSizes
 
@@ -70,3 +71,10 @@ def default(platform, capability, dtype) -> BlockSizes:
   if platform != "gpu":
     return triton_configs.INTERPRET
   return config(capability, dtype)
+
+
+def default_here(platform, dtype) -> BlockSizes:
+  """``default`` for the first device of ``platform`` (what the backend's
+  ``default_block_sizes`` returns)."""
+  cc = capability.device_capability() if platform == "gpu" else None
+  return default(platform, cc, dtype)

@@ -25,6 +25,7 @@ not have on its own:
 from __future__ import annotations
 
 import os
+import threading
 
 import jax
 import numpy as np
@@ -152,13 +153,20 @@ def _patch_bf16_dot():
   _PATCHED.append(True)
 
 
+# The interpreter keeps process-wide state (the grid being run, the patched
+# language); the callbacks of several devices (shard_map on a multi-device
+# CPU) run on different threads, so they take turns.
+_LOCK = threading.Lock()
+
+
 def _interpret(kernel, xs, out_shape, grid, constexprs):
   _patch_bf16_dot()
 
   def host(*arrays):
     ins = [_HostBuffer(np.ascontiguousarray(a)) for a in arrays]
     outs = [np.zeros(s.shape, s.dtype) for s in out_shape]
-    kernel[grid](*ins, *[_HostBuffer(o) for o in outs], **constexprs)
+    with _LOCK:
+      kernel[grid](*ins, *[_HostBuffer(o) for o in outs], **constexprs)
     return outs
 
   return list(jax.pure_callback(host, out_shape, *xs))
