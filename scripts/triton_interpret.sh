@@ -14,7 +14,7 @@ venv=${INFCL_TRITON_VENV:-$HOME/.cache/infcl_jax/triton-venv}
 py=${INFCL_TRITON_PYTHON:-}
 if [ -z "$py" ]; then
   for c in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12; do
-    if command -v "$c" >/dev/null 2>&1; then py=$c; break; fi
+    if "$c" -c "import sys" >/dev/null 2>&1; then py=$c; break; fi
   done
 fi
 if [ -z "$py" ]; then

@@ -281,3 +281,88 @@ def test_works_without_pallas_triton():
                        timeout=600, check=False)
   assert out.returncode == 0 and "OK without pallas.triton" in out.stdout, (
       out.stdout[-2000:] + out.stderr[-4000:])
+
+
+# ------------------------- the GPU launch path, traced on any platform
+
+def _fake_jax_triton():
+  """A stand-in for ``jax_triton`` whose ``triton_call`` binds a primitive
+  typed as jax-triton 0.3.1 types its own: outputs without varying mesh
+  axes, and no batching rule. Tracing only (it cannot run)."""
+  import types  # pylint: disable=import-outside-toplevel
+  from jax.extend import core as jex_core  # pylint: disable=import-outside-toplevel
+  from jax.interpreters import batching  # pylint: disable=import-outside-toplevel
+  prim = jex_core.Primitive("fake_triton_kernel_call")
+  prim.multiple_results = True
+  prim.def_abstract_eval(lambda *_, out_shapes, **__: [
+      jax.core.ShapedArray(s.shape, s.dtype) for s in out_shapes])
+
+  def no_vmap(*a, **k):
+    raise NotImplementedError("triton_call does not support batching")
+  batching.primitive_batchers[prim] = no_vmap
+  calls = []
+
+  def triton_call(*args, kernel, out_shape, grid, name="", **kw):
+    calls.append(name)
+    return prim.bind(*args, out_shapes=tuple(out_shape), name=name)
+  return types.SimpleNamespace(triton_call=triton_call, calls=calls)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the real triton_call")
+@pytest.mark.parametrize("family", ["softmax", "sigmoid"])
+def test_gpu_launch_traces_under_vmap_and_shard_map(monkeypatch, family):
+  """The compiled path (jax_triton.triton_call) under jax.grad inside
+  shard_map with check_vma=True, and under vmap: the launch gives the
+  outputs their inputs' varying axes and batches problem by problem."""
+  from infcl_jax.backends import native_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.kernels.triton import launch  # pylint: disable=import-outside-toplevel
+  fake = _fake_jax_triton()
+  monkeypatch.setitem(sys.modules, "jax_triton", fake)
+  monkeypatch.setattr(launch, "interpreting", lambda: False)
+
+  class Compiled(native_triton.NativeTritonBackend):
+    def __init__(self, platform=None):
+      del platform
+      super().__init__(platform="gpu")
+
+  name = "triton_compiled_for_test"
+  monkeypatch.setitem(registry._TABLE, name, Compiled)  # pylint: disable=protected-access
+  # Every kernel output inside shard_map must vary over the mesh axis, like
+  # the shards it is computed from (the fake primitive types it replicated).
+  from infcl_jax import _axes  # pylint: disable=import-outside-toplevel
+  typed, real_call = [], launch.call
+
+  def recording_call(*args, **kwargs):
+    outs = real_call(*args, **kwargs)
+    typed.extend(_axes.varying_axes(o) for o in outs)
+    return outs
+  monkeypatch.setattr(launch, "call", recording_call)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+  def local(x, y, t, b):
+    if family == "softmax":
+      return contrastive_loss(x, y, t, logit_bias=b, axis_name="data",
+                              backend=name)
+    return sigmoid_loss(x, y, t, b, axis_name="data", backend=name)
+
+  x = jax.ShapeDtypeStruct((2 * 24, 40), jnp.bfloat16)
+  t = jax.ShapeDtypeStruct((), jnp.float32)
+  step = jax.shard_map(
+      jax.grad(local, argnums=(0, 1, 2, 3)), mesh=mesh,
+      in_specs=(P("data"), P("data"), P(), P()),
+      out_specs=(P("data"), P("data"), P(), P()), check_vma=True)
+  jax.make_jaxpr(step)(x, x, t, t)
+  fwd, bwd = (("infcl_triton_lse_fwd", "infcl_triton_lse_bwd_panel")
+              if family == "softmax" else
+              ("infcl_triton_sigmoid_fwd", "infcl_triton_sigmoid_bwd_g"))
+  assert fwd in fake.calls and bwd in fake.calls, fake.calls
+  assert typed and all(v == {"data"} for v in typed), typed
+  # vmap over problems: the primitive refuses batching, the launch maps.
+  fake.calls.clear()
+  xs = jax.ShapeDtypeStruct((3, 24, 40), jnp.bfloat16)
+  ts = jax.ShapeDtypeStruct((3,), jnp.float32)
+  single = (lambda x, y, t: contrastive_loss(x, y, t, backend=name)) if (
+      family == "softmax") else (
+          lambda x, y, t: sigmoid_loss(x, y, t, -1.0, backend=name))
+  jax.make_jaxpr(jax.vmap(jax.grad(single, argnums=(0, 2))))(xs, xs, ts)
+  assert fwd in fake.calls and bwd in fake.calls, fake.calls
