@@ -1,23 +1,31 @@
 """Benchmark of the host input pipeline: reading shards, decoding, img/s/core.
 
-    python benchmarks/bench_data.py --out /tmp/bench_data [--num 4096]
+    python benchmarks/bench_data.py --out OUT                  # device machine
+    python benchmarks/bench_data.py --quick --out /tmp/bd      # CPU smoke
 
-Writes ``--num`` 256 px JPEGs (benchmarks' JpegPool images) into
-img2dataset-style webdataset shards under a temporary directory, then
+Writes ``--num`` 256 px JPEGs (``synthetic.JpegPool`` photo-like images)
+into img2dataset-style webdataset shards under a temporary directory, then
 measures:
 
-* reading the shards' members (no decoding), three ways: the standard
-  library's ``tarfile`` sequentially, the ``webdataset`` package's
-  sequential reader (if installed), and this trainer's index + ``os.pread``
-  random access (train/data/webdataset.py), plus the time to index;
-* decode + resize/crop 256 -> 224 (``pipeline.decode_image`` +
-  ``resize_crop``) on one thread: img/s per core;
+* reading the shards' members (no decoding): the standard library's
+  ``tarfile`` sequentially, the ``webdataset`` package (if installed), and
+  this trainer's index + ``os.pread`` random access
+  (train/data/webdataset.py), plus the time to index;
+* per core (one thread, ``harness.timeit``): decode only, as the host does
+  with ``config.data.decode_size=256`` (a 256 x 256 JPEG is left as it
+  decodes; the device resizes), beside decode + bicubic resize/crop
+  256 -> 224 (``decode_size=0``, the host resizes);
 * the trainer's whole host pipeline (``make_train_iterator`` over the
-  shards: read, decode, crop, tokenize, shuffle, uint8 micro-batches) with
-  1, 2, 4, ... reader threads up to the core count, and with ``--workers``
-  worker processes (``config.data.num_workers``).
+  shards: read, decode, [resize/crop], tokenize, shuffle, uint8
+  micro-batches of ``--microbatch``): with reader threads only and with
+  ``--workers`` worker processes (``config.data.num_workers``), at
+  ``--decode_size``, and at the most workers with host resize for
+  comparison. Each in a child process (``harness.run_child``, deadline
+  ``--timeout_s``): img/s over ``--measure_s`` after start-up, and the peak
+  host memory of the child and its workers (``harness.HostMemory``).
 
-Writes bench_data.json into --out and prints a table.
+Rows go to bench_data.jsonl as they finish (a cut-off run keeps them), the
+summary to bench_data.json; a table is printed.
 """
 from __future__ import annotations
 
@@ -33,6 +41,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks import harness  # pylint: disable=wrong-import-position
+
+RESULT_TAG = "BENCH_DATA_RESULT "
 
 
 def write_shards(directory, num, per_shard=1024):
@@ -72,27 +84,133 @@ def read_webdataset(pattern):
   return n
 
 
-def main():
-  # (Worker processes are spawned: this module must not run on import.)
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", required=True)
-  ap.add_argument("--num", type=int, default=4096)
-  ap.add_argument("--max_threads", type=int, default=os.cpu_count())
-  ap.add_argument("--workers", default="",
-                  help="comma-separated worker-process counts to measure "
-                  "(config.data.num_workers, 1 thread each)")
-  ap.add_argument("--skip_threads", action="store_true")
-  args = ap.parse_args()
-  import numpy as np  # pylint: disable=import-outside-toplevel
+def per_core_rates(jpgs, image_size, decode_size, reps):
+  """img/s on one thread: decode only at decode_size, decode + resize."""
+  from train.data import pipeline  # pylint: disable=import-outside-toplevel
+
+  def decode_only():
+    for j in jpgs:
+      pipeline.resize_crop(pipeline.decode_image(j, "", decode_size),
+                           decode_size)  # A no-op for C x C JPEGs.
+
+  def decode_resize():
+    for j in jpgs:
+      pipeline.resize_crop(pipeline.decode_image(j, "", image_size),
+                           image_size)
+
+  out = {}
+  for name, fn in (("decode_only", decode_only),
+                   ("decode_resize", decode_resize)):
+    t = harness.timeit(fn, reps=reps, warmup=1)
+    out[f"{name}_img_s_per_core"] = len(jpgs) / t.median
+  return out
+
+
+# ----------------------------------------------------------------- child
+
+
+def pipeline_child(spec) -> dict:
+  """One pipeline configuration: img/s after start-up, peak host memory."""
   import ml_collections  # pylint: disable=import-outside-toplevel
   from train.data import config as data_config  # pylint: disable=import-outside-toplevel
   from train.data import pipeline  # pylint: disable=import-outside-toplevel
+  config = ml_collections.ConfigDict()
+  config.data = data_config.default_data_config()
+  config.tokenizer = data_config.default_tokenizer_config()
+  config.tokenizer.max_len = 16
+  config.data.name = "webdataset:" + spec["pattern"]
+  config.data.image_size = spec["image_size"]
+  config.data.decode_size = spec["decode_size"]
+  config.data.num_threads = spec["threads"]
+  config.data.num_workers = spec["workers"]
+  config.data.cache_max_mb = 0
+  mb = spec["microbatch"]
+  out = dict(spec)
+  with harness.HostMemory() as mem:
+    t0 = time.perf_counter()
+    it = pipeline.make_train_iterator(config, batch_size=mb, seed=0)
+    first = next(it)  # Start-up: workers spawned, buffers filling.
+    out["startup_s"] = time.perf_counter() - t0
+    out["image_shape"] = list(first["image"].shape)
+    n, t0 = 0, time.perf_counter()
+    while n < 2 * mb or time.perf_counter() - t0 < spec["measure_s"]:
+      n += len(next(it)["image"])
+    elapsed = time.perf_counter() - t0
+    it.close()
+  out["images"] = n
+  out["img_s"] = n / elapsed
+  cores = spec["workers"] or spec["threads"]
+  out["img_s_per_core"] = out["img_s"] / cores
+  out["host_peak_gib"] = mem.peak_gib
+  out["status"] = "ok"
+  return out
+
+
+# ----------------------------------------------------------------- parent
+
+
+def main():
+  # (Worker processes are spawned: this module must not run on import.)
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=None, help="results directory")
+  ap.add_argument("--quick", action="store_true",
+                  help="a CPU smoke test: few images, small micro-batches")
+  ap.add_argument("--num", type=int, default=None,
+                  help="JPEGs in the shards (default 16384; quick: 512)")
+  ap.add_argument("--image_size", type=int, default=224)
+  ap.add_argument("--decode_size", type=int, default=256,
+                  help="config.data.decode_size of the pipeline cases")
+  ap.add_argument("--threads", default=None,
+                  help="reader-thread counts without workers (default "
+                  "1,2,4,... up to the cores; quick: 1,2; '' = none)")
+  ap.add_argument("--workers", default=None,
+                  help="worker-process counts, 1 thread each (default "
+                  "8,12,16; quick: 2)")
+  ap.add_argument("--microbatch", type=int, default=None,
+                  help="images per micro-batch (default 8192, the trainer's "
+                  "GradCache micro-batch; quick: 64)")
+  ap.add_argument("--measure_s", type=float, default=None,
+                  help="seconds measured per pipeline case (default 10; "
+                  "quick: 1)")
+  ap.add_argument("--timeout_s", type=int, default=120,
+                  help="deadline of one pipeline case")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args()
+  if args.child:
+    print(RESULT_TAG + json.dumps(pipeline_child(json.loads(args.child))),
+          flush=True)
+    return
+  if not args.out:
+    ap.error("--out is required")
+
+  import numpy as np  # pylint: disable=import-outside-toplevel
   from train.data import webdataset as wds_lib  # pylint: disable=import-outside-toplevel
+  quick = args.quick
+  num = args.num or (512 if quick else 16384)
+  cores = len(os.sched_getaffinity(0))
+
+  def ints(arg, default):
+    text = default if arg is None else arg
+    return [int(x) for x in text.split(",") if x.strip()]
+  threads = ints(args.threads, "1,2" if quick else ",".join(
+      str(2**k) for k in range(cores.bit_length())))
+  workers = ints(args.workers, "2" if quick else "8,12,16")
+  microbatch = args.microbatch or (64 if quick else 8192)
+  measure_s = args.measure_s or (1.0 if quick else 10.0)
+  os.makedirs(args.out, exist_ok=True)
+  rows_path = os.path.join(args.out, "bench_data.jsonl")
   res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-         "cores": os.cpu_count(), "num": args.num}
+         "cores": cores, "num": num, "image_size": args.image_size,
+         "decode_size": args.decode_size, "microbatch": microbatch}
+
+  def row(r):
+    with open(rows_path, "a") as f:
+      f.write(json.dumps(r) + "\n")
+    print("[bench_data] " + json.dumps(r), flush=True)
+
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
-    pattern = write_shards(tmp, args.num)
+    pattern = write_shards(tmp, num)
     res["write_s"] = time.perf_counter() - t0
     paths = wds_lib.expand_shards(pattern)
     res["shard_mib"] = sum(os.path.getsize(p) for p in paths) / 2**20
@@ -115,55 +233,48 @@ def main():
     for i in order:
       src[int(i)]
     res["read_indexed_random_img_s"] = len(src) / (time.perf_counter() - t0)
-    # Decode + crop on one thread.
     jpgs = [src[i]["image"] for i in range(min(len(src), 1024))]
-    t0 = time.perf_counter()
-    for j in jpgs:
-      pipeline.resize_crop(pipeline.decode_image(j, "", 224), 224)
-    res["decode_crop_img_s_per_core"] = len(jpgs) / (time.perf_counter() - t0)
-    # The whole pipeline.
+    res.update(per_core_rates(jpgs, args.image_size, args.decode_size,
+                              reps=2 if quick else 3))
+    row({"kind": "reading_and_per_core", **res})
+
+    base = dict(pattern=pattern, image_size=args.image_size,
+                microbatch=microbatch, measure_s=measure_s)
+    cases = [dict(base, workers=0, threads=t, decode_size=args.decode_size)
+             for t in threads]
+    cases += [dict(base, workers=w, threads=1, decode_size=args.decode_size)
+              for w in workers]
+    if workers:  # The host resizing, at the most workers, for comparison.
+      cases.append(dict(base, workers=max(workers), threads=1, decode_size=0))
     res["pipeline"] = []
-    runs = [] if args.skip_threads else [
-        (0, 2**k) for k in range(args.max_threads.bit_length())]
-    runs += [(int(w), 1) for w in args.workers.split(",") if w.strip()]
-    for workers, threads in runs:
-      config = ml_collections.ConfigDict()
-      config.data = data_config.default_data_config()
-      config.tokenizer = data_config.default_tokenizer_config()
-      config.tokenizer.max_len = 16
-      config.data.name = "webdataset:" + pattern
-      config.data.image_size = 224
-      config.data.num_threads = threads
-      config.data.num_workers = workers
-      config.data.cache_max_mb = 0
-      it = pipeline.make_train_iterator(config, batch_size=256, seed=0)
-      next(it)  # Start-up.
-      t0 = time.perf_counter()
-      k = max(4, args.num // 256)
-      for _ in range(k):
-        next(it)
-      rate = k * 256 / (time.perf_counter() - t0)
-      cores = workers or threads
-      res["pipeline"].append({"threads": threads, "workers": workers,
-                              "img_s": rate, "img_s_per_core": rate / cores})
-      print(f"[bench_data] pipeline {workers} workers x {threads} threads: "
-            f"{rate:.0f} img/s", flush=True)
-      it.close()
-  os.makedirs(args.out, exist_ok=True)
+    for case in cases:
+      r = harness.run_child(
+          [os.path.abspath(__file__), "--child", json.dumps(case)],
+          result_tag=RESULT_TAG, timeout_s=args.timeout_s)
+      r = dict(case, **r)
+      r.pop("pattern", None)
+      res["pipeline"].append(r)
+      row({"kind": "pipeline", **r})
   with open(os.path.join(args.out, "bench_data.json"), "w") as f:
     json.dump(res, f, indent=1)
-  print(f"cores {res['cores']}, {args.num} JPEGs 256 px, "
-        f"{res['shard_mib']:.0f} MiB of shards (page cache)")
+  print(f"\ncores {cores}, {num} JPEGs 256 px, {res['shard_mib']:.0f} MiB of "
+        "shards (page cache)")
   print(f"read members: tarfile {res['read_tarfile_img_s']:.0f}/s, "
         f"webdataset {res['read_webdataset_img_s'] or float('nan'):.0f}/s, "
         f"index+pread random {res['read_indexed_random_img_s']:.0f}/s "
         f"(index {res['index_examples_s']:.0f} examples/s)")
-  print(f"decode+crop 256->224: {res['decode_crop_img_s_per_core']:.0f} "
-        "img/s on one core")
+  print(f"one core: decode only (decode_size={args.decode_size}) "
+        f"{res['decode_only_img_s_per_core']:.0f} img/s, decode + resize/crop "
+        f"256->{args.image_size} {res['decode_resize_img_s_per_core']:.0f} "
+        "img/s")
+  print(f"{'workers':>8}{'threads':>8}{'decode_size':>12}{'status':>8}"
+        f"{'img/s':>9}{'per core':>9}{'host GiB':>9}")
   for r in res["pipeline"]:
-    print(f"pipeline {r['workers']:>3} worker processes x {r['threads']:>2} "
-          f"threads: {r['img_s']:>7.0f} img/s ({r['img_s_per_core']:.0f} per "
-          "core)")
+    ok = r["status"] == "ok"
+    print(f"{r['workers']:>8}{r['threads']:>8}{r['decode_size']:>12}"
+          f"{r['status'][:8]:>8}"
+          + (f"{r['img_s']:>9.0f}{r['img_s_per_core']:>9.0f}"
+             f"{r['host_peak_gib']:>9.2f}" if ok else ""))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
 # Run from the checkout (the trainer is not an installed package).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _unit(x):
@@ -34,10 +35,16 @@ def _bf16(x):
       np.float32)
 
 
+def _once(fn, *args):
+  """(fn(*args), its seconds): one synchronized call, no warm-up, timed by
+  the harness (a pass over a whole split is too long to repeat)."""
+  got = []
+  t = harness.timeit(lambda: got.append(fn(*args)), reps=1, warmup=0)
+  return got[0], t.median
+
+
 def _compare(name, metrics_fn, *arrays):
-  t0 = time.perf_counter()
-  f32 = metrics_fn(*arrays)
-  t_f32 = time.perf_counter() - t0
+  f32, t_f32 = _once(metrics_fn, *arrays)
   bf = metrics_fn(*[_bf16(a) if a.dtype == np.float32 else a
                     for a in arrays])
   emb_mb = sum(a.nbytes for a in arrays if a.dtype == np.float32) / 2**20
@@ -93,10 +100,8 @@ def trained(args):
   image_tower, text_tower, _ = train.make_models(config, tokenizer)
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
   ev = train.make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
-  t0 = time.perf_counter()
-  got = ev(params)
-  print(f"\n{args.workdir}: the evaluator's pass in "
-        f"{time.perf_counter() - t0:.1f} s: "
+  got, t_eval = _once(ev, params)
+  print(f"\n{args.workdir}: the evaluator's pass in {t_eval:.1f} s: "
         + ", ".join(f"{k} {v:.4f}" for k, v in got.items()))
   emb = stream.embed_split(ev.zeroshot.split, mesh=mesh,
                            image_embed=ev._embed_img,  # pylint: disable=protected-access

@@ -119,8 +119,29 @@ HIDDEN_TARGET = 0.80  # Ring <= compute-only + 20% of transfer-only.
 
 # ------------------------------------------------------------- one case
 
+def add_case_args(ap, *, b_local, b_local_help, devices, devices_help,
+                  backend, budget_s, time_budget_s, time_budget_help):
+  """The options that name the cases, shared with ``ring_diagnose``: local
+  batches, device counts, D, dtype, backend and tiles, plus the repetition
+  and wall-clock budgets and the simulated CPU devices; each script gives
+  its own defaults."""
+  ap.add_argument("--b-local", default=b_local, help=b_local_help)
+  ap.add_argument("--devices", default=devices, help=devices_help)
+  ap.add_argument("--dims", type=int, default=768, help="embedding dim D")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--backend", default=backend)
+  add_tile_args(ap)
+  ap.add_argument("--budget-s", type=float, default=budget_s,
+                  help="time for repetitions per timed case (median of "
+                  "<= 7)")
+  ap.add_argument("--time-budget-s", type=float, default=time_budget_s,
+                  help=time_budget_help)
+  ap.add_argument("--cpu-devices", type=int, default=0,
+                  help="force this many host CPU devices (smoke test)")
+
+
 def add_tile_args(ap):
-  """--block-q / --block-k / --num-programs (read by ``_block_sizes``)."""
+  """--block-q / --block-k / --num-programs (read by ``block_sizes_of``)."""
   ap.add_argument("--block-q", type=int, default=0)
   ap.add_argument("--block-k", type=int, default=0)
   ap.add_argument("--num-programs", type=int, default=0,
@@ -404,20 +425,15 @@ def _powers_of_two_upto(n):
 def parse_args(argv):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default="benchmarks/results")
-  ap.add_argument("--b-local", default="65536,16384,8192",
-                  help="comma list of local batches; the first is the "
-                  "headline (overlap, max batch, targets)")
-  ap.add_argument("--dims", type=int, default=768, help="embedding dim D")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--devices", default="",
-                  help="comma list of device counts (default 1, 2, 4, ... "
-                  "up to all visible)")
+  add_case_args(
+      ap, b_local="65536,16384,8192", b_local_help="comma list of local "
+      "batches; the first is the headline (overlap, max batch, targets)",
+      devices="", devices_help="comma list of device counts (default 1, 2, "
+      "4, ... up to all visible)", backend="auto", budget_s=4.0,
+      time_budget_s=540.0, time_budget_help="cases starting after this "
+      "many seconds are skipped (and say so); 0 = no limit")
   ap.add_argument("--strategies", default="ring,gather,plain")
   ap.add_argument("--sections", default="scaling,overlap,hlo,maxbatch")
-  ap.add_argument("--backend", default="auto")
-  add_tile_args(ap)
-  ap.add_argument("--budget-s", type=float, default=4.0,
-                  help="time for repetitions per case (median of <= 7)")
   ap.add_argument("--max-step-s", type=float, default=20.0,
                   help="max batch: run a step only if its estimated time is "
                   "below this; larger ones are compiled, not run")
@@ -430,9 +446,6 @@ def parse_args(argv):
   ap.add_argument("--max-b-local", type=int, default=0,
                   help="max batch: largest b to try (default 2^24 on GPU, "
                   "4x the headline b elsewhere)")
-  ap.add_argument("--time-budget-s", type=float, default=540.0,
-                  help="cases starting after this many seconds are skipped "
-                  "(and say so); 0 = no limit")
   ap.add_argument("--timeout-s", type=int, default=300,
                   help="per case (isolated runs)")
   ap.add_argument("--compile-timeout-s", type=int, default=150,
@@ -445,8 +458,6 @@ def parse_args(argv):
                   help="with --resume: run the timed-out cases again")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                   help="a fresh process per case (auto: on GPUs)")
-  ap.add_argument("--cpu-devices", type=int, default=0,
-                  help="force this many host CPU devices (smoke test)")
   ap.add_argument("--quick", action="store_true",
                   help="one local batch (the first), fewer reps")
   ap.add_argument("--case", help=argparse.SUPPRESS)

@@ -1,308 +1,701 @@
-"""Tower speed beside torch, in one job, and a LiT step with a loaded tower.
+"""Tower speed beside torch, in one job, and LiT steps with a loaded tower.
 
-    PYTHONPATH=. python3 benchmarks/bench_towers.py --out OUT [--budget_s 400]
+    PYTHONPATH=. python3 benchmarks/bench_towers.py --out OUT           # GPU
+    PYTHONPATH=. python3 benchmarks/bench_towers.py --quick --out /tmp/bt  # CPU
 
-On one GPU, bf16, synthetic inputs, medians of timed repetitions after
-compilation and a warm-up:
+Every case runs in its own child process (``harness.run_child``): XLA_FLAGS
+are read once per process, each case's peak-memory counter starts from
+zero, torch does not share the device with JAX's pre-allocated pool, and a
+crash or a hang costs one case. bf16, synthetic inputs, medians of timed
+repetitions after compilation and a warm-up (``harness.timeit``).
 
-1. ViT-B/16 forward, 224 px, batch 1024 (images/s): ours (``train.towers.vit``
-   through ``Tower.embed`` on uint8, normalisation included) with cuDNN
-   attention and with XLA's; timm's ``vit_base_patch16_224`` (torch SDPA)
-   eager and ``torch.compile``d (float input, no normalisation).
+1. ViT-B/16 forward, 224 px, batch 1024 (images/s), ours (``train.towers``
+   ViT with a class token through ``Tower.embed`` on uint8, normalisation
+   included, cuDNN attention) under several MLP activations, the exact
+   GELU among them in several formulations, with and without an
+   optimisation barrier between the activation and fc2, and with XLA's
+   Triton GEMMs switched off; beside timm's ``vit_base_patch16_224``
+   (torch SDPA, float input) eager and ``torch.compile``d. The optimised
+   HLO of each of our cases goes to OUT/hlo/ (its kernels, and in full for
+   the two exact-GELU formulations), to see where the activation was fused.
 2. Text tower forward + backward, CLIP size (width 512, depth 12, 8 heads,
    vocabulary 49,408), batch 1024, 16 and 77 tokens (sequences/s): ours
    (causal + EOS pooling, and bidirectional + mean pooling over per-row
    lengths) beside HF ``CLIPTextModelWithProjection`` (SDPA) eager and
    compiled.
-3. A LiT step at B = 65,536 with a ViT-B/16 HF-CLIP-layout tower (random
-   weights, written by ``save_pretrained``, read by
-   ``train.pretrained.load_image_tower``): the embedding of 65,536 uint8
-   images in micro-batches of 1024, then ``train.step``'s precomputed-mode
-   train step (text tower width 768, depth 12, 16 tokens, vocabulary 32,000,
-   GradCache micro-batch 8192: the configuration of ``bench_train.py``).
+3. The LiT train step (``train.step``) at B = 65,536 with a ViT-B/16 image
+   tower, locked, two towers (a ViT-B/16 HF-CLIP-layout checkpoint, random
+   weights written by ``save_pretrained`` and read by
+   ``train.pretrained.load_image_tower``; our own from-scratch ViT) in two
+   modes: precomputed embeddings (the tower's rate on 16 batches of 1024
+   uint8 images, its embeddings tiled to 65,536) and on the fly (65,536
+   uint8 images made on the device, the tower run inside the step in the
+   GradCache micro-batches, as ``bench_train.py``'s image_tower mode).
+   Text tower width 768, depth 12, 16 tokens, vocabulary 32,000, GradCache
+   micro-batch 8192, softmax loss (``bench_train.py``'s configuration),
+   D = 512 (the CLIP projection). Peak GPU memory per case.
 
-Rows go to OUT/bench_towers.jsonl as they finish (a cut-off run keeps what
-it measured); a table is printed last. ``--budget_s`` skips what would not
-finish in time.
+Cases run in priority order; ``--budget_s`` bounds the whole run: a case
+whose estimate does not fit in what is left is skipped, and each child's
+deadline is the smaller of its own and what is left. Rows go to
+OUT/bench_towers.jsonl as they are measured (a cut-off run keeps them), a
+summary table is printed last.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 
-T0 = time.time()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
+
+RESULT_TAG = "BENCH_TOWERS_RESULT "
+FIXTURE_HF = os.path.join(harness.ROOT, "tests", "fixtures", "towers",
+                          "hf_clip_vision")
+NO_TRITON_GEMM = "--xla_gpu_enable_triton_gemm=false"
+
+# Sizes of the GPU run and of the CPU smoke run (--quick).
+FULL = dict(
+    vit=dict(patch_size=16, width=768, depth=12, num_heads=12, mlp_dim=3072,
+             image=224, batch=1024),
+    text=dict(vocab=49408, width=512, depth=12, heads=8, mlp=2048, embed=512,
+              batch=1024, lengths=(16, 77)),
+    lit=dict(batch=65536, micro=8192, img_batch=1024, embed_batches=16,
+             embed_dim=512, text_width=768, text_depth=12, text_heads=12,
+             text_mlp=3072, text_len=16, vocab=32000, reps=3,
+             reps_on_the_fly=1))
+QUICK = dict(
+    vit=dict(patch_size=8, width=32, depth=2, num_heads=2, mlp_dim=64,
+             image=32, batch=4),
+    text=dict(vocab=300, width=32, depth=1, heads=2, mlp=64, embed=32,
+              batch=4, lengths=(16, 77)),
+    lit=dict(batch=32, micro=16, img_batch=16, embed_batches=1,
+             embed_dim=24, text_width=32, text_depth=1, text_heads=2,
+             text_mlp=64, text_len=16, vocab=300, reps=1, reps_on_the_fly=1))
+
+# ViT forward variants: name -> (label, spec). ``act`` is the module's
+# activation name; ``gelu`` the formulation put in place of
+# ``layers.ACTIVATIONS["gelu"]`` in that case's process (``_gelu_forms``);
+# ``barrier``: an optimisation barrier on the activation's output, so that
+# XLA cannot fuse the activation into fc2's GEMM as a prologue (evaluated
+# again for every output tile), only into fc1's epilogue or a kernel of its
+# own; ``xla_flags``: added for that process; ``full_hlo``: the whole
+# optimised HLO is written too, not only its kernel list.
+VIT_CASES = {
+    "vit_erfc": ("ours, GELU jax.nn.gelu (erfc)",
+                 dict(act="gelu", gelu="erfc", full_hlo=True)),
+    "vit_erf": ("ours, GELU erf in f32 (default)",
+                dict(act="gelu", gelu="erf_f32", full_hlo=True)),
+    "vit_erfc_barrier": ("ours, GELU erfc, barrier before fc2",
+                         dict(act="gelu", gelu="erfc", barrier=True)),
+    "vit_erfc_no_triton": ("ours, GELU erfc, Triton GEMM off",
+                           dict(act="gelu", gelu="erfc",
+                                xla_flags=NO_TRITON_GEMM)),
+    "vit_quick": ("ours, quick-GELU", dict(act="quick_gelu")),
+    "vit_tanh": ("ours, tanh-GELU", dict(act="gelu_tanh")),
+    "vit_erf_bf16": ("ours, GELU erf in bf16",
+                     dict(act="gelu", gelu="erf_dtype")),
+    "vit_erf_barrier": ("ours, GELU erf f32, barrier before fc2",
+                        dict(act="gelu", gelu="erf_f32", barrier=True)),
+    "vit_erf_no_triton": ("ours, GELU erf f32, Triton GEMM off",
+                          dict(act="gelu", gelu="erf_f32",
+                               xla_flags=NO_TRITON_GEMM)),
+}
+
+# (name, part, estimated seconds on one H200 incl. the child's start,
+# deadline seconds), in priority order: what a short budget cuts is last.
+# The quick-GELU ViT-B/16's forward rate is also in lit_hf_precomputed (its
+# embedding of the images, batch 1024), hence vit_quick among the last.
+PLAN = (
+    ("vit_erfc", "vit", 20, 120),
+    ("vit_erf", "vit", 20, 120),
+    ("vit_torch", "vit_torch", 40, 180),
+    ("vit_erfc_barrier", "vit", 20, 120),
+    ("vit_erfc_no_triton", "vit", 20, 120),
+    ("text_jax", "text_jax", 55, 180),
+    ("text_torch", "text_torch", 70, 240),
+    ("lit_hf_precomputed", "lit", 60, 200),
+    ("lit_own_precomputed", "lit", 45, 200),
+    ("lit_hf_on_the_fly", "lit", 70, 240),
+    ("lit_own_on_the_fly", "lit", 65, 240),
+    ("vit_quick", "vit", 20, 120),
+    ("vit_tanh", "vit", 20, 120),
+    ("vit_erf_bf16", "vit", 20, 120),
+    ("vit_erf_barrier", "vit", 20, 120),
+    ("vit_erf_no_triton", "vit", 20, 120),
+)
+PARTS_ORDER = ("vit_b16_fwd", "text_fwd_bwd_L16", "text_fwd_bwd_L77",
+               "lit_step")
 
 
-def _median(xs):
-  return sorted(xs)[len(xs) // 2]
+# ----------------------------------------------------------------- child
 
 
-def _time_jax(fn, reps):
-  import jax  # pylint: disable=g-import-not-at-top
-  t = time.perf_counter()
-  jax.block_until_ready(fn())
-  compile_s = time.perf_counter() - t
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return _median(times), compile_s
+class Emitter:
+  """Appends each measured row to the jsonl at once and keeps it."""
 
-
-def _time_torch(fn, reps):
-  import torch  # pylint: disable=g-import-not-at-top
-  t = time.perf_counter()
-  fn()
-  torch.cuda.synchronize()
-  compile_s = time.perf_counter() - t
-  fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    times.append(time.perf_counter() - t)
-  return _median(times), compile_s
-
-
-class Rows:
-  def __init__(self, out):
-    self.path = os.path.join(out, "bench_towers.jsonl")
-    self.rows = []
+  def __init__(self, spec):
+    self.spec, self.rows = spec, []
 
   def add(self, **row):
-    row["elapsed_s"] = round(time.time() - T0, 1)
+    row = dict(case=self.spec["name"], status=row.pop("status", "ok"), **row)
+    row["elapsed_s"] = round(time.time() - self.spec["t0"], 1)
     self.rows.append(row)
-    with open(self.path, "a") as f:
+    with open(self.spec["jsonl"], "a") as f:
       f.write(json.dumps(row) + "\n")
     print("ROW", json.dumps(row), flush=True)
 
 
-def vit_jax(rows, batch, reps):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from train.towers import layers  # pylint: disable=g-import-not-at-top
-  from train.towers import vit as vit_lib  # pylint: disable=g-import-not-at-top
-  from train.towers.tower import Normalization, Tower  # pylint: disable=g-import-not-at-top,g-multiple-import
-  module = vit_lib.ViT(patch_size=16, width=768, depth=12, num_heads=12,
-                       mlp_dim=3072, class_token=True, pos_embed_cls=True,
-                       pool="tok", final_norm="tokens", act="gelu",
-                       dtype=jnp.bfloat16)
-  params = module.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)))[
+def _peak_gib():
+  import jax  # pylint: disable=import-outside-toplevel
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  peak = max(int(s.get("peak_bytes_in_use", 0)) for s in stats)
+  return peak / 2**30 if peak else None
+
+
+def _timing_row(t, batch):
+  return dict(median_s=t.median, min_s=t.min, max_s=t.max, reps=t.reps,
+              per_s=batch / t.median)
+
+
+def _gelu_forms():
+  """The exact GELU's formulations the A/B compares (the same function)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from train.towers import layers  # pylint: disable=import-outside-toplevel
+  half = np.sqrt(0.5)
+  return {
+      "erf_f32": layers.gelu,
+      "erfc": lambda x: jax.nn.gelu(x, approximate=False),
+      "erf_dtype": lambda x: x * 0.5 * (1 + jax.lax.erf(
+          x * np.asarray(half, x.dtype))),
+  }
+
+
+def _hlo_kernels(text):
+  """The kernels of optimised HLO, in order, one line each: its op, fusion
+  kind or custom-call target, GEMM epilogue, and what its computation holds
+  (dots, erf, exp, tanh, logistic), so one sees where the activation was
+  fused. ``call``s (e.g. XLA:GPU's command buffers) are listed through."""
+  comps, name, body = {}, None, []
+  for line in text.splitlines():
+    m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if m and not line.startswith(" "):
+      name, body = ("ENTRY" if m.group(1) else m.group(2)), []
+    elif line.startswith("}") and name is not None:
+      comps[name], name = body, None
+    elif name is not None:
+      body.append(line)
+  callee = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+
+  def held(comp, depth=0):
+    lines = comps.get(comp, [])
+    n = {op: sum(f" {op}(" in x for x in lines)
+         for op in ("dot", "erf", "exponential", "tanh", "logistic")}
+    for x in lines if depth < 4 else ():
+      for c in callee.findall(x):
+        for k, v in held(c, depth + 1).items():
+          n[k] += v
+    return n
+
+  out = []
+
+  def walk(comp, depth=0):
+    for line in comps.get(comp, []):
+      m = re.match(r"\s*(ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\(",
+                   line)
+      if not m or m.group(4) in ("parameter", "constant", "tuple", "bitcast",
+                                 "get-tuple-element"):
+        continue
+      called = callee.findall(line)
+      if m.group(4) == "call" and depth < 4:
+        for c in called:
+          walk(c, depth + 1)
+        continue
+      tags = re.findall(r'custom_call_target="([^"]+)"|"kind":"(__\w+)"'
+                        r'|"epilogue":"(\w+)"', line)
+      tags = [t for g in tags for t in g if t]
+      ops = {}
+      for c in called:
+        for k, v in held(c).items():
+          ops[k] = ops.get(k, 0) + v
+      inside = " ".join(f"{k}x{v}" for k, v in ops.items() if v)
+      out.append(f"{m.group(2):36s} {m.group(4):12s} {m.group(3)[:40]:40s} "
+                 f"{' '.join(tags):28s} {inside}".rstrip())
+  walk("ENTRY")
+  return "\n".join(out) + "\n"
+
+
+def _strip_metadata(text):
+  return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
+def child_vit(spec, rows):
+  """Ours, one activation variant: forward of a batch of uint8 images."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from train.towers import layers  # pylint: disable=import-outside-toplevel
+  from train.towers import vit as vit_lib  # pylint: disable=import-outside-toplevel
+  from train.towers.tower import Normalization, Tower  # pylint: disable=import-outside-toplevel,g-multiple-import
+  v, case = spec["sizes"]["vit"], spec["case"]
+  act = case["act"]
+  # The override lives in this process only (one case per process).
+  fn = _gelu_forms()[case["gelu"]] if "gelu" in case else layers.ACTIVATIONS[
+      act]
+  if case.get("barrier"):
+    fn = lambda x, f=fn: jax.lax.optimization_barrier(f(x))  # noqa: E731
+  layers.ACTIVATIONS[act] = fn
+  module = vit_lib.ViT(patch_size=v["patch_size"], width=v["width"],
+                       depth=v["depth"], num_heads=v["num_heads"],
+                       mlp_dim=v["mlp_dim"], class_token=True,
+                       pos_embed_cls=True, pool="tok", final_norm="tokens",
+                       act=act, dtype=jnp.bfloat16)
+  s, b = v["image"], v["batch"]
+  params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, s, s, 3)))[
       "params"]
-  tower = Tower(module, params, 224, Normalization((0.5,) * 3, (0.25,) * 3),
-                768, jnp.bfloat16)
+  tower = Tower(module, params, s, Normalization((0.5,) * 3, (0.25,) * 3),
+                v["width"], jnp.bfloat16)
   images = jax.device_put(np.random.default_rng(0).integers(
-      0, 256, (batch, 224, 224, 3), dtype=np.uint8))
-  original = layers.attention_implementation
-  impls = ("cudnn", "xla") if jax.default_backend() == "gpu" else ("xla",)
-  try:
-    for impl in impls:
-      layers.attention_implementation = lambda dtype, impl=impl: impl
-      fn = jax.jit(tower.embed)
-      s, c = _time_jax(lambda: fn(params, images), reps)
-      rows.add(part="vit_b16_fwd", impl=f"ours ({impl} attention)",
-               batch=batch, median_s=s, per_s=batch / s, compile_s=c)
-  finally:
-    layers.attention_implementation = original
+      0, 256, (b, s, s, 3), dtype=np.uint8))
+  t0 = time.perf_counter()
+  compiled = jax.jit(tower.embed).lower(params, images).compile()
+  compile_s = time.perf_counter() - t0
+  t = harness.timeit(compiled, params, images, reps=spec["reps"], warmup=2)
+  text = compiled.as_text() or ""
+  hlo = os.path.join(spec["out"], "hlo")
+  os.makedirs(hlo, exist_ok=True)
+  with open(os.path.join(hlo, f"{spec['name']}.kernels.txt"), "w") as f:
+    f.write(_hlo_kernels(text))
+  if case.get("full_hlo"):
+    with open(os.path.join(hlo, f"{spec['name']}.hlo.txt"), "w") as f:
+      f.write(_strip_metadata(text))
+  rows.add(part="vit_b16_fwd", impl=spec["label"], batch=b,
+           compile_s=compile_s, peak_gib=_peak_gib(),
+           xla_flags=case.get("xla_flags", ""), **_timing_row(t, b))
 
 
-def vit_torch(rows, batch, reps, compile_too):
-  import timm  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
+def _torch_timer(torch, dev):
+  """``timed(fn)``: harness.timeit of ``fn`` with a device sync inside (the
+  harness syncs JAX arrays; a torch call returns before the GPU is done)."""
+  def timed(fn, reps, warmup=2):
+    def call():
+      fn()
+      if dev == "cuda":
+        torch.cuda.synchronize()
+    return harness.timeit(call, reps=reps, warmup=warmup)
+  return timed
+
+
+def _torch_variants(torch, m):
+  # dynamic=False: a second input shape recompiles a static graph instead of
+  # switching the model to dynamic shapes.
+  return [("eager", m), ("torch.compile", torch.compile(m, dynamic=False))]
+
+
+def child_vit_torch(spec, rows):
+  """timm's ViT-B/16, eager and torch.compile'd, bf16 inference."""
+  import timm  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  v = spec["sizes"]["vit"]
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
+  kw = {} if v["image"] == 224 else dict(
+      img_size=v["image"], patch_size=v["patch_size"], embed_dim=v["width"],
+      depth=v["depth"], num_heads=v["num_heads"])
   m = timm.create_model("vit_base_patch16_224", pretrained=False,
-                        num_classes=0).cuda().to(torch.bfloat16).eval()
-  x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
-  variants = [("timm eager (SDPA)", m)]
-  if compile_too:
-    variants.append(("timm torch.compile", torch.compile(m)))
-  for name, f in variants:
-    with torch.inference_mode():
-      s, c = _time_torch(lambda f=f: f(x), reps)
-    rows.add(part="vit_b16_fwd", impl=name, batch=batch, median_s=s,
-             per_s=batch / s, compile_s=c)
-  del m, variants
-  torch.cuda.empty_cache()
+                        num_classes=0, **kw).to(dev, torch.bfloat16).eval()
+  b = v["batch"]
+  x = torch.randn(b, 3, v["image"], v["image"], device=dev,
+                  dtype=torch.bfloat16)
+  timed = _torch_timer(torch, dev)
+  for name, f in _torch_variants(torch, m):
+    t0 = time.perf_counter()
+    try:
+      with torch.inference_mode():
+        t = timed(lambda f=f: f(x), spec["reps"])
+    except Exception as e:  # pylint: disable=broad-except
+      rows.add(part="vit_b16_fwd", impl=f"timm {name} (SDPA)", batch=b,
+               status=harness.failure(e))
+      continue
+    rows.add(part="vit_b16_fwd", impl=f"timm {name} (SDPA)", batch=b,
+             first_calls_s=time.perf_counter() - t0,
+             peak_gib=_torch_peak(torch, dev), **_timing_row(t, b))
 
 
-TEXT = dict(vocab=49408, width=512, depth=12, heads=8, mlp=2048, embed=512)
+def _torch_peak(torch, dev):
+  return torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None
 
 
-def text_jax(rows, batch, length, reps):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
-  t = TEXT
-  rng = jax.random.key(0)
-  tokens = jax.random.randint(rng, (batch, length), 2, t["vocab"])
+def _text_tokens(jax, jnp, batch, length, vocab, eos):
+  """Random ids, per-row lengths 4..L, trailing padding 0, EOS at the end."""
+  tokens = jax.random.randint(jax.random.key(0), (batch, length), 2, vocab)
   lengths = jax.random.randint(jax.random.key(1), (batch, 1), 4, length + 1)
   tokens = jnp.where(jnp.arange(length)[None] < lengths, tokens, 0)
-  tokens = jnp.where(jnp.arange(length)[None] == lengths - 1, 1, tokens)
-  for pool, act in (("eos", "quick_gelu"), ("mean", "gelu_tanh")):
-    m = text_lib.TextTransformer(
-        vocab_size=t["vocab"], max_len=77, width=t["width"], depth=t["depth"],
-        num_heads=t["heads"], mlp_dim=t["mlp"], embed_dim=t["embed"],
-        pool=pool, act=act, dtype=jnp.bfloat16)
-    p = m.init(rng, tokens[:1])["params"]
-    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(
-        m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
-    s, c = _time_jax(lambda: grad(p, tokens), reps)
-    rows.add(part=f"text_fwd_bwd_L{length}", impl=f"ours ({pool} pool)",
-             batch=batch, median_s=s, per_s=batch / s, compile_s=c)
+  return jnp.where(jnp.arange(length)[None] == lengths - 1, eos, tokens)
 
 
-def text_torch(rows, batch, length, reps, compile_too):
-  import torch  # pylint: disable=g-import-not-at-top
-  from transformers import CLIPTextConfig, CLIPTextModelWithProjection  # pylint: disable=g-import-not-at-top,g-multiple-import
-  t = TEXT
+def child_text_jax(spec, rows):
+  """Ours, forward + backward, both poolings, each length."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from train.towers import text as text_lib  # pylint: disable=import-outside-toplevel
+  t = spec["sizes"]["text"]
+  b = t["batch"]
+  for length in t["lengths"]:
+    tokens = _text_tokens(jax, jnp, b, length, t["vocab"], 1)
+    for pool, act in (("eos", "quick_gelu"), ("mean", "gelu_tanh")):
+      impl = f"ours ({pool} pool, {act})"
+      part = f"text_fwd_bwd_L{length}"
+      try:
+        m = text_lib.TextTransformer(
+            vocab_size=t["vocab"], max_len=77, width=t["width"],
+            depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
+            embed_dim=t["embed"], pool=pool, act=act, dtype=jnp.bfloat16)
+        p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
+        grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
+            m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
+        t0 = time.perf_counter()
+        compiled = grad.lower(p, tokens).compile()
+        compile_s = time.perf_counter() - t0
+        tm = harness.timeit(compiled, p, tokens, reps=spec["reps"], warmup=2)
+      except Exception as e:  # pylint: disable=broad-except
+        rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
+        continue
+      rows.add(part=part, impl=impl, batch=b, compile_s=compile_s,
+               **_timing_row(tm, b))
+
+
+def child_text_torch(spec, rows):
+  """HF CLIPTextModelWithProjection (SDPA), forward + backward, eager and
+  torch.compile'd, each length."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from transformers import CLIPTextConfig, CLIPTextModelWithProjection  # pylint: disable=import-outside-toplevel,g-multiple-import
+  t = spec["sizes"]["text"]
+  dev = "cuda" if torch.cuda.is_available() else "cpu"
   cfg = CLIPTextConfig(vocab_size=t["vocab"], hidden_size=t["width"],
                        intermediate_size=t["mlp"], num_hidden_layers=t["depth"],
                        num_attention_heads=t["heads"], projection_dim=t["embed"],
-                       max_position_embeddings=77)
+                       max_position_embeddings=77,
+                       bos_token_id=t["vocab"] - 2,
+                       eos_token_id=t["vocab"] - 1)
   m = CLIPTextModelWithProjection._from_config(  # pylint: disable=protected-access
-      cfg, attn_implementation="sdpa").cuda().to(torch.bfloat16)
-  ids = torch.randint(2, t["vocab"] - 1, (batch, length), device="cuda")
-  ids[:, -1] = t["vocab"] - 1
-  variants = [("HF CLIP text eager (SDPA)", m)]
-  if compile_too:
-    variants.append(("HF CLIP text torch.compile", torch.compile(m)))
-  for name, f in variants:
-    def step(f=f):
-      m.zero_grad(set_to_none=True)
-      out = f(input_ids=ids).text_embeds
-      out.float().pow(2).sum().backward()
-    s, c = _time_torch(step, reps)
-    rows.add(part=f"text_fwd_bwd_L{length}", impl=name, batch=batch,
-             median_s=s, per_s=batch / s, compile_s=c)
-  del m, variants
-  torch.cuda.empty_cache()
+      cfg, attn_implementation="sdpa").to(dev, torch.bfloat16)
+  timed = _torch_timer(torch, dev)
+  b = t["batch"]
+  variants = _torch_variants(torch, m)
+  for length in t["lengths"]:
+    ids = torch.randint(2, t["vocab"] - 1, (b, length), device=dev)
+    ids[:, -1] = cfg.eos_token_id
+    for name, f in variants:
+      def step(f=f, ids=ids):
+        m.zero_grad(set_to_none=True)
+        f(input_ids=ids).text_embeds.float().pow(2).sum().backward()
+      impl, part = f"HF CLIP text {name} (SDPA)", f"text_fwd_bwd_L{length}"
+      t0 = time.perf_counter()
+      try:
+        tm = timed(step, spec["reps"])
+      except Exception as e:  # pylint: disable=broad-except
+        rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
+        continue
+      rows.add(part=part, impl=impl, batch=b,
+               first_calls_s=time.perf_counter() - t0,
+               peak_gib=_torch_peak(torch, dev), **_timing_row(tm, b))
 
 
-def lit_step(rows, reps, b=65536, micro=8192, img_batch=1024, path=None):
-  import tempfile  # pylint: disable=g-import-not-at-top
-  from types import SimpleNamespace as NS  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
-  from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
-  from train import pretrained  # pylint: disable=g-import-not-at-top
-  from train import step as step_lib  # pylint: disable=g-import-not-at-top
-  from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
-  d = path
-  if d is None:
-    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection  # pylint: disable=g-import-not-at-top,g-multiple-import
-    d = tempfile.mkdtemp()
-    CLIPVisionModelWithProjection(CLIPVisionConfig(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-        num_attention_heads=12, image_size=224, patch_size=16,
-        projection_dim=512)).save_pretrained(d)
-  t = time.perf_counter()
-  tower = pretrained.load_image_tower(d, dtype=jnp.bfloat16)
-  load_s = time.perf_counter() - t
-  L, vocab = 16, 32000
-  embed = jax.jit(tower.embed)
-  img = jax.device_put(np.random.default_rng(0).integers(
-      0, 256, (img_batch, tower.image_size, tower.image_size, 3), dtype=np.uint8))
-  jax.block_until_ready(embed(tower.params, img))
-  t = time.perf_counter()
-  embs = [embed(tower.params, img) for _ in range(b // img_batch)]
-  emb = jax.block_until_ready(jnp.concatenate(embs).astype(jnp.bfloat16))
-  embed_s = time.perf_counter() - t
-  del embs
-  txt = text_lib.from_scratch(NS(width=768, depth=12, num_heads=12,
-                                 mlp_dim=3072), vocab, L, tower.embed_dim,
-                              jnp.bfloat16)
-  head = ContrastiveLoss(loss="softmax", backend="auto")
+def _hf_clip_b16(path):
+  """A ViT-B/16 CLIP vision tower with random weights, as HF writes it."""
+  if os.path.exists(os.path.join(path, "config.json")):
+    return path
+  from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection  # pylint: disable=import-outside-toplevel,g-multiple-import
+  CLIPVisionModelWithProjection(CLIPVisionConfig(
+      hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+      num_attention_heads=12, image_size=224, patch_size=16,
+      projection_dim=512)).save_pretrained(path)
+  return path
+
+
+def _lit_tower(spec):
+  """(Tower, load seconds): the HF-CLIP-layout checkpoint or our own ViT."""
+  from types import SimpleNamespace as NS  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from train import pretrained  # pylint: disable=import-outside-toplevel
+  from train.towers import own  # pylint: disable=import-outside-toplevel
+  from train.towers import tower as tower_lib  # pylint: disable=import-outside-toplevel
+  c, v = spec["case"], spec["sizes"]["vit"]
+  if c["tower"] == "hf":
+    path = FIXTURE_HF if spec["quick"] else _hf_clip_b16(spec["hf_dir"])
+    t0 = time.perf_counter()
+    tower = pretrained.load_image_tower(path, dtype=jnp.bfloat16)
+    return tower, time.perf_counter() - t0
+  d = spec["sizes"]["lit"]["embed_dim"]
+  module = own.make_module(
+      NS(kind="vit", patch_size=v["patch_size"], width=v["width"],
+         depth=v["depth"], num_heads=v["num_heads"], mlp_dim=v["mlp_dim"]),
+      d, jnp.bfloat16)
+  s = v["image"]
+  params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, s, s, 3)))[
+      "params"]
+  return tower_lib.Tower(module, params, s, tower_lib.SYMMETRIC, d,
+                         jnp.bfloat16, source="random"), None
+
+
+def child_lit(spec, rows):
+  """One LiT train step case: a tower (hf/own) in a mode (precomputed/on the
+  fly); step time, the precomputed mode's embedding rate, peak memory."""
+  from types import SimpleNamespace as NS  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel,g-multiple-import
+  from infcl_jax.flax import ContrastiveLoss  # pylint: disable=import-outside-toplevel
+  from train import optim  # pylint: disable=import-outside-toplevel
+  from train import step as step_lib  # pylint: disable=import-outside-toplevel
+  from train.towers import text as text_lib  # pylint: disable=import-outside-toplevel
+  c, z = spec["case"], spec["sizes"]["lit"]
+  b, micro, L, vocab = z["batch"], z["micro"], z["text_len"], z["vocab"]
+  precomputed = c["mode"] == "precomputed"
+  tower, load_s = _lit_tower(spec)
+  s, d = tower.image_size, tower.embed_dim
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+  sh = NamedSharding(mesh, P(step_lib.AXIS))
+  extra = {}
+  if precomputed:
+    embed = jax.jit(tower.embed)
+    img = jax.device_put(np.random.default_rng(0).integers(
+        0, 256, (z["img_batch"], s, s, 3), dtype=np.uint8))
+    jax.block_until_ready(embed(tower.params, img))
+    # The embedding rate from ``embed_batches`` micro-batches, tiled to B
+    # (the step's time does not depend on the values).
+    n = z["embed_batches"] * z["img_batch"]
+    t0 = time.perf_counter()
+    embs = [embed(tower.params, img) for _ in range(z["embed_batches"])]
+    emb = jax.block_until_ready(jnp.concatenate(embs).astype(jnp.bfloat16))
+    extra["embed_s"], extra["embedded"] = time.perf_counter() - t0, n
+    extra["embed_batch"] = z["img_batch"]
+    extra["embed_per_s"] = n / extra["embed_s"]
+    emb = jnp.tile(emb, (b // n, 1))
+    del embs, img
+    inputs = {"image_emb": jax.device_put(emb, sh)}
+    del emb
+  else:
+    # Random bits straight into uint8: no int32 copy of the 65,536 images
+    # in the peak.
+    make = jax.jit(lambda k: jax.random.bits(k, (b, s, s, 3), jnp.uint8),
+                   out_shardings=sh)
+    inputs = {"image": jax.block_until_ready(make(jax.random.key(2)))}
+  txt = text_lib.from_scratch(
+      NS(width=z["text_width"], depth=z["text_depth"],
+         num_heads=z["text_heads"], mlp_dim=z["text_mlp"]), vocab, L, d,
+      jnp.bfloat16)
+  head = ContrastiveLoss(loss="softmax", backend="auto")
   k = jax.random.split(jax.random.key(0), 2)
-  e = jnp.zeros((2, tower.embed_dim))
+  e = jnp.zeros((2, d))
   params = {"img": tower.params,
-            "txt": txt.init(k[0], jnp.ones((1, L), jnp.int32))["params"],
+            "txt": jax.jit(txt.init)(k[0], jnp.ones((1, L), jnp.int32))[
+                "params"],
             "head": head.init(k[1], e, e)["params"]}
-  schedule = step_lib.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
-  opt = step_lib.make_optimizer(name="adamw", schedule=schedule,
-                                weight_decay=1e-4, grad_clip_norm=1.0,
-                                params=params, image_locked=True)
+  schedule = optim.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
+  opt = optim.make_optimizer(name="adamw", schedule=schedule,
+                             weight_decay=1e-4, grad_clip_norm=1.0,
+                             params=params, image_locked=True)
   grad_fn = step_lib.make_grad_fn(
       mesh=mesh, image_tower=tower, text_tower=txt, head=head,
-      microbatch_size=micro, global_batch=b, precomputed=True,
+      microbatch_size=micro, global_batch=b, precomputed=precomputed,
       image_locked=True)
   train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
                                         optimizer=opt, schedule=schedule)
   state = step_lib.init_state(mesh, params, opt)
-  sh = NamedSharding(mesh, P(step_lib.AXIS))
-  tokens = jax.random.randint(k[0], (b, L), 2, vocab)
-  lengths = jax.random.randint(k[1], (b, 1), 4, L + 1)
-  tokens = jnp.where(jnp.arange(L)[None] < lengths, tokens, 0)
-  batch = {"text": jax.device_put(tokens, sh),
-           "image_emb": jax.device_put(emb, sh)}
+  inputs["text"] = jax.device_put(
+      _text_tokens(jax, jnp, b, L, vocab, 1), sh)
+  t0 = time.perf_counter()
+  compiled = train_step.lower(state, inputs).compile()
+  compile_s = time.perf_counter() - t0
   holder = {"s": state}
 
   def one():
-    holder["s"], m = train_step(holder["s"], batch)
-    return m["loss"]
-  s, c = _time_jax(one, reps)
-  peak = max(int((dv.memory_stats() or {}).get("peak_bytes_in_use", 0))
-             for dv in jax.local_devices()) / 2**30
-  rows.add(part=f"lit_step_b{b}", impl="HF-CLIP B/16 tower, precomputed",
-           batch=b, median_s=s, compile_s=c, embed_all_s=embed_s,
-           embed_per_s=b / embed_s, micro=micro, load_s=load_s, peak_gib=peak)
+    holder["s"], metrics = compiled(holder["s"], inputs)
+    holder["loss"] = metrics["loss"]
+    return holder["loss"]
+  reps = z["reps"] if precomputed else z["reps_on_the_fly"]
+  t = harness.timeit(one, reps=reps, warmup=1)
+  name = {"hf": "HF-CLIP checkpoint (quick-GELU, cls)",
+          "own": "own ViT (tanh-GELU, GAP)"}[c["tower"]]
+  rows.add(part="lit_step", impl=f"{name}, {c['mode'].replace('_', ' ')}",
+           batch=b, micro=micro, median_s=t.median, min_s=t.min,
+           max_s=t.max, reps=t.reps, compile_s=compile_s, load_s=load_s,
+           peak_gib=_peak_gib(), loss=float(holder["loss"]), **extra)
+
+
+CHILDREN = {"vit": child_vit, "vit_torch": child_vit_torch,
+            "text_jax": child_text_jax, "text_torch": child_text_torch,
+            "lit": child_lit}
+
+
+def run_as_child(spec):
+  rows = Emitter(spec)
+  CHILDREN[spec["kind"]](spec, rows)
+  print(RESULT_TAG + json.dumps({"rows": rows.rows}), flush=True)
+
+
+# ----------------------------------------------------------------- parent
+
+
+def case_spec(name, kind):
+  """The label and the per-kind fields of a case of ``PLAN``."""
+  if kind == "vit":
+    label, case = VIT_CASES[name]
+    return label, case
+  if kind == "lit":
+    _, tower, *mode = name.split("_")
+    return name, dict(tower=tower, mode="_".join(mode))
+  return name, {}
+
+
+def child_env(kind, case):
+  """torch children: no JAX pool; JAX children: most of the device, and the
+  case's own XLA flags added to the job's."""
+  if kind in ("vit_torch", "text_torch"):
+    return harness.child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  flags = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""),
+                               case.get("xla_flags", "")) if x)
+  return harness.child_env(
+      XLA_FLAGS=flags or None,
+      XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
+          "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))
+
+
+def read_rows(path):
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _fmt(v, f):
+  return "-" if v is None else f.format(v)
+
+
+def summary(rows):
+  """The table, by part in a fixed order, and the comparisons that matter."""
+  lines = [f"\n{'part':<18}{'implementation':<50}{'per s':>10}"
+           f"{'ms':>10}{'peak GiB':>10}  status"]
+  key = {p: i for i, p in enumerate(PARTS_ORDER)}
+  for r in sorted(rows, key=lambda r: key.get(r.get("part"), 99)):
+    ms = None if r.get("median_s") is None else 1e3 * r["median_s"]
+    lines.append(f"{r.get('part', '?'):<18}{r.get('impl', r['case']):<50}"
+                 f"{_fmt(r.get('per_s'), '{:,.0f}'):>10}"
+                 f"{_fmt(ms, '{:.1f}'):>10}"
+                 f"{_fmt(r.get('peak_gib'), '{:.1f}'):>10}  {r['status']}")
+    if r.get("embed_per_s"):
+      lines.append(f"{'':<18}  the tower alone, {r['embedded']:,} images in "
+                   f"batches of {r['embed_batch']}: {r['embed_per_s']:,.0f} img/s")
+  ok = [r for r in rows if r["status"] == "ok" and r.get("per_s")]
+
+  def best(part, prefix):
+    c = [r for r in ok if r["part"] == part and r["impl"].startswith(prefix)]
+    return max(c, key=lambda r: r["per_s"]) if c else None
+  for part, ours, ref in (
+      ("vit_b16_fwd", "ours, GELU erf in f32 (default)", "timm torch.compile"),
+      ("vit_b16_fwd", "ours, GELU jax.nn.gelu", "timm torch.compile"),
+      ("text_fwd_bwd_L16", "ours (eos", "HF CLIP text torch.compile"),
+      ("text_fwd_bwd_L77", "ours (eos", "HF CLIP text torch.compile")):
+    a, b = best(part, ours), best(part, ref)
+    if a and b:
+      lines.append(f"{part}: {a['impl']} / {b['impl']} = "
+                   f"{a['per_s'] / b['per_s']:.3f}")
+  return "\n".join(lines)
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", required=True)
-  ap.add_argument("--budget_s", type=float, default=400)
-  ap.add_argument("--reps", type=int, default=10)
-  ap.add_argument("--no_compile", action="store_true")
-  ap.add_argument("--smoke", action="store_true",
-                  help="tiny batches, jax parts only (a CPU check)")
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", help="folder for the rows and HLO (required)")
+  ap.add_argument("--budget_s", type=float, default=495,
+                  help="seconds for all cases together (children's starts "
+                  "included); what does not fit is skipped")
+  ap.add_argument("--reps", type=int, default=10,
+                  help="timed repetitions of the tower cases")
+  ap.add_argument("--cases", default="",
+                  help="comma-separated case names (default: all of PLAN)")
+  ap.add_argument("--quick", action="store_true",
+                  help="tiny sizes: a CPU smoke run (torch cases need torch)")
+  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
-  n = 2 if args.smoke else 1024
+  if args.child:
+    run_as_child(json.loads(args.child))
+    return 0
+  if not args.out:
+    ap.error("--out is required")
+
+  t0 = time.time()
   os.makedirs(args.out, exist_ok=True)
-  rows = Rows(args.out)
-  import jax  # pylint: disable=g-import-not-at-top
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  left = lambda: args.budget_s - (time.time() - T0)  # noqa: E731
-  parts = [
-      (lambda: vit_jax(rows, n, args.reps), 30),
-      (lambda: vit_torch(rows, n, args.reps, not args.no_compile), 60),
-      (lambda: text_jax(rows, n, 16, args.reps), 20),
-      (lambda: text_jax(rows, n, 77, args.reps), 20),
-      (lambda: text_torch(rows, n, 16, args.reps, not args.no_compile), 50),
-      (lambda: text_torch(rows, n, 77, args.reps, not args.no_compile), 50),
-      (lambda: lit_step(rows, 3) if not args.smoke
-       else lit_step(rows, 1, b=32, micro=16, img_batch=16, path=os.path.join(
-           os.path.dirname(__file__), "..", "tests/fixtures/towers/"
-           "hf_clip_vision")), 60),
-  ]
-  if args.smoke:
-    parts = [p for i, p in enumerate(parts) if i not in (1, 4, 5)]
-  for fn, need in parts:
-    if left() < need:
-      print(f"skipped a part: {left():.0f} s left, needs ~{need}", flush=True)
-      continue
-    try:
-      fn()
-    except Exception as e:  # pylint: disable=broad-except
-      print(f"part failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-  print(f"\n{'part':<22}{'implementation':<36}{'per s':>12}{'median s':>10}")
-  for r in rows.rows:
-    print(f"{r['part']:<22}{r['impl']:<36}{r.get('per_s', 0):>12,.0f}"
-          f"{r['median_s']:>10.4f}")
-    if "embed_all_s" in r:
-      print(f"   embed {r['batch']:,} images {r['embed_all_s']:.2f} s "
-            f"({r['embed_per_s']:,.0f} img/s), step {r['median_s']:.3f} s, "
-            f"peak {r['peak_gib']:.1f} GiB")
+  jsonl = os.path.join(args.out, "bench_towers.jsonl")
+  open(jsonl, "w").close()
+  wanted = [x for x in args.cases.split(",") if x]
+  unknown = sorted(set(wanted) - {p[0] for p in PLAN})
+  if unknown:
+    ap.error(f"unknown --cases {unknown}; known: {[p[0] for p in PLAN]}")
+  plan = [p for p in PLAN if not wanted or p[0] in wanted]
+  hf_dir = tempfile.mkdtemp(prefix="bench_towers_hf_")
+  sizes = QUICK if args.quick else FULL
+  print(f"bench_towers: {len(plan)} cases, budget {args.budget_s:.0f} s, "
+        f"rows -> {jsonl}", flush=True)
+  try:
+    for name, kind, est_s, cap_s in plan:
+      label, case = case_spec(name, kind)
+      left = args.budget_s - (time.time() - t0)
+      if args.quick:
+        est_s = 0
+      needs_torch = kind in ("vit_torch", "text_torch") or (
+          kind == "lit" and case["tower"] == "hf" and not args.quick)
+      status = None
+      if needs_torch and importlib.util.find_spec("torch") is None:
+        status = "skipped: torch is not installed"
+      elif left < est_s:
+        status = f"skipped: {left:.0f} s left, needs ~{est_s} s"
+      if status is None:
+        spec = dict(name=name, kind=kind, label=label, case=case,
+                    sizes=sizes, reps=2 if args.quick else args.reps,
+                    quick=args.quick, out=args.out, jsonl=jsonl, t0=t0,
+                    hf_dir=hf_dir)
+        print(f"[{time.time() - t0:5.0f} s] {name} ...", flush=True)
+        r = harness.run_child(
+            [os.path.abspath(__file__), "--child", json.dumps(spec)],
+            result_tag=RESULT_TAG, timeout_s=max(1, min(cap_s, left)),
+            env=child_env(kind, case))
+        if "rows" not in r:
+          status = r.get("status", "no result")
+        for row in r.get("rows", ()):
+          print(f"        {row['impl']}: {row['status']}"
+                + (f", {row['median_s'] * 1e3:.1f} ms" if row.get("median_s")
+                   else ""), flush=True)
+      if status is not None:
+        row = dict(case=name, part=_part_of(kind, name), impl=label,
+                   status=status, elapsed_s=round(time.time() - t0, 1))
+        with open(jsonl, "a") as f:
+          f.write(json.dumps(row) + "\n")
+        print(f"        {name}: {status[:300]}", flush=True)
+  finally:
+    shutil.rmtree(hf_dir, ignore_errors=True)
+  print(summary(read_rows(jsonl)))
+  print(f"\nwhole run {time.time() - t0:.0f} s; rows: {jsonl}; HLO: "
+        f"{os.path.join(args.out, 'hlo')}")
   return 0
+
+
+def _part_of(kind, name):
+  if kind in ("vit", "vit_torch"):
+    return "vit_b16_fwd"
+  if kind == "lit":
+    return "lit_step"
+  return "text_fwd_bwd"
 
 
 if __name__ == "__main__":

@@ -5,23 +5,35 @@
 
 It builds the trainer's own step (``train.step``: GradCache over the text
 tower, the ``infcl_jax.flax`` loss head, AdamW with the locked image tower
-masked out) with ViT-B/16-size towers and synthetic random inputs (no
-dataset, no TFDS or ml_collections needed), and runs each case in a fresh
-subprocess so that peak memory starts from zero and an out-of-memory case
-cannot take the others down:
+masked out) with ViT-B/16-size towers (``--image_model l14``: a ViT-L/14
+image tower) and synthetic inputs, and runs each case in a fresh process
+(``harness.run_child``) so that peak memory starts from zero, an
+out-of-memory case cannot take the others down, and a case past its
+deadline (``--timeout_s``, and what is left of ``--budget_s``) is cut off
+alone:
 
-* ``step`` cases (default B = 65536): median time of a full train step,
-  device-synchronized after compilation and a warm-up step, and the time of
-  the loss alone (forward + backward of the head on (B, D) embeddings, the
-  same backend) -> the loss's share of the step. Two modes: precomputed image
-  embeddings (LiT: text tower + loss only) and the locked ViT-B/16 image
-  tower run on the fly at 224 px (forward only, in micro-batches).
-* ``max_batch`` ladder (default 262144, 1048576): precomputed image
-  embeddings + GradCache micro-batches; the largest global batch whose step
-  runs is the result ("oom" marks those that do not fit).
+* ``step`` cases (default B = 65536): median time of a full train step
+  (``harness.timeit``, after compilation and a warm-up step), and the time
+  of the loss alone (forward + backward of the head on (B, D) embeddings,
+  the same backend) -> the loss's share of the step. Two modes: precomputed
+  image embeddings (LiT: text tower + loss only) and the locked image tower
+  run on the fly at 224 px on random images made on the device.
+* ``stream`` cases (``--stream_batches``): the trainer's real input path:
+  JPEG bytes (256 px) -> worker processes (decode; with ``--decode_size``
+  256 nothing else) -> uint8 micro-batches -> device -> resize to 224,
+  normalise, cast and the locked tower per micro-batch (train/stream.py) ->
+  the step on the (B, D) embeddings. Step time, peak GPU memory, peak host
+  memory (the process and its workers), the time the host made the device
+  wait (input-bound when > 20% of the step), the device's embedding rate.
+* ``max_batch`` ladder (default 262144, 1048576, 4194304): precomputed
+  image embeddings + GradCache micro-batches; one step after compiling
+  ahead; the largest global batch whose step runs is the result ("oom"
+  marks those that do not fit).
 
-Writes ``bench_train.csv`` and ``bench_train.json`` into --out and prints a
-table. Text: 16 tokens (as in LiT), vocabulary 32000, towers in bfloat16.
+Rows go to ``bench_train.jsonl`` as each case ends (a cut-off run keeps what
+it measured); ``bench_train.csv`` and ``bench_train.json`` are rewritten
+after each; a table is printed at the end. Text: 16 tokens (as in LiT),
+vocabulary 32000, towers in bfloat16.
 """
 from __future__ import annotations
 
@@ -30,12 +42,16 @@ import csv
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import harness  # pylint: disable=wrong-import-position
+
 RESULT_TAG = "BENCH_TRAIN_RESULT "
+PHASE_TAG = "BENCH_TRAIN_PHASE "
 
 # ViT-B/16-size towers; embed_dim 768.
 FULL = dict(embed_dim=768, text_len=16, vocab=32000, text_width=768,
@@ -151,15 +167,19 @@ def _peak_bytes():
     return 0  # CPU: no memory stats.
 
 
-def _timed(fn, reps):
-  """(median seconds, all seconds, last result) of ``reps`` synced calls."""
-  import jax  # pylint: disable=g-import-not-at-top
-  times, result = [], None
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    result = jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return sorted(times)[len(times) // 2], times, result
+def _compiled(compiled, compile_s):
+  """Tells the parent the step compiled (a later timeout row then carries
+  the compile time and XLA's memory plan) and returns the plan's fields."""
+  phase = {"phase": "compiled", "compile_s": compile_s}
+  try:
+    m = compiled.memory_analysis()
+    phase["xla_total_gb"] = (m.argument_size_in_bytes + m.output_size_in_bytes
+                             + m.temp_size_in_bytes
+                             - m.alias_size_in_bytes) / 1e9
+  except Exception:  # pylint: disable=broad-except
+    pass  # No plan on this backend.
+  print(PHASE_TAG + json.dumps(phase), flush=True)
+  return {k: v for k, v in phase.items() if k != "phase"}
 
 
 def child(spec) -> dict:
@@ -168,31 +188,38 @@ def child(spec) -> dict:
   t0 = time.perf_counter()
   if spec["mode"] == "stream":
     return stream_child(spec)
+  host = harness.HostMemory().__enter__()
   train_step, state, make_batch, loss_only, _ = _build(spec)
-  # Two batches alternate (one when they are raw 224 px images: 19 GiB at 64k).
+  # Two batches alternate in the step cases; one in the ladder (one step; 4M
+  # bf16 embeddings are 6 GiB) and for raw 224 px images (19 GiB at 64k).
   batches = [make_batch(jax.random.key(i))
-             for i in range(2 if spec["mode"] == "precomputed" else 1)]
+             for i in range(2 if spec["kind"] == "step"
+                            and spec["mode"] == "precomputed" else 1)]
   jax.block_until_ready(batches)
-  holder = {"state": state}
+  t1 = time.perf_counter()
+  compiled = train_step.lower(state, batches[0]).compile()
+  out.update(_compiled(compiled, time.perf_counter() - t1))
+  holder = {"state": state, "loss": None}
 
   def one_step(i=[0]):  # pylint: disable=dangerous-default-value
-    holder["state"], metrics = train_step(holder["state"],
-                                          batches[i[0] % len(batches)])
+    holder["state"], metrics = compiled(holder["state"],
+                                        batches[i[0] % len(batches)])
     i[0] += 1
-    return metrics["loss"]
+    holder["loss"] = metrics["loss"]
+    return holder["loss"]
 
-  t1 = time.perf_counter()
-  jax.block_until_ready(one_step())          # Compile + first step.
-  out["compile_and_first_step_s"] = time.perf_counter() - t1
-  out["step_s"], out["step_all_s"], loss = _timed(one_step, spec["reps"])
-  out["loss_value"] = float(loss)
+  t = harness.timeit(one_step, reps=spec["reps"],
+                     warmup=spec.get("warmup", 1))
+  out["step_s"], out["step_min_s"], out["step_max_s"] = t.median, t.min, t.max
+  out["loss_value"] = float(holder["loss"])
   out["peak_gib"] = _peak_bytes() / 2**30
-  out["host_peak_gib"] = _host_peak_gib()
   if spec.get("measure_loss"):
     fn, args = loss_only()
-    jax.block_until_ready(fn(*args))
-    out["loss_s"], _, _ = _timed(lambda: fn(*args), spec["reps"])
+    out["loss_s"] = harness.timeit(fn, *args, reps=spec["reps"],
+                                   warmup=1).median
     out["loss_share"] = out["loss_s"] / out["step_s"]
+  host.__exit__()
+  out["host_peak_gib"] = host.peak_gib
   out["device"] = jax.devices()[0].device_kind
   out["num_devices"] = jax.device_count()
   out["jax"] = jax.__version__
@@ -201,17 +228,15 @@ def child(spec) -> dict:
   return out
 
 
-def _host_peak_gib():
-  import resource  # pylint: disable=g-import-not-at-top
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def stream_child(spec) -> dict:
-  """The trainer's real input path: JPEG bytes -> grain threads (decode,
-  resize/crop to 224, tokenize) -> uint8 micro-batches -> device_put ->
-  the locked tower per micro-batch (train/stream.py) -> the train step on
-  the (B, D) embeddings. Step time, peak GPU and host memory, time the host
-  made the device wait, and the device's embedding rate alone."""
+  """The trainer's real input path: JPEG bytes (256 px) -> worker processes
+  (decode; resize/crop on the host only without decode_size) -> uint8
+  micro-batches -> device_put -> resize, normalise, cast and the locked
+  tower per micro-batch (train/stream.py) -> the train step on the (B, D)
+  embeddings. Step time, peak GPU memory, peak host memory (this process
+  and its workers), the time the host made the device wait, and the
+  device's embedding rate alone (uint8 at the host's size, transfer
+  included)."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -221,6 +246,7 @@ def stream_child(spec) -> dict:
   from train.data import synthetic  # pylint: disable=g-import-not-at-top
   out = dict(spec, model=None)
   t0 = time.perf_counter()
+  host = harness.HostMemory().__enter__()
   train_step, state, _, _, parts = _build(spec)
   mesh, tower = parts["mesh"], parts["tower"]
   b, mb = spec["batch"], spec["microbatch"]
@@ -231,15 +257,24 @@ def stream_child(spec) -> dict:
   config.tokenizer = data_config.default_tokenizer_config()
   config.tokenizer.max_len = parts["text_len"]
   config.data.image_size = tower.image_size
+  config.data.decode_size = spec["decode_size"]
   # Worker processes (threads alone stop scaling at ~4 cores: bench_data).
-  config.data.num_workers = spec.get("threads") or os.cpu_count()
+  config.data.num_workers = spec.get("workers") or len(
+      os.sched_getaffinity(0))
   config.data.num_threads = 1
   config.data.prefetch_batches = 2
   config.data.cache_max_mb = 0
-  source = synthetic.JpegPool(b * spec.get("steps", 1) + mb, size=256,
+  data_config.check_data_config(config)
+  steps = spec.get("steps", 1)
+  source = synthetic.JpegPool(b * steps + mb, size=spec["jpeg_size"],
                               pool=1024)
   it = pipeline.make_train_iterator(config, batch_size=b, microbatch_size=mb,
                                     seed=0, source=source)
+  # Start the workers (one micro-batch, not part of a step): their start-up
+  # is not the step's, and they fill their buffers while the step compiles.
+  t1 = time.perf_counter()
+  next(it)
+  out["pipeline_startup_s"] = time.perf_counter() - t1
   waited = [0.0]
 
   class Timed:
@@ -257,26 +292,26 @@ def stream_child(spec) -> dict:
                                            sharding=sh)}
   t1 = time.perf_counter()
   compiled = train_step.lower(state, abstract).compile()
-  out["compile_s"] = time.perf_counter() - t1
-  # The device alone: the embedding rate on a fixed uint8 micro-batch.
-  x = np.random.default_rng(0).integers(0, 256, (mb, tower.image_size,
-                                                  tower.image_size, 3),
+  out.update(_compiled(compiled, time.perf_counter() - t1))
+  # The device alone: the embedding rate on a fixed uint8 micro-batch at
+  # the host's size (resized on the device when decode_size is set).
+  c = pipeline.host_size(config.data)
+  x = np.random.default_rng(0).integers(0, 256, (mb, c, c, 3),
                                          dtype=np.uint8)
-  jax.block_until_ready(streamer.embed_microbatch(x))
-  t1 = time.perf_counter()
-  reps = 8
-  es = [streamer.embed_microbatch(x) for _ in range(reps)]
-  jax.block_until_ready(es)
-  del es
-  out["device_embed_img_s"] = reps * mb / (time.perf_counter() - t1)
+  t = harness.timeit(streamer.embed_microbatch, x,
+                     reps=spec.get("embed_reps", 2), warmup=1)
+  out["device_embed_img_s"] = mb / t.median
+  del x
   times = []
-  for _ in range(spec.get("steps", 1)):
+  for _ in range(steps):
     waited[0] = 0.0
     t1 = time.perf_counter()
     inputs = streamer.step_inputs(Timed(), b // mb)
     state, metrics = compiled(state, inputs)
     loss = float(metrics["loss"])
     times.append(time.perf_counter() - t1)
+    del inputs
+  host.__exit__()
   out["step_s"] = times[-1]
   out["step_all_s"] = times
   out["host_wait_s"] = waited[0]
@@ -284,9 +319,11 @@ def stream_child(spec) -> dict:
   out["input_bound"] = waited[0] > 0.2 * times[-1]
   out["loss_value"] = loss
   out["peak_gib"] = _peak_bytes() / 2**30
-  out["host_peak_gib"] = _host_peak_gib()
-  out["threads"] = config.data.num_threads
+  out["host_peak_gib"] = host.peak_gib
+  out["workers"] = config.data.num_workers
+  out["host_image_size"] = c
   out["bad_examples"] = it.bad
+  it.close()
   out["device"] = jax.devices()[0].device_kind
   out["num_devices"] = jax.device_count()
   out["jax"] = jax.__version__
@@ -299,26 +336,18 @@ def stream_child(spec) -> dict:
 
 
 def run_case(spec, timeout_s) -> dict:
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
-             os.environ.get("PYTHONPATH", ""))
+  """One case in a fresh process under its deadline; a timeout, a crash or
+  an out-of-memory end is a status row (``harness.run_child``)."""
   # Let one case use (nearly) the whole GPU, not JAX's default 75 %.
-  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+  env = harness.child_env(XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
+      "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"))
   t0 = time.time()
-  try:
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                       timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    return dict(spec, model=None, status="timeout", total_s=time.time() - t0)
-  for line in r.stdout.splitlines():
-    if line.startswith(RESULT_TAG):
-      return json.loads(line[len(RESULT_TAG):])
-  text = r.stderr + r.stdout
-  oom = any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory",
-                                "out of memory", "OOM"))
-  tail = text.strip().splitlines()[-3:]
-  return dict(spec, model=None, status="oom" if oom else "error",
-              error=" | ".join(tail)[-500:], total_s=time.time() - t0)
+  r = harness.run_child([os.path.abspath(__file__), "--child",
+                         json.dumps(spec)], result_tag=RESULT_TAG,
+                        timeout_s=timeout_s, env=env, phase_tag=PHASE_TAG)
+  if r.get("status") == "ok":
+    return r
+  return dict(spec, model=None, total_s=time.time() - t0, **r)
 
 
 def _fmt(v, f="{:.3f}"):
@@ -335,18 +364,22 @@ def main():
                   "(default 65536; quick: 256)")
   ap.add_argument("--ladder", default=None,
                   help="comma-separated global batches for the largest-batch "
-                  "search (default 262144,1048576; quick: 512,1024)")
+                  "search (default 262144,1048576,4194304; quick: 512,1024)")
   ap.add_argument("--microbatch", type=int, default=None,
                   help="GradCache micro-batch (default 8192; quick: 64)")
   ap.add_argument("--stream_batches", default="",
                   help="comma-separated global batches through the trainer's "
                   "real input path (JPEG bytes decoded on the host's cores, "
                   "uint8 micro-batches, the locked tower per micro-batch)")
-  ap.add_argument("--stream_steps", type=int, default=2,
+  ap.add_argument("--stream_steps", type=int, default=1,
                   help="steps per stream case (the last is reported)")
-  ap.add_argument("--threads", type=int, default=0,
+  ap.add_argument("--workers", type=int, default=0,
                   help="stream cases: decode worker processes (0 = all "
                   "cores)")
+  ap.add_argument("--decode_size", type=int, default=None,
+                  help="stream cases: config.data.decode_size (the host "
+                  "decodes the 256 px JPEGs only, the device resizes; 0 = "
+                  "the host resizes to 224; default 256, quick: 48)")
   ap.add_argument("--image_model", default="b16", choices=["b16", "l14"],
                   help="ViT-B/16 or ViT-L/14 image tower")
   ap.add_argument("--modes", default="precomputed,image_tower",
@@ -354,7 +387,12 @@ def main():
   ap.add_argument("--loss", default="softmax", help="softmax or sigmoid")
   ap.add_argument("--backend", default="auto")
   ap.add_argument("--reps", type=int, default=None)
-  ap.add_argument("--timeout_s", type=int, default=900)
+  ap.add_argument("--timeout_s", type=int, default=900,
+                  help="deadline of one case")
+  ap.add_argument("--budget_s", type=int, default=0,
+                  help="deadline of the whole run (0 = none): each case gets "
+                  "at most what is left of it, and none starts with less "
+                  "than a minute left")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
 
@@ -369,7 +407,8 @@ def main():
     text = default if arg is None else arg
     return [int(x) for x in text.split(",") if x.strip()]
   step_batches = ints(args.step_batches, "256" if quick else "65536")
-  ladder = ints(args.ladder, "512,1024" if quick else "262144,1048576")
+  ladder = ints(args.ladder,
+                "512,1024" if quick else "262144,1048576,4194304")
   micro = args.microbatch or (64 if quick else 8192)
   reps = args.reps or (2 if quick else 3)
   cases = []
@@ -377,22 +416,31 @@ def main():
     for mode in args.modes.split(","):
       cases.append(dict(kind="step", batch=b, mode=mode,
                         microbatch=min(micro, b), measure_loss=True, reps=reps))
+  decode_size = (args.decode_size if args.decode_size is not None
+                 else 48 if quick else 256)
   for b in ints(args.stream_batches, ""):
     cases.append(dict(kind="stream", batch=b, mode="stream",
                       microbatch=min(micro, b), measure_loss=False, reps=1,
-                      steps=args.stream_steps, threads=args.threads))
+                      steps=args.stream_steps, workers=args.workers,
+                      decode_size=decode_size,
+                      jpeg_size=decode_size or (64 if quick else 256),
+                      embed_reps=1 if quick else 2))
   for b in ladder:
-    # One timed step after the compiling first step: fitting is the result,
-    # and a 1M step takes about a minute on an H200.
+    # One step, compiled ahead: fitting is the result, and a 4M step takes
+    # minutes on an H200.
     cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
-                      microbatch=min(micro, b), measure_loss=False, reps=1))
+                      microbatch=min(micro, b), measure_loss=False, reps=1,
+                      warmup=0))
   os.makedirs(args.out, exist_ok=True)
   results = []
   cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
-          "loss_s", "loss_share", "peak_gib", "host_peak_gib",
-          "compile_and_first_step_s", "compile_s", "host_wait_s",
-          "pipeline_img_s", "device_embed_img_s", "input_bound", "threads",
-          "loss_value", "device", "num_devices", "jax"]
+          "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
+          "xla_total_gb",
+          "host_wait_s", "pipeline_img_s", "device_embed_img_s",
+          "input_bound", "workers", "decode_size", "loss_value", "device",
+          "num_devices", "jax"]
+  rows_path = os.path.join(args.out, "bench_train.jsonl")
+  t_start = time.time()
 
   def write():
     """CSV + JSON after every case, so a cut-off run keeps what it measured."""
@@ -413,26 +461,40 @@ def main():
     return summary
 
   for case in cases:
-    spec = dict(case, model=model, loss=args.loss, backend=args.backend)
+    spec = dict(case, model=model, loss=args.loss, backend=args.backend,
+                image_model="quick" if quick else args.image_model)
+    timeout = args.timeout_s
+    if args.budget_s:
+      timeout = min(timeout, int(args.budget_s - (time.time() - t_start)))
+      if timeout < 60:
+        print(f"[bench_train] {case['kind']} B={case['batch']}: skipped, "
+              f"{timeout}s of --budget_s left", flush=True)
+        continue
     print(f"[bench_train] {case['kind']} B={case['batch']} mode={case['mode']}"
-          f" microbatch={case['microbatch']} ...", flush=True)
-    r = run_case(spec, args.timeout_s)
+          f" microbatch={case['microbatch']} (deadline {timeout}s) ...",
+          flush=True)
+    r = run_case(spec, timeout)
     r.pop("model", None)
     results.append(r)
     write()
-    print(f"[bench_train]   -> {r['status']} in {r.get('total_s', 0):.0f}s"
+    with open(rows_path, "a") as f:
+      f.write(json.dumps(r) + "\n")
+    print("[bench_train] row " + json.dumps(r), flush=True)
+    print(f"[bench_train]   -> {r['status'][:40]} in {r.get('total_s', 0):.0f}s"
           + (f" step {r['step_s']:.3f}s" if r.get("step_s") else "")
           + (f", loss share {100 * r['loss_share']:.1f}%"
              if r.get("loss_share") is not None else "")
-          + (f" ({r.get('error', '')})" if r["status"] == "error" else ""),
+          + (f" ({r['status']})" if r["status"] != "ok" else ""),
           flush=True)
     if case["kind"] == "max_batch" and r["status"] != "ok":
       break  # Larger batches will not fit either.
     if r.get("pipeline_img_s"):
       print(f"[bench_train]   stream: {r['pipeline_img_s']:.0f} img/s through "
             f"the input path, device alone {r['device_embed_img_s']:.0f} "
-            f"img/s, host wait {r['host_wait_s']:.1f}s, peak GPU "
-            f"{r['peak_gib']:.1f} GiB, host {r['host_peak_gib']:.1f} GiB",
+            f"img/s, host wait {r['host_wait_s']:.1f}s"
+            + (" (input-bound)" if r["input_bound"] else "")
+            + f", peak GPU {r['peak_gib']:.1f} GiB, host "
+            f"{r['host_peak_gib']:.1f} GiB",
             flush=True)
 
   summary = write()
@@ -443,7 +505,7 @@ def main():
   for r in results:
     share = r.get("loss_share")
     print(f"{r['kind']:<10}{r['mode']:<13}{r['batch']:>9}{r['microbatch']:>7}"
-          f"{r['status']:>8}{_fmt(r.get('step_s')):>9}"
+          f"{r['status'][:8]:>8}{_fmt(r.get('step_s')):>9}"
           f"{_fmt(r.get('loss_s')):>9}"
           f"{_fmt(None if share is None else 100 * share, '{:.1f}'):>8}"
           f"{_fmt(r.get('peak_gib'), '{:.1f}'):>10}"

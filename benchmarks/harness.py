@@ -12,6 +12,8 @@ test.
   out-of-memory end becomes a status row instead.
 * ``is_oom``: whether an exception or a child's output says the device ran
   out of memory.
+* ``HostMemory``: the peak host memory of a process and all its
+  descendants (e.g. an input pipeline's worker processes), sampled.
 
 Scripts import it as ``from benchmarks import harness``.
 """
@@ -201,3 +203,81 @@ def kill(p):
   except OSError:
     p.kill()
   p.wait()
+
+
+def _tree_pids(root: int) -> list:
+  """``root`` and its descendants (from /proc; Linux)."""
+  children = collections.defaultdict(list)
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/stat") as f:
+        # "pid (comm) state ppid ...": comm may hold spaces; split after it.
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      continue
+    children[ppid].append(int(name))
+  out, todo = [], [root]
+  while todo:
+    pid = todo.pop()
+    out.append(pid)
+    todo.extend(children.get(pid, ()))
+  return out
+
+
+def _memory_of(pid: int) -> int:
+  """Bytes of ``pid``: its PSS (shared pages split among their users, so a
+  sum over processes counts them once), else its RSS; 0 if it is gone."""
+  try:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+      for line in f:
+        if line.startswith("Pss:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    with open(f"/proc/{pid}/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:
+    return 0
+
+
+class HostMemory:
+  """Peak host memory of this process plus its descendants, sampled every
+  ``interval_s`` on a thread (a context manager; ``peak_gib``).
+
+  The sum of PSS (RSS where /proc has no smaps_rollup), so forked workers'
+  shared pages count once. ``ru_maxrss`` would miss the workers (children
+  count only once reaped, and then one at a time, not summed).
+  """
+
+  def __init__(self, interval_s: float = 0.5):
+    self.interval_s = interval_s
+    self.peak_bytes = 0
+    self._stop = threading.Event()
+    self._thread = None
+
+  def sample(self) -> int:
+    now = sum(_memory_of(p) for p in _tree_pids(os.getpid()))
+    self.peak_bytes = max(self.peak_bytes, now)
+    return now
+
+  def _run(self):
+    while not self._stop.wait(self.interval_s):
+      self.sample()
+
+  def __enter__(self):
+    self.sample()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+    self.sample()
+
+  @property
+  def peak_gib(self) -> float:
+    return self.peak_bytes / 2**30

@@ -70,30 +70,24 @@ CATEGORIES = ("tiles", "fusions", "copies", "collectives", "other")
 def parse_args(argv):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", required=True)
-  ap.add_argument("--b-local", default="65536,8192")
-  ap.add_argument("--devices", default="2,1",
-                  help="device counts, most informative first")
-  ap.add_argument("--dims", type=int, default=768)
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--backend", default="pallas")
-  bench_ring.add_tile_args(ap)
-  ap.add_argument("--budget-s", type=float, default=0.6,
-                  help="repetitions per timed case (median of <= 7)")
+  bench_ring.add_case_args(
+      ap, b_local="65536,8192", b_local_help="comma list of local batches",
+      devices="2,1", devices_help="device counts, most informative first",
+      backend="pallas", budget_s=0.6, time_budget_s=190.0,
+      time_budget_help="no case starts after this many seconds; 0 = no "
+      "limit")
   ap.add_argument("--profile", default="ring,compute_only",
                   help="programs to trace ('' = none), at every N and b")
   ap.add_argument("--profile-n", default="max",
                   help="device counts to trace at: 'max' (the largest N), "
                   "'all', or a comma list")
   ap.add_argument("--profile-steps", type=int, default=3)
-  ap.add_argument("--time-budget-s", type=float, default=190.0,
-                  help="no case starts after this many seconds; 0 = no limit")
   ap.add_argument("--deadline-s", type=float, default=265.0,
                   help="the plain compile-only child ends by this many seconds "
                   "after the start (0 = no deadline)")
   ap.add_argument("--plain-compile-timeout-s", type=int, default=0,
                   help="compile the plain baseline at the largest N and b in "
                   "a child process with this limit (0 = skip)")
-  ap.add_argument("--cpu-devices", type=int, default=0)
   return ap.parse_args(argv)
 
 

@@ -85,6 +85,29 @@ def test_attention_equals_a_float64_reference():
                                  atol=1e-5)
 
 
+def test_gelu_is_the_erf_gelu_of_a_float64_reference():
+  import math  # pylint: disable=import-outside-toplevel
+  x = np.concatenate([np.linspace(-8, 8, 4001), [-30.0, 30.0]])
+  ref = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x])
+  got = np.asarray(layers.gelu(jnp.asarray(x, jnp.float32)), np.float64)
+  # float32 rounding of x, of erf and of 1 + erf: absolute, scaled by |x|.
+  np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
+  assert np.max(np.abs(got - ref) / np.maximum(np.abs(x), 1)) < 4e-7
+  np.testing.assert_allclose(got, jax.nn.gelu(x.astype(np.float32),
+                                              approximate=False), atol=2e-6)
+  # 16-bit in, 16-bit out, computed in float32 (one rounding at the end).
+  xb = jnp.asarray(x, jnp.bfloat16)
+  yb = layers.gelu(xb)
+  assert yb.dtype == jnp.bfloat16
+  exact = np.array([float(v) * 0.5 * math.erfc(-float(v) / math.sqrt(2))
+                    for v in np.asarray(xb, np.float64)])
+  np.testing.assert_allclose(np.asarray(yb, np.float64), exact, rtol=2**-8,
+                             atol=1e-6)
+  assert layers.activation("gelu") is layers.gelu
+  with pytest.raises(ValueError, match="activation must be one of"):
+    layers.activation("relu")
+
+
 def test_resample_keeps_prefix_and_is_identity_at_the_same_grid():
   pos = np.random.default_rng(0).normal(size=(1, 1 + 9, 4)).astype(np.float32)
   assert vit_lib.resample_pos_embedding(pos, 1, 3) is pos

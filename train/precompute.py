@@ -51,12 +51,15 @@ def _atomic_write(path: str, write) -> None:
   os.replace(tmp, path)
 
 
-def _meta(source, tower, rows_per_shard: int) -> dict:
+def _meta(source, tower, rows_per_shard: int, decode_size: int) -> dict:
   return {"format": emb_lib.FORMAT, "fingerprint": tower.fingerprint,
           "source": source.spec, "num_examples": len(source),
           "num_shards": -(-len(source) // rows_per_shard),
           "rows_per_shard": rows_per_shard, "dim": tower.embed_dim,
           "dtype": "bfloat16", "image_size": tower.image_size,
+          # Where the images were resized (0: host; C: from C on the device):
+          # a resumed run must not mix the two in one directory.
+          "decode_size": decode_size,
           "tower": tower.source,
           # Found while opening the source: training counts them as bad too.
           "bad_at_open": [list(b) for b in source.bad_at_open]}
@@ -103,7 +106,7 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
     source = sources.open_source(data, data.split)
   if sources.kind_of(source.spec) == "embeddings":
     raise ValueError("config.data.name already names precomputed embeddings")
-  meta = _meta(source, tower, rows_per_shard)
+  meta = _meta(source, tower, rows_per_shard, data.decode_size)
   _check_or_write_meta(out, meta)
   local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
   n_local = local_mesh.size
@@ -111,7 +114,10 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   bs = -(-bs // n_local) * n_local
   embed = step_lib.make_embed_fn(local_mesh, tower)
   params = jax.device_put(tower.params, NamedSharding(local_mesh, P()))
-  compact = pipeline.Compact(source, tower.image_size)
+  # The host delivers uint8 at host_size; Tower.embed resizes on the device
+  # from config.data.decode_size, as in training.
+  size = pipeline.host_size(data)
+  compact = pipeline.Compact(source, size)
   todo = [k for k in range(process_index, meta["num_shards"], process_count)
           if not os.path.exists(emb_lib.shard_paths(out, k)[1])]
   done = len(range(process_index, meta["num_shards"], process_count)) - len(
@@ -135,8 +141,7 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
                                      batches[j + 1]))
         items = futures[j].result()
         futures[j] = None
-        images = np.zeros((bs, tower.image_size, tower.image_size, 3),
-                          np.uint8)
+        images = np.zeros((bs, size, size, 3), np.uint8)
         for r, (i, item) in enumerate(zip(rows, items)):
           keys.append(source.keys[i] if hasattr(source, "keys")
                       else f"{source.spec}#{i}")

@@ -69,9 +69,10 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
 
   Args:
     mesh: 1-D mesh with axis "data" over all devices.
-    image_tower: a ``train.towers.Tower`` (batches carry uint8 "image",
-      normalised on the device by ``Tower.embed``) or a Flax module (float
-      images, already normalised).
+    image_tower: a ``train.towers.Tower`` (batches carry uint8 "image" at
+      the tower's size or at data.decode_size, resized, normalised and cast
+      on the device by ``Tower.embed``) or a Flax module (float images,
+      already normalised).
     text_tower, head: the Flax modules (head without axis_name).
     microbatch_size: global micro-batch of GradCache; 0 or >= global_batch
       runs the plain un-chunked step.

@@ -4,7 +4,8 @@ The global batch of images never exists at once, on the host or the device:
 a step pulls its micro-batches (uint8 images + int32 tokens) from the input
 pipeline one after the other; each is put on the devices (``jax.device_put``
 through ``make_array_from_process_local_data``, asynchronous) and embedded by
-``Tower.embed`` (normalisation and the cast happen on the device). JAX
+``Tower.embed`` (the resize from ``config.data.decode_size`` when set, the
+normalisation and the cast happen on the device). JAX
 dispatches asynchronously, so while micro-batch c is embedded the host
 decodes and transfers c+1; at most ``depth`` micro-batches are in flight, so
 the device holds only their images. What stays is the (B, D) float32 image
@@ -62,7 +63,8 @@ class StreamedImageTower:
         out_specs=P(step_lib.AXIS), check_vma=False))
 
   def embed_microbatch(self, images: np.ndarray):
-    """Process-local uint8 (m, S, S, 3) -> global float32 (M, D) on "data"."""
+    """Process-local uint8 (m, C, C, 3) -> global float32 (M, D) on "data"
+    (C: the host's size, the tower's or data.decode_size)."""
     x = jax.make_array_from_process_local_data(self._sharding, images)
     return self._embed(self.params, x)
 

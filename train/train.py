@@ -415,7 +415,8 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   del params
 
   # The locked image tower as the data path sees it: images cross the host
-  # and the transfer as uint8 and are normalised on the device. (A host copy
+  # and the transfer as uint8 and are resized (from config.data.decode_size),
+  # normalised and cast on the device (Tower.embed). (A host copy
   # of its params: the train step donates the state's.)
   tower = dataclasses.replace(image_tower,
                               params=jax.device_get(state["params"]["img"]))
@@ -468,7 +469,9 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
           + f"; image tower {config.model.image.kind}"
           + (" locked" if config.model.image.locked else " trained")
           + (", precomputed embeddings" if precomputed else "")
-          + (", embedded on the fly per micro-batch" if streamed else ""),
+          + (", embedded on the fly per micro-batch" if streamed else "")
+          + (f"; images resized on the device from {config.data.decode_size}"
+             " px" if config.data.decode_size and not precomputed else ""),
           flush=True)
   # The loss diagnostics re-embed a few pairs of the batch as the step sees
   # them: uint8 images through the tower, or the embeddings themselves.

@@ -33,11 +33,9 @@ import functools
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from infcl_jax._axes import out_struct
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels import panel_call
 from infcl_jax.kernels import tile_dot
 
 F32 = jnp.float32
@@ -116,37 +114,13 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
     g (R, m_pad) of ``g_dtype``, and the sums of G * (x y^T) and of G
     (float32 scalars).
   """
-  r_rows, d_pad = x.shape
-  m_pad = y.shape[0]
-  ni, nj, nd = r_rows // block_q, m_pad // block_k, d_pad // block_d
+  nd = x.shape[1] // block_d
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, rows=rows, cols=cols, mask=mask,
                              precision=precision, single_exp=single_exp,
                              interpret=interpret)
-  # Grid axis 0 (row blocks) varies fastest on the GPU: consecutive programs
-  # share one y tile, and the whole x panel stays in L2.
-  ins = (params, x, y, r2, c2)
-  g, dsc, dbi = pl.pallas_call(
-      kernel,
-      out_shape=[out_struct((r_rows, m_pad), g_dtype, *ins),
-                 out_struct((ni, nj), F32, *ins),
-                 out_struct((ni, nj), F32, *ins)],
-      grid=(ni, nj),
-      in_specs=[
-          pl.BlockSpec((4,), lambda i, j: (0,)),
-          pl.BlockSpec((r_rows, d_pad), lambda i, j: (0, 0)),
-          pl.BlockSpec((m_pad, d_pad), lambda i, j: (0, 0)),
-          pl.BlockSpec((block_q,), lambda i, j: (i,)),
-          pl.BlockSpec((block_k,), lambda i, j: (j,)),
-      ],
-      out_specs=[
-          pl.BlockSpec((block_q, block_k), lambda i, j: (i, j)),
-          pl.BlockSpec((None, None), lambda i, j: (i, j)),
-          pl.BlockSpec((None, None), lambda i, j: (i, j)),
-      ],
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                           num_stages=num_stages),
-      interpret=interpret,
-      name="infcl_lse_bwd_panel",
-  )(params, x, y, r2, c2)
+  g, dsc, dbi = panel_call.panel_call(
+      kernel, params, x, y, row_vecs=(r2,), col_vecs=(c2,), g_dtype=g_dtype,
+      num_partials=2, block_q=block_q, block_k=block_k, num_warps=num_warps,
+      num_stages=num_stages, interpret=interpret, name="infcl_lse_bwd_panel")
   return g, jnp.sum(dsc), jnp.sum(dbi)

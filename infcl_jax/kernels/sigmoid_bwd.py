@@ -29,11 +29,9 @@ import functools
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from infcl_jax._axes import out_struct
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels import panel_call
 from infcl_jax.kernels import tile_dot
 
 F32 = jnp.float32
@@ -104,41 +102,17 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  r_rows, d_pad = x.shape
-  m_pad = y.shape[0]
-  ni, nj, nd = r_rows // block_q, m_pad // block_k, d_pad // block_d
+  nd = x.shape[1] // block_d
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, m=m, mask=mask, has_diagonal=has_diagonal,
                              mode=mode, scaled=scaled, precision=precision,
                              interpret=interpret)
-  # Inside shard_map the outputs carry their inputs' varying mesh axes.
-  ins = (params, x, y, row_ids)
-  scalar = out_struct((ni, nj), F32, *ins)
-  scalar_spec = pl.BlockSpec((None, None), lambda i, j: (i, j))
-  if mode == "max":
-    out_shape, out_specs = [scalar], [scalar_spec]
-  else:
-    out_shape = [out_struct((r_rows, m_pad), g_dtype, *ins), scalar, scalar]
-    out_specs = [pl.BlockSpec((block_q, block_k), lambda i, j: (i, j)),
-                 scalar_spec, scalar_spec]
-  # Grid axis 0 (row blocks) varies fastest on the GPU: consecutive programs
-  # share one y tile, and the whole x panel stays in L2.
-  outs = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(ni, nj),
-      in_specs=[
-          pl.BlockSpec((4,), lambda i, j: (0,)),
-          pl.BlockSpec((r_rows, d_pad), lambda i, j: (0, 0)),
-          pl.BlockSpec((m_pad, d_pad), lambda i, j: (0, 0)),
-          pl.BlockSpec((block_q,), lambda i, j: (i,)),
-      ],
-      out_specs=out_specs,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                           num_stages=num_stages),
-      interpret=interpret,
-      name=f"infcl_sigmoid_bwd_{mode}",
-  )(*ins)
+  outs = panel_call.panel_call(
+      kernel, params, x, y, row_vecs=(row_ids,), col_vecs=(),
+      g_dtype=None if mode == "max" else g_dtype,
+      num_partials=1 if mode == "max" else 2, block_q=block_q,
+      block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+      interpret=interpret, name=f"infcl_sigmoid_bwd_{mode}")
   if mode == "max":
     return jnp.max(outs[0])
   g, dsc, dbi = outs

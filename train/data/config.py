@@ -52,6 +52,13 @@ def default_data_config() -> ml_collections.ConfigDict:
   # examples seen (after 1000) stops the run.
   c.max_bad_fraction = 0.01
   c.image_size = 32
+  # 0: the host resizes (shorter side, bicubic) and centre-crops every image
+  # to image_size. C >= image_size: the host delivers C x C (an image that
+  # decodes at C x C, e.g. img2dataset's `--image_size 256 --resize_mode
+  # center_crop`, gets no host work beyond the decode; others are resized and
+  # cropped to C) and the device resizes C -> image_size per micro-batch
+  # (train/towers/resize.py). Training only: evaluation resizes on the host.
+  c.decode_size = 0
   # synthetic_shapes only: examples generated for train and test, and seed.
   c.num_train_examples = 4096
   c.synthetic_seed = 0
@@ -129,12 +136,16 @@ def check_data_config(config) -> None:
     tokenizer_lib.check_tokenizer_config(config.tokenizer)
   for key in ("image_size", "num_eval_examples", "num_threads",
               "prefetch_batches", "num_train_examples", "cache_max_mb",
-              "num_workers"):
+              "num_workers", "decode_size"):
     value = data.get(key)
     low = 0 if key in ("num_eval_examples", "prefetch_batches",
-                       "cache_max_mb", "num_workers") else 1
+                       "cache_max_mb", "num_workers", "decode_size") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
+  if 0 < data.decode_size < data.image_size:
+    raise ValueError(f"config.data.decode_size={data.decode_size} is smaller "
+                     f"than image_size={data.image_size}: the device only "
+                     "shrinks (0 = resize on the host)")
   names_lib.check_templates(data.zeroshot_templates,
                             "config.data.zeroshot_templates")
   for key in ("zeroshot_classnames_file", "zeroshot_templates_file"):

@@ -2,8 +2,10 @@
 
     source (random access by example index; this process's shard: examples
             p, p+P, p+2P, ...; see train/data/source.py)
-      -> map: read, decode, resize + central crop to image_size (uint8);
-         done once and kept in memory when the shard fits in cache_max_mb
+      -> map: read, decode, resize + central crop to image_size (uint8),
+         or with data.decode_size C to C x C (an image decoded at C x C is
+         left as it is) for the device to resize (host_size); done once and
+         kept in memory when the shard fits in cache_max_mb
       -> shuffle(seed) + repeat: a fresh permutation of the shard each epoch
       -> map_with_index: pick one caption (random per stream position, so it
          varies across epochs), tokenize
@@ -21,7 +23,8 @@ Each element is a pure function of (seed, shard, stream position), whatever
 the thread count, so the iterator's state is the next stream position (plus
 the bad-data counts): resuming slices the stream there and yields bitwise
 the batches an uninterrupted run would have. Images stay uint8 all the way
-to the device, where the tower normalises them (train/towers/tower.py).
+to the device, where the tower resizes them from decode_size (if set),
+normalises them and casts them (``Tower.embed``, train/towers/tower.py).
 """
 
 import io
@@ -92,12 +95,19 @@ def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
   return to_float(resize_crop(image, size))
 
 
+def host_size(data) -> int:
+  """The side of the uint8 squares the host delivers for training:
+  data.decode_size, or image_size when it is 0 (host resize)."""
+  return data.decode_size or data.image_size
+
+
 class Compact:
   """A source example -> {"image": uint8 [S, S, 3] (or "image_emb"),
   "captions", "label"}, or a ``Bad`` naming it.
 
-  Keeps only what training needs, at the final resolution, so a cached
-  shard costs S*S*3 bytes per example whatever the original image size.
+  S is the size the host delivers (``host_size``). Keeps only what training
+  needs, at that resolution, so a cached shard costs S*S*3 bytes per example
+  whatever the original image size.
   """
 
   def __init__(self, source, image_size: int):
@@ -202,9 +212,9 @@ def _pack(items: list) -> dict:
 class TrainIterator:
   """Infinite, deterministic, resumable iterator of per-process micro-batches.
 
-  Yields {"image": uint8 [m, S, S, 3] (or "image_emb": float32 [m, D] from
-  precomputed embeddings), "text": int32 [m, L], "label": int32 [m] (-1
-  without labels)} as numpy arrays, m = microbatch_size; a step takes
+  Yields {"image": uint8 [m, S, S, 3] (S = ``host_size``; or "image_emb":
+  float32 [m, D] from precomputed embeddings), "text": int32 [m, L],
+  "label": int32 [m] (-1 without labels)} as numpy arrays, m = microbatch_size; a step takes
   batch_size // microbatch_size of them in a row (``next_batch``).
 
   ``bad`` counts the examples skipped so far (those found while opening
@@ -362,11 +372,11 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if len(source) < process_count:
     raise ValueError(f"{source.spec} has {len(source)} examples, fewer "
                      f"than process_count={process_count}")
-  compact = Compact(source, data.image_size)
+  compact = Compact(source, host_size(data))
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
   example_bytes = (4 * source.dim if precomputed
-                   else data.image_size ** 2 * 3)
+                   else host_size(data) ** 2 * 3)
   if len(shard) * example_bytes <= data.cache_max_mb * 2**20:
     ds = grain.MapDataset.source(_InMemorySource(
         _read_all(compact, shard, data.num_threads)))
@@ -389,6 +399,7 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                  "process_index": process_index,
                  "process_count": process_count, "seed": seed,
                  "image_size": data.image_size,
+                 "decode_size": data.decode_size,
                  "max_len": tokenizer.max_len}
   return TrainIterator(ds, read_options, fingerprint,
                        microbatch_size=microbatch_size, ledger=ledger,

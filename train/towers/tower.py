@@ -4,11 +4,15 @@ A ``Tower`` is what loading a tower returns (``train.pretrained``, or the
 config's own ViT/CNN) and all that the data pipeline, the step, evaluation
 and the precomputed-embedding cache see of it:
 
-- ``image_size``: the data pipeline resizes and crops to it;
+- ``image_size``: S, the tower's input size;
 - ``normalization``: applied on the device to uint8 pixels, so images cross
   the host and the host-to-device transfer as uint8 (4x smaller than float);
-- ``embed(params, uint8 [b, S, S, 3]) -> float32 [b, D]``: the step and
-  evaluation call it, inside or outside ``jit``/``shard_map``;
+- ``embed(params, uint8 [b, C, C, 3]) -> float32 [b, D]``: the step, the
+  streamed micro-batches, precompute and evaluation call it, inside or
+  outside ``jit``/``shard_map``. At C = S (evaluation, and training without
+  ``config.data.decode_size``) the data pipeline has resized and cropped on
+  the host; at C > S (``decode_size``) the images are resized to S here
+  first, on the device (train/towers/resize.py);
 - ``fingerprint``: identifies the params and the preprocessing, so stored
   embeddings are never reused for another tower.
 """
@@ -25,6 +29,8 @@ import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from train.towers import resize as resize_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +87,8 @@ class Tower:
     module: the Flax module; ``module.apply({"params": p}, x)`` takes
       normalised float images [b, S, S, 3] and returns [b, D].
     params: its parameters.
-    image_size: S, the input size the data pipeline delivers.
+    image_size: S, the module's input size (the data pipeline delivers S,
+      or any larger square size that ``embed`` resizes to S).
     normalization: applied to uint8 pixels on the device.
     embed_dim: D.
     dtype: the compute dtype the normalised images are cast to.
@@ -95,9 +102,18 @@ class Tower:
   dtype: Any = jnp.float32
   source: str = "random"
 
+  def preprocess(self, images):
+    """uint8 [b, C, C, 3], C >= S -> the module's input [b, S, S, 3]:
+    resized to S (when C > S), normalised, cast to ``dtype``. The one home
+    of the device preprocessing; traceable."""
+    if images.shape[1] != self.image_size:
+      images = resize_lib.resize_square(images, self.image_size)
+    return self.normalization(images, self.dtype)
+
   def embed(self, params, images):
-    """uint8 [b, S, S, 3] -> float32 [b, D]; traceable (jit, shard_map)."""
-    x = self.normalization(images, self.dtype)
+    """uint8 [b, C, C, 3] (C >= S) -> float32 [b, D]; traceable (jit,
+    shard_map). At C = S: normalisation, the cast and the module only."""
+    x = self.preprocess(images)
     return self.module.apply({"params": params}, x).astype(jnp.float32)
 
   @functools.cached_property

@@ -115,6 +115,41 @@ def tile_coords(pid, u, nprog, ni):
   return lax.rem(tile, ni), lax.div(tile, ni)
 
 
+# Registers per thread: the consumers hold a (128, 128) float32 accumulator
+# and the epilogue's temporaries; the producer only issues copies.
+COMPUTE_REGS = 232
+MEMORY_REGS = 40
+
+
+def persistent_tiles(num_tiles, nprog, ni):
+  """This CTA's share of a persistent grid of ``num_tiles`` tiles with
+  ``ni`` row blocks: (its program id, how many tiles it owns, ``coords(u)``
+  of its u-th tile, from ``tile_coords``)."""
+  pid = lax.axis_index("p")
+  return (pid, my_count(pid, num_tiles, nprog),
+          lambda u: tile_coords(pid, u, nprog, ni))
+
+
+def specialize(consumer, x_ref, y_ref, x_smem, y_smem, x_full, y_full,
+               consumed, **producer_kw):
+  """The CTA's warpgroups at work: warpgroup NUM_CONSUMERS runs ``producer``
+  (``producer_kw``: its keyword arguments) with few registers, and
+  warpgroups 0 .. NUM_CONSUMERS - 1 run ``consumer(wg)`` with the registers
+  the producer gives up."""
+  wg = lax.axis_index("wg")
+
+  @pl.when(wg == NUM_CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+    producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
+             **producer_kw)
+
+  @pl.when(wg < NUM_CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+    consumer(wg)
+
+
 def producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed, *,
              coords, num_tiles, nd, bq, bk, bd, stages, split_rings):
   """The memory warpgroup: TMA copies for ``num_tiles`` tiles of nd chunks.
@@ -271,12 +306,6 @@ def ring_scratch(dtype, *, bq, bk, bd, stages, split_rings):
       plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=stages),
   ]
-
-
-# Registers per thread: the consumers hold a (128, 128) float32 accumulator
-# and the epilogue's temporaries; the producer only issues copies.
-COMPUTE_REGS = 232
-MEMORY_REGS = 40
 
 
 def launch(body, *, operands, out_type, scratch, nprog, name, interpret,

@@ -70,21 +70,9 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, part_ref, x_smem,
             y_smem, g_smem, x_full, y_full, consumed, turn, *, rows, cols,
             mask, bq, bk, bd, nd, ni, num_tiles, nprog, stages):
   bw = bk // EPILOGUE_SPLIT
-  pid = lax.axis_index("p")
-  wg = lax.axis_index("wg")
-  my_tiles = common.my_count(pid, num_tiles, nprog)
-  coords = lambda u: common.tile_coords(pid, u, nprog, ni)
+  pid, my_tiles, coords = common.persistent_tiles(num_tiles, nprog, ni)
 
-  @pl.when(wg == common.NUM_CONSUMERS)
-  def _producer():
-    plgpu.set_max_registers(common.MEMORY_REGS, action="decrease")
-    common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
-                    coords=coords, num_tiles=my_tiles, nd=nd, bq=bq, bk=bk,
-                    bd=bd, stages=stages, split_rings=True)
-
-  @pl.when(wg < common.NUM_CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(common.COMPUTE_REGS, action="increase")
+  def consumer(wg):
     scale2 = params_ref[0]
     bias2 = params_ref[1]
     a_r = params_ref[2]
@@ -133,6 +121,10 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, part_ref, x_smem,
     part_ref.at[pid, wg, 0][...] = dsc
     part_ref.at[pid, wg, 1][...] = dbi
     plgpu.wait_smem_to_gmem(0)
+
+  common.specialize(consumer, x_ref, y_ref, x_smem, y_smem, x_full, y_full,
+                    consumed, coords=coords, num_tiles=my_tiles, nd=nd, bq=bq,
+                    bk=bk, bd=bd, stages=stages, split_rings=True)
 
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,

@@ -148,7 +148,6 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
   col_ref = refs.pop(0) if cols else None
   x_smem, y_smem, x_full, y_full, consumed, turn = refs
   pid = lax.axis_index("p")
-  wg = lax.axis_index("wg")
   num_rounds = common.my_count(pid, nrb, nprog)
   mask_rows = n % bq != 0
   mask_cols = m % (2 * bk) != 0
@@ -156,18 +155,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
   def row_block(t):
     return pid + t * nprog
 
-  @pl.when(wg == common.NUM_CONSUMERS)
-  def _producer():
-    plgpu.set_max_registers(common.MEMORY_REGS, action="decrease")
-    common.producer(
-        x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
-        coords=lambda u: (row_block(lax.div(u, nkb2)), lax.rem(u, nkb2)),
-        num_tiles=num_rounds * nkb2, nd=nd, bq=bq, bk=bk, bd=bd,
-        stages=stages, split_rings=True)
-
-  @pl.when(wg < common.NUM_CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(common.COMPUTE_REGS, action="increase")
+  def consumer(wg):
     scale2 = params_ref[0]
     bias2 = params_ref[1]
     turns = common.Turns(turn, wg)
@@ -230,6 +218,13 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
 
     lax.fori_loop(0, num_rounds, round_body, 0)
     turns.drain(num_rounds * nkb2)
+
+  # A CTA owns whole row blocks (rounds), each against every column block.
+  common.specialize(
+      consumer, x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
+      coords=lambda u: (row_block(lax.div(u, nkb2)), lax.rem(u, nkb2)),
+      num_tiles=num_rounds * nkb2, nd=nd, bq=bq, bk=bk, bd=bd,
+      stages=stages, split_rings=True)
 
 
 # Mosaic GPU's cross-warp reduction scratch (the column statistics): 16 KB

@@ -79,23 +79,9 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
   else:
     x_smem, y_smem, x_full, y_full, consumed = refs
     g_smem = None
-  pid = lax.axis_index("p")
-  wg = lax.axis_index("wg")
-  my_tiles = common.my_count(pid, num_tiles, nprog)
-  coords = lambda u: common.tile_coords(pid, u, nprog, ni)
+  pid, my_tiles, coords = common.persistent_tiles(num_tiles, nprog, ni)
 
-  # One shared ring: with no column statistics the consumers take no turns,
-  # so a ring per consumer would only add a second fetch of x.
-  @pl.when(wg == common.NUM_CONSUMERS)
-  def _producer():
-    plgpu.set_max_registers(common.MEMORY_REGS, action="decrease")
-    common.producer(x_ref, y_ref, x_smem, y_smem, x_full, y_full, consumed,
-                    coords=coords, num_tiles=my_tiles, nd=nd, bq=bq, bk=bk,
-                    bd=bd, stages=stages, split_rings=False)
-
-  @pl.when(wg < common.NUM_CONSUMERS)
-  def _consumer():
-    plgpu.set_max_registers(common.COMPUTE_REGS, action="increase")
+  def consumer(wg):
     scale = params_ref[0]
     bias = params_ref[1]
     g_scale = params_ref[2]
@@ -147,6 +133,12 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
     part_ref.at[pid, wg, 1][...] = a1
     if mode == "g":
       plgpu.wait_smem_to_gmem(0)
+
+  # One shared ring: with no column statistics the consumers take no turns,
+  # so a ring per consumer would only add a second fetch of x.
+  common.specialize(consumer, x_ref, y_ref, x_smem, y_smem, x_full, y_full,
+                    consumed, coords=coords, num_tiles=my_tiles, nd=nd, bq=bq,
+                    bk=bk, bd=bd, stages=stages, split_rings=False)
 
 
 def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
