@@ -5,6 +5,14 @@ stable scalar functions.
 Triton software-pipelines with ``num_stages`` buffers; every kernel of both
 families starts from it, so it is written once. The constants are
 ``infcl_jax._math``'s, as Triton compile-time values.
+
+A tile's scalar (its largest logit, its sum of G) is one reduction over
+all of it (``tl.sum(x)``), and a vector's smallest entry ``tl.min(v)``,
+never a reduction along an axis of a reduction's result
+(``tl.sum(tl.sum(x, axis=1), axis=0)``): Triton 3.6 fails to compile that
+for sm100 (``TritonNvidiaGPUOptimizeTMemLayoutsPass``: "parent layout must
+have at least rank >= 2") when the tile comes from tensor memory.
+``tests/test_triton_aot.py`` compiles every kernel for sm100 to keep it so.
 """
 from __future__ import annotations
 

@@ -62,8 +62,8 @@ def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, g_ptr, dsc_ptr, dbi_ptr,
   r = tl.load(r_ptr + rows)  # base-2 row LSE, +inf on padding
   c = tl.load(c_ptr + cols)  # base-2 column LSE, +inf on padding
   if ROWS and COLS and SINGLE_EXP:
-    hi = tl.maximum(tl.max(r, axis=0), tl.max(c, axis=0))
-    lo = tl.minimum(tl.min(r, axis=0), tl.min(c, axis=0))
+    hi = tl.maximum(tl.max(r), tl.max(c))
+    lo = tl.minimum(tl.min(r), tl.min(c))
     if hi - lo <= MAX_SPREAD:
       u = a_r * tl.exp2(hi - r)
       v = a_c * tl.exp2(hi - c)
@@ -74,8 +74,8 @@ def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, g_ptr, dsc_ptr, dbi_ptr,
     g = _exact(s, r, c, a_r, a_c, BQ, BK, ROWS, COLS, MASK)
   offs = rows.to(tl.int64)[:, None] * M_PAD + cols[None, :]
   tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty))
-  tl.store(dsc_ptr + i * NJ + j, tl.sum(tl.sum(g * s0, axis=1), axis=0))
-  tl.store(dbi_ptr + i * NJ + j, tl.sum(tl.sum(g, axis=1), axis=0))
+  tl.store(dsc_ptr + i * NJ + j, tl.sum(g * s0))
+  tl.store(dbi_ptr + i * NJ + j, tl.sum(g))
 
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,

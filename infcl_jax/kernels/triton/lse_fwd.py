@@ -119,11 +119,11 @@ def _kernel(params_ptr, x_ptr, y_ptr, row_ptr, cm_ptr, cl_ptr,
       s = _logits(x_ptr, y_ptr, rb, j, scale2, bias2, N, M, D_PAD, BQ, BK,
                   BD, PREC)
       if SINGLE_EXP and ROWS and COLS:
-        big = tl.max(tl.max(s, axis=1), axis=0)
+        big = tl.max(s)
         p = tl.exp2(s - common.safe_max(big))
         lr = tl.sum(p, axis=1)
         lc = tl.sum(p, axis=0)
-        ok = (tl.min(lr, axis=0) >= MIN_SUM) & (tl.min(lc, axis=0) >= MIN_SUM)
+        ok = (tl.min(lr) >= MIN_SUM) & (tl.min(lc) >= MIN_SUM)
         if ok:
           m_i, l_i = _shared_update(big, lr, lc, m_i, l_i, cm_ptr, cl_ptr,
                                     ws, j, BK, BARRIER)

@@ -58,8 +58,8 @@ def _kernel(params_ptr, x_ptr, y_ptr, rid_ptr, g_ptr, dsc_ptr, dbi_ptr,
   g, s0 = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, i, j, M, D_PAD, BQ, BK,
                   BD, MASK, HAS_DIAG, PREC)
   # The scalar partials come from the unscaled float32 G.
-  tl.store(dsc_ptr + i * NJ + j, tl.sum(tl.sum(g * s0, axis=1), axis=0))
-  tl.store(dbi_ptr + i * NJ + j, tl.sum(tl.sum(g, axis=1), axis=0))
+  tl.store(dsc_ptr + i * NJ + j, tl.sum(g * s0))
+  tl.store(dbi_ptr + i * NJ + j, tl.sum(g))
   if SCALED:
     g = g * tl.load(params_ptr + 2)
   rows = (i * BQ + tl.arange(0, BQ)).to(tl.int64)
@@ -78,7 +78,7 @@ def _max_kernel(params_ptr, x_ptr, y_ptr, rid_ptr, max_ptr, M: tl.constexpr,
   NJ: tl.constexpr = M_PAD // BK
   g, _ = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, i, j, M, D_PAD, BQ, BK,
                  BD, MASK, HAS_DIAG, PREC)
-  tl.store(max_ptr + i * NJ + j, tl.max(tl.max(tl.abs(g), axis=1), axis=0))
+  tl.store(max_ptr + i * NJ + j, tl.max(tl.abs(g)))
 
 
 def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
