@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# The triton backend's CI leg: tests/test_native_triton.py with its kernels
-# in Triton's interpreter (TRITON_INTERPRET=1) on the CPU, against float64.
+# The triton backend's CI leg, on the CPU:
+#   1. tests/test_native_triton.py: its kernels in Triton's interpreter
+#      (TRITON_INTERPRET=1) against float64;
+#   2. tests/test_triton_aot.py: every kernel compiled ahead of time for
+#      sm80, sm86, sm89, sm90 and sm100 with the tiles each GPU gets, and
+#      checked against its shared memory, registers and spills (Triton's
+#      compiled kernels are cached in ~/.triton/cache).
+# pytest args go to both.
 #
 #   bash scripts/triton_interpret.sh [pytest args]
 #
@@ -31,6 +37,12 @@ if [ ! -e "$stamp" ]; then
   touch "$stamp"
   echo "triton leg: venv made in $((SECONDS - start)) s ($venv)" >&2
 fi
-export TRITON_INTERPRET=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  -W ignore::DeprecationWarning -m "not gpu" tests/test_native_triton.py "$@"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+run() {
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    -W ignore::DeprecationWarning -m "not gpu" "$@"
+}
+rc=0
+TRITON_INTERPRET=1 run tests/test_native_triton.py "$@" || rc=$?
+TRITON_INTERPRET=0 run tests/test_triton_aot.py "$@" || rc=$?
+exit "$rc"

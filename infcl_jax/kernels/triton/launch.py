@@ -21,13 +21,23 @@ not have on its own:
   typed without varying mesh axes, as if replicated; they are per-device
   results of their inputs, so they get their inputs' varying axes
   (``_axes.vary_like``, no data movement).
+
+Every launch is first written down as a ``Launch`` (the kernel, its
+argument types, grid, compiler options and compile-time constants): the
+one description that ``triton_call`` gets on the GPU and that ``aot``
+compiles for a CUDA target on a machine without one. ``record()`` collects
+the launches of a traced computation instead of running them, so that a
+CPU test can compile exactly what the GPU would.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from infcl_jax import _axes
@@ -35,8 +45,74 @@ from infcl_jax import _axes
 import triton  # pylint: disable=g-bad-import-order
 import triton.language as tl  # noqa: F401  (kernels share this import)
 
+# The pointer types jax-triton gives an array argument
+# (``jax_triton.triton_lib.get_triton_type``).
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
+                "int32": "i32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One kernel launch: what ``triton_call`` is given, and all of it."""
+  kernel: object
+  ins: tuple  # jax.ShapeDtypeStruct of each array argument, in order
+  outs: tuple  # jax.ShapeDtypeStruct of each output, in order
+  grid: tuple
+  num_warps: int
+  num_stages: int
+  name: str
+  constexprs: dict
+
+  def signature(self) -> dict:
+    """The kernel's signature as jax-triton compiles it: a pointer per
+    array, inputs then outputs, then the compile-time constants."""
+    fn = getattr(self.kernel, "fn", self.kernel)
+    names = list(getattr(self.kernel, "arg_names", None)
+                 or fn.__code__.co_varnames[:fn.__code__.co_argcount])
+    arrays = [*self.ins, *self.outs]
+    sig = {n: "*" + TRITON_TYPES[np.dtype(a.dtype).name]
+           for n, a in zip(names, arrays)}
+    missing = [n for n in names[len(arrays):] if n not in self.constexprs]
+    if len(names) < len(arrays) or missing:
+      raise ValueError(f"{self.name}: {len(arrays)} arrays and constants "
+                       f"{sorted(self.constexprs)} do not fill {names}")
+    sig.update({n: "constexpr" for n in self.constexprs})
+    return sig
+
+  def triton_call_kwargs(self) -> dict:
+    return dict(kernel=self.kernel, out_shape=list(self.outs),
+                grid=self.grid, num_warps=self.num_warps,
+                num_stages=self.num_stages, name=self.name,
+                **self.constexprs)
+
+
+_RECORDS: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def record():
+  """Collects the launches of what runs inside (a list, filled in order)
+  instead of running them: their outputs are zeros. Meant for tracing
+  (``jax.eval_shape``) a loss to compile its kernels ahead of time. JAX's
+  caches are cleared first: a cached trace would launch nothing."""
+  jax.clear_caches()
+  launches: list[Launch] = []
+  _RECORDS.append(launches)
+  try:
+    yield launches
+  finally:
+    _RECORDS.pop()
+
+
+def recording() -> bool:
+  return bool(_RECORDS)
+
+
 def interpreting() -> bool:
-  """Whether the kernels were defined for Triton's interpreter."""
+  """Whether the kernels run in Triton's interpreter (never while
+  recording: the recorded launches are the GPU's)."""
+  if _RECORDS:
+    return False
   knobs = getattr(triton, "knobs", None)
   if knobs is not None:
     return bool(knobs.runtime.interpret)
@@ -63,19 +139,24 @@ def call(kernel, *arrays, out_shape, grid, num_warps, num_stages, name,
   Returns:
     The list of outputs.
   """
-  out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
-  grid = tuple(int(g) for g in grid)
+  spec = Launch(
+      kernel=kernel,
+      ins=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays),
+      outs=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape),
+      grid=tuple(int(g) for g in grid), num_warps=num_warps,
+      num_stages=num_stages, name=name, constexprs=dict(constexprs))
+  spec.signature()  # a kernel / argument mismatch fails here, on any host
+  if _RECORDS:
+    _RECORDS[-1].append(spec)
+    return [jnp.zeros(s.shape, s.dtype) for s in spec.outs]
 
   if interpreting():
     def run(*xs):
-      return _interpret(kernel, xs, out_shape, grid, constexprs)
+      return _interpret(kernel, xs, list(spec.outs), spec.grid, constexprs)
   else:
     def run(*xs):
       import jax_triton  # pylint: disable=g-import-not-at-top
-      return list(jax_triton.triton_call(
-          *xs, kernel=kernel, out_shape=out_shape, grid=grid,
-          num_warps=num_warps, num_stages=num_stages, name=name,
-          **constexprs))
+      return list(jax_triton.triton_call(*xs, **spec.triton_call_kwargs()))
 
   outs = jax.custom_batching.sequential_vmap(run)(*arrays)
   # Per-device results of per-device inputs (see the module docstring).
