@@ -59,8 +59,9 @@ class FakeMosaic:
 def _clean(monkeypatch):
   """No override, the real backend table without the triton extra (so that
   the choices below do not depend on what this venv has installed; with
-  the extra, "triton" takes "pallas"'s place: test_triton_backend_host),
-  fresh warnings."""
+  the extra they are the same while Pallas' Triton lowering imports, and
+  "triton" takes "pallas"'s place once it does not:
+  test_triton_backend_host), fresh warnings."""
   monkeypatch.delenv(ENV, raising=False)
   monkeypatch.setitem(sys.modules, "triton", None)
   monkeypatch.setitem(sys.modules, "jax_triton", None)

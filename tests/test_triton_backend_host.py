@@ -96,18 +96,20 @@ def test_off_the_gpu_defaults_are_the_interpreter_tiles():
   assert ntc.default("cpu", None, jnp.float32) == tc.INTERPRET
 
 
-# Written down: kind, capability, auto's choice with the extra, without it.
+# Written down: kind, capability, auto's choice with the extra, without it,
+# and with the extra where jax.experimental.pallas.triton does not import.
+# "triton" has not run on a GPU yet: auto keeps "pallas" while it exists.
 AUTO = [
-    ("NVIDIA A100-SXM4-80GB", "8.0", "triton", "pallas"),
-    ("NVIDIA A10", "8.6", "triton", "pallas"),
-    ("NVIDIA L4", "8.9", "triton", "pallas"),
-    ("NVIDIA GeForce RTX 4090", "8.9", "triton", "pallas"),
-    ("NVIDIA GeForce RTX 5090", "12.0", "triton", "pallas"),
-    ("NVIDIA B200", "10.0", "triton", "pallas"),
-    ("NVIDIA H100 80GB HBM3", "9.0", "mosaic", "mosaic"),
-    ("NVIDIA H200", "9.0", "mosaic", "mosaic"),
-    ("Tesla T4", "7.5", "xla", "xla"),
-    ("Some Future GPU", "13.7", "xla", "xla"),
+    ("NVIDIA A100-SXM4-80GB", "8.0", "pallas", "pallas", "triton"),
+    ("NVIDIA A10", "8.6", "pallas", "pallas", "triton"),
+    ("NVIDIA L4", "8.9", "pallas", "pallas", "triton"),
+    ("NVIDIA GeForce RTX 4090", "8.9", "pallas", "pallas", "triton"),
+    ("NVIDIA GeForce RTX 5090", "12.0", "pallas", "pallas", "triton"),
+    ("NVIDIA B200", "10.0", "pallas", "pallas", "triton"),
+    ("NVIDIA H100 80GB HBM3", "9.0", "mosaic", "mosaic", "mosaic"),
+    ("NVIDIA H200", "9.0", "mosaic", "mosaic", "mosaic"),
+    ("Tesla T4", "7.5", "xla", "xla", "xla"),
+    ("Some Future GPU", "13.7", "xla", "xla", "xla"),
 ]
 
 
@@ -118,13 +120,34 @@ def _hide_extra(monkeypatch):
                       raising=False)
 
 
-@pytest.mark.parametrize("kind,cc,with_extra,without_extra", AUTO)
+def _hide_pallas_triton(monkeypatch):
+  """As if JAX had removed the Pallas Triton lowering: importing it (and
+  so the "pallas" backend's kernels) fails."""
+  for mod in list(sys.modules):
+    if mod.startswith(("jax.experimental.pallas.triton",
+                       "infcl_jax.backends.pallas_triton",
+                       "infcl_jax.kernels.lse_", "infcl_jax.kernels.sigmoid_",
+                       "infcl_jax.kernels.panel_call")):
+      monkeypatch.delitem(sys.modules, mod)
+      # ``from package import module`` reads the attribute first.
+      parent, _, leaf = mod.rpartition(".")
+      if parent in sys.modules:
+        monkeypatch.delattr(sys.modules[parent], leaf, raising=False)
+  monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+  monkeypatch.setitem(registry._TABLE, "pallas",  # pylint: disable=protected-access
+                      registry.BUILTIN["pallas"])
+
+
+@pytest.mark.parametrize("kind,cc,with_extra,without_extra,no_pallas", AUTO)
 @pytest.mark.parametrize("family", ["softmax", "sigmoid"])
 def test_auto_policy(monkeypatch, kind, cc, with_extra, without_extra,
-                     family):
+                     no_pallas, family):
   monkeypatch.setattr(jax, "devices", lambda *a, **k: [FakeDevice(kind, cc)])
   monkeypatch.setitem(registry._TABLE, "triton", StubTriton)  # pylint: disable=protected-access
   assert registry.auto_backend(family, platform="gpu") == with_extra
+  with monkeypatch.context() as m:
+    _hide_pallas_triton(m)
+    assert registry.auto_backend(family, platform="gpu") == no_pallas
   _hide_extra(monkeypatch)
   monkeypatch.setitem(registry._TABLE, "triton",  # pylint: disable=protected-access
                       registry.BUILTIN["triton"])

@@ -20,8 +20,14 @@ whose shared memory per block is known (sm80, sm86, sm87, sm89, sm90,
 sm100, sm103, sm120, sm121), with the block sizes of
 ``native_triton_configs`` for that budget; newer or unreadable GPUs are
 UNTESTED (an explicit name runs, ``auto`` does not pick it); below sm80
-Triton has no bfloat16 dot. ``auto`` picks it on every such GPU except
-sm90, where Mosaic's kernels are faster (``registry.AUTO_ORDER``).
+Triton has no bfloat16 dot.
+
+Not yet run on a GPU: its kernels are compiled ahead of time for sm80,
+sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``: shared
+memory within each GPU's limit, no register spills), and exact in Triton's
+interpreter. So ``auto`` picks it only where Pallas' Triton lowering does
+not import (``registry.AUTO_ORDER``; sm90 keeps Mosaic); auto prefers it
+once measured. ``backend="triton"`` runs it anywhere it supports.
 
 Precision: bf16 / f16 on the tensor cores with float32 accumulation;
 float32 inputs as TF32 by default (``tl.dot(input_precision="tf32")``, like

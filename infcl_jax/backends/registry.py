@@ -198,12 +198,13 @@ def env_backend(family: str, platform: str | None = None) -> str | None:
 # portable, so the list always ends in a choice.
 #
 # Hopper (sm90) keeps "mosaic", the fastest there. Every other GPU the
-# kernels support (sm80-sm89, sm100+) gets "triton", the Triton-language
-# kernels, which need no Pallas; "pallas" (Pallas' deprecated Triton
-# lowering, the same algorithms) follows as the fallback where the triton
-# extra is missing. Only the H200 times all three (benchmarks/bench_loss.py);
-# the other GPUs are unmeasured, so "pallas" is not preferred anywhere.
-AUTO_ORDER = ("mosaic", "triton", "pallas", "xla")
+# kernels support (sm80-sm89, sm100+) gets "pallas" (Pallas' Triton
+# lowering, measured on the H200) while jax.experimental.pallas.triton
+# imports, and "triton" (the same algorithms in the Triton language, no
+# Pallas) once it does not: JAX deprecates that lowering. "triton" has not
+# run on a GPU yet (its kernels are compiled ahead of time for sm80-sm100
+# in CI, tests/test_triton_aot.py); auto prefers it once it is measured.
+AUTO_ORDER = ("mosaic", "pallas", "triton", "xla")
 KERNEL_BACKENDS = ("mosaic", "triton", "pallas")
 
 
@@ -213,10 +214,11 @@ def auto_backend(family: str, platform: str | None = None) -> str:
 
   Off the GPU that is "xla" (the kernel backends would only be
   interpreted). On a GPU, each backend's ``RUNS_ON`` decides: "mosaic" on
-  sm90 (H100, H200), "triton" on sm80-sm89, sm100/sm103 and sm120/sm121
-  (with block sizes that fit the GPU's shared memory; "pallas" there if
-  the triton extra is not installed); elsewhere "xla", with an
-  ``InfclPerformanceWarning`` the first time.
+  sm90 (H100, H200), "pallas" on sm80-sm89, sm100/sm103 and sm120/sm121
+  (with block sizes that fit the GPU's shared memory; "triton" there if
+  jax.experimental.pallas.triton does not import and the triton extra is
+  installed); elsewhere "xla", with an ``InfclPerformanceWarning`` the
+  first time.
   """
   platform = platform or default_platform()
   name, fell_back = _native_choice(family, platform)
@@ -251,7 +253,7 @@ def _warn_xla_on_gpu(family, platform):
   info = capability.device_info(platform)
   what = info.describe() if info is not None else "this GPU"
   hint = ""
-  for name in ("triton", "pallas"):
+  for name in ("pallas", "triton"):
     if name in _TABLE and available(name, family, platform):
       hint = (f" {ENV_VAR}={name} (or backend={name!r}) runs the Triton "
               f"kernels, untested on this GPU.")
