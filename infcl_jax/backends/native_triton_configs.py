@@ -20,12 +20,17 @@ the 255 a thread may have) keeps the tile from spilling (a fully fused dX
 kernel with three 256-wide accumulators spilled on the H200:
 ``panel_backward``).
 
-The entries start as the Pallas-Triton ones: same tiles, same budget; the
-H200 entries are compiled and measured there (``benchmarks/bench_loss.py``
-times ``triton`` beside ``pallas`` and ``mosaic``). Untested on A100, A10,
-L4, RTX 40xx / 50xx and B200: those entries fit their limit by the
-no-reuse bound (``SmemEstimate.total``) and the register budget, which
-``tests/test_native_triton.py`` checks for every GPU kind.
+The entries start as the Pallas-Triton ones: same tiles, same budget. Not
+yet run on any GPU (``scripts/gpu_triton.sh`` measures them on the H200,
+``benchmarks/bench_loss.py`` times ``triton`` beside ``pallas`` and
+``mosaic``). Every entry fits its limit by the no-reuse bound
+(``SmemEstimate.total``) and the register budget, which
+``tests/test_triton_backend_host.py`` checks for every GPU kind, and
+``tests/test_triton_aot.py`` compiles every kernel with them for sm80,
+sm86, sm89, sm90 and sm100 and checks Triton's own figures: shared memory
+within the limit (sm80 96 KB, sm86 / sm89 48 KB, sm90 / sm100 144 KB for
+bf16), no spills (ptxas gives most kernels all 255 registers a thread may
+have, and needs no local memory).
 """
 from __future__ import annotations
 
