@@ -74,3 +74,12 @@ def merge_stats(m_a, l_a, m_b, l_b):
 def stats_to_lse(m, l):
   """log-sum-exp from a (max, sum of exp(s - max)) pair."""
   return m + jnp.log(l)
+
+
+def lse2_of_partials(cm, cl):
+  """The natural LSE over axis 0 of base-2 partial statistics: rows of
+  (running max ``cm``, sum of 2^(s - cm) ``cl``), as the persistent forward
+  kernels leave them in their column workspace (one row per program)."""
+  mx = safe_max(jnp.max(cm, axis=0))
+  return (mx + jnp.log2(jnp.sum(cl * jnp.exp2(cm - mx[None, :]),
+                                axis=0))) * LN2

@@ -7,6 +7,7 @@ mode against float64 here, and compiled through Triton at B = 4096 on a GPU
 by ``TestConfigsOnGpu`` (``-m gpu``; skipped without a GPU). A config that
 fits a smaller GPU's shared memory runs on a larger one too.
 """
+import sys
 import warnings
 
 import jax
@@ -56,8 +57,16 @@ class FakeMosaic:
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-  """No override, the real backend table, fresh warnings."""
+  """No override, the real backend table without the triton extra (so that
+  the choices below do not depend on what this venv has installed; with
+  the extra they are the same while Pallas' Triton lowering imports, and
+  "triton" takes "pallas"'s place once it does not:
+  test_triton_backend_host), fresh warnings."""
   monkeypatch.delenv(ENV, raising=False)
+  monkeypatch.setitem(sys.modules, "triton", None)
+  monkeypatch.setitem(sys.modules, "jax_triton", None)
+  monkeypatch.delitem(sys.modules, "infcl_jax.backends.native_triton",
+                      raising=False)
   capability.reset_warnings()
   yield
   capability.reset_warnings()

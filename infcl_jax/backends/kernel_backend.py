@@ -34,7 +34,7 @@ class KernelBackend(base.TileBackend):
     if self.interpret:
       capability.warn_once(
           "interpret",
-          f"infcl_jax: backend={self.name!r} runs its Pallas kernels in "
+          f"infcl_jax: backend={self.name!r} runs its GPU kernels in "
           f"interpret mode on platform {self.platform!r} (they are GPU "
           f"kernels): exact, but several times slower than backend='xla'. "
           f"Use backend='auto' or 'xla' off the GPU.", stacklevel=5)

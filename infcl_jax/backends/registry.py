@@ -54,6 +54,7 @@ BUILTIN = {
     "xla": "infcl_jax.backends.xla",
     "pallas": "infcl_jax.backends.pallas_triton",
     "mosaic": "infcl_jax.backends.mosaic",
+    "triton": "infcl_jax.backends.native_triton",
 }
 _TABLE: dict[str, object] = dict(BUILTIN)
 
@@ -195,8 +196,16 @@ def env_backend(family: str, platform: str | None = None) -> str | None:
 # The order in which "auto" tries the built-in backends: the first that is
 # registered, implements the family and is NATIVE here wins. "xla" is
 # portable, so the list always ends in a choice.
-AUTO_ORDER = ("mosaic", "pallas", "xla")
-KERNEL_BACKENDS = ("mosaic", "pallas")
+#
+# Hopper (sm90) keeps "mosaic", the fastest there. Every other GPU the
+# kernels support (sm80-sm89, sm100+) gets "pallas" (Pallas' Triton
+# lowering, measured on the H200) while jax.experimental.pallas.triton
+# imports, and "triton" (the same algorithms in the Triton language, no
+# Pallas) once it does not: JAX deprecates that lowering. "triton" has not
+# run on a GPU yet (its kernels are compiled ahead of time for sm80-sm100
+# in CI, tests/test_triton_aot.py); auto prefers it once it is measured.
+AUTO_ORDER = ("mosaic", "pallas", "triton", "xla")
+KERNEL_BACKENDS = ("mosaic", "triton", "pallas")
 
 
 def auto_backend(family: str, platform: str | None = None) -> str:
@@ -206,8 +215,10 @@ def auto_backend(family: str, platform: str | None = None) -> str:
   Off the GPU that is "xla" (the kernel backends would only be
   interpreted). On a GPU, each backend's ``RUNS_ON`` decides: "mosaic" on
   sm90 (H100, H200), "pallas" on sm80-sm89, sm100/sm103 and sm120/sm121
-  (with block sizes that fit the GPU's shared memory); elsewhere "xla",
-  with an ``InfclPerformanceWarning`` the first time.
+  (with block sizes that fit the GPU's shared memory; "triton" there if
+  jax.experimental.pallas.triton does not import and the triton extra is
+  installed); elsewhere "xla", with an ``InfclPerformanceWarning`` the
+  first time.
   """
   platform = platform or default_platform()
   name, fell_back = _native_choice(family, platform)
@@ -242,9 +253,11 @@ def _warn_xla_on_gpu(family, platform):
   info = capability.device_info(platform)
   what = info.describe() if info is not None else "this GPU"
   hint = ""
-  if "pallas" in _TABLE and available("pallas", family, platform):
-    hint = (f" {ENV_VAR}=pallas (or backend='pallas') runs the Triton "
-            f"kernels, untested on this GPU.")
+  for name in ("pallas", "triton"):
+    if name in _TABLE and available(name, family, platform):
+      hint = (f" {ENV_VAR}={name} (or backend={name!r}) runs the Triton "
+              f"kernels, untested on this GPU.")
+      break
   capability.warn_once(
       "auto-fallback",
       f"infcl_jax: backend='auto' uses 'xla' on {what}: the kernel backends "

@@ -136,8 +136,9 @@ TRITON_CONFIGS = {
 }
 
 
-def triton_config_name(capability) -> str:
-  """The largest ``TRITON_CONFIGS`` entry whose limit the GPU meets.
+def config_name(table, capability) -> str:
+  """The largest entry of ``table`` (name -> (limit, ...)) whose limit the
+  GPU meets.
 
   Unknown capabilities get the H200 configs (``"smem227k"``); a GPU below
   every limit gets the smallest (best effort: Triton may still reject it).
@@ -145,11 +146,15 @@ def triton_config_name(capability) -> str:
   limit = smem_limit(capability)
   if limit is None:
     return "smem227k"
-  fitting = [(lim, name) for name, (lim, _, _) in TRITON_CONFIGS.items()
-             if lim <= limit]
+  fitting = [(v[0], name) for name, v in table.items() if v[0] <= limit]
   if not fitting:
-    return min((lim, name) for name, (lim, _, _) in TRITON_CONFIGS.items())[1]
+    return min((v[0], name) for name, v in table.items())[1]
   return max(fitting)[1]
+
+
+def triton_config_name(capability) -> str:
+  """The ``TRITON_CONFIGS`` entry of a GPU (``config_name``)."""
+  return config_name(TRITON_CONFIGS, capability)
 
 
 def triton_config(capability, dtype) -> BlockSizes:

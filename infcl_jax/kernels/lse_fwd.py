@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 from infcl_jax._axes import out_struct
 from infcl_jax._math import LN2
 from infcl_jax._math import LOG2E
+from infcl_jax._math import lse2_of_partials
 from infcl_jax._math import MIN_SUM as _MIN_SUM
 from infcl_jax._math import safe_max as _safe
 from infcl_jax.kernels import interpret_vma
@@ -212,7 +213,5 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   if cols:
     cm = outs[0].reshape(nprog, m_pad)[:, :m]
     cl = outs[1].reshape(nprog, m_pad)[:, :m]
-    mx = _safe(jnp.max(cm, axis=0))
-    col_lse = (mx + jnp.log2(jnp.sum(cl * jnp.exp2(cm - mx[None, :]),
-                                     axis=0))) * LN2
+    col_lse = lse2_of_partials(cm, cl)
   return row_lse, col_lse

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from infcl_jax._axes import out_struct
 from infcl_jax._math import softplus
 from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels.grid import column_splits
 from infcl_jax.kernels import tile_dot
 
 F32 = jnp.float32
@@ -83,13 +84,6 @@ def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
 
   acc = lax.fori_loop(0, count, col_step, jnp.zeros((bq,), F32))
   out_ref[...] = acc
-
-
-def column_splits(nrb, nkb, target_programs):
-  """(splits, column blocks per split) giving about ``target_programs``."""
-  want = max(1, min(nkb, -(-target_programs // nrb)))
-  per = -(-nkb // want)
-  return -(-nkb // per), per
 
 
 def sigmoid_row_sums(x, y, scale, bias, *, n, m, has_diagonal, block_q,

@@ -1,0 +1,105 @@
+"""Kernels in the Triton language through jax-triton (``backend="triton"``).
+
+Both families, with the kernels of ``infcl_jax.kernels.triton`` (the
+algorithms of the Pallas-Triton backend, written against
+``triton.language`` and launched by ``jax_triton.triton_call``), around the
+same plumbing (``triton_tiles``: padding, the int32 guard, the panel
+backward and its GEMMs, the precision policy):
+
+* softmax ``lse``: one fused persistent sweep gives row and column LSE.
+* sigmoid ``sigmoid_sum``: one fused sweep sums softplus(-z s) per row.
+* both gradients: the panel backward; per panel a kernel recomputes the
+  logits once and writes G in the input dtype, cuBLAS forms dx and dy.
+
+It needs neither Pallas nor its Triton lowering (deprecated in jax 0.11 /
+0.12), so it keeps the non-Hopper GPUs on fused kernels if that lowering
+goes.
+
+Where it runs (``RUNS_ON``): NVIDIA GPUs of compute capability 8.0 and up
+whose shared memory per block is known (sm80, sm86, sm87, sm89, sm90,
+sm100, sm103, sm120, sm121), with the block sizes of
+``native_triton_configs`` for that budget; newer or unreadable GPUs are
+UNTESTED (an explicit name runs, ``auto`` does not pick it); below sm80
+Triton has no bfloat16 dot.
+
+Not yet run on a GPU: its kernels are compiled ahead of time for sm80,
+sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``: shared
+memory within each GPU's limit, no register spills), and exact in Triton's
+interpreter. So ``auto`` picks it only where Pallas' Triton lowering does
+not import (``registry.AUTO_ORDER``; sm90 keeps Mosaic); auto prefers it
+once measured. ``backend="triton"`` runs it anywhere it supports.
+
+Precision: bf16 / f16 on the tensor cores with float32 accumulation;
+float32 inputs as TF32 by default (``tl.dot(input_precision="tf32")``, like
+XLA's own float32 GEMMs), full IEEE float32 with
+``BlockSizes(f32_precision="highest")`` or
+``jax.default_matmul_precision("highest")`` (``backends.precision``).
+
+Requirements: the ``triton`` extra (``pip install "infcl-jax[triton]"``:
+``triton`` and ``jax-triton``); without it this module does not import and
+``registry.available("triton", ...)`` is False. Off the GPU the kernels run
+in Triton's interpreter, which needs ``TRITON_INTERPRET=1`` in the
+environment before the first use of this backend (exact, slow; for tests).
+
+``vmap`` runs a batch of problems one after another (``kernels.triton
+.launch``); inside ``shard_map`` the kernels' outputs are typed
+device-varying like their inputs.
+"""
+from __future__ import annotations
+
+import jax
+
+from infcl_jax.backends import native_triton_configs
+from infcl_jax.backends import triton_tiles
+
+EXTRA = 'pip install "infcl-jax[triton]"'
+
+
+def _require(module):
+  try:
+    __import__(module)
+  except ImportError as e:
+    raise ImportError(
+        f"backend='triton' needs the triton extra ({EXTRA}): {e}") from None
+
+
+_require("triton")
+if jax.default_backend() == "gpu":
+  _require("jax_triton")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from infcl_jax.kernels.triton import launch
+from infcl_jax.kernels.triton import lse_bwd
+from infcl_jax.kernels.triton import lse_fwd
+from infcl_jax.kernels.triton import sigmoid_bwd
+from infcl_jax.kernels.triton import sigmoid_fwd
+
+KERNELS = triton_tiles.Kernels(
+    lse_fwd=lse_fwd.lse_fwd, lse_panel=lse_bwd.g_panel,
+    sigmoid_rows=sigmoid_fwd.sigmoid_row_sums,
+    sigmoid_panel=sigmoid_bwd.g_panel)
+
+
+class NativeTritonBackend(triton_tiles.TritonTilesBackend):
+  """Triton-language kernels through jax-triton, both families."""
+
+  name = "triton"
+
+  def default_block_sizes(self, platform, dtype):
+    """The ``native_triton_configs`` entry that fits this GPU."""
+    return native_triton_configs.default_here(platform, dtype)
+
+  def block_sizes(self, block_sizes, dtype):
+    if self.interpret and not launch.interpreting():
+      raise ValueError(
+          f"backend='triton' on platform {self.platform!r} runs its kernels "
+          f"in Triton's interpreter, which needs TRITON_INTERPRET=1 in the "
+          f"environment before the backend is first used; or use "
+          f"backend='xla'")
+    return super().block_sizes(block_sizes, dtype)
+
+  def kernels(self):
+    return KERNELS
+
+
+BACKEND = NativeTritonBackend

@@ -1,0 +1,125 @@
+"""The tile ops of both Triton backends, written once.
+
+``pallas`` (Pallas' Triton lowering, ``pallas_triton.py``) and ``triton``
+(Triton-language kernels through jax-triton, ``native_triton.py``) run the
+same algorithms with the same block sizes: the fused forward sweeps and the
+panel backward (``panel_backward``) over the padded inputs (``padding``).
+They differ only in the four kernel entry points, which a subclass names
+(``KERNELS``); everything around them (padding, the int32 guard, the
+persistent grid size, the panel layout and math, the precision policy) is
+here.
+
+A kernel set (``KERNELS``) has four functions with the contracts of the
+Pallas-Triton kernels (``kernels/lse_fwd.lse_fwd``, ``kernels/lse_bwd
+.g_panel``, ``kernels/sigmoid_fwd.sigmoid_row_sums``, ``kernels
+/sigmoid_bwd.g_panel``); ``_kernel_kw`` adds the subclass's own keyword
+arguments (Pallas' ``interpret``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax.numpy as jnp
+
+from infcl_jax import _device
+from infcl_jax.backends import capability
+from infcl_jax.backends import kernel_backend
+from infcl_jax.backends import panel_backward as pb
+from infcl_jax.backends.padding import check_int32
+from infcl_jax.backends.padding import pad_inputs
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+  """The four kernel entry points of a Triton backend."""
+  lse_fwd: Callable
+  lse_panel: Callable
+  sigmoid_rows: Callable
+  sigmoid_panel: Callable
+
+
+def layout(bs, x, y):
+  """The panel backward's layout for the Triton panel kernels' tiles."""
+  return pb.panel_layout(x.shape[0], y.shape[0], x.shape[1],
+                         block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
+                         block_d=bs.block_d, panel_rows=bs.panel_rows)
+
+
+class TritonTilesBackend(kernel_backend.KernelBackend):
+  """Both families over a subclass's ``KERNELS``."""
+
+  families = ("softmax", "sigmoid")
+  # Where Triton's kernels run, for both launch paths: every GPU from sm80
+  # whose shared memory per block is known (the configs fit it). Newer GPUs
+  # are untested; below sm80 Triton has no bfloat16 dot.
+  RUNS_ON = capability.RunsOn(
+      tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
+      floor=(8, 0), unknown_gpu=capability.UNTESTED,
+      needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
+            "no bfloat16 dot below)")
+
+  def kernels(self) -> Kernels:
+    raise NotImplementedError
+
+  def _kernel_kw(self) -> dict:
+    return {}
+
+  # ------------------------------------------------------------ softmax
+
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
+    n, m = x.shape[0], y.shape[0]
+    xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
+    nprog = bs.num_programs or _device.num_sms()
+    check_int32(self.name, column_workspace=min(
+        nprog, xp.shape[0] // bs.block_q) * yp.shape[0])
+    return self.kernels().lse_fwd(
+        xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
+        rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
+        block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
+        num_stages=bs.num_stages, precision=self.precision(bs, x.dtype),
+        single_exp=bs.single_exp, **self._kernel_kw())
+
+  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+                col_coef, *, bs):
+    prec = self.precision(bs, x.dtype)
+    panel = None if bs.bwd_impl == "xla" else functools.partial(
+        self.kernels().lse_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
+        block_k=bs.bwd_block_k, block_d=bs.block_d,
+        num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
+        precision=prec, single_exp=bs.single_exp, **self._kernel_kw())
+    return pb.softmax_grad(
+        x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
+        layout=layout(bs, x, y), precision=prec, panel=panel)
+
+  # ------------------------------------------------------------ sigmoid
+
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
+    n, m = x.shape[0], y.shape[0]
+    xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
+    rows = self.kernels().sigmoid_rows(
+        xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
+        has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
+        block_d=bs.block_d, target_programs=bs.num_programs or _device.num_sms(),
+        num_warps=bs.num_warps, num_stages=bs.num_stages,
+        precision=self.precision(bs, x.dtype), **self._kernel_kw())
+    return jnp.sum(rows)
+
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
+    prec = self.precision(bs, x.dtype)
+    kernel, kernel_kw = self.kernels().sigmoid_panel, self._kernel_kw()
+
+    def panel(x_p, yp, rid_p, params, mode, **kw):
+      return kernel(
+          x_p, yp, rid_p, params, mode=mode, g_dtype=x.dtype,
+          block_q=bs.bwd_block_q, block_k=bs.bwd_block_k, block_d=bs.block_d,
+          num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
+          precision=prec, **kernel_kw, **kw)
+
+    return pb.sigmoid_grad(
+        x, y, scale, bias, coef, has_diagonal=has_diagonal,
+        layout=layout(bs, x, y), precision=prec,
+        panel=None if bs.bwd_impl == "xla" else panel)
