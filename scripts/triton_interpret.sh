@@ -15,28 +15,9 @@
 # holds its hash). $INFCL_TRITON_VENV picks the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-req=scripts/triton-requirements.txt
+. scripts/cached_venv.sh
 venv=${INFCL_TRITON_VENV:-$HOME/.cache/infcl_jax/triton-venv}
-py=${INFCL_TRITON_PYTHON:-}
-if [ -z "$py" ]; then
-  for c in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12; do
-    if "$c" -c "import sys" >/dev/null 2>&1; then py=$c; break; fi
-  done
-fi
-if [ -z "$py" ]; then
-  echo "error: no Python 3.12 for the triton leg (set INFCL_TRITON_PYTHON)" >&2
-  exit 1
-fi
-stamp="$venv/.requirements-$(sha256sum "$req" | cut -c1-16)"
-if [ ! -e "$stamp" ]; then
-  start=$SECONDS
-  rm -rf "$venv"
-  "$py" -m venv "$venv"
-  "$venv/bin/pip" install -q -r "$req" 2>&1 | grep -v "^WARNING: Location" || true
-  "$venv/bin/python" -c "import triton, jax"
-  touch "$stamp"
-  echo "triton leg: venv made in $((SECONDS - start)) s ($venv)" >&2
-fi
+cached_venv "triton leg (set INFCL_TRITON_PYTHON)" 3.12 scripts/triton-requirements.txt "$venv" "${INFCL_TRITON_PYTHON:-}" "triton, jax"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 run() {
   "$venv/bin/python" -m pytest -q -p no:cacheprovider \
