@@ -16,11 +16,16 @@ pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
 
 The trainer runs this itself (with a log line) when ``config.model.image.init``
 is empty and the ``config.model.image.pretrain_path`` it names instead does
-not exist yet (``train.towers.build``).
+not exist yet, or was made by another recipe (``train.towers.build``): a
+cached tower is only as good as the code and config that made it, so
+``pretrain`` writes ``recipe(...)`` beside it (``PATH.recipe``) and a file
+whose recipe differs is made again rather than used silently.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import sys
 import time
@@ -40,6 +45,34 @@ ATTRIBUTES = {"label": 8, "color": 8, "size": 3, "hpos": 3, "vpos": 3,
               "background": 3}
 # Attributes that do not change when the color channels are permuted.
 COLOR_INVARIANT = ("label", "size", "hpos", "vpos")
+
+
+def recipe(config, steps: int, batch_size: int = 128, lr: float = 3e-3,
+           seed: int = 0) -> str:
+  """A fingerprint of what a pretraining's result depends on: the data
+  config (not where it is stored), the tower config (not where it is read
+  from or saved to), the schedule (``pretrain``'s arguments; its defaults are
+  what the trainer runs), and this code and the tower's."""
+  data = {k: v for k, v in config.data.to_dict().items() if k != "data_dir"}
+  image = {k: v for k, v in config.model.image.to_dict().items()
+           if k not in ("init", "pretrain_path", "locked")}
+  code = [open(m.__file__, "rb").read() for m in (sys.modules[__name__], own)]
+  h = hashlib.sha256(json.dumps(
+      {"data": data, "image": image, "embed_dim": config.model.embed_dim,
+       "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed},
+      sort_keys=True, default=str).encode())
+  for c in code:
+    h.update(c)
+  return h.hexdigest()[:16]
+
+
+def is_current(path: str, config, steps: int) -> bool:
+  """Whether ``path`` exists and was made by this recipe."""
+  try:
+    with open(path + ".recipe") as f:
+      return os.path.exists(path) and f.read().strip() == recipe(config, steps)
+  except OSError:
+    return False
 
 
 class _Classifier(nn.Module):
@@ -153,6 +186,12 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
       for k, v in acc.items()))
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   own.save_npz(out_path, params["tower"])
+  # After the tower, atomically: a crash in between leaves a file without
+  # its recipe, which is made again.
+  tmp = f"{out_path}.recipe.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(recipe(config, steps, batch_size, lr, seed) + "\n")
+  os.replace(tmp, out_path + ".recipe")
   log(f"[pretrain] image tower saved to {out_path} ({time.time() - t0:.0f}s)")
   return acc
 

@@ -59,12 +59,15 @@ def make_image_tower(config, dtype, rng=None) -> Tower:
   source = "random"
   path = init or os.path.expanduser(ic.pretrain_path)
   if path:
-    if not init and not os.path.exists(path):
+    if not init:
       from train import pretrain_image_tower  # pylint: disable=g-import-not-at-top
-      print(f"[lit] pretraining the image tower -> {path} "
-            f"({ic.pretrain_steps} steps, config.model.image.pretrain_path)",
-            flush=True)
-      pretrain_image_tower.pretrain(config, path, steps=ic.pretrain_steps)
+      if not pretrain_image_tower.is_current(path, config, ic.pretrain_steps):
+        why = ("made by another recipe" if os.path.exists(path)
+               else "not made yet")
+        print(f"[lit] pretraining the image tower -> {path} ({why}; "
+              f"{ic.pretrain_steps} steps, config.model.image.pretrain_path)",
+              flush=True)
+        pretrain_image_tower.pretrain(config, path, steps=ic.pretrain_steps)
     if not os.path.exists(path):
       raise FileNotFoundError(
           f"config.model.image.init: image tower checkpoint not found: {path} "
