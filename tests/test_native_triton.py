@@ -277,7 +277,11 @@ def test_works_without_pallas_triton():
   """With ``jax.experimental.pallas.triton`` removed (an import hook), a
   non-Hopper GPU's auto choice is ``triton``, both losses run and agree
   with xla, and nothing imported the Pallas Triton lowering."""
-  env = dict(os.environ, PYTHONPATH=REPO)
+  # This repo first, and whatever else the caller's path holds (on the
+  # device the extra's wheels sit on PYTHONPATH).
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p]))
   env.pop(registry.ENV_VAR, None)
   out = subprocess.run([sys.executable, "-c", _HIDE_PALLAS_TRITON],
                        capture_output=True, text=True, env=env, cwd=REPO,
