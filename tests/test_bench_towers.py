@@ -65,6 +65,10 @@ def test_every_planned_case_has_a_spec_and_the_gelu_forms_agree():
     if kind == "lit":
       assert case["tower"] in ("hf", "own")
       assert case["mode"] in ("precomputed", "on_the_fly")
+  assert set(bt.VIT_AB_CASES) <= set(names)
+  for label, case in bt.VIT_AB_CASES.values():
+    assert set(case["variants"]) <= set(bt.VIT_VARIANTS), label
+  assert bt.case_spec("text_jax_eos", "text_jax")[1]["pools"] == ("eos",)
   forms = bt._gelu_forms()  # pylint: disable=protected-access
   assert {c.get("gelu") for _, c in bt.VIT_CASES.values()} - {None} == set(
       forms)
@@ -78,15 +82,20 @@ def test_every_planned_case_has_a_spec_and_the_gelu_forms_agree():
 @pytest.mark.slow
 def test_quick_run_writes_rows_and_hlo_and_keeps_the_budget(tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_towers.py"),
-         "--quick", "--out", str(tmp_path), "--cases", "vit_erfc,vit_erf"]
+         "--quick", "--out", str(tmp_path), "--cases", "vit_ab,vit_erf,vit_erfc"]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   p = subprocess.run(cmd, capture_output=True, text=True, env=env,
                      timeout=300, check=False)
   assert p.returncode == 0, p.stderr[-2000:]
   with open(tmp_path / "bench_towers.jsonl") as f:
     rows = [json.loads(line) for line in f]
+  ab = [r for r in rows if r["case"] == "vit_ab"]
+  assert [r["variant"] for r in ab] == list(bt.VIT_VARIANTS), ab
+  assert all(r["status"] == "ok" and r["per_s"] > 0 for r in ab)
+  assert (tmp_path / "hlo" / "vit_ab.all.kernels.txt").exists()
+  rows = rows[len(ab):]
   assert [(r["case"], r["status"]) for r in rows] == [
-      ("vit_erfc", "ok"), ("vit_erf", "ok")], rows
+      ("vit_erf", "ok"), ("vit_erfc", "ok")], rows
   assert all(r["per_s"] > 0 and r["reps"] == 2 for r in rows)
   assert "ours, GELU erf in f32 (default)" in p.stdout
   # Each child put its own formulation in place: erfc lowers through exp,
@@ -101,5 +110,47 @@ def test_quick_run_writes_rows_and_hlo_and_keeps_the_budget(tmp_path):
   assert p.returncode == 0, p.stderr[-2000:]
   with open(tmp_path / "bench_towers.jsonl") as f:
     rows = [json.loads(line) for line in f]
-  assert [r["case"] for r in rows] == ["vit_erfc", "vit_erf"]
+  assert [r["case"] for r in rows] == ["vit_ab", "vit_erf", "vit_erfc"]
   assert all(r["status"].startswith("skipped: ") for r in rows), rows
+
+
+def test_every_xla_flag_of_a_case_is_known_to_this_jax():
+  """XLA aborts a process on an unknown flag: each case's flags, all
+  together, in a process that runs a computation."""
+  flags = {c.get("xla_flags", "") for _, c in bt.VIT_CASES.values()}
+  flags |= {c.get("xla_flags", "") for _, c in bt.VIT_AB_CASES.values()}
+  flags = " ".join(sorted(f for f in flags if f))
+  assert "--xla_gpu_enable_cudnn_layer_norm=true" in flags
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-c", "import jax.numpy as j; "
+                      "print(float(j.ones(3).sum()))"], capture_output=True,
+                     text=True, env=env, timeout=120, check=False)
+  assert p.returncode == 0 and p.stdout.strip() == "3.0", p.stderr[-800:]
+  env["XLA_FLAGS"] = flags + " --xla_gpu_no_such_flag=true"
+  p = subprocess.run([sys.executable, "-c", "import jax.numpy as j; "
+                      "j.ones(3).block_until_ready()"], capture_output=True,
+                     text=True, env=env, timeout=120, check=False)
+  assert p.returncode != 0 and "Unknown flag" in p.stderr
+
+
+def test_split_qkv_attention_equals_the_fused_one_and_patches_restore():
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from train.towers import layers  # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.key(0), (2, 7, 32))
+  fused = layers.Attention(4)
+  p = fused.init(jax.random.key(1), x)
+  p = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(
+      jax.random.key(a.size), a.shape), p)
+  split = bt._split_qkv_attention()(4)  # pylint: disable=protected-access
+  assert jax.tree.structure(split.init(jax.random.key(1), x)) == \
+      jax.tree.structure(p)
+  np.testing.assert_allclose(np.asarray(split.apply(p, x)),
+                             np.asarray(fused.apply(p, x)), rtol=1e-5,
+                             atol=1e-6)
+  before = (layers.Attention, nn.LayerNorm, dict(layers.ACTIVATIONS))
+  with bt._Patched("gelu", dict(qkv="split", ln="shift", gelu="erfc")):  # pylint: disable=protected-access
+    assert nn.LayerNorm is layers.LayerNorm
+    assert layers.Attention is not before[0]
+    assert layers.ACTIVATIONS["gelu"] is not before[2]["gelu"]
+  assert (layers.Attention, nn.LayerNorm, layers.ACTIVATIONS) == before

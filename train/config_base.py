@@ -50,6 +50,10 @@ def base_config() -> ml_collections.ConfigDict:
   # random init (only sensible for tests and benchmarks).
   c.model.image.init = ""
   c.model.image.locked = True   # LiT "Lu": frozen via the optimizer mask.
+  # A locked tower stores in model.dtype the params it casts to it anyway
+  # (cast once at load: half their memory, no casts in each step; LayerNorm
+  # params stay float32): bitwise the same embeddings.
+  c.model.image.params_in_dtype = False
   # Own towers, init "": this .npz is used, made first by
   # train.pretrain_image_tower (synthetic_shapes, pretrain_steps steps) if
   # it does not exist. Ignored when init is given.
@@ -161,6 +165,9 @@ def check_config(config) -> None:
   need(config.model.embed_dim >= (0 if ic.kind == "pretrained" else 1),
        f"config.model.embed_dim={config.model.embed_dim} must be >= 1 (0 = "
        "the pretrained tower's own, kind='pretrained' only)")
+  need(not ic.get("params_in_dtype", False) or ic.locked,
+       "config.model.image.params_in_dtype needs config.model.image.locked="
+       "True (a trained tower keeps float32 params for its optimizer)")
   need(not ic.pretrain_path or ic.init or ic.pretrain_steps > 0,
        "config.model.image.pretrain_path needs "
        "config.model.image.pretrain_steps > 0")

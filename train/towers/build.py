@@ -52,7 +52,7 @@ def make_image_tower(config, dtype, rng=None) -> Tower:
                        "config.model.image.init (a local checkpoint path)")
     tower = pretrained.load_image_tower(init, image_size=s, dtype=dtype)
     logging.info("image tower loaded from %s", tower.source)
-    return tower
+    return _stored(tower, ic)
   module = own.make_module(ic, config.model.embed_dim, dtype)
   rng = jax.random.key(config.seed) if rng is None else rng
   params = module.init(rng, jnp.zeros((1, s, s, 3)))["params"]
@@ -80,9 +80,18 @@ def make_image_tower(config, dtype, rng=None) -> Tower:
   else:
     logging.warning("config.model.image.init is empty: the image tower is "
                     "randomly initialized")
-  return Tower(module=module, params=params, image_size=s,
-               normalization=SYMMETRIC, embed_dim=config.model.embed_dim,
-               dtype=dtype, source=source)
+  return _stored(Tower(module=module, params=params, image_size=s,
+                       normalization=SYMMETRIC,
+                       embed_dim=config.model.embed_dim, dtype=dtype,
+                       source=source), ic)
+
+
+def _stored(tower: Tower, ic) -> Tower:
+  """``tower`` with its params as ``config.model.image.params_in_dtype``
+  asks (a locked tower only; ``config_base.check`` says so)."""
+  if ic.get("params_in_dtype", False) and ic.locked:
+    return tower.with_params_in_dtype()
+  return tower
 
 
 def make_text_tower(config, tokenizer, embed_dim: int, dtype):

@@ -79,6 +79,35 @@ def params_digest(params) -> str:
   return h.hexdigest()
 
 
+def castable_params(module, params, image_size: int, dtype):
+  """A tree of bools like ``params``: True where every use of the leaf in
+  ``module.apply`` on [1, S, S, 3] images is a cast to ``dtype`` (so the
+  leaf may be stored in ``dtype`` with no change to any result). Read off
+  the traced program, not from names: a use inside a nested call, or any
+  other operation, counts as not castable."""
+  leaves, treedef = jax.tree.flatten(params)
+  x = jnp.zeros((1, image_size, image_size, 3), dtype)
+  closed = jax.make_jaxpr(
+      lambda p: module.apply({"params": jax.tree.unflatten(treedef, p)}, x))(
+          leaves)
+  jaxpr = closed.jaxpr
+  index = {v: i for i, v in enumerate(jaxpr.invars)}
+  ok = [jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves]
+  used = [False] * len(leaves)
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      i = index.get(v) if not hasattr(v, "val") else None
+      if i is None:
+        continue
+      used[i] = True
+      if not (eqn.primitive.name == "convert_element_type"
+              and jnp.dtype(eqn.params["new_dtype"]) == jnp.dtype(dtype)):
+        ok[i] = False
+  if any(v in index for v in jaxpr.outvars if not hasattr(v, "val")):
+    raise ValueError("castable_params: a param is returned as it is")
+  return jax.tree.unflatten(treedef, [o and u for o, u in zip(ok, used)])
+
+
 @dataclasses.dataclass
 class Tower:
   """A Flax image tower with its params and its preprocessing contract.
@@ -115,6 +144,22 @@ class Tower:
     shard_map). At C = S: normalisation, the cast and the module only."""
     x = self.preprocess(images)
     return self.module.apply({"params": params}, x).astype(jnp.float32)
+
+  def with_params_in_dtype(self) -> "Tower":
+    """This tower with each param stored in ``dtype`` that the module casts
+    to ``dtype`` before any other use (matmul and conv weights, biases,
+    embeddings), cast once here: a locked tower then holds them in half the
+    memory and the step casts nothing. Params the module uses in float32
+    (LayerNorm scales and shifts, applied before the output is rounded) stay
+    float32, so ``embed`` gives bitwise the same result. The identity for a
+    float32 tower."""
+    dt = jnp.dtype(self.dtype)
+    if dt == jnp.float32:
+      return self
+    keep = castable_params(self.module, self.params, self.image_size, dt)
+    params = jax.tree.map(
+        lambda p, c: jnp.asarray(p, dt) if c else p, self.params, keep)
+    return dataclasses.replace(self, params=params)
 
   @functools.cached_property
   def _jitted(self):
