@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from infcl_jax import _math
+from infcl_jax.kernels.triton import launch
 
 LOG2E = tl.constexpr(_math.LOG2E)
 LN2 = tl.constexpr(_math.LN2)
@@ -27,6 +29,9 @@ MIN_SUM = tl.constexpr(_math.MIN_SUM)
 # The one-exponential backward form is exact while a tile's statistics span
 # at most 2**64 (see lse_bwd).
 MAX_SPREAD = tl.constexpr(64.0)
+# Triton's interpreter has no libdevice. Read once, when the kernels are
+# imported (as Triton itself reads TRITON_INTERPRET).
+INTERPRETED = tl.constexpr(launch.interpreting())
 
 # lax.Precision -> tl.dot's input_precision. bf16 / f16 ignore it (tensor
 # cores, float32 accumulation); float32 takes TF32 or full IEEE float32.
@@ -84,8 +89,19 @@ def log1p_unit(e):
 @triton.jit
 def softplus(u):
   """log(1 + e^u) = max(u, 0) + log1p(e^-|u|): no overflow for u >> 0, full
-  relative precision (e^u) for u << 0 (``_math.softplus``)."""
-  return tl.maximum(u, 0.0) + log1p_unit(tl.exp(-tl.abs(u)))
+  relative precision (e^u) for u << 0 (``_math.softplus``).
+
+  On the GPU, libdevice's ``log1pf``: the identity's IEEE division per logit
+  made the sigmoid forward 2x slower on the H200 (38.5 vs 18.9 ms at
+  B = 65,536, D = 768, bf16; BENCHMARKS.md). The interpreter takes the
+  identity; both legs check the loss against float64.
+  """
+  e = tl.exp(-tl.abs(u))
+  if INTERPRETED:
+    lp = log1p_unit(e)
+  else:
+    lp = libdevice.log1p(e)
+  return tl.maximum(u, 0.0) + lp
 
 
 @triton.jit
