@@ -207,17 +207,16 @@ def test_ring_on_every_device(family):
 # -------------------------------------------- the auto policy, for real
 
 @pytest.mark.parametrize("kind,cc,want", [
-    ("NVIDIA A100-SXM4-80GB", (8, 0), "pallas"),
-    ("NVIDIA L4", (8, 9), "pallas"),
-    ("NVIDIA GeForce RTX 4090", (8, 9), "pallas"),
-    ("NVIDIA B200", (10, 0), "pallas"),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "triton"),
+    ("NVIDIA L4", (8, 9), "triton"),
+    ("NVIDIA GeForce RTX 4090", (8, 9), "triton"),
+    ("NVIDIA B200", (10, 0), "triton"),
     ("NVIDIA H200", (9, 0), "mosaic"),
 ])
 def test_auto_choice_with_the_extra(monkeypatch, kind, cc, want):
-  """With the extra installed and Pallas' Triton lowering present, auto
-  keeps ``pallas`` on the non-Hopper GPUs: ``triton`` has not been measured
-  on a GPU yet (expected values written down; without the lowering it is
-  ``triton``: test_works_without_pallas_triton)."""
+  """With the extra installed, auto takes ``triton`` on the non-Hopper GPUs
+  even where Pallas' Triton lowering is present (expected values written
+  down; without the lowering too: test_works_without_pallas_triton)."""
   info = capability.DeviceInfo("gpu", kind, cc)
   monkeypatch.setattr(capability, "device_info", lambda platform=None: info)
   monkeypatch.delenv(registry.ENV_VAR, raising=False)

@@ -22,12 +22,16 @@ sm100, sm103, sm120, sm121), with the block sizes of
 UNTESTED (an explicit name runs, ``auto`` does not pick it); below sm80
 Triton has no bfloat16 dot.
 
-Not yet run on a GPU: its kernels are compiled ahead of time for sm80,
-sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``: shared
-memory within each GPU's limit, no register spills), and exact in Triton's
-interpreter. So ``auto`` picks it only where Pallas' Triton lowering does
-not import (``registry.AUTO_ORDER``; sm90 keeps Mosaic); auto prefers it
-once measured. ``backend="triton"`` runs it anywhere it supports.
+On the H200 (jax 0.11.2, triton 3.6, jax-triton 0.3.1) it is exact against
+float64 (the Pallas contract's GPU tests, the ring on one device, B past
+2^31 elements) and faster than Pallas-Triton in one job (B = 65,536,
+D = 768, fwd+bwd): softmax bf16 51.5 vs 53.4 ms, sigmoid bf16 50.4 vs
+57.1 ms, softmax float32 107.0 vs 140.1 ms. So ``auto`` picks it on every
+non-Hopper GPU it supports where the extra is installed
+(``registry.AUTO_ORDER``; sm90 keeps Mosaic, whose float32 path runs these
+kernels too). Other GPUs are covered ahead of time: every kernel compiles
+for sm80, sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``:
+shared memory within each GPU's limit, no register spills).
 
 Precision: bf16 / f16 on the tensor cores with float32 accumulation;
 float32 inputs as TF32 by default (``tl.dot(input_precision="tf32")``, like

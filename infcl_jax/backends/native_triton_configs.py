@@ -20,10 +20,13 @@ the 255 a thread may have) keeps the tile from spilling (a fully fused dX
 kernel with three 256-wide accumulators spilled on the H200:
 ``panel_backward``).
 
-The entries start as the Pallas-Triton ones: same tiles, same budget. Not
-yet run on any GPU (``scripts/gpu_triton.sh`` measures them on the H200,
-``benchmarks/bench_loss.py`` times ``triton`` beside ``pallas`` and
-``mosaic``). Every entry fits its limit by the no-reuse bound
+The entries are the Pallas-Triton ones: same tiles, same budget. On the
+H200 the 227 KB entry is exact and at least as fast as Pallas-Triton's
+(``benchmarks/bench_loss.py``, BENCHMARKS.md); the sigmoid's gap was its
+softplus (``kernels/triton/common.py``), not the tiles: of the forward
+variants probed (``benchmarks/probes/triton_sigmoid.py``: 4 warps, 4
+stages, 128-wide tiles) none was faster, 4 warps 10x slower; the backward
+variants were not reached in that job. Every entry fits its limit by the no-reuse bound
 (``SmemEstimate.total``) and the register budget, which
 ``tests/test_triton_backend_host.py`` checks for every GPU kind, and
 ``tests/test_triton_aot.py`` compiles every kernel with them for sm80,
