@@ -28,8 +28,7 @@ float64 (the Pallas contract's GPU tests, the ring on one device, B past
 D = 768, fwd+bwd): softmax bf16 51.5 vs 53.4 ms, sigmoid bf16 50.4 vs
 57.1 ms, softmax float32 107.0 vs 140.1 ms. So ``auto`` picks it on every
 non-Hopper GPU it supports where the extra is installed
-(``registry.AUTO_ORDER``; sm90 keeps Mosaic, whose float32 path runs these
-kernels too). Other GPUs are covered ahead of time: every kernel compiles
+(``registry.AUTO_ORDER``; sm90 keeps Mosaic). Other GPUs are covered ahead of time: every kernel compiles
 for sm80, sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``:
 shared memory within each GPU's limit, no register spills).
 
