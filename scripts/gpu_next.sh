@@ -7,7 +7,9 @@
 #      beside our own ViT, on the fly and precomputed;
 #   3. issue 21: ViT-L/14 streamed (uint8 micro-batches from 12 decode
 #      workers) at B = 65,536: its rate and peak memories;
-#   4. issue 25: the float32 probe's fidelity on the rebuilt correlated inputs.
+#   4. issue 25: Mosaic's Triton path on the Triton-language kernels
+#      (TRITON_PATH = "triton"): its GPU tests, then the float32 step;
+#   5. issue 25: the float32 probe's fidelity on the rebuilt correlated inputs.
 #   OUT=... bash scripts/gpu_next.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -25,6 +27,10 @@ timeout -k 5 130 python3 benchmarks/bench_train.py --out "$out/l14" --step_batch
   --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 --image_model l14 \
   --timeout_s 125 > "$out/l14.log" 2>&1
 step "bench_train l14" $?
+timeout -s INT -k 5 75 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider --tb=short \
+  -k triton_path tests/test_mosaic_backend.py > "$out/triton_path_tests.log" 2>&1
+step "triton path tests" $?
+grep -E "PASSED|FAILED|^E " "$out/triton_path_tests.log" | cut -c1-200 | head -30
 timeout -k 5 $((560 - (SECONDS - T0))) python3 benchmarks/probes/f32_precision.py --parts fidelity \
   > "$out/f32_fidelity.log" 2>&1
 step "f32 fidelity" $?

@@ -105,9 +105,11 @@ def kernel_calls(closed_jaxpr):
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      # Triton kernels are pallas_calls; Mosaic GPU kernels (plgpu.kernel)
-      # appear as mpmd_map.
-      if eqn.primitive.name in ("pallas_call", "mpmd_map"):
+      # Pallas' kernels are pallas_calls; Mosaic GPU kernels (plgpu.kernel)
+      # appear as mpmd_map; the Triton-language ones as jax-triton's
+      # triton_kernel_call (compiled, on a GPU).
+      if eqn.primitive.name in ("pallas_call", "mpmd_map",
+                                "triton_kernel_call"):
         interp = eqn.params.get("interpret")
         found.append((str(eqn.params.get("name")),
                       interp is not None and interp is not False))

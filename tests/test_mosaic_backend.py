@@ -525,3 +525,54 @@ def test_sigmoid_ring():
   assert_rel_close(val, ref[0] / n, rtol=2e-5, what="loss")
   for g, r, what in zip(grads, ref[1:], ("dx", "dy", "dscale", "dbias")):
     assert_rel_close(g, np.asarray(r) / n, rtol=1e-2, atol=1e-5, what=what)
+
+
+# ------------------------------- the Triton path on the Triton-language kernels
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("family", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("n,m,d,dtype,stages", [
+    (4096, 4096, 768, jnp.float32, {}),
+    (3001, 3001, 200, jnp.float32, {}),
+    (37, 50, 21, jnp.float32, {}),
+    # A 16-bit hybrid: one stage on the Triton path, the other on Mosaic.
+    (333, 333, 70, jnp.bfloat16, "hybrid"),
+])
+def test_triton_path_on_the_triton_language_kernels(monkeypatch, family, n, m,
+                                                    d, dtype, stages):
+  """``TRITON_PATH = "triton"``: float32 inputs and "pallas" stages run the
+  Triton-language kernels (and none of Pallas-Triton's), exact against
+  float64 to TF32's tolerance (1e-3, as the contract's float32 default) or
+  the 16-bit one."""
+  import jax_triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  if stages == "hybrid":
+    stages = ({"lse": "pallas"} if family == "softmax"
+              else {"sigmoid_grad": "pallas"})
+  cls = type("MosaicTritonPath", (mosaic.MosaicBackend,), {
+      "TRITON_PATH": "triton",
+      "STAGES": dict(mosaic.MosaicBackend.STAGES, **stages)})
+  name = "mosaic_test_triton_path_" + "_".join(sorted(stages)) + family
+  monkeypatch.setitem(registry._TABLE, name, cls)  # pylint: disable=protected-access
+  if family == "sigmoid":
+    m = n
+  rng = np.random.default_rng(n + d)
+  x, y = rand_emb(rng, n, d, dtype), rand_emb(rng, m, d, dtype)
+  direction = "both" if n == m else "image_to_text"
+  if family == "softmax":
+    loss = lambda x, y: contrastive_loss(x, y, 14.3, direction=direction,  # noqa: E731
+                                         backend=name)
+  else:
+    loss = lambda x, y: sigmoid_loss(x, y, 10.0, -10.0, backend=name)  # noqa: E731
+  names = {k for k, _ in kernel_calls(jax.make_jaxpr(jax.grad(
+      loss, argnums=(0, 1)))(x, y))}
+  assert any(k.startswith("infcl_triton_") for k in names), names
+  assert not any(k.startswith(("infcl_lse", "infcl_sigmoid")) for k in names)
+  rtol = 1e-3 if dtype == jnp.float32 else tol(dtype)
+  if family == "softmax":
+    test_pallas.check_loss(x, y, 14.3, 0.0, direction, dtype, None,
+                           rtol=rtol, backend=name)
+  else:
+    test_pallas_sigmoid.check_loss(x, y, 10.0, -10.0, None, rtol=rtol,
+                                   loss_rtol=1e-3, backend=name)

@@ -187,3 +187,35 @@ def test_import_infcl_jax_needs_only_jax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=300, check=False)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("path,extra", [("triton", True), ("triton", False),
+                                        ("pallas", True)])
+def test_mosaic_triton_path_kernels(monkeypatch, path, extra):
+  """Mosaic's Triton path (float32 inputs, stages set to "pallas") runs the
+  Triton-language kernels only with ``TRITON_PATH = "triton"`` on a GPU
+  where the extra imports; otherwise, and always off the GPU (the
+  interpreter), Pallas-Triton's. A bad ``TRITON_PATH`` is one line."""
+  import types  # pylint: disable=import-outside-toplevel
+  from infcl_jax import backends  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(jax, "devices",
+                      lambda *a, **k: [FakeDevice("NVIDIA H200", "9.0")])
+  fake = types.ModuleType("infcl_jax.backends.native_triton")
+  fake.KERNELS = object()
+  monkeypatch.delattr(backends, "native_triton", raising=False)
+  monkeypatch.setitem(sys.modules, "infcl_jax.backends.native_triton",
+                      fake if extra else None)
+  cls = type("M", (mosaic.MosaicBackend,), {"TRITON_PATH": path})
+  gpu, cpu = cls(platform="gpu"), cls(platform="cpu")
+  if path == "triton" and extra:
+    assert gpu.kernels() is fake.KERNELS and gpu._kernel_kw() == {}  # pylint: disable=protected-access
+  else:
+    assert gpu.kernels() is pallas_triton.KERNELS
+    assert gpu._kernel_kw() == {"interpret": False}  # pylint: disable=protected-access
+  assert cpu.kernels() is pallas_triton.KERNELS
+  bad = type("B", (mosaic.MosaicBackend,), {"TRITON_PATH": "cuda"})
+  with pytest.raises(ValueError, match="TRITON_PATH must be 'pallas' or "
+                     "'triton', got 'cuda'"):
+    bad(platform="cpu")

@@ -35,9 +35,11 @@ tensor cores by default, ``f32_precision="highest"`` for full float32):
 The Mosaic kernels take 16-bit operands only; TF32 wgmma would need float32
 SMEM tiles (half the K-depth per stage) and is not written. The
 Triton-language kernels (``backend="triton"``) take 107.0 ms for the same
-float32 step (same job), but routing this path to them failed 4 of this
-backend's float32 / hybrid GPU tests in their one run, so it stays on
-Pallas-Triton's.
+float32 step (same job). ``TRITON_PATH = "triton"`` routes this path to
+them where the triton extra imports; it stays "pallas" until its own GPU
+tests have run (``test_triton_path_on_the_triton_language_kernels``: in
+the one run so far the float32 cases that were reached passed and the four
+hybrid-stage tests failed, which expected Pallas-Triton's kernel names).
 
 Where it runs: sm90 only (``RUNS_ON``, read by ``capability.support``). On
 any other GPU ``backend="mosaic"`` fails in one line that names the GPU and
@@ -142,6 +144,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
   STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
             "sigmoid_grad": "mosaic"}
+  # Whose Triton kernels the Triton path (float32 inputs, stages set to
+  # "pallas") runs: "pallas" (Pallas-Triton's) or "triton" (the
+  # Triton-language ones, where the extra imports; see above).
+  TRITON_PATH = "pallas"
 
   def __init__(self, platform: str | None = None):
     super().__init__(platform=platform)
@@ -150,6 +156,28 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         self.RUNS_ON, self.platform,
         capability.device_info(self.platform)) in (capability.NATIVE,
                                                    capability.INTERPRET)
+    if self.TRITON_PATH not in ("pallas", "triton"):
+      raise ValueError(f"{type(self).__name__}.TRITON_PATH must be 'pallas' "
+                       f"or 'triton', got {self.TRITON_PATH!r}")
+    self.native_kernels = self._native_triton_kernels()
+
+  def _native_triton_kernels(self):
+    """The Triton-language kernels when ``TRITON_PATH`` asks for them and
+    they can run compiled here, else None (Pallas-Triton's, which also run
+    in the interpreter off the GPU)."""
+    if self.TRITON_PATH != "triton" or self.interpret:
+      return None
+    try:
+      from infcl_jax.backends import native_triton  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      return None
+    return native_triton.KERNELS
+
+  def kernels(self):
+    return self.native_kernels or super().kernels()
+
+  def _kernel_kw(self):
+    return {} if self.native_kernels else super()._kernel_kw()
 
   def _mosaic(self, stage, *arrays):
     return (self.mosaic_ok and self.STAGES[stage] == "mosaic"
