@@ -140,6 +140,9 @@ def bench_backends(b, d, dtype, reps, r_list=(4096, 8192), full=True,
   step(f"softmax mosaic B={b}", "softmax", "mosaic", x, y)
   step(f"softmax mosaic panel_rows=8192 B={b}", "softmax", "mosaic", x, y,
        bs=p8k)
+  if b <= 16384:
+    step(f"softmax mosaic panel_rows={b} B={b}", "softmax", "mosaic", x, y,
+         bs=BlockSizes(block_q=128, block_k=256, panel_rows=b))
   step(f"softmax mosaic fwd=pallas B={b}", "softmax", "mosaic", x, y,
        stages={"lse": "pallas"})
   step(f"softmax pallas B={b}", "softmax", "pallas", x, y)
@@ -151,6 +154,13 @@ def bench_backends(b, d, dtype, reps, r_list=(4096, 8192), full=True,
   step(f"sigmoid pallas B={b}", "sigmoid", "pallas", x, y)
   b16 = min(16384, b // 4)
   step(f"softmax mosaic B={b16}", "softmax", "mosaic", x[:b16], y[:b16])
+  # A small batch has few panels: fewer, larger GEMMs may keep cuBLAS nearer
+  # its peak (the panel is R x B in the input dtype: 512 MB at 16k x 16k).
+  for r in (8192, 16384):
+    if r <= b16:
+      step(f"softmax mosaic panel_rows={r} B={b16}", "softmax", "mosaic",
+           x[:b16], y[:b16],
+           bs=BlockSizes(block_q=128, block_k=256, panel_rows=r))
   step(f"softmax pallas B={b16}", "softmax", "pallas", x[:b16], y[:b16])
   step(f"sigmoid mosaic B={b16}", "sigmoid", "mosaic", x[:b16], y[:b16])
   step(f"sigmoid pallas B={b16}", "sigmoid", "pallas", x[:b16], y[:b16])
@@ -170,10 +180,13 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--full", type=int, default=1)
   ap.add_argument("--f32", type=int, default=1)
+  ap.add_argument("--r_list", default="4096,8192",
+                  help="panel rows of the per-panel stages")
   args, _ = ap.parse_known_args()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"B={args.b} D={args.d} {args.dtype}", flush=True)
   bench_backends(args.b, args.d, jnp.dtype(args.dtype), args.reps,
+                 r_list=tuple(int(r) for r in args.r_list.split(",")),
                  full=bool(args.full), f32=bool(args.f32))
 
 
