@@ -282,6 +282,19 @@ def stream_child(spec) -> dict:
   next(it)
   out["pipeline_startup_s"] = time.perf_counter() - t1
   waited = [0.0]
+  # Where the host's time in a streamed step goes: waiting for the pipeline
+  # (Timed below), putting micro-batches on the device (stream.py calls
+  # jax.make_array_from_process_local_data per micro-batch, looked up per
+  # call), and the rest of step_inputs (dispatch, waiting for the device).
+  put_s = [0.0]
+  real_put = jax.make_array_from_process_local_data
+
+  def timed_put(*args, **kwargs):
+    t = time.perf_counter()
+    r = real_put(*args, **kwargs)
+    put_s[0] += time.perf_counter() - t
+    return r
+  jax.make_array_from_process_local_data = timed_put
 
   class Timed:
     def __next__(self):
@@ -310,9 +323,10 @@ def stream_child(spec) -> dict:
   del x
   times = []
   for _ in range(steps):
-    waited[0] = 0.0
+    waited[0], put_s[0] = 0.0, 0.0
     t1 = time.perf_counter()
     inputs = streamer.step_inputs(Timed(), b // mb)
+    inputs_s = time.perf_counter() - t1
     state, metrics = compiled(state, inputs)
     loss = float(metrics["loss"])
     times.append(time.perf_counter() - t1)
@@ -321,6 +335,10 @@ def stream_child(spec) -> dict:
   out["step_s"] = times[-1]
   out["step_all_s"] = times
   out["host_wait_s"] = waited[0]
+  out["host_put_s"] = put_s[0]
+  out["step_inputs_s"] = inputs_s
+  # Dispatch and waiting for the in-flight micro-batches (the device).
+  out["device_wait_s"] = inputs_s - waited[0] - put_s[0]
   out["pipeline_img_s"] = b / times[-1]
   out["input_bound"] = waited[0] > 0.2 * times[-1]
   out["loss_value"] = loss
@@ -442,7 +460,8 @@ def main():
   cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
           "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
           "xla_total_gb",
-          "host_wait_s", "pipeline_img_s", "device_embed_img_s",
+          "host_wait_s", "host_put_s", "device_wait_s", "pipeline_img_s",
+          "device_embed_img_s",
           "input_bound", "workers", "decode_size", "loss_value", "device",
           "num_devices", "jax"]
   rows_path = os.path.join(args.out, "bench_train.jsonl")
@@ -497,7 +516,8 @@ def main():
     if r.get("pipeline_img_s"):
       print(f"[bench_train]   stream: {r['pipeline_img_s']:.0f} img/s through "
             f"the input path, device alone {r['device_embed_img_s']:.0f} "
-            f"img/s, host wait {r['host_wait_s']:.1f}s"
+            f"img/s, host wait {r['host_wait_s']:.1f}s, device_put "
+            f"{r['host_put_s']:.1f}s, device wait {r['device_wait_s']:.1f}s"
             + (" (input-bound)" if r["input_bound"] else "")
             + f", peak GPU {r['peak_gib']:.1f} GiB, host "
             f"{r['host_peak_gib']:.1f} GiB",

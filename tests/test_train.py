@@ -508,6 +508,25 @@ def test_bench_train_quick_smoke(tmp_path):
   assert "loss %" in r.stdout
 
 
+@pytest.mark.slow
+def test_bench_train_stream_quick_smoke(tmp_path):
+  """The streamed step through the real input path (a decode worker), with
+  the host's time split into pipeline wait, device_put and the rest."""
+  r = _run([sys.executable, os.path.join(ROOT, "benchmarks/bench_train.py"),
+            "--quick", "--step_batches", "", "--ladder", "",
+            "--stream_batches", "512", "--microbatch", "128", "--workers", "1",
+            "--out", str(tmp_path)])
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(tmp_path / "bench_train.json") as f:
+    (row,) = json.load(f)["results"]
+  assert row["status"] == "ok", row
+  parts = row["host_wait_s"] + row["host_put_s"] + row["device_wait_s"]
+  assert min(row["host_wait_s"], row["host_put_s"]) > 0
+  assert abs(parts - row["step_inputs_s"]) < 1e-9
+  assert 0 < row["step_inputs_s"] < row["step_s"]
+  assert "device_put" in r.stdout
+
+
 def test_image_tower_loads_from_npz_and_orbax_and_rejects_mismatch(tmp_path):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   img, _, _ = _towers()
