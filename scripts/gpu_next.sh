@@ -26,7 +26,7 @@ timeout -k 5 170 python3 benchmarks/bench_towers.py --out "$out/towers" \
   --cases lit_hf_on_the_fly,lit_own_on_the_fly,lit_hf_precomputed --budget_s 165 > "$out/towers.log" 2>&1
 step "bench_towers lit" $?
 timeout -k 5 130 python3 benchmarks/bench_train.py --out "$out/l14" --step_batches "" --ladder "" \
-  --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 --image_model l14 \
+  --stream_batches 65536 --microbatch 4096 --stream_steps 1 --decode_size 256 --workers 12 --image_model l14 \
   --timeout_s 125 > "$out/l14.log" 2>&1
 step "bench_train l14" $?
 timeout -s INT -k 5 75 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider --tb=short \
