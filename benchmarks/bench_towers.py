@@ -430,6 +430,18 @@ def _write_hlo(spec, name, text, full):
       f.write(_strip_metadata(text))
 
 
+def _write_profile(spec, name, rows, unit="ms"):
+  """The top kernels of a case (``--profile``): where its time goes, to set
+  beside the other implementation's."""
+  hlo = os.path.join(spec["out"], "hlo")
+  os.makedirs(hlo, exist_ok=True)
+  with open(os.path.join(hlo, f"{name}.profile.txt"), "w") as f:
+    f.write(f"{'op / kernel':70s} {unit + ' per call':>12s} {'launches':>9s}\n")
+    for op, ms, n in rows:
+      f.write(f"{op[:70]:70s} {ms:12.3f} {n:9.1f}\n")
+    f.write(f"{'total':70s} {sum(r[1] for r in rows):12.3f}\n")
+
+
 def child_vit(spec, rows):
   """Ours, one variant: forward of a batch of uint8 images."""
   v, case = spec["sizes"]["vit"], spec["case"]
@@ -438,6 +450,9 @@ def child_vit(spec, rows):
   t = harness.timeit(compiled, params, images, reps=spec["reps"], warmup=2)
   _write_hlo(spec, spec["name"], compiled.as_text() or "",
              case.get("full_hlo"))
+  if spec.get("profile"):
+    _write_profile(spec, spec["name"],
+                   harness.kernel_profile(compiled, params, images))
   b = v["batch"]
   rows.add(part="vit_b16_fwd", impl=spec["label"], batch=b,
            compile_s=compile_s, peak_gib=_peak_gib(),
@@ -526,6 +541,34 @@ def child_vit_torch(spec, rows):
     rows.add(part="vit_b16_fwd", impl=f"timm {name} (SDPA)", batch=b,
              first_calls_s=time.perf_counter() - t0,
              peak_gib=_torch_peak(torch, dev), **_timing_row(t, b))
+    if spec.get("profile"):
+      _write_profile(spec, f"{spec['name']}.{name.replace(' ', '_')}",
+                     _torch_kernels(torch, lambda f=f: f(x), dev))
+
+
+def _torch_kernels(torch, call, dev, steps=3):
+  """``kernel_profile``'s rows for a torch call: the device's kernels by
+  name (torch.profiler), ms per call, longest first."""
+  from torch.profiler import ProfilerActivity  # pylint: disable=import-outside-toplevel
+  acts = [ProfilerActivity.CUDA] if dev == "cuda" else [ProfilerActivity.CPU]
+  with torch.inference_mode(), torch.profiler.profile(activities=acts) as p:
+    for _ in range(steps):
+      call()
+    if dev == "cuda":
+      torch.cuda.synchronize()
+  out = []
+  for e in p.key_averages():
+    if dev == "cuda":
+      # The kernels themselves, not the operators that launch them (whose
+      # device time would count the same kernels again).
+      if str(getattr(e, "device_type", "")) != "DeviceType.CUDA":
+        continue
+      us = getattr(e, "self_device_time_total", 0)
+    else:
+      us = e.self_cpu_time_total
+    if us > 0:
+      out.append((e.key, us / 1e3 / steps, e.count / steps))
+  return sorted(out, key=lambda r: -r[1])
 
 
 def _torch_peak(torch, dev):
@@ -841,6 +884,9 @@ def main():
                   help="comma-separated case names (default: all of PLAN)")
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes: a CPU smoke run (torch cases need torch)")
+  ap.add_argument("--profile", action="store_true",
+                  help="vit and vit_torch cases: also write each one's "
+                  "kernels with their times (OUT/hlo/*.profile.txt)")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.child:
@@ -879,7 +925,7 @@ def main():
         spec = dict(name=name, kind=kind, label=label, case=case,
                     sizes=sizes, reps=2 if args.quick else args.reps,
                     quick=args.quick, out=args.out, jsonl=jsonl, t0=t0,
-                    hf_dir=hf_dir)
+                    hf_dir=hf_dir, profile=args.profile)
         print(f"[{time.time() - t0:5.0f} s] {name} ...", flush=True)
         r = harness.run_child(
             [os.path.abspath(__file__), "--child", json.dumps(spec)],

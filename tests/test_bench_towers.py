@@ -82,7 +82,8 @@ def test_every_planned_case_has_a_spec_and_the_gelu_forms_agree():
 @pytest.mark.slow
 def test_quick_run_writes_rows_and_hlo_and_keeps_the_budget(tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_towers.py"),
-         "--quick", "--out", str(tmp_path), "--cases", "vit_ab,vit_erf,vit_erfc"]
+         "--quick", "--out", str(tmp_path), "--cases", "vit_ab,vit_erf,vit_erfc",
+         "--profile"]
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   p = subprocess.run(cmd, capture_output=True, text=True, env=env,
                      timeout=300, check=False)
@@ -104,6 +105,11 @@ def test_quick_run_writes_rows_and_hlo_and_keeps_the_budget(tmp_path):
        for c in ("vit_erfc", "vit_erf")}
   assert "erfx" in k["vit_erf"] and "erfx" not in k["vit_erfc"]
   assert (tmp_path / "hlo" / "vit_erfc.hlo.txt").stat().st_size > 1000
+  # --profile: each ViT case's ops with their times, longest first.
+  lines = (tmp_path / "hlo" / "vit_erf.profile.txt").read_text().splitlines()
+  ms = [float(l.split()[-2]) for l in lines[1:-1]]
+  assert len(ms) > 3 and ms == sorted(ms, reverse=True) and ms[-1] >= 0
+  assert lines[-1].startswith("total") and float(lines[-1].split()[-1]) > 0
   # No budget left: every case is skipped, with the reason, and no child runs.
   p = subprocess.run(cmd + ["--budget_s", "0"], capture_output=True,
                      text=True, env=env, timeout=120, check=False)
@@ -154,3 +160,17 @@ def test_split_qkv_attention_equals_the_fused_one_and_patches_restore():
     assert layers.Attention is not before[0]
     assert layers.ACTIVATIONS["gelu"] is not before[2]["gelu"]
   assert (layers.Attention, nn.LayerNorm, layers.ACTIVATIONS) == before
+
+
+def test_kernel_profile_times_each_op_of_a_jitted_call():
+  """harness.kernel_profile: the XLA ops of the call (the sort among them),
+  each with its time per call, longest first (here the host's thunks; on a
+  GPU its kernels)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import harness  # pylint: disable=import-outside-toplevel
+  f = jax.jit(lambda x: (jnp.tanh(x @ x.T), jnp.sort(x, axis=1)))
+  rows = harness.kernel_profile(f, jnp.ones((256, 256)), steps=2)
+  assert len(rows) >= 2, rows
+  assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
+  assert all(ms > 0 and n >= 1 for _, ms, n in rows), rows
+  assert any("sort" in op for op, _, _ in rows), rows
