@@ -9,7 +9,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$SECONDS
 # 1. In parallel (none of these time anything): triton tests, the
 #    pallas/mosaic -m gpu tests (2 xdist workers), the float32 fidelity probe.
-OUT=$out/triton BENCH_S=1 bash scripts/gpu_triton.sh 200 > "$out/triton.log" 2>&1 &
+OUT=$out/triton BENCH_S=0 bash scripts/gpu_triton.sh 200 > "$out/triton.log" 2>&1 &
 p1=$!
 timeout -s INT -k 15 200 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 2 \
   -k "not past_2_to_the_31" tests/test_mosaic_kernels.py tests/test_pallas_sigmoid.py \

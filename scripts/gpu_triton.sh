@@ -56,8 +56,11 @@ open(sys.argv[2], "w").write(text)
 print(text[-20000:])
 PY
 
-start=$SECONDS
-timeout -k 10 "${BENCH_S:-230}" "$py" benchmarks/bench_loss.py \
-  --out "$out/bench" --loss softmax,sigmoid --backends triton,pallas,mosaic \
-  --dtypes bfloat16 --batches 65536 --budget-s 3 --timeout-s 110
-echo "bench: exit $? in $((SECONDS - start)) s"
+# BENCH_S=0: the tests only (a caller that times the backends itself).
+if [ "${BENCH_S:-230}" -gt 0 ]; then
+  start=$SECONDS
+  timeout -k 10 "${BENCH_S:-230}" "$py" benchmarks/bench_loss.py \
+    --out "$out/bench" --loss softmax,sigmoid --backends triton,pallas,mosaic \
+    --dtypes bfloat16 --batches 65536 --budget-s 3 --timeout-s 110
+  echo "bench: exit $? in $((SECONDS - start)) s"
+fi
