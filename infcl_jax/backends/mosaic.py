@@ -37,9 +37,10 @@ SMEM tiles (half the K-depth per stage) and is not written. The
 Triton-language kernels (``backend="triton"``) take 107.0 ms for the same
 float32 step (same job). ``TRITON_PATH = "triton"`` routes this path to
 them where the triton extra imports; it stays "pallas" until its own GPU
-tests have run (``test_triton_path_on_the_triton_language_kernels``: in
-the one run so far the float32 cases that were reached passed and the four
-hybrid-stage tests failed, which expected Pallas-Triton's kernel names).
+tests have run (``test_triton_path_on_the_triton_language_kernels``). In
+the one run so far 4 of 17 reached float32 / hybrid tests failed, their text
+lost to a time box; four is the number of hybrid-stage tests, which expect
+Pallas-Triton's kernel names.
 
 Where it runs: sm90 only (``RUNS_ON``, read by ``capability.support``). On
 any other GPU ``backend="mosaic"`` fails in one line that names the GPU and
