@@ -14,7 +14,9 @@
 #   OUT=... bash scripts/gpu_next.sh
 set -u
 cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/out}; mkdir -p "$out"
+# Everything goes to a work folder and comes back as one archive ($OUT
+# returns at most 8 files; the towers write HLO and profiles per case).
+final=${OUT:-/tmp/out}; out=/tmp/gpu_next; mkdir -p "$out" "$final"
 T0=$SECONDS
 step() { echo "== $1 rc=$2 at $((SECONDS - T0)) s"; }
 timeout -k 5 80 python3 benchmarks/bench_mosaic.py --b 50000 --f32 0 > "$out/mosaic_stages_50000.log" 2>&1
@@ -37,3 +39,6 @@ timeout -k 5 $((560 - (SECONDS - T0))) python3 benchmarks/probes/f32_precision.p
   > "$out/f32_fidelity.log" 2>&1
 step "f32 fidelity" $?
 grep -h -A40 "^part\|^kind\|SUMMARY" "$out/towers.log" "$out/l14.log" "$out/f32_fidelity.log" | cut -c1-200
+tar czf "$final/gpu_next.tgz" -C "$out" .
+cp "$out"/*.log "$final"/ 2>/dev/null || true
+ls -la "$final"
