@@ -8,6 +8,17 @@ that each guard has one home: a softmax call that asks for no statistic,
 a sigmoid block pair whose diagonal cannot exist, the block sizes resolved
 (with the backend's defaults) and the float32 precision policy
 (``precision``).
+
+Groups. Every operation takes ``groups=None`` or ``(gx, gy)``: (n,) and
+(m,) int32 group ids of the tile's rows and columns; pair (i, j) is
+*related* when ``gx[i] == gy[j]``. The softmax tiles leave related pairs out
+of both LSEs and their gradient (the loss puts its own positive back:
+``losses.groups``); a row or column with only related pairs has LSE -inf.
+The sigmoid tiles treat them by ``group_mode``: "mask" leaves related pairs
+out of the sum (the diagonal of ``has_diagonal`` stays a positive),
+"positives" gives them the label z = +1. A backend that implements groups
+sets ``GROUPS = True`` and accepts the keyword in its underscored
+operations.
 """
 from __future__ import annotations
 
@@ -17,6 +28,9 @@ import jax.numpy as jnp
 from infcl_jax.backends import precision as precision_lib
 
 F32 = jnp.float32
+
+
+GROUP_MODES = ("mask", "positives")
 
 
 def check_diagonal(has_diagonal, n, m):
@@ -33,6 +47,8 @@ class TileBackend:
   families: tuple[str, ...] = ()
   # Float32 inputs without an explicit setting: see ``precision``.
   F32_DEFAULT = "highest"
+  # Whether the underscored operations accept ``groups=`` (see above).
+  GROUPS = False
 
   def __init__(self, platform: str | None = None):
     self.platform = platform or jax.default_backend()
@@ -54,37 +70,64 @@ class TileBackend:
     return precision_lib.matmul_precision(dtype, bs.f32_precision,
                                           self.F32_DEFAULT)
 
+  def _group_kw(self, x, y, groups, group_mode=None):
+    """The keywords that pass ``groups`` on, after the guards."""
+    if groups is None:
+      return {}
+    if not self.GROUPS:
+      raise NotImplementedError(
+          f"backend={self.name!r} does not implement groups=; use "
+          f"backend='xla' (or 'auto', which picks a backend that does)")
+    gx, gy = groups
+    if gx.shape != (x.shape[0],) or gy.shape != (y.shape[0],):
+      raise ValueError(
+          f"groups must be ((n,), (m,)) for a {x.shape[0]} x {y.shape[0]} "
+          f"tile, got {gx.shape} and {gy.shape}")
+    kw = {"groups": (gx.astype(jnp.int32), gy.astype(jnp.int32))}
+    if group_mode is not None:
+      if group_mode not in GROUP_MODES:
+        raise ValueError(f"group_mode must be one of {GROUP_MODES}, got "
+                         f"{group_mode!r}")
+      kw["group_mode"] = group_mode
+    return kw
+
   # ------------------------------------------------------------ softmax
 
-  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None):
+  def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None,
+          groups=None):
     """(row_lse (n,), col_lse (m,)), float32; None where not asked for."""
     if not (rows or cols):
       return None, None
     return self._lse(x, y, scale, bias, rows=rows, cols=cols,
-                     bs=self.block_sizes(block_sizes, x.dtype))
+                     bs=self.block_sizes(block_sizes, x.dtype),
+                     **self._group_kw(x, y, groups))
 
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None):
+               *, block_sizes=None, groups=None):
     """(dx, dy, dscale, dbias), float32; a None statistic has no term."""
     if row_lse is None and col_lse is None:
       zero = jnp.zeros((), F32)
       return (jnp.zeros(x.shape, F32), jnp.zeros(y.shape, F32), zero, zero)
     return self._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
-                          col_coef, bs=self.block_sizes(block_sizes, x.dtype))
+                          col_coef, bs=self.block_sizes(block_sizes, x.dtype),
+                          **self._group_kw(x, y, groups))
 
   # ------------------------------------------------------------ sigmoid
 
-  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None):
+  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, block_sizes=None,
+                  groups=None, group_mode="mask"):
     """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
     check_diagonal(has_diagonal, x.shape[0], y.shape[0])
     return self._sigmoid_sum(x, y, scale, bias, has_diagonal=has_diagonal,
-                             bs=self.block_sizes(block_sizes, x.dtype))
+                             bs=self.block_sizes(block_sizes, x.dtype),
+                             **self._group_kw(x, y, groups, group_mode))
 
   def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
-                   block_sizes=None):
+                   block_sizes=None, groups=None, group_mode="mask"):
     """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32: the
     tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij)."""
     check_diagonal(has_diagonal, x.shape[0], y.shape[0])
     return self._sigmoid_grad(x, y, scale, bias, coef,
                               has_diagonal=has_diagonal,
-                              bs=self.block_sizes(block_sizes, x.dtype))
+                              bs=self.block_sizes(block_sizes, x.dtype),
+                              **self._group_kw(x, y, groups, group_mode))

@@ -46,12 +46,36 @@ def _positive_mask(rb, kb, bq, bk):
   return rows == cols
 
 
+def _group_blocks(groups, bq, bk, n_rows, n_cols):
+  """The (row, column) group ids split like the inputs, or dummies (-1
+  padding: padded pairs are masked anyway)."""
+  if groups is None:
+    return (jnp.zeros((n_rows, bq), jnp.int32),
+            jnp.zeros((n_cols, bk), jnp.int32))
+  gx, gy = groups
+  return _vec_blocks(gx, bq, -1), _vec_blocks(gy, bk, -1)
+
+
+def _sigmoid_labels(rb, kb, bq, bk, has_diagonal, rel, group_mode):
+  """(positive, dropped) masks of a sigmoid tile: the diagonal (home tile)
+  is positive; related pairs (``rel``, None without groups) are positives
+  or dropped by ``group_mode``."""
+  diag = (_positive_mask(rb, kb, bq, bk) if has_diagonal
+          else jnp.zeros((bq, bk), bool))
+  if rel is None:
+    return diag, jnp.zeros((), bool)
+  if group_mode == "positives":
+    return diag | rel, jnp.zeros((), bool)
+  return diag, rel & ~diag
+
+
 def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
-                col_vec=None, rescale=False):
+                col_vec=None, rescale=False, groups=None):
   """sum over tiles of (G y, G^T x, sum G * x y^T, sum G), G recomputed.
 
-  ``tile_g(rb, kb, s, r_blk, c_blk)`` forms a float32 tile of G from the
-  logits (padding is masked here). ``row_vec`` / ``col_vec`` are optional
+  ``tile_g(rb, kb, s, r_blk, c_blk, rel)`` forms a float32 tile of G from
+  the logits (padding is masked here); ``rel`` is the tile's related pairs
+  (``groups``; all False without). ``row_vec`` / ``col_vec`` are optional
   per-row / per-column float32 vectors handed to it blockwise. ``rescale``
   divides each tile by its largest |G| before the cast to the input dtype
   and multiplies back after the float32-accumulated matmul: float16 has 5
@@ -69,16 +93,19 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
           else jnp.zeros(xb.shape[:2], F32))
   c_in = (_vec_blocks(col_vec, bk, jnp.inf) if col_vec is not None
           else jnp.zeros(yb.shape[:2], F32))
+  gxb, gyb = _group_blocks(groups, bq, bk, xb.shape[0], yb.shape[0])
 
   def row_block(carry, inputs):
     dy, dsc, dbi = carry
-    rb, x_blk, rv, r_blk = inputs
+    rb, x_blk, rv, r_blk, gx_blk = inputs
 
     def col_block(carry, inputs):
       dx, dy, dsc, dbi = carry
-      kb, y_blk, cv, c_blk = inputs
+      kb, y_blk, cv, c_blk, gy_blk = inputs
       s0 = _math.dot(x_blk, y_blk, ((1,), (1,)), prec)
-      g = tile_g(rb, kb, scale * s0 + bias, r_blk, c_blk)
+      rel = ((gx_blk[:, None] == gy_blk[None, :]) if groups is not None
+             else jnp.zeros((), bool))
+      g = tile_g(rb, kb, scale * s0 + bias, r_blk, c_blk, rel)
       g = jnp.where(rv[:, None] & cv[None, :], g, 0.0)
       dsc = dsc + jnp.sum(g * s0)
       dbi = dbi + jnp.sum(g)
@@ -96,13 +123,14 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
     # Inside shard_map a constant carry must vary like what is added to it.
     dx0 = _axes.vary_like(jnp.zeros((bq, d), F32), carry, inputs)
     (dx, dy, dsc, dbi), _ = lax.scan(
-        col_block, (dx0, dy, dsc, dbi), (jnp.arange(nk), yb, col_valid, c_in))
+        col_block, (dx0, dy, dsc, dbi),
+        (jnp.arange(nk), yb, col_valid, c_in, gyb))
     return (dy, dsc, dbi), dx
 
   init = (jnp.zeros(yb.shape, F32), jnp.zeros((), F32), jnp.zeros((), F32))
   init = _axes.vary_like(init, x, y, scale, bias, r_in, c_in)
   (dy, dsc, dbi), dx = lax.scan(
-      row_block, init, (jnp.arange(xb.shape[0]), xb, row_valid, r_in))
+      row_block, init, (jnp.arange(xb.shape[0]), xb, row_valid, r_in, gxb))
   return dx.reshape(-1, d)[:n], dy.reshape(-1, d)[:m], dsc, dbi
 
 
@@ -112,6 +140,7 @@ class XlaBackend(base.TileBackend):
   name = "xla"
   families = ("softmax", "sigmoid")
   RUNS_ON = capability.RunsOn(portable=True)
+  GROUPS = True
   F32_DEFAULT = "highest"  # The exactness baseline (backends.precision).
 
   def default_block_sizes(self, platform, dtype):
@@ -130,19 +159,23 @@ class XlaBackend(base.TileBackend):
 
   # ------------------------------------------------------------ softmax
 
-  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
     n, m = x.shape[0], y.shape[0]
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
         x, y, scale, bias, bs)
     neg = _math.NEG_INF
+    gxb, gyb = _group_blocks(groups, bq, bk, xb.shape[0], yb.shape[0])
 
     def row_block(col_stats, inputs):
-      x_blk, rv = inputs
+      x_blk, rv, gx_blk = inputs
 
       def col_block(row_stats, inputs):
-        y_blk, cv = inputs
+        y_blk, cv, gy_blk = inputs
         s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
-        s = jnp.where(rv[:, None] & cv[None, :], s, neg)
+        keep = rv[:, None] & cv[None, :]
+        if groups is not None:
+          keep = keep & (gx_blk[:, None] != gy_blk[None, :])
+        s = jnp.where(keep, s, neg)
         out = ()
         if rows:
           m_t = jnp.max(s, axis=1)
@@ -156,90 +189,101 @@ class XlaBackend(base.TileBackend):
 
       init = (jnp.full((bq,), neg, F32), jnp.zeros((bq,), F32))
       init = _axes.vary_like(init, x, y, scale, bias)
-      (rm, rl), tile_cols = lax.scan(col_block, init, (yb, col_valid))
+      (rm, rl), tile_cols = lax.scan(col_block, init, (yb, col_valid, gyb))
       if cols:
         col_stats = _math.merge_stats(*col_stats, *tile_cols)
       return col_stats, (_math.stats_to_lse(rm, rl) if rows else ())
 
     col_init = (jnp.full(yb.shape[:2], neg, F32), jnp.zeros(yb.shape[:2], F32))
     col_init = _axes.vary_like(col_init, x, y, scale, bias)
-    (cm, cl), row_lse = lax.scan(row_block, col_init, (xb, row_valid))
+    (cm, cl), row_lse = lax.scan(row_block, col_init, (xb, row_valid, gxb))
     row_out = row_lse.reshape(-1)[:n] if rows else None
     col_out = _math.stats_to_lse(cm, cl).reshape(-1)[:m] if cols else None
     return row_out, col_out
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-                col_coef, *, bs):
+                col_coef, *, bs, groups=None):
     scale = jnp.asarray(scale, F32)
     bias = jnp.asarray(bias, F32)
     a_r, a_c, norm = _math.unit_coefs(
         row_coef if row_lse is not None else None,
         col_coef if col_lse is not None else None)
 
-    def tile_g(rb, kb, s, r_blk, c_blk):
+    def tile_g(rb, kb, s, r_blk, c_blk, rel):
       del rb, kb
       g = jnp.zeros_like(s)
       if row_lse is not None:
         g = g + a_r * jnp.exp(s - r_blk[:, None])
       if col_lse is not None:
         g = g + a_c * jnp.exp(s - c_blk[None, :])
-      return g
+      # Related pairs are not in the LSEs (and a row of them only has LSE
+      # -inf, whose exp(s - lse) would be NaN).
+      return jnp.where(rel, 0.0, g) if groups is not None else g
 
     vec = lambda v: None if v is None else v.astype(F32)
     dx, dy, dsc, dbi = _grad_sweep(x, y, scale, bias, tile_g, bs=bs,
                                    prec=self.precision(bs, x.dtype),
-                                   row_vec=vec(row_lse), col_vec=vec(col_lse))
+                                   row_vec=vec(row_lse), col_vec=vec(col_lse),
+                                   groups=groups)
     return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
   # ------------------------------------------------------------ sigmoid
 
-  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
+                   groups=None, group_mode="mask"):
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
         x, y, scale, bias, bs)
+    gxb, gyb = _group_blocks(groups, bq, bk, xb.shape[0], yb.shape[0])
 
     def row_block(total, inputs):
-      rb, x_blk, rv = inputs
+      rb, x_blk, rv, gx_blk = inputs
 
       def col_block(row_total, inputs):
-        kb, y_blk, cv = inputs
+        kb, y_blk, cv, gy_blk = inputs
         s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
+        rel = (gx_blk[:, None] == gy_blk[None, :]) if groups is not None else None
+        pos, drop = _sigmoid_labels(rb, kb, bq, bk, has_diagonal, rel,
+                                    group_mode)
         # -z * s: the positives contribute softplus(-s), the negatives
         # softplus(s), each on its own.
-        u = jnp.where(_positive_mask(rb, kb, bq, bk), -s, s) if has_diagonal else s
-        t = jnp.where(rv[:, None] & cv[None, :], _math.softplus(u), 0.0)
+        u = jnp.where(pos, -s, s)
+        keep = rv[:, None] & cv[None, :] & ~drop
+        t = jnp.where(keep, _math.softplus(u), 0.0)
         return row_total + jnp.sum(t), None
 
       row_init = _axes.vary_like(jnp.zeros((), F32), total, x_blk)
       row_total, _ = lax.scan(col_block, row_init,
-                              (jnp.arange(yb.shape[0]), yb, col_valid))
+                              (jnp.arange(yb.shape[0]), yb, col_valid, gyb))
       return total + row_total, None
 
     init = _axes.vary_like(jnp.zeros((), F32), x, y, scale, bias)
     total, _ = lax.scan(row_block, init,
-                        (jnp.arange(xb.shape[0]), xb, row_valid))
+                        (jnp.arange(xb.shape[0]), xb, row_valid, gxb))
     return total
 
-  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
+                    groups=None, group_mode="mask"):
     n, m = x.shape[0], y.shape[0]
     bq, bk = min(bs.block_q, n), min(bs.block_k, m)
     coef = jnp.asarray(coef, F32)
     scale = jnp.asarray(scale, F32)
     bias = jnp.asarray(bias, F32)
 
-    def tile_g(rb, kb, s, r_blk, c_blk):
+    def tile_g(rb, kb, s, r_blk, c_blk, rel):
       del r_blk, c_blk
       # (-z) * sigmoid(-z * s), in [-1, 1]; coef (~1/B) is applied after the
       # matmuls so that G stays well scaled.
-      g = jax.nn.sigmoid(s)
-      if has_diagonal:
-        g = jnp.where(_positive_mask(rb, kb, bq, bk), -jax.nn.sigmoid(-s), g)
-      return g
+      pos, drop = _sigmoid_labels(rb, kb, bq, bk, has_diagonal,
+                                  rel if groups is not None else None,
+                                  group_mode)
+      g = jnp.where(pos, -jax.nn.sigmoid(-s), jax.nn.sigmoid(s))
+      return jnp.where(drop, 0.0, g)
 
     prec = self.precision(bs, x.dtype)
     g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
     dx, dy, dsc, dbi = _grad_sweep(
         x, y, scale, bias, tile_g, bs=bs, prec=prec,
-        rescale=jnp.dtype(g_dtype) == jnp.float16)
+        rescale=jnp.dtype(g_dtype) == jnp.float16, groups=groups)
     return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 
 
