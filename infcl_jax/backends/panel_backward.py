@@ -59,16 +59,19 @@ def panel_layout(n, m, d, *, block_q, block_k, block_d,
   return PanelLayout(r, n_panels, m_pad, round_up(d, block_d))
 
 
-def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=()):
+def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
+                   row_groups=None):
   """Sums (G y, G^T x, sum G * x y^T, sum G) over the panels of G.
 
   Args:
     x: (n, D), y: (m, D) unpadded inputs.
     row_vec: (layout.n_pad,) per-row input of the panel kernel, padded.
-    g_panel: ``g_panel(x_p, yp, vec_p) -> (g, g_mult, dsc, dbi)``: the panel
-      G (R, m_pad) in the input dtype, a float32 scalar it was divided by
-      (multiplied back after the GEMMs), and the panel's float32 sums of
-      G * (x y^T) and of G.
+    g_panel: ``g_panel(x_p, yp, vec_p[, groups_p]) -> (g, g_mult, dsc,
+      dbi)``: the panel G (R, m_pad) in the input dtype, a float32 scalar it
+      was divided by (multiplied back after the GEMMs), and the panel's
+      float32 sums of G * (x y^T) and of G.
+    row_groups: optional (layout.n_pad,) int32 group ids of the rows, split
+      like ``row_vec`` and handed to ``g_panel`` as its fourth argument.
     layout: ``panel_layout(...)``.
     precision: matmul precision of the GEMMs.
     refs: further arrays the kernel reads (their varying axes type the
@@ -85,8 +88,8 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=()):
 
   def panel(carry, inputs):
     dy, dsc, dbi = carry
-    x_p, v_p = inputs
-    g, g_mult, dsc_p, dbi_p = g_panel(x_p, yp, v_p)
+    g, g_mult, dsc_p, dbi_p = g_panel(inputs[0], yp, *inputs[1:])
+    x_p = inputs[0]
     dx_p = dot(g, yp, ((1,), (0,)), precision) * g_mult
     dy = dy + dot(g, x_p, ((0,), (0,)), precision) * g_mult
     return (dy, dsc + dsc_p, dbi + dbi_p), dx_p
@@ -96,9 +99,12 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=()):
   # Inside shard_map the carry must vary over the same mesh axes as what the
   # panels add to it.
   init = _axes.vary_like(init, xp, yp, row_vec, *refs)
-  (dy, dsc, dbi), dx = lax.scan(
-      panel, init, (xp.reshape(layout.n_panels, layout.rows, layout.d_pad),
-                    row_vec.reshape(layout.n_panels, layout.rows)))
+  per_panel = lambda v: v.reshape(layout.n_panels, layout.rows)
+  scanned = (xp.reshape(layout.n_panels, layout.rows, layout.d_pad),
+             per_panel(row_vec))
+  if row_groups is not None:
+    scanned = scanned + (per_panel(row_groups),)
+  (dy, dsc, dbi), dx = lax.scan(panel, init, scanned)
   dx = dx.reshape(layout.n_pad, layout.d_pad)[:n, :d]
   return dx, dy[:m, :d], dsc, dbi
 
@@ -112,8 +118,18 @@ def usable_max(g_max):
   return jnp.where((g_max > 0) & jnp.isfinite(g_max), g_max, 1.0).astype(F32)
 
 
+def _padded_groups(groups, layout):
+  """The row and column group ids padded to the layout (padded pairs are
+  masked by the statistics or the row ids, so the fill is arbitrary)."""
+  if groups is None:
+    return None, None
+  gx, gy = groups
+  return (pad1(gx.astype(jnp.int32), layout.n_pad, -1),
+          pad1(gy.astype(jnp.int32), layout.m_pad, -1))
+
+
 def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
-                 layout, precision, panel=None):
+                 layout, precision, panel=None, groups=None):
   """``lse_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
 
   Probabilities are in [0, 1] and the coefficients (~1/B) are applied after
@@ -123,6 +139,9 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   of G in x's dtype and returns it with its sums of G * x y^T and of G;
   params = [scale log2 e, bias log2 e, a_r, a_c], r_p / c2 the base-2
   statistics (+inf on padding). ``panel=None`` forms the panel in XLA.
+  With ``groups`` (``base``: related pairs have G = 0) the panel is also
+  given ``groups=(gx_p, gy)``: the panel rows' and all columns' padded
+  int32 group ids.
   """
   n = x.shape[0]
   m = y.shape[0]
@@ -141,19 +160,22 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
                       a_c]).astype(F32)
   mask = layout.n_pad != n or layout.m_pad != m
   panel = panel or functools.partial(_xla_softmax_panel, precision=precision)
+  gx, gy = _padded_groups(groups, layout)
 
-  def g_panel(x_p, yp, r_p):
+  def g_panel(x_p, yp, r_p, gx_p=None):
+    kw = {} if groups is None else {"groups": (gx_p, gy)}
     g, dsc, dbi = panel(x_p, yp, r_p, c2, params, rows=rows, cols=cols,
-                        mask=mask)
+                        mask=mask, **kw)
     return g, jnp.ones((), F32), dsc, dbi
 
-  dx, dy, dsc, dbi = panel_backward(x, y, r2, g_panel, layout=layout,
-                                    precision=precision, refs=(c2, params))
+  dx, dy, dsc, dbi = panel_backward(
+      x, y, r2, g_panel, layout=layout, precision=precision,
+      refs=(c2, params) + (() if groups is None else (gy,)), row_groups=gx)
   return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
 
 def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
-                 panel=None):
+                 panel=None, groups=None, group_mode="mask"):
   """``sigmoid_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
 
   G = (-z) sigmoid(-z s) lies in [-1, 1]; coef (~1/B) is applied after the
@@ -166,6 +188,8 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   ``scaled``) in x's dtype and returns it with its float32 sums of
   G * x y^T and of G; params = [scale, bias, g_scale, 0], rid_p the rows'
   global indices (-1 on padding). ``panel=None`` forms the panel in XLA.
+  With ``groups`` the panel is also given ``groups=(gx_p, gy)`` (as in
+  ``softmax_grad``) and ``group_mode`` (``base``).
   """
   n, d = x.shape
   m = y.shape[0]
@@ -177,18 +201,22 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   kw = dict(m=m, mask=layout.n_pad != n or layout.m_pad != m, scaled=rescale,
             has_diagonal=has_diagonal)
   panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision)
+  gx, gy = _padded_groups(groups, layout)
 
-  def g_panel(x_p, yp, rid_p):
+  def g_panel(x_p, yp, rid_p, gx_p=None):
+    pkw = dict(kw) if groups is None else dict(
+        kw, groups=(gx_p, gy), group_mode=group_mode)
     g_max = jnp.ones((), F32)
     if rescale:
       unit = jnp.stack([scale, bias, 1.0, 0.0]).astype(F32)
-      g_max = usable_max(panel(x_p, yp, rid_p, unit, "max", **kw))
+      g_max = usable_max(panel(x_p, yp, rid_p, unit, "max", **pkw))
     params = jnp.stack([scale, bias, 1.0 / g_max, 0.0]).astype(F32)
-    g, dsc, dbi = panel(x_p, yp, rid_p, params, "g", **kw)
+    g, dsc, dbi = panel(x_p, yp, rid_p, params, "g", **pkw)
     return g, g_max, dsc, dbi
 
-  dx, dy, dsc, dbi = panel_backward(x, y, rid, g_panel, layout=layout,
-                                    precision=precision, refs=(scale, bias))
+  dx, dy, dsc, dbi = panel_backward(
+      x, y, rid, g_panel, layout=layout, precision=precision,
+      refs=(scale, bias) + (() if groups is None else (gy,)), row_groups=gx)
   return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 
 
@@ -198,7 +226,7 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
 # does not compile, and the measure of what the kernels save.
 
 def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
-                       precision):
+                       precision, groups=None):
   s0 = dot(x_p, yp, ((1,), (1,)), precision)
   s = s0 * params[0] + params[1]
   g = jnp.zeros_like(s)
@@ -208,17 +236,28 @@ def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
     g = g + params[3] * jnp.exp2(s - c2[None, :])
   if mask:
     g = jnp.where((r2 != jnp.inf)[:, None] & (c2 != jnp.inf)[None, :], g, 0.0)
+  if groups is not None:
+    g = jnp.where(groups[0][:, None] == groups[1][None, :], 0.0, g)
   return g.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
 
 
 def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,
-                       precision, has_diagonal):
+                       precision, has_diagonal, groups=None,
+                       group_mode="mask"):
   s0 = dot(x_p, yp, ((1,), (1,)), precision)
   s = s0 * params[0] + params[1]
   cid = jnp.arange(yp.shape[0], dtype=jnp.int32)
-  g = 1.0 / (1.0 + jnp.exp(-s))
-  if has_diagonal:
-    g = jnp.where(rid[:, None] == cid[None, :], -1.0 / (1.0 + jnp.exp(s)), g)
+  pos = (rid[:, None] == cid[None, :]) if has_diagonal else jnp.zeros((), bool)
+  drop = jnp.zeros((), bool)
+  if groups is not None:
+    rel = groups[0][:, None] == groups[1][None, :]
+    if group_mode == "positives":
+      pos = pos | rel
+    else:
+      drop = rel & ~pos
+  g = jnp.where(pos, -1.0 / (1.0 + jnp.exp(s)), 1.0 / (1.0 + jnp.exp(-s)))
+  if groups is not None:
+    g = jnp.where(drop, 0.0, g)
   if mask:
     g = jnp.where((rid >= 0)[:, None] & (cid < m)[None, :], g, 0.0)
   if mode == "max":
