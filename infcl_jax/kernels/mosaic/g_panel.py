@@ -29,8 +29,10 @@ row's column term would otherwise not). NaN statistics stay NaN.
 Groups (``groups=(gx, gy)``, a static switch): G is 0 on related pairs
 (gx_i == gy_j), which the LSEs left out; one compare and one select per
 element after the exponentials, so that a row or column whose statistic is
--inf (all its pairs related) gives 0 there, not NaN. The rows' ids are
-loaded beside r, the columns' beside c.
+-inf (all its pairs related) gives 0 there, not NaN; such a statistic is
+also clamped to a large finite value (``common.safe``), so that it gives 0,
+not NaN, against the padding. The rows' ids are loaded beside r, the
+columns' beside c.
 """
 from __future__ import annotations
 
@@ -102,6 +104,12 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
       c_parts = [plgpu.load(c_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
                             optimized=False) for h in range(EPILOGUE_SPLIT)]
       if groups:
+        # A statistic of -inf (every pair of the row / column related)
+        # becomes a large finite one: its related pairs are zeroed below,
+        # and against a padded column / row (-inf logit) it gives 0, not
+        # -inf - (-inf) = NaN.
+        r = common.safe(r)
+        c_parts = [common.safe(ch) for ch in c_parts]
         gx = plgpu.load(gx_ref.at[pl.ds(i * bq, bq)], layout=ROW,
                         optimized=False)
         gy_parts = [plgpu.load(gy_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,

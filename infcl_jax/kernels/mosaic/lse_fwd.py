@@ -46,8 +46,7 @@ cross-warp reduction, so it is recognised from its id: it happens only when
 every valid row of the block has one id, and the column has it (``lo`` ==
 ``hi`` == gy_j, the block's smallest and largest row id, computed in XLA and
 loaded as (block_k,) vectors per round). Such a column keeps its workspace
-value and is not flagged. A row or column with no unrelated pair at all
-ends at -inf.
+value. A row or column with no unrelated pair at all ends at -inf.
 """
 from __future__ import annotations
 
@@ -138,11 +137,10 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
   Rows with no finite logit in the tile (its columns are all padding) and
   padded columns (``col_valid`` False) are not flagged.
 
-  ``col_related`` (groups only): a pair of (bk,) bool vectors, the
-  columns with no unrelated logit in the tile and its negation (Mosaic GPU
-  does not lower a bool ``~``); those columns keep ``old_c`` and are not
-  flagged, and rows whose max is -inf keep their statistics (see the
-  module docstring).
+  ``col_related`` (groups only): (bk,) bool, the columns with no unrelated
+  logit in the tile; they keep ``old_c`` (their sum is 0: the merge would
+  flag them, or lose ``old_c`` to a far larger shift), and rows whose max
+  is -inf keep their statistics (see the module docstring).
   """
   rmax = s.max(axis=1)
   big = common.safe(rmax.max(axis=0))
@@ -164,12 +162,10 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
   bad_c = lc < _math.MIN_SUM
   if col_valid is not None:
     bad_c = bad_c & col_valid
-  if col_related is not None:
-    bad_c = bad_c & col_related[1]
   lc = jnp.where(bad_c, jnp.full(lc.shape, jnp.nan, F32), lc)
   new_c = merge_shift_sum(old_c, big, lc)
   if col_related is not None:
-    new_c = jnp.where(col_related[0], old_c, new_c)
+    new_c = jnp.where(col_related, old_c, new_c)
   return m_new, l_new, new_c
 
 
@@ -249,8 +245,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
           if mask_cols:
             col_valid = plgpu.broadcasted_iota(
                 jnp.int32, (bk,), 0, layout=COL) + c0 < m
-          all_rel = (((gy == lo) & (gy == hi), (gy != lo) | (gy != hi))
-                     if groups else None)
+          all_rel = ((gy == lo) & (gy == hi)) if groups else None
           m_i, l_i, new_c = _shared_flagged(s, m_i, l_i, old_c, col_valid,
                                             all_rel)
         elif single_exp and rows and cols:
