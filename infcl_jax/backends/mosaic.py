@@ -67,6 +67,12 @@ Off the GPU the same kernel bodies run in jax's Mosaic GPU interpreter
 (``interpret=True``), which simulates the warpgroups, TMA and mbarriers on
 the CPU (slow; for tests).
 
+Groups (``groups=``, ``base``): the Mosaic kernels take the rows' and
+columns' int32 ids behind a static switch (a call without them compiles
+the ungrouped kernels, unchanged), loaded like the kernels' other per-row /
+per-column vectors; per logit one compare and one select
+(``kernels.mosaic``). The Triton path is handed them only when given.
+
 Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
 like their inputs (``kernels.mosaic.common.vary_like``), the panel carry by
 ``panel_backward.panel_backward``.
