@@ -68,10 +68,11 @@ def bench(b, d, dtype, reps, r):
     kw = lambda g: {} if g is None else {"groups": (g[0][:r], g[1])}
     stages[f"softmax panel R={r}"] = (2.0 * r * b * d, lambda g: (
         mg_panel.g_panel(xr, y, r2, c2, params, rows=True, cols=True,
-                         mask=False, **kw(g))))
+                         mask=False, interpret=be.interpret, **kw(g))))
     stages[f"sigmoid panel R={r}"] = (2.0 * r * b * d, lambda g: (
         msigmoid.sigmoid_tiles(xr, y, rid, sparams, mode="g", m=b,
-                               mask=False, has_diagonal=True, **kw(g))))
+                               mask=False, has_diagonal=True,
+                               interpret=be.interpret, **kw(g))))
   for name, (flops, fn) in stages.items():
     try:
       f = jax.jit(fn)

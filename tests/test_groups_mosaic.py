@@ -317,7 +317,7 @@ class TestForwardShortcuts:
               block_d=64, num_stages=3, num_programs=1, interpret=True,
               single_exp=True)
     groups = mlse_fwd._group_operands(jnp.asarray(gx), jnp.asarray(gy), n=n,  # pylint: disable=protected-access
-                                      block_q=64, block_k=64)
+                                      block_q=64)
     r, c = mlse_fwd._lse_fwd_once(x, y, 1.0, 0.0, check="rerun",  # pylint: disable=protected-access
                                   groups=groups, **kw)
     # Nothing flagged (no exact retry), and exact.
@@ -424,7 +424,7 @@ class TestGroupsMosaicGpu:
     n, m = x.shape[0], y.shape[0]
     rr, cr = gref.tile_lse(as64(x), as64(y), 1.0, 0.0, gx, gy)
     groups = mlse_fwd._group_operands(jnp.asarray(gx), jnp.asarray(gy), n=n,  # pylint: disable=protected-access
-                                      block_q=64, block_k=64)
+                                      block_q=64)
     r, c = mlse_fwd._lse_fwd_once(  # pylint: disable=protected-access
         x, y, 1.0, 0.0, n=n, m=m, rows=True, cols=True, block_q=64,
         block_k=64, block_d=64, num_stages=3, num_programs=1,

@@ -45,7 +45,7 @@ statistics untouched; a column with none cannot be seen without a
 cross-warp reduction, so it is recognised from its id: it happens only when
 every valid row of the block has one id, and the column has it (``lo`` ==
 ``hi`` == gy_j, the block's smallest and largest row id, computed in XLA and
-loaded as (block_k,) vectors per round). Such a column keeps its workspace
+loaded as two scalars per round). Such a column keeps its workspace
 value. A row or column with no unrelated pair at all ends at -inf.
 """
 from __future__ import annotations
@@ -148,8 +148,7 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
   lr = p.sum(axis=1)
   lc = p.sum(axis=0)
   nan_r = jnp.full(lr.shape, jnp.nan, F32)
-  has_r = rmax > -jnp.inf
-  bad_r = (lr < _math.MIN_SUM) & has_r
+  bad_r = (lr < _math.MIN_SUM) & (rmax > -jnp.inf)
   m_new = jnp.maximum(m_i, big)
   sh = common.safe(m_new)
   l_new = l_i * jnp.exp2(m_i - sh) + jnp.where(bad_r, nan_r,
@@ -157,6 +156,7 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
   if col_related is not None:
     # A row with no term here must not be rescaled to this tile's shift
     # (its sum would underflow against a far larger one).
+    has_r = rmax > -jnp.inf
     m_new = jnp.where(has_r, m_new, m_i)
     l_new = jnp.where(has_r, l_new, l_i)
   bad_c = lc < _math.MIN_SUM
@@ -204,10 +204,9 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
         gx = plgpu.load(gx_ref.at[pl.ds(rb * bq, bq)], layout=ROW,
                         optimized=False)
         if flagged:
-          lo = plgpu.load(lo_ref.at[pl.ds(rb * bk, bk)], layout=COL,
-                          optimized=False)
-          hi = plgpu.load(hi_ref.at[pl.ds(rb * bk, bk)], layout=COL,
-                          optimized=False)
+          # Scalars: one register each across the round.
+          lo = lo_ref[rb]
+          hi = hi_ref[rb]
 
       def col_body(j, rc):
         m_i, l_i = rc
@@ -327,7 +326,7 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
             block_d=block_d, num_stages=num_stages, num_programs=num_programs,
             interpret=interpret, single_exp=single_exp,
             groups=None if groups is None else _group_operands(
-                *groups, n=n, block_q=block_q, block_k=block_k))
+                *groups, n=n, block_q=block_q))
   if not (check == "rerun" and single_exp and rows and cols):
     return _lse_fwd_once(x, y, scale, bias, check="tile", **kw)
   row_lse, col_lse = _lse_fwd_once(x, y, scale, bias, check="rerun", **kw)
@@ -338,10 +337,9 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       lambda: (row_lse, col_lse))
 
 
-def _group_operands(gx, gy, *, n, block_q, block_k):
+def _group_operands(gx, gy, *, n, block_q):
   """The kernel's group operands: the padded ids, and per row block the
-  smallest and largest id of its valid rows, each repeated block_k times
-  (a (block_k,) column vector per round; see the module docstring)."""
+  smallest and largest id of its valid rows (see the module docstring)."""
   gx = gx.astype(jnp.int32)
   gy = gy.astype(jnp.int32)
   blocks = gx.reshape(-1, block_q)
@@ -349,8 +347,7 @@ def _group_operands(gx, gy, *, n, block_q, block_k):
   info = jnp.iinfo(jnp.int32)
   lo = jnp.min(jnp.where(valid, blocks, info.max), axis=1)
   hi = jnp.max(jnp.where(valid, blocks, info.min), axis=1)
-  per_col = lambda v: jnp.repeat(v, block_k)
-  return gx, gy, per_col(lo), per_col(hi)
+  return gx, gy, lo, hi
 
 
 def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
