@@ -34,8 +34,8 @@ and NaN inputs pay a second forward; every other call none.
 Everything is in base 2 (exp2 / log2 with log2(e) folded into the scale and
 bias). Padded rows / columns (index >= n / m) are masked to -inf.
 
-Groups (``groups=(gx, gy)``, static switch: without them the kernel is
-compiled as it is without this paragraph). Related pairs (gx_i == gy_j) are
+Groups (``groups=(gx, gy)``, a static switch: without them the kernel is
+the ungrouped one, unchanged). Related pairs (gx_i == gy_j) are
 masked to -inf like padding: the row block's ids are loaded once per round,
 the column tile's beside its workspace slice, and the mask is one compare
 and one select per logit. The one-exponential update must then tell "no
