@@ -95,9 +95,12 @@ def check_grads(actual, ref, dtype, what):
     assert not np.isnan(a).any(), f"{what} {name}: NaN"
     scale = np.linalg.norm(np.asarray(ref[0]).ravel()) + 1e-30
     # The scalars are float32 sums of n * m terms of both signs.
-    atol = 1e-5 * scale if name in ("dx", "dy") else 1e-4 * (1 + scale)
-    assert_rel_close(a, r, rtol=GRAD_RTOL[jnp.dtype(dtype).type], atol=atol,
-                     what=f"{what} {name}")
+    rtol = GRAD_RTOL[jnp.dtype(dtype).type]
+    if name in ("dx", "dy"):
+      atol = 1e-5 * scale
+    else:
+      rtol, atol = max(rtol, 1e-4), 1e-4 * (1 + scale)
+    assert_rel_close(a, r, rtol=rtol, atol=atol, what=f"{what} {name}")
 
 
 # Module-level jitted ops (the backend and the static settings are jit's
@@ -152,6 +155,8 @@ class TestPallasGroupsInterpret:
   LOW_PRECISION = (jnp.bfloat16,)
   # float16 sigmoid panels take the max-|G| pre-pass (its kernel too).
   SIGMOID_LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+  # The sum of n * m float32 softplus terms.
+  SUM_RTOL = 1e-5
 
   def backend(self, family):
     return _backend(self.NAME, family, "cpu" if self.INTERPRET else "gpu")
@@ -233,7 +238,8 @@ class TestPallasGroupsInterpret:
                               mode)
         total = _sigmoid_sum(be, x, y, *_f32(t, b), g, bs=blocks,
                              has_diagonal=has_diagonal, mode=mode)
-        assert_rel_close(total, ref[0], rtol=1e-5, what=f"{what} sum")
+        assert_rel_close(total, ref[0], rtol=self.SUM_RTOL,
+                         what=f"{what} sum")
         for impl in bwd_impls:
           out = _sigmoid_grad(be, x, y, *_f32(t, b), g,
                               bs=dataclasses.replace(blocks, bwd_impl=impl),
@@ -277,8 +283,9 @@ class TestPallasGroupsInterpret:
              "sigmoid sum", "dx", "dy", "dscale", "dbias")
     for a, e, what in zip(run((jnp.asarray(gx), jnp.asarray(gy))), run(None),
                           names):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6,
-                                 atol=1e-7, err_msg=what)
+      # The same arithmetic; compiled, the select may reorder an FMA.
+      np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-6,
+                                 atol=1e-6, err_msg=what)
 
 
 @pytest.mark.gpu
@@ -290,17 +297,19 @@ class TestPallasGroupsGpu(TestPallasGroupsInterpret):
   BLOCKS = GPU_SMALL
   SHAPES = ((129, 300, 40), (133, 133, 72))
   LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+  SUM_RTOL = 1e-4  # up to 3001^2 terms
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-  @pytest.mark.parametrize("n", [4096, 3001])
-  def test_default_tiles(self, n, dtype):
+  @pytest.mark.parametrize("n,d,structure", [(4096, 768, "pairs"),
+                                             (3001, 1000, "all_keys")])
+  def test_default_tiles(self, n, d, structure, dtype):
     for family in ("softmax", "sigmoid"):
       bs = dataclasses.replace(default_tiles(self.NAME, dtype, family=family),
                                f32_precision="highest")
       if family == "softmax":
-        self.softmax_case(n, n, 768, dtype, ("pairs", "all_keys"), seed=6,
+        self.softmax_case(n, n, d, dtype, (structure,), seed=6,
                           bwd_impls=("pallas",), one_way=False, blocks=bs)
       else:
-        self.sigmoid_case(n, n, 768, dtype, ("pairs", "all_keys"), seed=7,
+        self.sigmoid_case(n, n, d, dtype, (structure,), seed=7,
                           has_diagonal=True, bwd_impls=("pallas",),
                           blocks=bs)
