@@ -60,12 +60,12 @@ def _kernel(*refs, interpret, **kw):
                          interpret=interpret)
 
 
-def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
+def _body(pid, params_ref, x_ref, y_ref, *refs, n, m, bq, bk, bd, nd, nrb,
           nkb, nprog, m_pad, rows, cols, precision, barrier, single_exp,
           groups):
-  out_refs = list(out_refs)
-  gx_ref, gy_ref = (out_refs.pop(0), out_refs.pop(0)) if groups else (None,
-                                                                       None)
+  # The group ids' refs (inputs) come first, then the outputs'.
+  gx_ref, gy_ref = refs[:2] if groups else (None, None)
+  out_refs = list(refs[2:] if groups else refs)
   row_ref = out_refs.pop(0) if rows else None
   cm_ref, cl_ref = (out_refs if cols else (None, None))
   scale2 = params_ref[0]  # scale * log2(e)
