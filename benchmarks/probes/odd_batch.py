@@ -10,7 +10,9 @@ False = every tile, "cond" = only the tiles holding padding, "vec" = -inf
 biases from 1-D vectors): ``lse_fwd`` called directly at B = 50,000 on the
 inputs padded as the backend pads them, at its GPU tiles, each variant
 first checked against ``edge_mask=False`` (max |difference| of the LSEs).
-The A/B runs first: it is what the probe is for.
+The A/B runs first: it is what the probe is for. Then the unchecked pass
+alone (``check="rerun"``'s first kernel) at 50,000: its time, and whether it
+flags a NaN (then ``lse_fwd`` pays a second, checked forward).
 
     PYTHONPATH=. python3 benchmarks/probes/odd_batch.py
     PYTHONPATH=. python3 benchmarks/probes/odd_batch.py --smoke   # CPU
@@ -46,19 +48,30 @@ def forward(b, d, reps):
   return rate(b, d, bench(f, x, y, reps=reps))
 
 
-def direct(b, d, edge_mask, reps):
-  """``lse_fwd`` as ``MosaicBackend._lse`` calls it (its GPU tiles, one
-  program per SM), with ``edge_mask``; off the GPU, in the interpreter."""
+def _call_kw(b):
+  """Padded inputs and ``lse_fwd``'s keywords as ``MosaicBackend._lse``
+  passes them (its GPU tiles, one program per SM); off the GPU, the
+  interpreter."""
   bs = mosaic_backend.GPU_TILES
   mb = mosaic_backend.mosaic_blocks(bs)
+  kw = dict(n=b, m=b, rows=True, cols=True, block_q=mb.bq, block_k=mb.bk,
+            block_d=mb.bd, num_programs=bs.num_programs or _device.num_sms(),
+            interpret=jax.default_backend() != "gpu",
+            single_exp=bs.single_exp)
+  return mb, kw
+
+
+def _padded(b, d, mb):
   x, y = inputs(b, d, jnp.bfloat16, seed=2)
-  xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
-  on_gpu = jax.default_backend() == "gpu"
+  return pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+
+
+def direct(b, d, edge_mask, reps):
+  """``lse_fwd`` with ``edge_mask`` (see ``_call_kw``)."""
+  mb, kw = _call_kw(b)
+  xp, yp = _padded(b, d, mb)
   f = jax.jit(lambda a, c: mlse_fwd.lse_fwd(
-      a, c, jnp.float32(SCALE), jnp.float32(0.0), n=b, m=b, rows=True,
-      cols=True, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
-      num_programs=bs.num_programs or _device.num_sms(),
-      interpret=not on_gpu, single_exp=bs.single_exp, edge_mask=edge_mask))
+      a, c, jnp.float32(SCALE), jnp.float32(0.0), edge_mask=edge_mask, **kw))
   t0 = time.perf_counter()
   r, c = jax.block_until_ready(f(xp, yp))
   first = time.perf_counter() - t0
@@ -76,6 +89,20 @@ def direct(b, d, edge_mask, reps):
   return f"{rate(b, d, ms)}; {check}; first call {first:.1f} s"
 
 
+def first_pass(b, d, reps):
+  """The unchecked pass alone (``edge_mask=False``): its time, and whether
+  it flags NaN, which would make ``lse_fwd`` run the checked one too (a
+  second forward)."""
+  mb, kw = _call_kw(b)
+  xp, yp = _padded(b, d, mb)
+  f = jax.jit(lambda a, c: mlse_fwd._lse_fwd_once(  # pylint: disable=protected-access
+      a, c, jnp.float32(SCALE), jnp.float32(0.0), num_stages=3,
+      check="rerun", groups=None, **kw))
+  r, c = (np.asarray(v) for v in f(xp, yp))
+  nans = f"NaN rows {np.isnan(r).sum()}, NaN cols {np.isnan(c).sum()}"
+  return f"{rate(b, d, bench(f, xp, yp, reps=reps))}; {nans}"
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true",
@@ -89,6 +116,7 @@ def main():
   for em in mlse_fwd.EDGE_MASKS:
     record(f"lse_fwd B={odd} edge_mask={em!r}",
            lambda em=em: direct(odd, d, em, reps))
+  record(f"unchecked pass B={odd}", lambda: first_pass(odd, d, reps))
   for b in sizes:
     record(f"mosaic forward B={b}", lambda b=b: forward(b, d, reps))
   summary(36)
