@@ -15,6 +15,7 @@ alone (``check="rerun"``'s first kernel) at 50,000: its time, and whether it
 flags a NaN (then ``lse_fwd`` pays a second, checked forward).
 
     PYTHONPATH=. python3 benchmarks/probes/odd_batch.py
+    PYTHONPATH=. python3 benchmarks/probes/odd_batch.py --ab-only # 4 items
     PYTHONPATH=. python3 benchmarks/probes/odd_batch.py --smoke   # CPU
 """
 from __future__ import annotations
@@ -107,6 +108,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--smoke", action="store_true",
                   help="tiny sizes (a CPU run of every item)")
+  ap.add_argument("--ab-only", action="store_true",
+                  help="only the edge_mask A/B and the unchecked pass")
   args = ap.parse_args()
   if args.smoke:
     d, reps, odd, sizes = 64, 1, 300, (512, 256, 300)
@@ -117,7 +120,7 @@ def main():
     record(f"lse_fwd B={odd} edge_mask={em!r}",
            lambda em=em: direct(odd, d, em, reps))
   record(f"unchecked pass B={odd}", lambda: first_pass(odd, d, reps))
-  for b in sizes:
+  for b in () if args.ab_only else sizes:
     record(f"mosaic forward B={b}", lambda b=b: forward(b, d, reps))
   summary(36)
 
