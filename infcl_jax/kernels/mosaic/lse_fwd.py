@@ -34,19 +34,20 @@ and NaN inputs pay a second forward; every other call none.
 Everything is in base 2 (exp2 / log2 with log2(e) folded into the scale and
 bias). Padded rows / columns (index >= n / m) are masked to -inf.
 
-Where the padding mask is built (``edge_mask``, static; an A/B switch for
-odd batches, where only the last row block and the last column block hold
-padding):
+Where the padding mask is built (``edge_mask``, static; only the last row
+block and the last column block of an odd batch hold padding):
 
-* ``False`` (default): every tile of a padded call compares two (bq, bk)
-  iotas in the WGMMA layout and selects;
-* ``"cond"``: the same compare / select, but only in the tiles that hold
-  padding, behind a runtime branch (a ``lax.cond`` on the tile); the other
-  tiles pay one scalar test;
+* ``False``: every tile of a padded call compares two (bq, bk) iotas in the
+  WGMMA layout and selects: at B = 50,000 on an H200 the forward ran at
+  half the aligned rate (12.6 ms, 305 TFLOP/s, against 584 at 50,176);
+* ``"cond"`` (default): the same compare / select, but only in the tiles
+  that hold padding, behind a runtime branch (a ``lax.cond`` on the tile);
+  the other tiles pay one scalar test (7.9 ms, 484 TFLOP/s);
 * ``"vec"``: no 2-D iota and no branch: per row block a (bq,) ROW vector,
   per tile a (bk,) COL vector, 0 on valid and -inf on padded indices, added
   to the logits through the broadcast bias (rows, columns: no extra
-  operation; both: one add per logit). Exact on the valid logits (+ 0).
+  operation; both: one add per logit; 9.0 ms, 428 TFLOP/s). Exact on the
+  valid logits (+ 0).
   Padded logits are x.0 = 0, so -inf is added to a finite number, unless a
   valid x row holds inf / NaN, whose row LSE is NaN either way.
 
@@ -349,7 +350,7 @@ EDGE_MASKS = (False, "cond", "vec")
 
 def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
             block_d=64, num_stages=3, num_programs=None, interpret=False,
-            single_exp=True, check="rerun", groups=None, edge_mask=False):
+            single_exp=True, check="rerun", groups=None, edge_mask="cond"):
   """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
 
   Args:
@@ -377,8 +378,8 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       (gx_i == gy_j) are left out of both statistics; a row / column with
       no other pair gets -inf.
     edge_mask: where the padding mask is applied (static): ``False`` (every
-      tile of a padded call), ``"cond"`` (only the tiles holding padding,
-      behind a runtime branch) or ``"vec"`` (per-row / per-column -inf
+      tile of a padded call), ``"cond"`` (default: only the tiles holding
+      padding, behind a runtime branch) or ``"vec"`` (per-row / per-column -inf
       biases, no 2-D iota); see the module docstring. Same results to
       float32 rounding.
 
