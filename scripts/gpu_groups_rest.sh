@@ -7,23 +7,16 @@
 #   OUT=... bash scripts/gpu_groups_rest.sh
 set -u
 cd "$(dirname "$0")/.."
+. scripts/gpu_lib.sh
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 T0=$SECONDS
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
 mapfile -t ids < scripts/.gpu_remaining.txt
-timeout -s INT -k 15 ${TEST_S:-280} python3 -m pytest -m gpu -v -rfE -p no:cacheprovider -n 4 \
-  "${ids[@]}" > "$out/gpu_tests_rest.log" 2>&1 &
-p1=$!
-timeout -s INT -k 15 ${TEST_S:-280} python3 -m pytest -m gpu -v -rfE -p no:cacheprovider --tb=short \
-  -k "tf32_tiles and triton" tests/test_groups.py > "$out/triton_f32.log" 2>&1 &
-p2=$!
-wait $p1 $p2
-unset XLA_PYTHON_CLIENT_PREALLOCATE
+gpu_pytest "$out/gpu_tests_rest.log" "${TEST_S:-280}" 4 "${ids[@]}" &
+gpu_pytest "$out/triton_f32.log" "${TEST_S:-280}" "" -k "tf32_tiles and triton" \
+  tests/test_groups.py &
+wait
 echo "== tests done at $((SECONDS - T0)) s"
-for f in gpu_tests_rest triton_f32; do
-  echo "-- $f: $(grep -c ' PASSED' "$out/$f.log") passed, $(grep -c ' FAILED' "$out/$f.log") failed"
-  grep -E "^(FAILED|ERROR)|^E  " "$out/$f.log" | cut -c1-250 | head -20; tail -1 "$out/$f.log"
-done
+gpu_summary "$out/gpu_tests_rest.log" "$out/triton_f32.log"
 timeout -k 10 $((520 - (SECONDS - T0))) python3 benchmarks/probes/odd_batch.py > "$out/odd_batch.log" 2>&1
 echo "== odd_batch rc=$? at $((SECONDS - T0)) s"
 sed -n '/SUMMARY/,$p' "$out/odd_batch.log"

@@ -6,15 +6,13 @@
 #   OUT=... bash scripts/gpu_odd_final.sh
 set -u
 cd "$(dirname "$0")/.."
+. scripts/gpu_lib.sh
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 T0=$SECONDS
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-timeout -s INT -k 15 ${TEST_S:-190} python3 -m pytest -m gpu -v -rfE -p no:cacheprovider -n 4 \
-  -k "not past_2_to_the_31" tests/test_mosaic_kernels.py tests/test_mosaic_backend.py \
-  tests/test_groups_mosaic.py > "$out/mosaic_tests.log" 2>&1
-unset XLA_PYTHON_CLIENT_PREALLOCATE
-echo "== tests rc=$? at $((SECONDS - T0)) s: $(grep -c ' PASSED' "$out/mosaic_tests.log") passed, $(grep -c ' FAILED' "$out/mosaic_tests.log") failed"
-grep -E "^(FAILED|ERROR)|^E  " "$out/mosaic_tests.log" | cut -c1-250 | head -20; tail -1 "$out/mosaic_tests.log"
+gpu_pytest "$out/mosaic_tests.log" "${TEST_S:-190}" 4 -k "not past_2_to_the_31" \
+  tests/test_mosaic_kernels.py tests/test_mosaic_backend.py tests/test_groups_mosaic.py
+echo "== tests done at $((SECONDS - T0)) s"
+gpu_summary "$out/mosaic_tests.log"
 timeout -k 10 $((300 - (SECONDS - T0))) python3 benchmarks/bench_loss.py --out "$out/bench" --budget-s 2 \
   --timeout-s 60 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 50000,65536 \
   > "$out/bench.log" 2>&1

@@ -25,25 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infcl_jax import BlockSizes
 from infcl_jax.backends import registry
 from tests import group_reference as gr
+from tests import test_pallas_sigmoid
 from tests.helpers import as64, assert_rel_close, default_tiles, rand_emb
 
 ON_GPU = jax.default_backend() == "gpu"
-# Every size below is off this grid; num_programs=3 gives several rounds of
-# the softmax forward and column splits of the sigmoid forward,
-# panel_rows=32 several backward panels. "highest": float32 stays exact
-# when compiled.
-TINY = BlockSizes(block_q=16, block_k=32, block_d=16, num_programs=3,
-                  bwd_block_q=16, bwd_block_k=32, panel_rows=32,
-                  f32_precision="highest")
-# Compiled on the GPU: the smallest tiles Triton's tensor-core dot is
-# comfortable with.
-GPU_SMALL = dataclasses.replace(TINY, block_q=32, block_k=32, block_d=32,
-                                bwd_block_q=32, bwd_block_k=32, panel_rows=64,
-                                num_warps=4, num_stages=2, bwd_num_warps=4,
-                                bwd_num_stages=2)
+# The sigmoid tests' tiles, every size below off their grid; num_programs=3
+# gives several rounds of the softmax forward and column splits of the
+# sigmoid forward, panel_rows=32 several backward panels; "highest" keeps
+# float32 exact when compiled.
+TINY = dataclasses.replace(test_pallas_sigmoid.TINY, num_programs=3)
+GPU_SMALL = dataclasses.replace(test_pallas_sigmoid.GPU_SMALL, num_programs=3)
 STRUCTURES = ("singletons", "pairs", "big", "all_keys", "all_queries")
 # G is stored in the input dtype before the GEMMs: bfloat16 keeps ~3
 # digits. The statistics are float32 sums of exact products.
