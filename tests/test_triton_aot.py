@@ -81,6 +81,16 @@ def _traced(loss, bx, by, d, dtype):
                         1.0, 0.0)
 
 
+def _add_distinct(distinct, launches):
+  """Adds the launches to ``distinct``, one per kernel, signature,
+  constants and launch options."""
+  for spec in launches:
+    key = (spec.name, tuple(spec.signature().items()),
+           tuple(sorted(spec.constexprs.items())), spec.num_warps,
+           spec.num_stages)
+    distinct.setdefault(key, spec)
+
+
 def recorded_launches(cc, dtype):
   """The distinct launches of both families' fwd + bwd on sm``cc``."""
   bs = native_triton_configs.config((cc // 10, cc % 10), dtype)
@@ -88,11 +98,7 @@ def recorded_launches(cc, dtype):
   for loss, bx, by, d in _losses(bs):
     with launch.record() as launches:
       _traced(loss, bx, by, d, dtype)
-    for spec in launches:
-      key = (spec.name, tuple(spec.signature().items()),
-             tuple(sorted(spec.constexprs.items())), spec.num_warps,
-             spec.num_stages)
-      distinct.setdefault(key, spec)
+    _add_distinct(distinct, launches)
   return list(distinct.values())
 
 
@@ -146,11 +152,7 @@ def recorded_group_launches(cc, dtype):
 
     with launch.record() as launches:
       jax.eval_shape(ops, x, x, g, g)
-    for spec in launches:
-      key = (spec.name, tuple(spec.signature().items()),
-             tuple(sorted(spec.constexprs.items())), spec.num_warps,
-             spec.num_stages)
-      distinct.setdefault(key, spec)
+    _add_distinct(distinct, launches)
   return list(distinct.values())
 
 
