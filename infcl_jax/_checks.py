@@ -181,3 +181,53 @@ def check_equal_batch(image_emb, text_emb, *, loss="sigmoid"):
         f"the {loss} loss needs equal batch sizes (image i pairs with text i), "
         f"got image_emb {tuple(image_emb.shape)} and text_emb "
         f"{tuple(text_emb.shape)}")
+
+
+GROUP_MODES = ("mask", "positives")
+
+
+def _group_array(g, name, n, rows_of):
+  if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+    g = np.asarray(g)
+  if not jnp.issubdtype(g.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array (group ids), got dtype "
+                    f"{g.dtype}")
+  if tuple(g.shape) != (n,):
+    raise ValueError(f"{name} must have shape ({n},), one group id per row of "
+                     f"{rows_of}, got shape {tuple(g.shape)}")
+  return jnp.asarray(g).astype(jnp.int32)
+
+
+def check_groups(groups, group_mode, n_x, n_y, *, labels=False):
+  """Checks ``groups=`` / ``group_mode=``; returns None or the (image,
+  text) int32 group ids.
+
+  One array when the batch is paired (n_x == n_y), else a pair
+  (image_groups, text_groups).
+  """
+  if group_mode not in GROUP_MODES:
+    raise ValueError(f"group_mode must be one of {GROUP_MODES}, got "
+                     f"{group_mode!r}")
+  if groups is None:
+    if group_mode != "mask":
+      raise ValueError(f"group_mode={group_mode!r} needs groups= (the group "
+                       f"id of each row)")
+    return None
+  if labels and group_mode == "positives":
+    raise ValueError(
+        "groups with group_mode='positives' define every query's positives; "
+        "labels= cannot be combined with it (use group_mode='mask', which "
+        "keeps each query's labelled positive)")
+  if isinstance(groups, (tuple, list)):
+    if len(groups) != 2:
+      raise ValueError(f"groups must be one array or a pair (image_groups, "
+                       f"text_groups), got a sequence of {len(groups)}")
+    return (_group_array(groups[0], "image groups", n_x, "image_emb"),
+            _group_array(groups[1], "text groups", n_y, "text_emb"))
+  if n_x != n_y:
+    raise ValueError(
+        f"groups as one array needs a paired batch (image_emb and text_emb "
+        f"with equal rows, got {n_x} and {n_y}); pass (image_groups, "
+        f"text_groups)")
+  g = _group_array(groups, "groups", n_x, "image_emb")
+  return g, g

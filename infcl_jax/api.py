@@ -47,6 +47,18 @@ axis_name: mesh axis name (or tuple) when called inside ``jax.shard_map``.
       "Gradient convention"."""
 
 
+_GROUPS_DOC = """\
+groups: optional int group ids: one (B,) array when the batch is paired
+      (B_x == B_y), or a pair (image_groups (B_x,), text_groups (B_y,));
+      with ``axis_name``, this device's shard of them, like the embeddings.
+      Image i and text j are *related* when their ids are equal (the other
+      captions of an image, duplicate images). Related pairs are handled
+      by ``group_mode`` without any B x B array (ids are O(B) and travel
+      with their shard, so a related pair may span devices).
+    group_mode: "mask" (default) or "positives"; see each loss. Only with
+      ``groups``."""
+
+
 def _as_varying(axes, *arrays):
   """Casts replicated values to device-varying over ``axes`` (see _axes)."""
   return tuple(_axes.to_varying(a, axes) for a in arrays)
@@ -105,7 +117,8 @@ def _cast(image_emb, text_emb):
 
 def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
                      direction="both", labels=None, axis_name=None,
-                     strategy="auto", backend="auto", block_sizes=None):
+                     strategy="auto", backend="auto", block_sizes=None,
+                     groups=None, group_mode="mask"):
   """Exact CLIP (softmax / InfoNCE) loss without the B x B logit matrix.
 
   Logits are ``s_ij = logit_scale * <image_emb_i, text_emb_j> + logit_bias``.
@@ -128,6 +141,15 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
       query i pairs with key i. Concrete out-of-range values raise a
       ValueError; traced ones (inside your ``jit``) give a NaN loss.
     AXIS_NAME
+    GROUPS
+      Softmax: "mask" leaves the related pairs other than a query's positive
+      out of its log-sum-exp (false-negative masking; with all ids distinct
+      it is the plain loss up to float rounding); with ``labels`` the
+      labelled key stays the positive. "positives" makes every related pair
+      a positive: a query's term is its LSE minus the mean of its related
+      logits (multi-positive InfoNCE, SupCon's L_out); it cannot take
+      ``labels``, and a query with no related key gives a NaN loss. In a
+      one-way direction only the queries' terms count, as without groups.
     strategy: with ``axis_name``: "ring" (ppermute ring, O(b * D) memory
       per device), "gather" (all-gather + reduce-scatter, O(B * D)) or
       "auto" (default): the gather while the global key batch is at most
@@ -151,36 +173,40 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
   labels = _checks.check_labels(labels, direction, n_q,
                                 n_keys=None if axes else n_k)
-  return _softmax(image_emb, text_emb, scale, bias, labels,
+  groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
+                                text_emb.shape[0], labels=labels is not None)
+  return _softmax(image_emb, text_emb, scale, bias, labels, groups,
                   direction=direction, axes=axes, strategy=strategy,
-                  backend=name, block_sizes=block_sizes)
+                  backend=name, block_sizes=block_sizes,
+                  group_mode=group_mode)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("direction", "axes", "strategy", "backend",
-                     "block_sizes"))
-def _softmax(image_emb, text_emb, scale, bias, labels, *, direction, axes,
-             strategy, backend, block_sizes):
+                     "block_sizes", "group_mode"))
+def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
+             axes, strategy, backend, block_sizes, group_mode="mask"):
   x, y = _cast(image_emb, text_emb)
   if backend == "reference":
     xs, ys = _gathered(x, y, axes)
-    ls = labels
-    if labels is not None and axes:
-      ls = jax.lax.all_gather(labels, axes, axis=0, tiled=True, to="invarying")
+    ls, gs = _gathered_ids(labels, axes), _gathered_ids(groups, axes)
     return reference.contrastive_loss_reference(
         xs, ys, scale, logit_bias=bias, direction=direction,
-        labels=ls).astype(F32)
+        labels=ls, groups=gs, group_mode=group_mode).astype(F32)
   # Softmax has no bias by default (it cancels in every row's softmax).
   bias = jnp.zeros((), F32) if bias is None else bias
   scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
                                   jnp.asarray(bias, F32), x, y)
   if labels is not None:
     (labels,) = _as_varying(axes, labels)
+  if groups is not None:
+    groups = _as_varying(axes, *groups)
   # text_to_image is image_to_text with the towers swapped: the texts are
   # the queries, the (at least as many) images the keys.
   if direction == "text_to_image":
     q, k, mode = y, x, "rows"
+    groups = None if groups is None else groups[::-1]
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
   # Softmax only: the column statistics make gathering the keys an
@@ -188,11 +214,13 @@ def _softmax(image_emb, text_emb, scale, bias, labels, *, direction, axes,
   strategy = strategy_lib.pick(strategy, _axes.axis_size(axes), k.shape[0])
   loss_fn = (gather.gather_loss if strategy == "gather" and axes
              else softmax_lib.softmax_loss)
-  return loss_fn(q, k, scale, bias, labels, backend, mode, block_sizes, axes)
+  return loss_fn(q, k, scale, bias, labels, groups, backend, mode, group_mode,
+                 block_sizes, axes)
 
 
 def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
-                 axis_name=None, backend="auto", block_sizes=None):
+                 axis_name=None, backend="auto", block_sizes=None,
+                 groups=None, group_mode="mask"):
   """Exact SigLIP sigmoid loss without the B x B logit matrix.
 
   ``L = -(1/B) sum_ij log sigmoid(z_ij * s_ij)`` with
@@ -209,6 +237,10 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
     logit_scale: scalar multiplier of the logits.
     logit_bias: scalar added to every logit (required: SigLIP learns it).
     AXIS_NAME
+    GROUPS
+      Sigmoid: "mask" leaves the related pairs other than (i, i) out of the
+      sum (neither positive nor negative); "positives" gives every related
+      pair the label z = +1. The sum stays normalised by B either way.
     backend: "auto", "reference" (full matrix, O(B^2) memory) or a
       registered tiled backend ("xla", "pallas", "mosaic").
     block_sizes: optional ``BlockSizes`` for the tiled backends.
@@ -224,44 +256,65 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
   # Sigmoid only: one positive per row and column, so equal batches.
   _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
   axes = _checked_axes(axis_name)
-  return _sigmoid(image_emb, text_emb, scale, bias, axes=axes, backend=name,
-                  block_sizes=block_sizes)
+  groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
+                                text_emb.shape[0])
+  return _sigmoid(image_emb, text_emb, scale, bias, groups, axes=axes,
+                  backend=name, block_sizes=block_sizes,
+                  group_mode=group_mode)
 
 
 @functools.partial(jax.jit, static_argnames=("axes", "backend",
-                                             "block_sizes"))
-def _sigmoid(image_emb, text_emb, scale, bias, *, axes, backend,
-             block_sizes):
+                                             "block_sizes", "group_mode"))
+def _sigmoid(image_emb, text_emb, scale, bias, groups=None, *, axes, backend,
+             block_sizes, group_mode="mask"):
   x, y = _cast(image_emb, text_emb)
   if backend == "reference":
     xs, ys = _gathered(x, y, axes)
-    return reference.sigmoid_loss_reference(xs, ys, scale, bias).astype(F32)
+    return reference.sigmoid_loss_reference(
+        xs, ys, scale, bias, groups=_gathered_ids(groups, axes),
+        group_mode=group_mode).astype(F32)
   scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
                                   jnp.asarray(bias, F32), x, y)
-  return sigmoid_lib.sigmoid_loss(x, y, scale, bias, backend, block_sizes,
-                                  axes)
+  if groups is not None:
+    groups = _as_varying(axes, *groups)
+  return sigmoid_lib.sigmoid_loss(x, y, scale, bias, groups, backend,
+                                  group_mode, block_sizes, axes)
+
+
+def _gathered_ids(ids, axes):
+  """Labels or group ids of all devices (the reference's global batch)."""
+  if ids is None or not axes:
+    return ids
+  gather = lambda v: jax.lax.all_gather(v, axes, axis=0, tiled=True,
+                                        to="invarying")
+  return tuple(map(gather, ids)) if isinstance(ids, tuple) else gather(ids)
 
 
 for _f in (contrastive_loss, sigmoid_loss):  # pylint: disable=invalid-name
-  _f.__doc__ = _f.__doc__.replace("AXIS_NAME", _AXIS_NAME_DOC)
+  _f.__doc__ = _f.__doc__.replace("AXIS_NAME", _AXIS_NAME_DOC).replace(
+      "GROUPS", _GROUPS_DOC)
 
 
 # ------------------------------------------------ globally sharded arrays
 
 
 def _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
-                 labels=None):
+                 labels=None, groups=None):
   """Shards the batch over ``axes`` and runs ``local`` under shard_map, as
-  ``local(x, y, scale, labels, bias)`` (labels and bias may be None)."""
+  ``local(x, y, scale, labels, bias, groups)`` (labels, bias and groups may
+  be None; groups is a pair of arrays, sharded like the batch)."""
   batch = P(axes[0] if len(axes) == 1 else axes)
   if _explicit(mesh):
-    image_emb = jax.sharding.reshard(image_emb, NamedSharding(mesh, batch))
-    text_emb = jax.sharding.reshard(text_emb, NamedSharding(mesh, batch))
+    on_batch = lambda v: jax.sharding.reshard(v, NamedSharding(mesh, batch))
+    image_emb, text_emb = on_batch(image_emb), on_batch(text_emb)
+    labels = None if labels is None else on_batch(labels)
+    groups = None if groups is None else tuple(map(on_batch, groups))
   return jax.shard_map(
       local, mesh=mesh,
       in_specs=(batch, batch, P(), None if labels is None else batch,
-                None if bias is None else P()),
-      out_specs=P())(image_emb, text_emb, scale, labels, bias)
+                None if bias is None else P(),
+                None if groups is None else (batch, batch)),
+      out_specs=P())(image_emb, text_emb, scale, labels, bias, groups)
 
 
 def _explicit(mesh):
@@ -273,7 +326,8 @@ def _explicit(mesh):
 def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
                              axis_name="data", logit_bias=None,
                              direction="both", labels=None, strategy="auto",
-                             backend="auto", block_sizes=None):
+                             backend="auto", block_sizes=None, groups=None,
+                             group_mode="mask"):
   """``contrastive_loss`` on globally sharded arrays, across the mesh.
 
   Shards the batch dimension of both embedding arrays over ``axis_name``
@@ -292,6 +346,8 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     logit_bias, direction, backend, block_sizes: as in ``contrastive_loss``.
     labels: as in ``contrastive_loss``: one global key index per global
       query, sharded like the queries.
+    groups, group_mode: as in ``contrastive_loss``, the global ids
+      (sharded like the embeddings).
     strategy: "auto" (default), "ring" or "gather", as in
       ``contrastive_loss``.
 
@@ -311,29 +367,33 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
                           labels=labels is not None)
   n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
   labels = _checks.check_labels(labels, direction, n_q, n_keys=n_k)
+  groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
+                                text_emb.shape[0], labels=labels is not None)
   return _sharded_softmax(
-      image_emb, text_emb, scale, bias, labels, mesh=mesh, axes=axes,
+      image_emb, text_emb, scale, bias, labels, groups, mesh=mesh, axes=axes,
       direction=direction, strategy=strategy, backend=name,
-      block_sizes=block_sizes)
+      block_sizes=block_sizes, group_mode=group_mode)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("mesh", "axes", "direction", "strategy", "backend",
-                     "block_sizes"))
-def _sharded_softmax(image_emb, text_emb, scale, bias, labels, *, mesh, axes,
-                     direction, strategy, backend, block_sizes):
-  def local(x, y, s, lab, b):
-    return _softmax(x, y, s, b, lab, direction=direction, axes=axes,
+                     "block_sizes", "group_mode"))
+def _sharded_softmax(image_emb, text_emb, scale, bias, labels, groups, *,
+                     mesh, axes, direction, strategy, backend, block_sizes,
+                     group_mode):
+  def local(x, y, s, lab, b, grp):
+    return _softmax(x, y, s, b, lab, grp, direction=direction, axes=axes,
                     strategy=strategy, backend=backend,
-                    block_sizes=block_sizes)
+                    block_sizes=block_sizes, group_mode=group_mode)
 
   return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
-                      labels)
+                      labels, groups)
 
 
 def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
-                         axis_name="data", backend="auto", block_sizes=None):
+                         axis_name="data", backend="auto", block_sizes=None,
+                         groups=None, group_mode="mask"):
   """``sigmoid_loss`` on globally sharded arrays: the SigLIP ring for you.
 
   The value equals ``sigmoid_loss`` on the whole arrays; ``jax.grad`` of it
@@ -345,17 +405,22 @@ def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
       bias_required=True, backend=backend, block_sizes=block_sizes)
   _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
   axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
-  return _sharded_sigmoid(image_emb, text_emb, scale, bias, mesh=mesh,
-                          axes=axes, backend=name, block_sizes=block_sizes)
+  groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
+                                text_emb.shape[0])
+  return _sharded_sigmoid(image_emb, text_emb, scale, bias, groups, mesh=mesh,
+                          axes=axes, backend=name, block_sizes=block_sizes,
+                          group_mode=group_mode)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("mesh", "axes", "backend", "block_sizes"))
-def _sharded_sigmoid(image_emb, text_emb, scale, bias, *, mesh, axes, backend,
-                     block_sizes):
-  def local(x, y, s, lab, b):
+    jax.jit, static_argnames=("mesh", "axes", "backend", "block_sizes",
+                              "group_mode"))
+def _sharded_sigmoid(image_emb, text_emb, scale, bias, groups, *, mesh, axes,
+                     backend, block_sizes, group_mode):
+  def local(x, y, s, lab, b, grp):
     del lab
-    return _sigmoid(x, y, s, b, axes=axes, backend=backend,
-                    block_sizes=block_sizes)
+    return _sigmoid(x, y, s, b, grp, axes=axes, backend=backend,
+                    block_sizes=block_sizes, group_mode=group_mode)
 
-  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias)
+  return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
+                      groups=groups)

@@ -69,6 +69,9 @@ class ContrastiveLoss(nn.Module):
       "gather"; see ``contrastive_loss``.
     backend: tile backend name, "auto" by default.
     block_sizes: optional ``BlockSizes`` of the tiled backends.
+    group_mode: "mask" (default) or "positives": what related pairs of the
+      ``groups`` given to ``__call__`` are; see ``contrastive_loss`` and
+      ``sigmoid_loss``.
   """
   loss: str = "softmax"
   init_log_scale: float | None = None
@@ -82,6 +85,7 @@ class ContrastiveLoss(nn.Module):
   strategy: str = "auto"
   backend: str = "auto"
   block_sizes: BlockSizes | None = None
+  group_mode: str = "mask"
 
   def _check(self):
     if self.loss not in LOSSES:
@@ -117,11 +121,13 @@ class ContrastiveLoss(nn.Module):
                              self.max_log_scale))
     return scale, self.bias
 
-  def __call__(self, image_emb, text_emb, labels=None):
+  def __call__(self, image_emb, text_emb, labels=None, groups=None):
     """Returns the scalar float32 loss of the (local shard of the) batch.
 
     ``labels``: softmax with a one-way ``direction`` only; see
-    ``contrastive_loss``.
+    ``contrastive_loss``. ``groups``: optional group ids (one array, or an
+    (image, text) pair) of the (local shard of the) batch, handled by
+    ``group_mode``.
     """
     scale, bias = self._scalars()
     if labels is not None and self.loss != "softmax":
@@ -134,13 +140,15 @@ class ContrastiveLoss(nn.Module):
                               direction=self.direction, labels=labels,
                               axis_name=self.axis_name, strategy=self.strategy,
                               backend=self.backend,
-                              block_sizes=self.block_sizes)
+                              block_sizes=self.block_sizes, groups=groups,
+                              group_mode=self.group_mode)
     if bias is None:
       # SigLIP without a learnable bias: a fixed zero bias.
       bias = jnp.zeros((), jnp.float32)
     return sigmoid_loss(image_emb, text_emb, scale, bias,
-                           axis_name=self.axis_name, backend=self.backend,
-                           block_sizes=self.block_sizes)
+                        axis_name=self.axis_name, backend=self.backend,
+                        block_sizes=self.block_sizes, groups=groups,
+                        group_mode=self.group_mode)
 
   def scale_and_bias(self):
     """The clamped scale ``t`` and the bias (0 when there is none).

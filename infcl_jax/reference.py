@@ -25,19 +25,56 @@ def logits(image_emb, text_emb, logit_scale, logit_bias=None):
   return s
 
 
+def _group_matrix(groups, n_img, n_txt):
+  """The (B_x, B_y) related pairs of ``groups`` (one array or a pair)."""
+  g_x, g_y = groups if isinstance(groups, (tuple, list)) else (groups, groups)
+  return jnp.asarray(g_x)[:n_img, None] == jnp.asarray(g_y)[None, :n_txt]
+
+
+def _grouped_clip(s, rel, direction, labels, group_mode):
+  """The CLIP loss with groups on the full matrix (queries are rows)."""
+  n_q, n_k = s.shape
+  idx = jnp.arange(n_q) if labels is None else labels
+  pos = jnp.zeros((n_q, n_k), bool).at[jnp.arange(n_q), idx].set(True)
+  if group_mode == "mask":
+    sm = jnp.where(rel & ~pos, -jnp.inf, s)
+    e_row = e_col = pos
+  elif group_mode == "positives":
+    sm = s
+    e_row = rel / jnp.sum(rel, axis=1, keepdims=True)
+    e_col = rel / jnp.sum(rel, axis=0, keepdims=True)
+  else:
+    raise ValueError(f"unknown group_mode {group_mode!r}")
+  rows = jax.nn.logsumexp(sm, axis=1) - jnp.sum(jnp.where(e_row > 0, e_row * s,
+                                                          0.0), axis=1)
+  if direction != "both":
+    return jnp.mean(rows)
+  cols = jax.nn.logsumexp(sm, axis=0) - jnp.sum(jnp.where(e_col > 0, e_col * s,
+                                                          0.0), axis=0)
+  return 0.5 * (jnp.mean(rows) + jnp.mean(cols))
+
+
 def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,
-                               logit_bias=None, direction="both", labels=None):
+                               logit_bias=None, direction="both", labels=None,
+                               groups=None, group_mode="mask"):
   """CLIP / InfoNCE loss on the full logit matrix.
 
   direction="both": mean of the image->text and text->image cross-entropies,
   positives on the diagonal. "image_to_text": rows are queries, the first
   B_x texts (or ``text_emb[labels]``) are their positives. "text_to_image":
   columns are queries, the first B_y images (or ``image_emb[labels]``) are
-  their positives.
+  their positives. ``groups`` / ``group_mode`` as in ``contrastive_loss``.
   """
   s = logits(image_emb, text_emb, logit_scale, logit_bias)
   n_img, n_txt = s.shape
   n_pos = min(n_img, n_txt)
+  if groups is not None:
+    rel = _group_matrix(groups, n_img, n_txt)
+    if direction == "text_to_image":
+      s, rel = s.T, rel.T
+    elif direction not in ("both", "image_to_text"):
+      raise ValueError(f"unknown direction {direction!r}")
+    return _grouped_clip(s, rel, direction, labels, group_mode)
   if direction == "both":
     pos = jnp.diagonal(s)
     return 0.5 * (jnp.mean(jax.nn.logsumexp(s, axis=1) - pos)
@@ -51,11 +88,13 @@ def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,
   return jnp.mean(jax.nn.logsumexp(s, axis=1) - pos)
 
 
-def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias):
+def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias, *,
+                           groups=None, group_mode="mask"):
   """SigLIP sigmoid loss on the full logit matrix.
 
   L = -(1/B) sum_ij log sigmoid(z_ij * s_ij), with z_ij = +1 on the diagonal
-  and -1 elsewhere, and B = B_x = B_y.
+  and -1 elsewhere, and B = B_x = B_y. With ``groups``, related pairs off
+  the diagonal are left out ("mask") or get z = +1 ("positives").
 
   -log sigmoid(u) = softplus(-u) = max(-u, 0) + log1p(exp(-|u|)) is evaluated
   per element: log(sigmoid(u)) would underflow to log(0) for u << 0, and
@@ -67,5 +106,15 @@ def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias):
     raise ValueError(
         f"the sigmoid loss needs equal batch sizes, got image_emb with "
         f"{n_img} rows and text_emb with {n_txt} rows")
-  z = jnp.where(jnp.eye(n_img, dtype=bool), 1.0, -1.0).astype(s.dtype)
-  return jnp.sum(softplus(-z * s)) / n_img
+  diag = jnp.eye(n_img, dtype=bool)
+  keep = jnp.ones_like(diag)
+  if groups is not None:
+    rel = _group_matrix(groups, n_img, n_txt)
+    if group_mode == "positives":
+      diag = diag | rel
+    elif group_mode == "mask":
+      keep = ~(rel & ~diag)
+    else:
+      raise ValueError(f"unknown group_mode {group_mode!r}")
+  z = jnp.where(diag, 1.0, -1.0).astype(s.dtype)
+  return jnp.sum(jnp.where(keep, softplus(-z * s), 0.0)) / n_img

@@ -29,6 +29,13 @@ BENCHMARKS.md "Multi-device").
 Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
 any N.
 
+Groups (``losses.groups``): every device holds all group ids (O(B)
+integers); each tile takes the ids of its rows and of the key shard it
+holds. "mask" tiles leave related pairs out and the positive is put back:
+the rows' at the end, the columns' in the home tile, so that the column
+statistics that travel are complete. "positives" keeps the plain LSE and
+replaces the positive term by the grouped sums of each key shard held.
+
 Positives. Global query i pairs with global key ``labels[i]``, by default
 global key i. By default and when b_q == b_k (or on one device) they all
 sit in the home tile; otherwise (a one-way loss with extra keys, or
@@ -57,6 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from infcl_jax.backends import registry
+from infcl_jax.losses import groups as groups_lib
 from infcl_jax.losses import terms
 from infcl_jax.losses.schedule import Ring
 
@@ -64,8 +72,9 @@ F32 = jnp.float32
 FAMILY = "softmax"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def softmax_loss(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def softmax_loss(q, k, scale, bias, labels, groups, backend, mode, group_mode,
+                 block_sizes, axes):
   """Global CLIP loss of the local shards; see the module docstring.
 
   Args:
@@ -75,13 +84,17 @@ def softmax_loss(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
     scale, bias: float32 scalars (device-varying over ``axes``).
     labels: None, or (b_q,) int32: the global key index of each local
       query's positive (mode "rows" only). Out of range gives a NaN loss.
+    groups: None, or ((b_q,), (b_k,)) int32 group ids of the local queries
+      and keys (``losses.groups``).
     backend: a registered tile backend name (not "auto").
     mode: "both" (row and column cross-entropies) or "rows" (queries only).
+    group_mode: "mask" or "positives" (used with ``groups`` only).
     block_sizes: ``BlockSizes`` or None, passed to every tile.
     axes: tuple of mesh axis names the batch is sharded over; () for one
       device.
   """
-  loss, _ = _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes)
+  loss, _ = _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
+                 block_sizes, axes)
   return loss
 
 
@@ -93,21 +106,65 @@ def _positive_labels(ring, labels, b_q, b_k):
   return terms.default_labels(ring.me, b_q) if labels is None else labels
 
 
-def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
+class _Groups:
+  """What the tiles and the positive terms of one device need from
+  ``groups`` (``losses.groups``): the ids of each tile, the positives'
+  relatedness ("mask") or the weights of the positives ("positives")."""
+
+  def __init__(self, groups, group_mode, ring, labels, b_q, b_k, mode):
+    self.masked = groups is not None and group_mode == "mask"
+    self.multi = groups is not None and group_mode == "positives"
+    self.b_k = b_k
+    if groups is None:
+      return
+    self.g_q, g_k = groups
+    self.g_k_all = groups_lib.gather_ids(g_k, ring.axes)
+    if self.masked:
+      pos = (terms.default_labels(ring.me, b_q) if labels is None
+             else jnp.clip(labels, 0, self.g_k_all.shape[0] - 1))
+      self.rel_pos = self.g_q == self.g_k_all[pos]
+    else:
+      row_w, col_w, _ = terms.weights(mode, ring.size * b_q, ring.size * b_k)
+      g_q_all = groups_lib.gather_ids(self.g_q, ring.axes)
+      self.w_q, self.w_k_all, self.nan = groups_lib.weights(
+          self.g_q, self.g_k_all, g_q_all, self.g_k_all, row_w,
+          col_w if mode == "both" else 0.0)
+
+  def tile(self, src):
+    """The ``groups=`` of the tile against the key shard of ``src``."""
+    if not self.masked:
+      return None
+    return self.g_q, groups_lib.shard(self.g_k_all, src, self.b_k)
+
+  def term_args(self, src):
+    """(g_q, g_k, w_q, w_k) of ``positives_term`` for the shard of src."""
+    return (self.g_q, groups_lib.shard(self.g_k_all, src, self.b_k), self.w_q,
+            groups_lib.shard(self.w_k_all, src, self.b_k))
+
+
+def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
+         block_sizes, axes):
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
   cols = mode == "both"
   row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
+  grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
 
   def tile(kc, src):
     row, col = tiles.lse(q, kc, scale, bias, rows=True, cols=cols,
-                         block_sizes=block_sizes)
+                         block_sizes=block_sizes, groups=grp.tile(src))
     pos = jnp.zeros((), F32)
-    if pos_labels is not None:
+    if grp.multi:
+      pos = groups_lib.positives_term(q, kc, scale, bias,
+                                      *grp.term_args(src))
+    elif pos_labels is not None:
       idx, valid = terms.shard_positives(pos_labels, src, b_k)
-      pos, _ = terms.positive_sum(q, kc, scale, bias, idx, valid)
+      if grp.masked:  # Per row: the positive is put back into its LSE.
+        pos, _ = terms.positive_logits(q, kc, scale, bias, idx, valid)
+      else:
+        pos, _ = terms.positive_sum(q, kc, scale, bias, idx, valid)
     return row, col, pos
 
   def step(n, state, last):
@@ -122,36 +179,65 @@ def _fwd(q, k, scale, bias, labels, backend, mode, block_sizes, axes):
     c_out = jnp.logaddexp(c_in, col) if cols else None
     return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
 
+  home = tile(k, ring.me)
+  s_home = None
+  if grp.masked and pos_labels is None:
+    s_home, _ = terms.positive_logits(q, k, scale, bias)
+    if cols:
+      # The columns' positives are the home tile's (i, i): put back before
+      # the statistics travel.
+      home = (home[0], groups_lib.put_back(home[1], s_home, grp.rel_pos),
+              home[2])
   k_next = ring.send_next(k)  # Issued before the home tile.
-  k_last, (r, c_out, pos) = ring.run((k_next, tile(k, ring.me)), step)
+  k_last, (r, c_out, pos) = ring.run((k_next, home), step)
   # N > 1: the shard of device me + 1 and, before its hop home, its complete
   # column statistics (the backward's first step).
   c_last = c_out if ring.size > 1 else None
   c_home = ring.hop_home(c_out) if cols else None
-  if pos_labels is None:
+  if s_home is not None:
+    pos = s_home
+  elif pos_labels is None and not grp.multi:
     pos, _ = terms.positive_sum(q, k, scale, bias)
-  local = row_w * jnp.sum(r) - pos_w * pos
+  if grp.masked:
+    r = groups_lib.put_back(r, pos, grp.rel_pos)
+  local = row_w * jnp.sum(r) - (1.0 if grp.multi else pos_w) * jnp.sum(pos)
   local = local + terms.nan_if_out_of_range(labels, ring.size * b_k)
+  if grp.multi:
+    local = local + grp.nan
   if cols:
     local = local + col_w * jnp.sum(c_home)
-  return ring.psum(local), (q, k, scale, bias, labels, r, c_home, k_last,
-                           c_last)
+  return ring.psum(local), (q, k, scale, bias, labels, groups, r, c_home,
+                           k_last, c_last, pos)
 
 
-def _bwd(backend, mode, block_sizes, axes, res, g):
-  q, k, scale, bias, labels, r, c_home, k_last, c_last = res
+def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
+  q, k, scale, bias, labels, groups, r, c_home, k_last, c_last, s_pos = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
   row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
+  grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
   g = g.astype(F32)
   w_pos = g * pos_w
+  if grp.masked:
+    # d/ds_pos of the put-back LSEs; the rest of the tiles' gradient comes
+    # from the tiles (related pairs have none there).
+    w_pos = w_pos - g * row_w * groups_lib.put_back_share(s_pos, r,
+                                                          grp.rel_pos)
+    if c_home is not None:
+      w_pos = w_pos - g * col_w * groups_lib.put_back_share(
+          s_pos, c_home, grp.rel_pos)
 
   def tile(kc, cc, src):
     dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, g * row_w,
-                                      g * col_w, block_sizes=block_sizes)
-    if pos_labels is not None:
+                                      g * col_w, block_sizes=block_sizes,
+                                      groups=grp.tile(src))
+    if grp.multi:
+      pq, pk, psc, pbi = groups_lib.positives_term_grads(
+          q, kc, scale, bias, *grp.term_args(src), -g)
+      dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
+    elif pos_labels is not None:
       # The positive term -w_pos * s_il of the pairs whose key is here.
       idx, valid = terms.shard_positives(pos_labels, src, b_k)
       _, k_rows = terms.positive_sum(q, kc, scale, bias, idx, valid)
@@ -182,14 +268,17 @@ def _bwd(backend, mode, block_sizes, axes, res, g):
     kv_next = ring.send_back(kv0) if ring.size > 2 else None
     _, (dq, dk, dsc, dbi) = ring.run(
         (kv_next, tile(k_last, c_last, ring.source_back(0))), step)
-  if pos_labels is None:
+  if pos_labels is None and not grp.multi:
     _, k_rows = terms.positive_sum(q, k, scale, bias)
     pq, pk, psc, pbi = terms.positive_grads(q, k, scale, w_pos, k_rows)
     dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
-  # Out-of-range labels: NaN gradients, like the loss.
+  # Out-of-range labels (or a query without positives): NaN gradients,
+  # like the loss.
   dq = dq + terms.nan_if_out_of_range(labels, ring.size * b_k)
+  if grp.multi:
+    dq = dq + grp.nan
   return (dq.astype(q.dtype), dk.astype(k.dtype), dsc.astype(scale.dtype),
-          dbi.astype(bias.dtype), None)
+          dbi.astype(bias.dtype), None, None)
 
 
 softmax_loss.defvjp(_fwd, _bwd)

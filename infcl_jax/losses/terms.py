@@ -80,11 +80,27 @@ def positive_sum(q, k, scale, bias, idx=None, valid=None):
   return scale * jnp.sum(q32 * k_rows) + bias * count, k_rows
 
 
+def positive_logits(q, k, scale, bias, idx=None, valid=None):
+  """Per-row ``positive_sum``: (b_q,) positive logits (0 where not valid)
+  and the key rows."""
+  q32 = q.astype(F32)
+  if idx is None:
+    k_rows = k[:q.shape[0]].astype(F32)
+    return scale * jnp.sum(q32 * k_rows, axis=1) + bias, k_rows
+  k_rows = jnp.where(valid[:, None], k[idx].astype(F32), 0.0)
+  s = scale * jnp.sum(q32 * k_rows, axis=1) + bias
+  return jnp.where(valid, s, 0.0), k_rows
+
+
 def positive_grads(q, k, scale, weight, k_rows, idx=None, valid=None):
   """Gradients of ``-weight * positive_sum`` w.r.t. (q, k, scale, bias).
 
   ``k_rows`` comes from ``positive_sum`` with the same ``idx`` / ``valid``.
+  ``weight`` is a scalar, or one weight per query ((b_q,): the gradient of
+  ``-sum_r weight_r s_r``).
   """
+  if jnp.ndim(weight):
+    return _weighted_positive_grads(q, k, scale, weight, k_rows, idx, valid)
   q32 = q.astype(F32)
   b_q = q.shape[0]
   if idx is None:
@@ -99,3 +115,17 @@ def positive_grads(q, k, scale, weight, k_rows, idx=None, valid=None):
   dscale = -weight * jnp.sum(q32 * k_rows)
   dbias = -weight * count
   return dq, dk, dscale, dbias
+
+
+def _weighted_positive_grads(q, k, scale, weight, k_rows, idx, valid):
+  q32 = q.astype(F32)
+  b_q = q.shape[0]
+  if idx is None:
+    idx = jnp.arange(b_q, dtype=jnp.int32)
+  else:
+    weight = jnp.where(valid, weight, 0.0)
+  ws = (weight * scale)[:, None]
+  dq = -ws * k_rows
+  dk = jnp.zeros(k.shape, F32).at[idx].add(-ws * q32)
+  dscale = -jnp.sum(weight * jnp.sum(q32 * k_rows, axis=1))
+  return dq, dk, dscale, -jnp.sum(weight)

@@ -1,0 +1,129 @@
+"""Group-aware positives: the O(B) side of ``groups=``.
+
+Global query i and global key j are *related* when ``gq[i] == gk[j]`` (the
+other captions of an image, duplicate images). Group ids are O(B) integers,
+so every device holds all of them (one ``all_gather``); only the
+embeddings stay sharded.
+
+Two modes (``MODES``):
+
+* ``"mask"`` (false-negative masking): the related pairs other than a
+  query's positive leave its LSE. The tiles leave *all* related pairs out
+  (``backends.base``) and the positive is put back at the end,
+  ``lse = logaddexp(lse_unrelated, s_pos)`` when the positive is related
+  (when it is not, the tiles kept it). With all ids distinct this is the
+  plain loss up to float rounding (the positive enters the LSE last).
+* ``"positives"`` (multi-positive InfoNCE, SupCon's L_out): every related
+  pair is a positive, a query's term is ``lse - mean over its positives of
+  s``; the LSE is the plain one, and the positive term
+  ``sum over related (i, j) of (w_q[i] + w_k[j]) s_ij``, with ``w_q = row
+  weight / (number of keys related to i)`` and likewise for the keys, is
+  O(B * D): per key shard, sums of the related keys grouped by id
+  (``related_sum``), no B x B anything.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from infcl_jax import _axes
+
+F32 = jnp.float32
+MODES = ("mask", "positives")
+
+
+def gather_ids(g, axes):
+  """All devices' group ids in axis order (this device's when axes == ())."""
+  if not axes:
+    return g
+  return lax.all_gather(g, axes, axis=0, tiled=True)
+
+
+def shard(g_all, src, b):
+  """The ids of the shard of device ``src`` (b rows each)."""
+  return lax.dynamic_slice_in_dim(g_all, src * b, b)
+
+
+def related_sum(g_dst, g_src, vals):
+  """For each i: the sum of ``vals[j]`` over the j with g_src[j] == g_dst[i].
+
+  O((n + m) log m) by sorting ``g_src``: equal ids become one segment, and
+  each destination finds its segment by binary search. Differentiable in
+  ``vals`` (a segment sum and a gather).
+  """
+  m = g_src.shape[0]
+  order = jnp.argsort(g_src)
+  srt = g_src[order]
+  starts = jnp.concatenate([jnp.zeros((1,), bool), srt[1:] != srt[:-1]])
+  seg = jnp.cumsum(starts.astype(jnp.int32))
+  sums = jax.ops.segment_sum(vals[order], seg, num_segments=m)
+  at = jnp.clip(jnp.searchsorted(srt, g_dst), 0, m - 1)
+  found = srt[at] == g_dst
+  picked = sums[seg[at]]
+  found = found.reshape(found.shape + (1,) * (picked.ndim - 1))
+  return jnp.where(found, picked, 0)
+
+
+def count(g_dst, g_src):
+  """float32 number of j with g_src[j] == g_dst[i], for each i."""
+  return related_sum(g_dst, g_src, jnp.ones(g_src.shape, F32))
+
+
+def put_back(lse, s_pos, rel_pos):
+  """The LSE with the positive put back where the tiles left it out."""
+  return jnp.logaddexp(lse, jnp.where(rel_pos, s_pos, -jnp.inf))
+
+
+def put_back_share(s_pos, lse, rel_pos):
+  """d put_back / d s_pos: the positive's softmax probability, 0 where the
+  tiles kept it (its gradient came from the tiles)."""
+  return jnp.where(rel_pos, jnp.exp(s_pos - lse), 0.0)
+
+
+def weights(g_q, g_k_all, g_q_all, g_k_all_keys, row_w, col_w):
+  """(w_q (b_q,), w_k (all keys,), nan): each local query's and every
+  global key's weight per positive, and 0.0 or NaN.
+
+  NaN when a query (or, with columns, a key) has no related partner: its
+  mean over no positives is undefined, and dropping it silently would
+  change the loss.
+  """
+  n_q = count(g_q, g_k_all)
+  w_q = row_w / jnp.maximum(n_q, 1.0)
+  bad = jnp.any(n_q == 0)
+  if col_w:
+    n_k = count(g_k_all_keys, g_q_all)
+    w_k = col_w / jnp.maximum(n_k, 1.0)
+    bad = bad | jnp.any(n_k == 0)
+  else:
+    w_k = jnp.zeros(g_k_all_keys.shape, F32)
+  return w_q, w_k, jnp.where(bad, jnp.nan, 0.0).astype(F32)
+
+
+def positives_term(q, k, scale, bias, g_q, g_k, w_q, w_k):
+  """sum over related (i, j) of (w_q[i] + w_k[j]) * s_ij, float32, for the
+  local queries against one key shard (``g_k``, ``w_k`` its ids and
+  weights)."""
+  k32 = k.astype(F32)
+  # One grouped sum for the four per-key quantities the term needs.
+  packed = jnp.concatenate(
+      [k32, k32 * w_k[:, None], jnp.ones((k.shape[0], 1), F32),
+       w_k[:, None]], axis=1)
+  sums = related_sum(g_q, g_k, packed)
+  d = k.shape[1]
+  k_sum, kw_sum = sums[:, :d], sums[:, d:2 * d]
+  n_rel, w_rel = sums[:, 2 * d], sums[:, 2 * d + 1]
+  q32 = q.astype(F32)
+  dots = jnp.sum(q32 * (w_q[:, None] * k_sum + kw_sum))
+  return scale * dots + bias * jnp.sum(w_q * n_rel + w_rel)
+
+
+def positives_term_grads(q, k, scale, bias, g_q, g_k, w_q, w_k, coef):
+  """Gradients of ``coef * positives_term`` w.r.t. (q, k, scale, bias),
+  float32 (the term's own autodiff: it is O(b * D))."""
+  f = lambda q_, k_, s_, b_: positives_term(q_, k_, s_, b_, g_q, g_k, w_q,
+                                            w_k)
+  _, vjp = jax.vjp(f, q.astype(F32), k.astype(F32), scale, bias)
+  ct = _axes.vary_like(jnp.asarray(coef, F32), q, k, scale, bias)
+  return vjp(ct)
