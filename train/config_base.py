@@ -25,6 +25,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.batch_size = 256            # Global batch (all devices, all processes).
   # GradCache micro-batch (global). 0, or >= batch_size: no micro-batching.
   c.microbatch_size = 0
+  # Captions of one image per batch: each training image is put at k
+  # consecutive positions of the stream with k distinct captions (as long
+  # as it has k), e.g. COCO's 5. With loss.groups = "image" the loss knows
+  # them as one image's captions, not as negatives of each other. (Not in
+  # config.data: the image tower's pretraining, fingerprinted by config.data,
+  # does not depend on it.)
+  c.captions_per_image = 1
   # LiT: embed the training split once with the locked tower (into
   # <workdir>/image_embeddings, as `python -m train.precompute` does) and
   # train on those embeddings, decoding no image (needs model.image.locked).
@@ -81,7 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss.min_log_scale = 0.0
   c.loss.max_log_scale = math.log(100.0)
   # Pairs that are not negatives (the loss's groups=): "none"; "image": the
-  # captions of one image sampled into one batch (data.captions_per_image,
+  # captions of one image sampled into one batch (captions_per_image,
   # or a table of one row per caption); "content": duplicate images, by a
   # hash of their pixels recorded where the embeddings are precomputed
   # (needs precomputed embeddings).
@@ -161,6 +168,10 @@ def check_config(config) -> None:
   need(config.batch_size >= 1, f"config.batch_size={config.batch_size} must "
        "be >= 1")
   need(config.microbatch_size >= 0, "config.microbatch_size must be >= 0")
+  need(isinstance(config.captions_per_image, int)
+       and config.captions_per_image >= 1,
+       f"config.captions_per_image={config.captions_per_image!r} must be an "
+       "int >= 1")
   mb = config.microbatch_size
   if 0 < mb < config.batch_size:
     need(config.batch_size % mb == 0, f"config.microbatch_size={mb} must "

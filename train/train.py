@@ -189,7 +189,10 @@ def init_params(config, image_tower, text_tower, head, tokenizer):
     txt = text_tower.init(
         rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
   e = jnp.zeros((2, text_tower.embed_dim))
-  hp = head.init(rng_head, e, e)["params"]
+  # A grouped head is called with groups (group_mode "positives" needs them).
+  g = ({} if config.loss.groups == "none"
+       else {"groups": jnp.arange(2, dtype=jnp.int32)})
+  hp = head.init(rng_head, e, e, **g)["params"]
   return {"img": image_tower.params, "txt": txt, "head": hp}
 
 
@@ -438,7 +441,8 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       microbatch_size=(mb if chunked else config.batch_size) // n_proc,
       process_index=jax.process_index(), process_count=n_proc,
       seed=config.seed, tokenizer=tokenizer, source=source,
-      groups=config.loss.groups)
+      groups=config.loss.groups,
+      captions_per_image=config.captions_per_image)
   grouped = config.loss.groups != "none"
   if is_main:
     print(f"[lit] data: {source.describe()}", flush=True)
@@ -474,8 +478,8 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
           + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
           + (f", groups {config.loss.groups} ({config.loss.group_mode})"
              if grouped else "")
-          + (f"; {config.data.captions_per_image} captions per image"
-             if config.data.captions_per_image > 1 else "")
+          + (f"; {config.captions_per_image} captions per image"
+             if config.captions_per_image > 1 else "")
           + f"; image tower {config.model.image.kind}"
           + (" locked" if config.model.image.locked else " trained")
           + (", precomputed embeddings" if precomputed else "")

@@ -51,11 +51,6 @@ def default_data_config() -> ml_collections.ConfigDict:
   # truncated shard) are skipped and counted; more than this fraction of the
   # examples seen (after 1000) stops the run.
   c.max_bad_fraction = 0.01
-  # Captions of one image per batch: each training image is put at k
-  # consecutive positions of the stream with k distinct captions (as long
-  # as it has k), e.g. COCO's 5. With config.loss.groups = "image" the loss
-  # then knows the copies as one image's captions, not as negatives.
-  c.captions_per_image = 1
   c.image_size = 32
   # 0: the host resizes (shorter side, bicubic) and centre-crops every image
   # to image_size. C >= image_size: the host delivers C x C (an image that
@@ -146,7 +141,7 @@ def check_data_config(config) -> None:
     tokenizer_lib.check_tokenizer_config(config.tokenizer)
   for key in ("image_size", "num_eval_examples", "num_threads",
               "prefetch_batches", "num_train_examples", "cache_max_mb",
-              "num_workers", "decode_size", "captions_per_image"):
+              "num_workers", "decode_size"):
     value = data.get(key)
     low = 0 if key in ("num_eval_examples", "prefetch_batches",
                        "cache_max_mb", "num_workers", "decode_size") else 1

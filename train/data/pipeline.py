@@ -7,7 +7,7 @@
          left as it is) for the device to resize (host_size); done once and
          kept in memory when the shard fits in cache_max_mb
       -> shuffle(seed) + repeat: a fresh permutation of the shard each epoch
-      -> with data.captions_per_image k > 1: each image at k consecutive
+      -> with config.captions_per_image k > 1: each image at k consecutive
          stream positions (its k captions in one batch)
       -> map_with_index: pick one caption (random per stream position, so it
          varies across epochs; distinct for the k copies), tokenize; with
@@ -456,7 +456,8 @@ class TrainIterator:
 def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                         process_count: int = 1, seed: int = 0,
                         tokenizer=None, microbatch_size: int = 0,
-                        source=None, groups: str = "none") -> TrainIterator:
+                        source=None, groups: str = "none",
+                        captions_per_image: int = 1) -> TrainIterator:
   """The training iterator of config.data for one process.
 
   Args:
@@ -475,6 +476,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
       micro-batch also carries "group" (int32 [m]), the example's image id
       or content id (precomputed embeddings only), for the loss's
       ``groups=``.
+    captions_per_image: ``config.captions_per_image``: each image at k
+      consecutive stream positions with distinct captions (``each_k``).
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
@@ -494,7 +497,9 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     raise ValueError(f"{source.spec} has {len(source)} examples, fewer "
                      f"than process_count={process_count}")
   check_groups(source, groups)
-  k = data.captions_per_image
+  k = captions_per_image
+  if not (isinstance(k, int) and k >= 1):
+    raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   compact = Compact(source, host_size(data))
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
