@@ -11,7 +11,8 @@ A source is a random-access sequence of examples (``len`` and
                          # (default: the example's index)
 
 or, for precomputed embeddings, ``"image_emb": float32 [D]`` instead of
-"image" (and ``"content_id"``: examples with equal decoded pixels share it). A bad record (a missing or empty caption, an image file that cannot
+"image" (and ``"content_id"``: examples with equal decoded pixels share
+it). A bad record (a missing or empty caption, an image file that cannot
 be read) raises ``BadExample``, naming it; an image that does not decode is
 found later by the pipeline, which raises the same. Bad examples found while
 a source is opened (a tar member without its pair, a truncated shard) are
