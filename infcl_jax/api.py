@@ -22,6 +22,7 @@ from infcl_jax import _checks
 from infcl_jax import reference
 from infcl_jax.backends import registry
 from infcl_jax.losses import gather
+from infcl_jax.losses import groups as groups_lib
 from infcl_jax.losses import sigmoid as sigmoid_lib
 from infcl_jax.losses import softmax as softmax_lib
 from infcl_jax.losses import strategy as strategy_lib
@@ -209,6 +210,14 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
     groups = None if groups is None else groups[::-1]
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
+  tiles = registry.get(backend, softmax_lib.FAMILY)
+  if (groups is None and q.dtype == jnp.float32 and tiles.GROUPS
+      and tiles.F32_DEFAULT == "tf32"):
+    # TF32 tiles: the positive is left out of them and put back exactly
+    # (``groups_lib.exact_positive_ids``).
+    groups = groups_lib.exact_positive_ids(q.shape[0], k.shape[0], labels,
+                                           axes)
+    group_mode = "mask"
   # Softmax only: the column statistics make gathering the keys an
   # alternative to the ring (the sigmoid loss has nothing to gather for).
   strategy = strategy_lib.pick(strategy, _axes.axis_size(axes), k.shape[0])

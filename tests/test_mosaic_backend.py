@@ -544,7 +544,10 @@ def test_triton_path_on_the_triton_language_kernels(monkeypatch, family, n, m,
   """``TRITON_PATH = "triton"``: float32 inputs and "pallas" stages run the
   Triton-language kernels (and none of Pallas-Triton's), exact against
   float64 to TF32's tolerance (1e-3, as the contract's float32 default) or
-  the 16-bit one."""
+  the 16-bit one. The loss too is held to 1e-3 in float32: the
+  Triton-language TF32 products are coarser than Pallas-Triton's (5.9e-4 at
+  37 x 50 x 21 on the H200), one reason the Pallas kernels stay the
+  default path."""
   import jax_triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
   if stages == "hybrid":
@@ -572,7 +575,8 @@ def test_triton_path_on_the_triton_language_kernels(monkeypatch, family, n, m,
   rtol = 1e-3 if dtype == jnp.float32 else tol(dtype)
   if family == "softmax":
     test_pallas.check_loss(x, y, 14.3, 0.0, direction, dtype, None,
-                           rtol=rtol, backend=name)
+                           rtol=rtol, backend=name,
+                           loss_rtol=1e-3 if dtype == jnp.float32 else 2e-4)
   else:
     test_pallas_sigmoid.check_loss(x, y, 10.0, -10.0, None, rtol=rtol,
                                    loss_rtol=1e-3, backend=name)

@@ -35,6 +35,7 @@ from infcl_jax import BlockSizes, contrastive_loss, sigmoid_loss  # noqa: E402  
 from infcl_jax.backends import capability  # noqa: E402  pylint: disable=wrong-import-position
 from infcl_jax.backends import registry  # noqa: E402  pylint: disable=wrong-import-position
 from tests import np_reference  # noqa: E402  pylint: disable=wrong-import-position
+from tests import test_groups_kernels as tg  # noqa: E402  pylint: disable=wrong-import-position
 from tests import test_pallas as tp  # noqa: E402  pylint: disable=wrong-import-position
 from tests import test_pallas_sigmoid as tps  # noqa: E402  pylint: disable=wrong-import-position
 from tests.helpers import as64, assert_rel_close, rand_emb  # noqa: E402  pylint: disable=wrong-import-position
@@ -102,6 +103,18 @@ class TestTritonSigmoidGpu(tps.TestPallasSigmoidGpu):
     y = rand_emb(rng, 2777, 1000, jnp.bfloat16)
     tps.check_tile_ops(self.backend(), x, y, 10.0, -10.0, 1.0 / 3001, False,
                        None, rtol=2e-2, loss_rtol=1e-4)
+
+
+# ---------------------------------------------------------------- groups
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU compiles these: "
+                    "TestTritonGroupsGpu")
+class TestTritonGroupsInterpret(tg.TestPallasGroupsInterpret):
+  NAME = "triton"
+
+
+class TestTritonGroupsGpu(tg.TestPallasGroupsGpu):
+  NAME = "triton"
 
 
 # ------------------------------------------------ API, vmap, shard_map

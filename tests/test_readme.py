@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from tests import group_reference
 from tests import np_reference
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -53,13 +54,20 @@ def test_quickstart_prints_the_exact_loss_and_grad_shapes(capsys):
   assert shapes == [(4096, 256), (4096, 256), ()]
 
 
-def test_labels_snippet_prints_the_exact_loss(capsys):
+def test_labels_and_groups_snippet_prints_the_exact_losses(capsys):
   ns, out = _run(_block("labels = jnp.array([0, 0, 2, 5])"), capsys,
                  "labels")
+  first, second = out.splitlines()
   ref = np_reference.clip_loss_and_grads(
       ns["img"], ns["txt"], 10.0, direction="image_to_text",
       labels=np.asarray(ns["labels"]))
-  assert float(out) == pytest.approx(ref[0], rel=1e-5)
+  assert float(first) == pytest.approx(ref[0], rel=1e-5)
+  g = np.asarray(ns["groups"])
+  masked, multi = map(float, second.split())
+  for got, mode in ((masked, "mask"), (multi, "positives")):
+    want = group_reference.clip_loss_and_grads(
+        ns["pairs_img"], ns["pairs_txt"], 10.0, 0.0, g, g, mode)[0]
+    assert got == pytest.approx(want, rel=1e-5), mode
 
 
 def test_flax_head_snippet_prints_the_siglip_loss_and_grads(capsys):

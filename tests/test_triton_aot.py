@@ -118,6 +118,62 @@ def test_every_kernel_compiles_within_budget(cc, dtype):
   assert not over, f"sm{cc} ({TARGETS[cc]}):\n" + "\n".join(over)
 
 
+def recorded_group_launches(cc, dtype):
+  """The distinct launches of the tile ops with ``groups=`` (both softmax
+  statistics, both sigmoid modes) on sm``cc``, at an odd size (the masks
+  on: the most registers)."""
+  bs = native_triton_configs.config((cc // 10, cc % 10), dtype)
+  be = _OnGpu()
+  distinct = {}
+  for n, d in ((3001, 1000),):
+    x = jax.ShapeDtypeStruct((n, d), dtype)
+    g = jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    def ops(x, y, gx, gy):
+      groups = (gx, gy)
+      r, c = be.lse(x, y, 1.0, 0.0, rows=True, cols=True, block_sizes=bs,
+                    groups=groups)
+      out = be.lse_grad(x, y, 1.0, 0.0, r, c, 0.5, 0.5, block_sizes=bs,
+                        groups=groups)
+      for mode in ("mask", "positives"):
+        out += (be.sigmoid_sum(x, y, 1.0, 0.0, has_diagonal=True,
+                               block_sizes=bs, groups=groups,
+                               group_mode=mode),)
+        out += be.sigmoid_grad(x, y, 1.0, 0.0, 1.0, has_diagonal=True,
+                               block_sizes=bs, groups=groups,
+                               group_mode=mode)
+      return out
+
+    with launch.record() as launches:
+      jax.eval_shape(ops, x, x, g, g)
+    for spec in launches:
+      key = (spec.name, tuple(spec.signature().items()),
+             tuple(sorted(spec.constexprs.items())), spec.num_warps,
+             spec.num_stages)
+      distinct.setdefault(key, spec)
+  return list(distinct.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cc", sorted(TARGETS), ids=lambda c: f"sm{c}")
+def test_every_groups_kernel_compiles_within_budget(cc, dtype):
+  """The ``*_groups`` entry points (their group ids an extra compare and
+  select per logit) within the same budgets."""
+  smem = capability.SMEM_PER_BLOCK[(cc // 10, cc % 10)]
+  launches = recorded_group_launches(cc, dtype)
+  kernels = {getattr(s.kernel, "fn", s.kernel).__name__ for s in launches}
+  assert all(k.endswith("_groups") for k in kernels), kernels
+  over = []
+  for spec in launches:
+    c = aot.compile_launch(spec, cc)
+    if (c.shared > smem or c.registers > MAX_REGISTERS
+        or c.local > MAX_LOCAL_BYTES):
+      over.append(f"{spec.name} {spec.constexprs}: shared {c.shared} B "
+                  f"(limit {smem}), {c.registers} registers, {c.local} B "
+                  f"local")
+  assert not over, f"sm{cc} ({TARGETS[cc]}):\n" + "\n".join(over)
+
+
 def test_every_config_entry_is_compiled():
   # Each tuned entry is chosen by one of the compiled targets.
   chosen = {native_triton_configs.config_name((cc // 10, cc % 10))

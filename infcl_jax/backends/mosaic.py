@@ -67,6 +67,12 @@ Off the GPU the same kernel bodies run in jax's Mosaic GPU interpreter
 (``interpret=True``), which simulates the warpgroups, TMA and mbarriers on
 the CPU (slow; for tests).
 
+Groups (``groups=``, ``base``): the Mosaic kernels take the rows' and
+columns' int32 ids behind a static switch (a call without them compiles
+the ungrouped kernels, unchanged), loaded like the kernels' other per-row /
+per-column vectors; per logit one compare and one select
+(``kernels.mosaic``). The Triton path is handed them only when given.
+
 Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
 like their inputs (``kernels.mosaic.common.vary_like``), the panel carry by
 ``panel_backward.panel_backward``.
@@ -83,6 +89,7 @@ from infcl_jax.backends import capability
 from infcl_jax.backends import pallas_triton
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends.padding import check_int32
+from infcl_jax.backends.padding import pad1
 from infcl_jax.backends.padding import pad_inputs
 from infcl_jax.backends.padding import round_up
 from infcl_jax.backends.padding import row_ids
@@ -145,6 +152,9 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
   STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
             "sigmoid_grad": "mosaic"}
+  # ``groups=`` (``base``): the Mosaic kernels take the group ids; the
+  # Triton path passes them to its own kernels.
+  GROUPS = True
   # Whose Triton kernels the Triton path (float32 inputs, stages set to
   # "pallas") runs: "pallas" (Pallas-Triton's) or "triton" (the
   # Triton-language ones, where the extra imports; see above).
@@ -200,11 +210,21 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return pb.panel_layout(n, m, d, block_q=mb.bwd_bq, block_k=2 * mb.bwd_bk,
                            block_d=mb.bd, panel_rows=mb.panel_rows)
 
+  @staticmethod
+  def _padded_groups(groups, xp, yp):
+    """The group ids padded like the inputs (padded pairs are masked by the
+    kernels, so the fill is arbitrary), or None."""
+    if groups is None:
+      return None
+    gx, gy = groups
+    return pad1(gx, xp.shape[0], -1), pad1(gy, yp.shape[0], -1)
+
   # ------------------------------------------------------------ softmax
 
-  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
     if not self._mosaic("lse", x, y):
-      return super()._lse(x, y, scale, bias, rows=rows, cols=cols, bs=bs)
+      return super()._lse(x, y, scale, bias, rows=rows, cols=cols, bs=bs,
+                          **_group_kw(groups))
     mb = mosaic_blocks(bs)
     n, m = x.shape[0], y.shape[0]
     xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
@@ -215,13 +235,13 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
         num_programs=nprog, interpret=self.interpret,
-        single_exp=bs.single_exp)
+        single_exp=bs.single_exp, groups=self._padded_groups(groups, xp, yp))
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-                col_coef, *, bs):
+                col_coef, *, bs, groups=None):
     if not self._mosaic("lse_grad", x, y):
       return super()._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
-                               col_coef, bs=bs)
+                               col_coef, bs=bs, **_group_kw(groups))
     mb = mosaic_blocks(bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
@@ -230,14 +250,16 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self.precision(bs, x.dtype), panel=panel)
+        precision=self.precision(bs, x.dtype), panel=panel, groups=groups)
 
   # ------------------------------------------------------------ sigmoid
 
-  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
+                   groups=None, group_mode="mask"):
     if not self._mosaic("sigmoid_sum", x, y):
       return super()._sigmoid_sum(x, y, scale, bias,
-                                  has_diagonal=has_diagonal, bs=bs)
+                                  has_diagonal=has_diagonal, bs=bs,
+                                  **_group_kw(groups, group_mode))
     n, m = x.shape[0], y.shape[0]
     mb = mosaic_blocks(bs)
     xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
@@ -247,12 +269,15 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         xp, yp, row_ids(n, xp.shape[0]), params, mode="sum", m=m,
         mask=xp.shape[0] != n or yp.shape[0] != m, has_diagonal=has_diagonal,
         block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
-        num_programs=bs.num_programs, interpret=self.interpret)
+        num_programs=bs.num_programs, interpret=self.interpret,
+        groups=self._padded_groups(groups, xp, yp), group_mode=group_mode)
 
-  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
+                    groups=None, group_mode="mask"):
     if not self._mosaic("sigmoid_grad", x, y):
       return super()._sigmoid_grad(x, y, scale, bias, coef,
-                                   has_diagonal=has_diagonal, bs=bs)
+                                   has_diagonal=has_diagonal, bs=bs,
+                                   **_group_kw(groups, group_mode))
     mb = mosaic_blocks(bs)
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
@@ -265,7 +290,19 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
         precision=self.precision(bs, x.dtype),
-        panel=None if bs.bwd_impl == "xla" else panel)
+        panel=None if bs.bwd_impl == "xla" else panel, groups=groups,
+        group_mode=group_mode)
+
+
+def _group_kw(groups, group_mode=None):
+  """``groups`` (and ``group_mode``) for the Triton path, only when given:
+  without them its calls stay as they are."""
+  if groups is None:
+    return {}
+  kw = {"groups": groups}
+  if group_mode is not None:
+    kw["group_mode"] = group_mode
+  return kw
 
 
 BACKEND = MosaicBackend

@@ -11,6 +11,10 @@ backward and its GEMMs, the precision policy):
 * both gradients: the panel backward; per panel a kernel recomputes the
   logits once and writes G in the input dtype, cuBLAS forms dx and dy.
 
+``groups=`` (``backends.base``): every kernel takes the rows' and columns'
+group ids as a compile-time switch (an int compare and a select per logit);
+without groups the kernels are unchanged (``triton_tiles``).
+
 It needs neither Pallas nor its Triton lowering (deprecated in jax 0.11 /
 0.12), so it keeps the non-Hopper GPUs on fused kernels if that lowering
 goes.

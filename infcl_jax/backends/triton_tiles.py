@@ -9,6 +9,11 @@ They differ only in the four kernel entry points, which a subclass names
 persistent grid size, the panel layout and math, the precision policy) is
 here.
 
+Groups (``backends.base``): the forward kernels take the rows' and columns'
+group ids padded like the inputs, the panel kernels the panel's and the
+columns' (``panel_backward``); without groups the kernels are the same
+programs as ever (the groups are a static switch of each kernel).
+
 A kernel set (``KERNELS``) has four functions with the contracts of the
 Pallas-Triton kernels (``kernels/lse_fwd.lse_fwd``, ``kernels/lse_bwd
 .g_panel``, ``kernels/sigmoid_fwd.sigmoid_row_sums``, ``kernels
@@ -28,6 +33,7 @@ from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_backend
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends.padding import check_int32
+from infcl_jax.backends.padding import pad1
 from infcl_jax.backends.padding import pad_inputs
 
 F32 = jnp.float32
@@ -42,6 +48,15 @@ class Kernels:
   sigmoid_panel: Callable
 
 
+def padded_groups(groups, xp, yp):
+  """The group ids padded to the padded inputs' rows, or None. The fill is
+  arbitrary: the kernels mask padded rows and columns anyway."""
+  if groups is None:
+    return None
+  gx, gy = groups
+  return pad1(gx, xp.shape[0], -1), pad1(gy, yp.shape[0], -1)
+
+
 def layout(bs, x, y):
   """The panel backward's layout for the Triton panel kernels' tiles."""
   return pb.panel_layout(x.shape[0], y.shape[0], x.shape[1],
@@ -53,6 +68,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
   """Both families over a subclass's ``KERNELS``."""
 
   families = ("softmax", "sigmoid")
+  GROUPS = True
   # Where Triton's kernels run, for both launch paths: every GPU from sm80
   # whose shared memory per block is known (the configs fit it). Newer GPUs
   # are untested; below sm80 Triton has no bfloat16 dot.
@@ -68,9 +84,20 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
   def _kernel_kw(self) -> dict:
     return {}
 
+  @staticmethod
+  def _groups_kw(groups, xp, yp, group_mode=None):
+    """A forward kernel's group keywords: none without groups, so that the
+    kernel compiles as it does without them."""
+    if groups is None:
+      return {}
+    kw = {"groups": padded_groups(groups, xp, yp)}
+    if group_mode is not None:
+      kw["group_mode"] = group_mode
+    return kw
+
   # ------------------------------------------------------------ softmax
 
-  def _lse(self, x, y, scale, bias, *, rows, cols, bs):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
     n, m = x.shape[0], y.shape[0]
     xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     nprog = bs.num_programs or _device.num_sms()
@@ -81,10 +108,11 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
         num_stages=bs.num_stages, precision=self.precision(bs, x.dtype),
-        single_exp=bs.single_exp, **self._kernel_kw())
+        single_exp=bs.single_exp, **self._groups_kw(groups, xp, yp),
+        **self._kernel_kw())
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-                col_coef, *, bs):
+                col_coef, *, bs, groups=None):
     prec = self.precision(bs, x.dtype)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         self.kernels().lse_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
@@ -93,11 +121,13 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         precision=prec, single_exp=bs.single_exp, **self._kernel_kw())
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-        layout=layout(bs, x, y), precision=prec, panel=panel)
+        layout=layout(bs, x, y), precision=prec, panel=panel,
+        **({} if groups is None else {"groups": groups}))
 
   # ------------------------------------------------------------ sigmoid
 
-  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs):
+  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
+                   groups=None, group_mode="mask"):
     n, m = x.shape[0], y.shape[0]
     xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     rows = self.kernels().sigmoid_rows(
@@ -105,10 +135,12 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, target_programs=bs.num_programs or _device.num_sms(),
         num_warps=bs.num_warps, num_stages=bs.num_stages,
-        precision=self.precision(bs, x.dtype), **self._kernel_kw())
+        precision=self.precision(bs, x.dtype),
+        **self._groups_kw(groups, xp, yp, group_mode), **self._kernel_kw())
     return jnp.sum(rows)
 
-  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs):
+  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
+                    groups=None, group_mode="mask"):
     prec = self.precision(bs, x.dtype)
     kernel, kernel_kw = self.kernels().sigmoid_panel, self._kernel_kw()
 
@@ -122,4 +154,6 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
     return pb.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=layout(bs, x, y), precision=prec,
-        panel=None if bs.bwd_impl == "xla" else panel)
+        panel=None if bs.bwd_impl == "xla" else panel,
+        **({} if groups is None else {"groups": groups,
+                                      "group_mode": group_mode}))

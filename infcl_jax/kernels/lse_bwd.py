@@ -26,6 +26,11 @@ the two-exponential form otherwise.
 Padding: the row / column statistics of padded rows / columns arrive as
 +inf, which makes exp(s - lse) vanish there; a masked tile also zeroes the
 other term's contribution.
+
+Groups (``backends.base``): with the panel rows' and the columns' int32
+group ids (blocked like the statistics), G is 0 on related pairs, selected
+after the exponentials, so that a row or column of related pairs only (LSE
+-inf, whose exp(s - lse) is inf) gives 0, never NaN.
 """
 from __future__ import annotations
 
@@ -47,8 +52,12 @@ def _kernel(*refs, interpret, **kw):
                          interpret=interpret)
 
 
-def _body(i, j, params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, dsc_ref,
-          dbi_ref, *, bq, bk, bd, nd, rows, cols, mask, precision, single_exp):
+def _body(i, j, params_ref, x_ref, y_ref, *refs, bq, bk, bd, nd, rows, cols,
+          mask, precision, single_exp, groups):
+  if groups:
+    r_ref, gx_ref, c_ref, gy_ref, g_ref, dsc_ref, dbi_ref = refs
+  else:
+    r_ref, c_ref, g_ref, dsc_ref, dbi_ref = refs
   scale2 = params_ref[0]  # scale * log2(e)
   bias2 = params_ref[1]   # bias * log2(e)
   a_r = params_ref[2]
@@ -89,6 +98,8 @@ def _body(i, j, params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, dsc_ref,
     g = lax.cond(hi - lo <= _MAX_SPREAD, shared, exact)
   else:
     g = exact()
+  if groups:
+    g = jnp.where(gx_ref[...][:, None] == gy_ref[...][None, :], 0.0, g)
   g_ref[...] = g.astype(g_ref.dtype)
   # Triton reduces one axis at a time.
   dsc_ref[...] = jnp.sum(jnp.sum(g * s0, axis=1), axis=0)
@@ -97,7 +108,7 @@ def _body(i, j, params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, dsc_ref,
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
             block_k, block_d, num_warps, num_stages, precision, interpret,
-            single_exp=True):
+            single_exp=True, groups=None):
   """The (R, m_pad) probability panel and its per-tile scalar partials.
 
   Args:
@@ -109,6 +120,8 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
     mask: whether any padding exists (static).
     single_exp: one exponential per logit where the tile's statistics span
       at most 2^64 (exact two-exponential form otherwise).
+    groups: None, or int32 group ids (gx (R,), gy (m_pad,)) of the panel
+      rows and the columns: G is 0 where gx[i] == gy[j].
 
   Returns:
     g (R, m_pad) of ``g_dtype``, and the sums of G * (x y^T) and of G
@@ -118,9 +131,13 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, rows=rows, cols=cols, mask=mask,
                              precision=precision, single_exp=single_exp,
-                             interpret=interpret)
+                             groups=groups is not None, interpret=interpret)
+  row_vecs, col_vecs = (r2,), (c2,)
+  if groups is not None:
+    row_vecs, col_vecs = (r2, groups[0]), (c2, groups[1])
   g, dsc, dbi = panel_call.panel_call(
-      kernel, params, x, y, row_vecs=(r2,), col_vecs=(c2,), g_dtype=g_dtype,
+      kernel, params, x, y, row_vecs=row_vecs, col_vecs=col_vecs,
+      g_dtype=g_dtype,
       num_partials=2, block_q=block_q, block_k=block_k, num_warps=num_warps,
       num_stages=num_stages, interpret=interpret, name="infcl_lse_bwd_panel")
   return g, jnp.sum(dsc), jnp.sum(dbi)

@@ -27,6 +27,12 @@ recomputed and takes the exact two-exponential path.
 
 Everything is in base 2 (exp2 / log2 with log2(e) folded into scale and
 bias), which is what the GPU's special-function unit computes natively.
+
+Groups (``backends.base``): with the rows' and columns' int32 group ids, a
+related pair's logit is -inf before either statistic sees it (one compare
+and one select per logit; the ids are two int32 vectors per tile). A tile
+with a row or column of related pairs only fails the shared-shift check
+and takes the exact path, where such a row / column ends at -inf.
 """
 from __future__ import annotations
 
@@ -54,9 +60,12 @@ def _kernel(*refs, interpret, **kw):
                          interpret=interpret)
 
 
-def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
-          nkb, nprog, m_pad, rows, cols, precision, barrier, single_exp):
-  out_refs = list(out_refs)
+def _body(pid, params_ref, x_ref, y_ref, *refs, n, m, bq, bk, bd, nd, nrb,
+          nkb, nprog, m_pad, rows, cols, precision, barrier, single_exp,
+          groups):
+  # The group ids' refs (inputs) come first, then the outputs'.
+  gx_ref, gy_ref = refs[:2] if groups else (None, None)
+  out_refs = list(refs[2:] if groups else refs)
   row_ref = out_refs.pop(0) if rows else None
   cm_ref, cl_ref = (out_refs if cols else (None, None))
   scale2 = params_ref[0]  # scale * log2(e)
@@ -81,11 +90,15 @@ def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
     lax.fori_loop(0, nkb, init, 0)
     sync()
 
-  def tile(rb, j):
-    """The (bq, bk) base-2 logit tile of row block rb, column block j."""
+  def tile(rb, j, gx):
+    """The (bq, bk) base-2 logit tile of row block rb, column block j;
+    -inf on padding and (``gx``: the row block's group ids) related pairs."""
     s0 = tile_dot.tile_dot(x_ref, y_ref, rb * bq, j * bk, bq=bq, bk=bk,
                            bd=bd, nd=nd, precision=precision)
     s = s0 * scale2 + bias2
+    if groups:
+      gy = gy_ref[pl.ds(j * bk, bk)]
+      s = jnp.where(gx[:, None] == gy[None, :], -jnp.inf, s)
     if mask_rows or mask_cols:
       valid = None
       if mask_rows:
@@ -98,6 +111,7 @@ def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
 
   def row_block(t, c):
     rb = pid + t * nprog
+    gx = gx_ref[pl.ds(rb * bq, bq)] if groups else None
 
     def exact_update(s, j, m_i, l_i):
       """Per-row and per-column shifts: two exponentials per logit."""
@@ -136,7 +150,7 @@ def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
 
     def col_step(j, carry):
       m_i, l_i = carry
-      s = tile(rb, j)
+      s = tile(rb, j, gx)
       if not (single_exp and rows and cols):
         return exact_update(s, j, m_i, l_i)
       # One exponential per logit: shift the whole tile by its max. Exact
@@ -153,7 +167,7 @@ def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
       ok = (jnp.min(lr, axis=0) >= _MIN_SUM) & (jnp.min(lc, axis=0) >= _MIN_SUM)
       return lax.cond(
           ok, lambda: shared_update(j, m_i, l_i, big, lr, lc),
-          lambda: exact_update(tile(rb, j), j, m_i, l_i))
+          lambda: exact_update(tile(rb, j, gx), j, m_i, l_i))
 
     init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32))
     m_i, l_i = lax.fori_loop(0, nkb, col_step, init)
@@ -168,7 +182,7 @@ def _body(pid, params_ref, x_ref, y_ref, *out_refs, n, m, bq, bk, bd, nd, nrb,
 
 def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
             block_d, num_programs, num_warps, num_stages, precision,
-            interpret, single_exp=True):
+            interpret, single_exp=True, groups=None):
   """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
 
   Args:
@@ -179,6 +193,9 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
     num_programs: persistent programs (clipped to the number of row blocks).
     single_exp: with both statistics, one exponential per logit (a shared
       tile shift) where that is exact, two otherwise.
+    groups: None, or the padded int32 group ids (gx (n_pad,), gy (m_pad,))
+      of the rows and columns: related pairs (gx[i] == gy[j]) are left out
+      of both statistics (a row / column of only those has LSE -inf).
 
   Returns:
     (row_lse (n,) or None, col_lse (m,) or None), float32, natural log.
@@ -188,16 +205,17 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   nrb, nkb, nd = n_pad // block_q, m_pad // block_k, d_pad // block_d
   nprog = max(1, min(num_programs, nrb))
   params = jnp.stack([scale * LOG2E, bias * LOG2E]).astype(F32)
+  ins = (params, x, y) + (() if groups is None else tuple(groups))
   out_shape = []
   if rows:
-    out_shape.append(out_struct((n_pad,), F32, params, x, y))
+    out_shape.append(out_struct((n_pad,), F32, *ins))
   if cols:
-    out_shape += [out_struct((nprog * m_pad,), F32, params, x, y)] * 2
+    out_shape += [out_struct((nprog * m_pad,), F32, *ins)] * 2
   kernel = functools.partial(
       _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nrb=nrb,
       nkb=nkb, nprog=nprog, m_pad=m_pad, rows=rows, cols=cols,
       precision=precision, barrier=cols and not interpret,
-      single_exp=single_exp, interpret=interpret)
+      single_exp=single_exp, groups=groups is not None, interpret=interpret)
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
@@ -206,7 +224,7 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
                                            num_stages=num_stages),
       interpret=interpret,
       name="infcl_lse_fwd",
-  )(params, x, y)
+  )(*ins)
   outs = list(outs)
   row_lse = outs.pop(0)[:n] if rows else None
   col_lse = None

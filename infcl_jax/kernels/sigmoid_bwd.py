@@ -22,6 +22,10 @@ Positives and padding are located by global indices: ``row_ids`` holds each
 panel row's global row index (-1 on padding rows), and columns are
 ``j * block_k + lane``, valid below ``m``. Padding must be masked here (a
 zero row's logit is the bias, whose sigmoid is not zero).
+
+Groups (``backends.base``): with the panel rows' and the columns' int32
+group ids (blocked like ``row_ids``), related pairs get G = 0 ("mask", the
+diagonal stays a positive) or the label z = +1 ("positives").
 """
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ def _kernel(*refs, interpret, **kw):
 
 
 def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
-          m, mask, has_diagonal, mode, scaled, precision):
+          m, mask, has_diagonal, mode, scaled, precision, group_mode):
+  if group_mode is not None:
+    gx_ref, gy_ref, *out_refs = out_refs
   scale = params_ref[0]
   bias = params_ref[1]
 
@@ -53,8 +59,15 @@ def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
   s = s0 * scale + bias
   rid = rid_ref[...]  # (bq,) global row index, -1 on padding
   cid = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
-  if has_diagonal:
-    pos = rid[:, None] == cid[None, :]
+  pos = (rid[:, None] == cid[None, :]) if has_diagonal else None
+  drop = None
+  if group_mode is not None:
+    rel = gx_ref[...][:, None] == gy_ref[...][None, :]
+    if group_mode == "positives":
+      pos = rel if pos is None else pos | rel
+    else:
+      drop = rel if pos is None else rel & ~pos
+  if pos is not None:
     u = jnp.where(pos, -s, s)
     # sigmoid(u) = 1 / (1 + e^-u): exact to rounding for any u (e^-u
     # overflows to inf for u << 0 and gives 0, never NaN).
@@ -62,6 +75,8 @@ def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
     g = jnp.where(pos, -sg, sg)
   else:
     g = 1.0 / (1.0 + jnp.exp(-s))
+  if drop is not None:
+    g = jnp.where(drop, 0.0, g)
   if mask:
     g = jnp.where((rid >= 0)[:, None] & (cid < m)[None, :], g, 0.0)
   # Triton reduces one axis at a time.
@@ -80,7 +95,7 @@ def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
 
 def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
             scaled, block_q, block_k, block_d, num_warps, num_stages, precision,
-            interpret):
+            interpret, groups=None, group_mode="mask"):
   """The (R, m_pad) gradient panel and its scalar partials, or its max |G|.
 
   Args:
@@ -94,6 +109,9 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
     mode: "g" for the panel, "max" for its largest |G| only.
     scaled: whether to multiply G by g_scale before the cast (static; only
       float16 panels need it).
+    groups: None, or int32 group ids (gx (R,), gy (m_pad,)) of the panel
+      rows and the columns; related pairs are treated by ``group_mode``
+      ("mask" or "positives", ``backends.base``).
 
   Returns:
     mode "g": G * g_scale (R, m_pad) of ``g_dtype``, and the sums of
@@ -106,9 +124,13 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
   kernel = functools.partial(_kernel, bq=block_q, bk=block_k, bd=block_d,
                              nd=nd, m=m, mask=mask, has_diagonal=has_diagonal,
                              mode=mode, scaled=scaled, precision=precision,
+                             group_mode=None if groups is None else group_mode,
                              interpret=interpret)
+  row_vecs, col_vecs = (row_ids,), ()
+  if groups is not None:
+    row_vecs, col_vecs = (row_ids, groups[0]), (groups[1],)
   outs = panel_call.panel_call(
-      kernel, params, x, y, row_vecs=(row_ids,), col_vecs=(),
+      kernel, params, x, y, row_vecs=row_vecs, col_vecs=col_vecs,
       g_dtype=None if mode == "max" else g_dtype,
       num_partials=1 if mode == "max" else 2, block_q=block_q,
       block_k=block_k, num_warps=num_warps, num_stages=num_stages,

@@ -21,6 +21,11 @@ is ``splits`` x n_pad floats, linear in B.
 Each term is computed on its own with the stable identity
 softplus(u) = max(u, 0) + log1p(exp(-|u|)); never as softplus(s) - s, and
 never as log(sigmoid(.)), so that a tiny loss keeps its relative accuracy.
+
+Groups (``backends.base``): with the rows' and columns' int32 group ids, a
+related pair is dropped ("mask": its term is 0, the diagonal stays a
+positive) or labelled z = +1 ("positives"); one compare and one select per
+logit.
 """
 from __future__ import annotations
 
@@ -45,8 +50,12 @@ def _kernel(*refs, interpret, **kw):
                          interpret=interpret)
 
 
-def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
-          nkb, per, has_diagonal, precision):
+def _body(i, c, params_ref, x_ref, y_ref, *refs, n, m, bq, bk, bd, nd,
+          nkb, per, has_diagonal, precision, group_mode):
+  if group_mode is None:
+    (out_ref,) = refs
+  else:
+    gx_ref, gy_ref, out_ref = refs
   scale = params_ref[0]
   bias = params_ref[1]
   mask_rows = n % bq != 0
@@ -58,6 +67,7 @@ def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
   # 1-D indices, broadcast where compared: a (bq, bk) int32 tile would
   # stay live across the loop and cost registers.
   row_ids = i * bq + lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  gx = gx_ref[...] if group_mode is not None else None  # (bq,) row groups
 
   def col_step(t, acc):
     j = j0 + t
@@ -66,11 +76,18 @@ def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
     s = s0 * scale + bias
     col_ids = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     # -z * s: softplus(-s) on the positives, softplus(s) on the negatives.
-    if has_diagonal:
-      u = jnp.where(row_ids[:, None] == col_ids[None, :], -s, s)
-    else:
-      u = s
+    pos = (row_ids[:, None] == col_ids[None, :]) if has_diagonal else None
+    drop = None
+    if group_mode is not None:
+      rel = gx[:, None] == gy_ref[pl.ds(j * bk, bk)][None, :]
+      if group_mode == "positives":
+        pos = rel if pos is None else pos | rel
+      else:
+        drop = rel if pos is None else rel & ~pos
+    u = s if pos is None else jnp.where(pos, -s, s)
     sp = softplus(u)
+    if drop is not None:
+      sp = jnp.where(drop, 0.0, sp)
     if mask_rows or mask_cols:
       # Padded rows / columns are zeros, whose logit is the bias: mask them.
       valid = None
@@ -88,7 +105,7 @@ def _body(i, c, params_ref, x_ref, y_ref, out_ref, *, n, m, bq, bk, bd, nd,
 
 def sigmoid_row_sums(x, y, scale, bias, *, n, m, has_diagonal, block_q,
                      block_k, block_d, target_programs, num_warps, num_stages,
-                     precision, interpret):
+                     precision, interpret, groups=None, group_mode="mask"):
   """Per-row sums of softplus(-z s) for padded x (n_pad, Dp), y (m_pad, Dp).
 
   Args:
@@ -98,6 +115,9 @@ def sigmoid_row_sums(x, y, scale, bias, *, n, m, has_diagonal, block_q,
     has_diagonal: whether the pairs (i, i) are the positives (static).
     target_programs: the column range is split so that the grid has about
       this many programs (at least one split, at most one per column block).
+    groups: None, or the padded int32 group ids (gx (n_pad,), gy (m_pad,))
+      of the rows and columns; related pairs (gx[i] == gy[j]) are treated
+      by ``group_mode`` ("mask" or "positives", ``backends.base``).
 
   Returns:
     (splits, n_pad) float32 partial row sums; padded rows are 0.
@@ -110,22 +130,28 @@ def sigmoid_row_sums(x, y, scale, bias, *, n, m, has_diagonal, block_q,
   kernel = functools.partial(
       _kernel, n=n, m=m, bq=block_q, bk=block_k, bd=block_d, nd=nd, nkb=nkb,
       per=per, has_diagonal=has_diagonal, precision=precision,
-      interpret=interpret)
+      group_mode=None if groups is None else group_mode, interpret=interpret)
+  ins = (params, x, y)
+  in_specs = [
+      pl.BlockSpec((2,), lambda i, c: (0,)),
+      pl.BlockSpec((n_pad, d_pad), lambda i, c: (0, 0)),
+      pl.BlockSpec((m_pad, d_pad), lambda i, c: (0, 0)),
+  ]
+  if groups is not None:
+    ins += tuple(groups)
+    in_specs += [pl.BlockSpec((block_q,), lambda i, c: (i,)),
+                 pl.BlockSpec((m_pad,), lambda i, c: (0,))]
   # Grid axis 0 (row blocks) varies fastest: concurrently running programs
   # walk the same column blocks of y, which then stay in L2.
   out = pl.pallas_call(
       kernel,
-      out_shape=out_struct((splits * n_pad,), F32, params, x, y),
+      out_shape=out_struct((splits * n_pad,), F32, *ins),
       grid=(nrb, splits),
-      in_specs=[
-          pl.BlockSpec((2,), lambda i, c: (0,)),
-          pl.BlockSpec((n_pad, d_pad), lambda i, c: (0, 0)),
-          pl.BlockSpec((m_pad, d_pad), lambda i, c: (0, 0)),
-      ],
+      in_specs=in_specs,
       out_specs=pl.BlockSpec((block_q,), lambda i, c: (c * nrb + i,)),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                            num_stages=num_stages),
       interpret=interpret,
       name="infcl_sigmoid_fwd",
-  )(params, x, y)
+  )(*ins)
   return out.reshape(splits, n_pad)

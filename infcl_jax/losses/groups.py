@@ -127,3 +127,19 @@ def positives_term_grads(q, k, scale, bias, g_q, g_k, w_q, w_k, coef):
   _, vjp = jax.vjp(f, q.astype(F32), k.astype(F32), scale, bias)
   ct = _axes.vary_like(jnp.asarray(coef, F32), q, k, scale, bias)
   return vjp(ct)
+
+
+def exact_positive_ids(b_q, b_k, labels, axes):
+  """Group ids under which each query's positive is its only related key.
+
+  For float32 inputs on a TF32 tile backend: "mask" then takes the positive
+  out of the tiles and puts it back with its float32 logit, so the loss of
+  a confident model (positive far above the rest, loss near 0) is no longer
+  the difference of two TF32-rounded numbers. Ids are global indices: query
+  i gets its positive's key index, key j gets j.
+  """
+  me = lax.axis_index(axes) if axes else 0
+  g_k = me * b_k + jnp.arange(b_k, dtype=jnp.int32)
+  g_q = (me * b_q + jnp.arange(b_q, dtype=jnp.int32) if labels is None
+         else labels.astype(jnp.int32))
+  return g_q, g_k

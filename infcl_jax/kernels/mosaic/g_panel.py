@@ -25,6 +25,14 @@ across the CTA's tiles and written once.
 Padding: the statistics of padded rows / columns arrive as +inf; the kernel
 turns them into a -inf logit, so that both terms vanish there (a padded
 row's column term would otherwise not). NaN statistics stay NaN.
+
+Groups (``groups=(gx, gy)``, a static switch): G is 0 on related pairs
+(gx_i == gy_j), which the LSEs left out; one compare and one select per
+element after the exponentials, so that a row or column whose statistic is
+-inf (all its pairs related) gives 0 there, not NaN; such a statistic is
+also clamped to a large finite value (``common.safe``), so that it gives 0,
+not NaN, against the padding. The rows' ids are loaded beside r, the
+columns' beside c.
 """
 from __future__ import annotations
 
@@ -66,9 +74,12 @@ def _g_tile(s, r, c, a_r, a_c, *, rows, cols, mask, consts):
   return g
 
 
-def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, part_ref, x_smem,
-            y_smem, g_smem, x_full, y_full, consumed, turn, *, rows, cols,
-            mask, bq, bk, bd, nd, ni, num_tiles, nprog, stages):
+def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
+            groups, bq, bk, bd, nd, ni, num_tiles, nprog, stages):
+  refs = list(refs)
+  gx_ref, gy_ref = [refs.pop(0) for _ in range(2)] if groups else (None,) * 2
+  (g_ref, part_ref, x_smem, y_smem, g_smem, x_full, y_full, consumed,
+   turn) = refs
   bw = bk // EPILOGUE_SPLIT
   pid, my_tiles, coords = common.persistent_tiles(num_tiles, nprog, ni)
 
@@ -92,6 +103,18 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, part_ref, x_smem,
       # c per column sub-tile.
       c_parts = [plgpu.load(c_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
                             optimized=False) for h in range(EPILOGUE_SPLIT)]
+      if groups:
+        # A statistic of -inf (every pair of the row / column related)
+        # becomes a large finite one: its related pairs are zeroed below,
+        # and against a padded column / row (-inf logit) it gives 0, not
+        # -inf - (-inf) = NaN.
+        r = common.safe(r)
+        c_parts = [common.safe(ch) for ch in c_parts]
+        gx = plgpu.load(gx_ref.at[pl.ds(i * bq, bq)], layout=ROW,
+                        optimized=False)
+        gy_parts = [plgpu.load(gy_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
+                               optimized=False)
+                    for h in range(EPILOGUE_SPLIT)]
       s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
                            g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
                            stages=stages, split_rings=True)
@@ -103,6 +126,10 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, part_ref, x_smem,
         g = _g_tile(s0h * scale2 + bias2, r, ch, a_r, a_c, rows=rows,
                     cols=cols, mask=mask,
                     consts=(inf_r, zero_r, inf_c, zero_c))
+        if groups:
+          rel = (lax.broadcast_in_dim(gx, g.shape, [0])
+                 == lax.broadcast_in_dim(gy_parts[h], g.shape, [1]))
+          g = jnp.where(rel, jnp.zeros(g.shape, F32), g)
         # The previous TMA store must have read the buffer before it is
         # reused; the second sub-tile's exponentials run while the first
         # one's store drains.
@@ -129,7 +156,7 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, g_ref, part_ref, x_smem,
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
             block_q=128, block_k=128, block_d=64, num_stages=3,
-            num_programs=None, interpret=False):
+            num_programs=None, interpret=False, groups=None):
   """The (R, m_pad) probability panel and its scalar partial sums.
 
   Args:
@@ -146,6 +173,8 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
     num_stages: slots of each consumer's ring (3: 2 * 3 * 32 KB of ring
       beside 2 * 16 KB of G buffers).
     num_programs: persistent CTAs (default: one per SM).
+    groups: None, or (gx (R,), gy (m_pad,)) int32 group ids of the panel's
+      rows and of the columns: G = 0 on related pairs (gx_i == gy_j).
 
   Returns:
     g (R, m_pad) of x.dtype, and the sums of G * (x y^T) and of G (float32
@@ -158,6 +187,11 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
     raise ValueError("at least one of rows / cols")
   r_rows, d_pad = x.shape
   m_pad = y.shape[0]
+  if groups is not None and (groups[0].shape != (r_rows,)
+                             or groups[1].shape != (m_pad,)):
+    raise ValueError(
+        f"groups must be ((R,), (m_pad,)) = (({r_rows},), ({m_pad},)), got "
+        f"{groups[0].shape}, {groups[1].shape}")
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
   nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))
@@ -169,10 +203,12 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
                  transforms=common.smem_transforms(x.dtype, bw))
   ] + ring[2:] + [common.turn_barrier()]
   kernel = functools.partial(
-      _kernel, rows=rows, cols=cols, mask=mask, bq=block_q, bk=block_k,
-      bd=block_d, nd=nd, ni=ni, num_tiles=num_tiles, nprog=nprog,
-      stages=num_stages)
+      _kernel, rows=rows, cols=cols, mask=mask, groups=groups is not None,
+      bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni, num_tiles=num_tiles,
+      nprog=nprog, stages=num_stages)
   ins = (params.astype(F32), x, y, r2.astype(F32), c2.astype(F32))
+  if groups is not None:
+    ins += tuple(g.astype(jnp.int32) for g in groups)
   # The panel reduces only along rows (within warps): no cross-warp
   # reduction scratch is needed, and its SMEM goes to the ring.
   g, part = common.launch(

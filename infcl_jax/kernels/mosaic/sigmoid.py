@@ -29,6 +29,13 @@ lowering, and log(1 + e) loses a tiny e entirely): log1p(e) =
 Row ids: ``row_ids[i]`` is row i's global index (-1 on padding); columns are
 valid below ``m``. Padding must be masked here: a zero row's logit is the
 bias, not -inf.
+
+Groups (``groups=(gx, gy)``, a static switch): pair (i, j) is related when
+gx_i == gy_j; ``group_mode="positives"`` makes related pairs positives
+(z = +1, like the diagonal), ``"mask"`` drops those that are not the
+diagonal (term and G are 0). Per element: one compare and one select (an
+or, for "positives"); the rows' ids are loaded beside the row ids, the
+columns' per tile.
 """
 from __future__ import annotations
 
@@ -46,7 +53,9 @@ from infcl_jax.kernels.mosaic import common
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)
+COL = plgpu.Layout.WGMMA.reduce(0)
 MODES = ("sum", "g", "max")
+GROUP_MODES = ("mask", "positives")
 
 
 def log1p_unit(e):
@@ -69,9 +78,11 @@ def softplus(u):
 
 
 def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
-            has_diagonal, scaled, bq, bk, bd, nd, ni, num_tiles, nprog,
-            stages):
+            has_diagonal, scaled, group_mode, bq, bk, bd, nd, ni, num_tiles,
+            nprog, stages):
   refs = list(refs)
+  gx_ref, gy_ref = ([refs.pop(0) for _ in range(2)] if group_mode
+                    else (None, None))
   g_ref = refs.pop(0) if mode == "g" else None
   part_ref = refs.pop(0)
   if mode == "g":
@@ -93,6 +104,11 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
       # Issued before the matmul: its latency hides behind it.
       rid = plgpu.load(rid_ref.at[pl.ds(i * bq, bq)], layout=ROW,
                        optimized=False)
+      if group_mode:
+        gx = plgpu.load(gx_ref.at[pl.ds(i * bq, bq)], layout=ROW,
+                        optimized=False)
+        gy = plgpu.load(gy_ref.at[pl.ds(c0, bk)], layout=COL,
+                        optimized=False)
       s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
                            g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
                            stages=stages, split_rings=False)
@@ -103,19 +119,31 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
         rid2 = lax.broadcast_in_dim(rid, s.shape, [0])
       pos = (rid2 == ci) if has_diagonal else None
       valid = ((rid2 >= 0) & (ci < m)) if mask else None
+      if group_mode:
+        gx2 = lax.broadcast_in_dim(gx, s.shape, [0])
+        gy2 = lax.broadcast_in_dim(gy, s.shape, [1])
+        # Negations as comparisons: Mosaic GPU does not lower a bool ``~``.
+        if group_mode == "positives":
+          rel = gx2 == gy2
+          pos = rel if pos is None else pos | rel
+        else:
+          keep = gx2 != gy2
+          keep = keep if pos is None else pos | keep
+          valid = keep if valid is None else valid & keep
       zeros = jnp.zeros(s.shape, F32)
+      signed = pos is not None
       # -z * s: -s on the positives, s elsewhere.
-      u_ = jnp.where(pos, -s, s) if has_diagonal else s
+      u_ = jnp.where(pos, -s, s) if signed else s
       if mode == "sum":
         sp = softplus(u_)
-        if mask:
+        if valid is not None:
           sp = jnp.where(valid, sp, zeros)
         return acc[0] + sp.sum(axis=1), acc[1]
       # sigmoid(u) = 1 / (1 + e^-u): e^-u overflows to inf for u << 0 and
       # gives 0, never NaN.
       sg = 1.0 / (1.0 + jnp.exp(-u_))
-      g = jnp.where(pos, -sg, sg) if has_diagonal else sg
-      if mask:
+      g = jnp.where(pos, -sg, sg) if signed else sg
+      if valid is not None:
         g = jnp.where(valid, g, zeros)
       if mode == "max":
         return jnp.maximum(acc[0], jnp.abs(g).max(axis=1)), acc[1]
@@ -143,7 +171,8 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
 
 def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
                   scaled=False, block_q=128, block_k=128, block_d=64,
-                  num_stages=None, num_programs=None, interpret=False):
+                  num_stages=None, num_programs=None, interpret=False,
+                  groups=None, group_mode="mask"):
   """The sigmoid forward sum, G panel or max |G| of padded x against y.
 
   Args:
@@ -158,6 +187,10 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
     num_stages: ring slots; default 4 for "sum" / "max", 3 for "g" (whose
       64 KB of G buffers take the fourth's shared memory).
     num_programs: persistent CTAs (default: one per SM).
+    groups: None, or (gx (R,), gy (m_pad,)) int32 group ids of the rows of
+      x and y (any value on padding).
+    group_mode: with ``groups``, "mask" (related pairs off the diagonal are
+      left out) or "positives" (related pairs get z = +1).
 
   Returns:
     "sum": the float32 sum of softplus(-z s) over the valid pairs;
@@ -169,6 +202,14 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
   common.check_inputs(x, y, block_q, block_k, block_d)
   r_rows, d_pad = x.shape
   m_pad = y.shape[0]
+  if groups is not None:
+    if group_mode not in GROUP_MODES:
+      raise ValueError(f"group_mode must be one of {GROUP_MODES}, got "
+                       f"{group_mode!r}")
+    if groups[0].shape != (r_rows,) or groups[1].shape != (m_pad,):
+      raise ValueError(
+          f"groups must be ((R,), (m_pad,)) = (({r_rows},), ({m_pad},)), "
+          f"got {groups[0].shape}, {groups[1].shape}")
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
   nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))
@@ -190,9 +231,12 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
       (nprog, common.NUM_CONSUMERS, 2, block_q), F32))
   kernel = functools.partial(
       _kernel, mode=mode, m=m, mask=mask, has_diagonal=has_diagonal,
-      scaled=scaled, bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni,
+      scaled=scaled, group_mode=None if groups is None else group_mode,
+      bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni,
       num_tiles=num_tiles, nprog=nprog, stages=num_stages)
   ins = (params.astype(F32), x, y, row_ids.astype(jnp.int32))
+  if groups is not None:
+    ins += tuple(g.astype(jnp.int32) for g in groups)
   outs = common.launch(kernel, operands=ins, out_type=out_type,
                        scratch=scratch, nprog=nprog,
                        name=f"infcl_mosaic_sigmoid_{mode}",

@@ -13,6 +13,12 @@ statistic, exact to float32 rounding while the tile's statistics span at
 most 2^64 (checked per tile from r and c); otherwise the two-exponential
 form. Padding: statistics of padded rows / columns are +inf, and a masked
 tile zeroes both terms there (``!= inf`` keeps NaN statistics NaN).
+
+Groups (``backends.base``): ``_kernel_groups`` also reads the panel rows'
+and the columns' int32 group ids and selects G = 0 on related pairs, after
+the exponentials (a row of related pairs only has LSE -inf, whose
+exp(s - lse) is inf). One body (``_panel``, ``GROUPS`` a compile-time
+switch) serves both entry points.
 """
 from __future__ import annotations
 
@@ -48,6 +54,31 @@ def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, g_ptr, dsc_ptr, dbi_ptr,
             BK: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
             COLS: tl.constexpr, MASK: tl.constexpr, SINGLE_EXP: tl.constexpr,
             PREC: tl.constexpr):
+  # No group ids: r_ptr stands in for them, never read.
+  _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, r_ptr, r_ptr, g_ptr, dsc_ptr,
+         dbi_ptr, M_PAD, D_PAD, BQ, BK, BD, ROWS, COLS, MASK, SINGLE_EXP,
+         PREC, False)
+
+
+@triton.jit
+def _kernel_groups(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr,
+                   g_ptr, dsc_ptr, dbi_ptr, M_PAD: tl.constexpr,
+                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                   BD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                   MASK: tl.constexpr, SINGLE_EXP: tl.constexpr,
+                   PREC: tl.constexpr):
+  _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr, g_ptr,
+         dsc_ptr, dbi_ptr, M_PAD, D_PAD, BQ, BK, BD, ROWS, COLS, MASK,
+         SINGLE_EXP, PREC, True)
+
+
+@triton.jit
+def _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr, g_ptr,
+           dsc_ptr, dbi_ptr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
+           BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+           ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr,
+           SINGLE_EXP: tl.constexpr, PREC: tl.constexpr,
+           GROUPS: tl.constexpr):
   i = tl.program_id(0)
   j = tl.program_id(1)
   NJ: tl.constexpr = M_PAD // BK
@@ -72,6 +103,10 @@ def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, g_ptr, dsc_ptr, dbi_ptr,
       g = _exact(s, r, c, a_r, a_c, BQ, BK, ROWS, COLS, MASK)
   else:
     g = _exact(s, r, c, a_r, a_c, BQ, BK, ROWS, COLS, MASK)
+  if GROUPS:
+    gx = tl.load(gx_ptr + rows)
+    gy = tl.load(gy_ptr + cols)
+    g = tl.where(gx[:, None] == gy[None, :], 0.0, g)
   offs = rows.to(tl.int64)[:, None] * M_PAD + cols[None, :]
   tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty))
   tl.store(dsc_ptr + i * NJ + j, tl.sum(g * s0))
@@ -80,15 +115,18 @@ def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, g_ptr, dsc_ptr, dbi_ptr,
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
             block_k, block_d, num_warps, num_stages, precision,
-            single_exp=True):
+            single_exp=True, groups=None):
   """The (R, m_pad) probability panel and the sums of G * (x y^T) and of G:
   the contract of the Pallas-Triton ``lse_bwd.g_panel`` (less
-  ``interpret``)."""
+  ``interpret``), ``groups`` included."""
   r_rows, d_pad = x.shape
   m_pad = y.shape[0]
   ni, nj = r_rows // block_q, m_pad // block_k
+  kernel, ins = _kernel, (params, x, y, r2, c2)
+  if groups is not None:
+    kernel, ins = _kernel_groups, ins + tuple(groups)
   g, dsc, dbi = launch.call(
-      _kernel, params, x, y, r2, c2,
+      kernel, *ins,
       out_shape=[jax.ShapeDtypeStruct((r_rows, m_pad), g_dtype),
                  jax.ShapeDtypeStruct((ni * nj,), F32),
                  jax.ShapeDtypeStruct((ni * nj,), F32)],

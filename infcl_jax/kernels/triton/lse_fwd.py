@@ -12,6 +12,12 @@ One exponential per logit where the tile allows it (every row's and
 column's sum under the tile's own max stays >= 2^-64), otherwise the tile
 is recomputed and takes the exact two-exponential update. Base 2
 throughout (log2 e folded into scale and bias).
+
+Groups (``backends.base``): ``_kernel_groups`` also reads the rows' and
+columns' int32 group ids and sets related pairs' logits to -inf (one
+compare and one select per logit). Both entry points run one body
+(``_sweep``, ``GROUPS`` a compile-time switch), so the kernel without
+groups is the same program as it would be on its own.
 """
 from __future__ import annotations
 
@@ -31,13 +37,18 @@ F32 = jnp.float32
 
 
 @triton.jit
-def _logits(x_ptr, y_ptr, rb, j, scale2, bias2, N: tl.constexpr,
+def _logits(x_ptr, y_ptr, gx, gy_ptr, rb, j, scale2, bias2, N: tl.constexpr,
             M: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
-            BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+            BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
+            GROUPS: tl.constexpr):
   """The (BQ, BK) base-2 logit tile of row block rb, column block j; -inf
-  on padding."""
+  on padding and (``GROUPS``: ``gx`` the row block's group ids) on related
+  pairs."""
   s = common.tile_dot(x_ptr, y_ptr, rb * BQ, j * BK, D_PAD, BQ, BK, BD, PREC)
   s = s * scale2 + bias2
+  if GROUPS:
+    gy = tl.load(gy_ptr + j * BK + tl.arange(0, BK))
+    s = tl.where(gx[:, None] == gy[None, :], -float("inf"), s)
   if N % BQ != 0 or M % BK != 0:
     rows = rb * BQ + tl.arange(0, BQ)
     cols = j * BK + tl.arange(0, BK)
@@ -99,6 +110,32 @@ def _kernel(params_ptr, x_ptr, y_ptr, row_ptr, cm_ptr, cl_ptr,
             ROWS: tl.constexpr, COLS: tl.constexpr,
             SINGLE_EXP: tl.constexpr, BARRIER: tl.constexpr,
             PREC: tl.constexpr):
+  # No group ids: x_ptr stands in for them, never read.
+  _sweep(params_ptr, x_ptr, y_ptr, x_ptr, x_ptr, row_ptr, cm_ptr, cl_ptr, N,
+         M, N_PAD, M_PAD, D_PAD, BQ, BK, BD, NPROG, ROWS, COLS, SINGLE_EXP,
+         BARRIER, PREC, False)
+
+
+@triton.jit
+def _kernel_groups(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr,
+                   cl_ptr, N: tl.constexpr, M: tl.constexpr,
+                   N_PAD: tl.constexpr, M_PAD: tl.constexpr,
+                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                   BD: tl.constexpr, NPROG: tl.constexpr, ROWS: tl.constexpr,
+                   COLS: tl.constexpr, SINGLE_EXP: tl.constexpr,
+                   BARRIER: tl.constexpr, PREC: tl.constexpr):
+  _sweep(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
+         N, M, N_PAD, M_PAD, D_PAD, BQ, BK, BD, NPROG, ROWS, COLS, SINGLE_EXP,
+         BARRIER, PREC, True)
+
+
+@triton.jit
+def _sweep(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
+           N: tl.constexpr, M: tl.constexpr, N_PAD: tl.constexpr,
+           M_PAD: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
+           BK: tl.constexpr, BD: tl.constexpr, NPROG: tl.constexpr,
+           ROWS: tl.constexpr, COLS: tl.constexpr, SINGLE_EXP: tl.constexpr,
+           BARRIER: tl.constexpr, PREC: tl.constexpr, GROUPS: tl.constexpr):
   pid = tl.program_id(0)
   scale2 = tl.load(params_ptr)      # scale * log2(e)
   bias2 = tl.load(params_ptr + 1)   # bias * log2(e)
@@ -115,9 +152,13 @@ def _kernel(params_ptr, x_ptr, y_ptr, row_ptr, cm_ptr, cl_ptr,
   for rb in range(pid, NRB, NPROG):
     m_i = tl.full((BQ,), -float("inf"), tl.float32)
     l_i = tl.zeros((BQ,), tl.float32)
+    if GROUPS:
+      gx = tl.load(gx_ptr + rb * BQ + tl.arange(0, BQ))
+    else:
+      gx = 0
     for j in range(0, NKB):
-      s = _logits(x_ptr, y_ptr, rb, j, scale2, bias2, N, M, D_PAD, BQ, BK,
-                  BD, PREC)
+      s = _logits(x_ptr, y_ptr, gx, gy_ptr, rb, j, scale2, bias2, N, M,
+                  D_PAD, BQ, BK, BD, PREC, GROUPS)
       if SINGLE_EXP and ROWS and COLS:
         big = tl.max(s)
         p = tl.exp2(s - common.safe_max(big))
@@ -130,8 +171,8 @@ def _kernel(params_ptr, x_ptr, y_ptr, row_ptr, cm_ptr, cl_ptr,
         else:
           # Recomputed rather than kept: holding s across the shared form
           # would double the tile's registers.
-          s2 = _logits(x_ptr, y_ptr, rb, j, scale2, bias2, N, M, D_PAD, BQ,
-                       BK, BD, PREC)
+          s2 = _logits(x_ptr, y_ptr, gx, gy_ptr, rb, j, scale2, bias2, N, M,
+                       D_PAD, BQ, BK, BD, PREC, GROUPS)
           m_i, l_i = _exact_update(s2, m_i, l_i, cm_ptr, cl_ptr, ws, j, BK,
                                    ROWS, COLS, BARRIER)
       else:
@@ -144,11 +185,11 @@ def _kernel(params_ptr, x_ptr, y_ptr, row_ptr, cm_ptr, cl_ptr,
 
 def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
             block_d, num_programs, num_warps, num_stages, precision,
-            single_exp=True):
+            single_exp=True, groups=None):
   """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
 
   The arguments are those of the Pallas-Triton ``lse_fwd`` (less
-  ``interpret``: ``launch`` decides). Returns (row_lse (n,) or None,
+  ``interpret``: ``launch`` decides), ``groups`` included. Returns (row_lse (n,) or None,
   col_lse (m,) or None), float32, natural log.
   """
   n_pad, d_pad = x.shape
@@ -159,8 +200,11 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   out_shape = [jax.ShapeDtypeStruct((n_pad if rows else 1,), F32),
                jax.ShapeDtypeStruct((ws,), F32),
                jax.ShapeDtypeStruct((ws,), F32)]
+  kernel, ins = _kernel, (params, x, y)
+  if groups is not None:
+    kernel, ins = _kernel_groups, ins + tuple(groups)
   row, cm, cl = launch.call(
-      _kernel, params, x, y, out_shape=out_shape, grid=(nprog,),
+      kernel, *ins, out_shape=out_shape, grid=(nprog,),
       num_warps=num_warps, num_stages=num_stages, name="infcl_triton_lse_fwd",
       N=n, M=m, N_PAD=n_pad, M_PAD=m_pad, D_PAD=d_pad, BQ=block_q,
       BK=block_k, BD=block_d, NPROG=nprog, ROWS=rows, COLS=cols,

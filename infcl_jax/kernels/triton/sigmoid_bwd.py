@@ -8,6 +8,12 @@ recompute and writes only the tile's largest |G| (the float16 pre-pass of
 ``panel_backward.sigmoid_grad``). Positives and padding come from global
 indices: ``rid`` holds each panel row's global index (-1 on padding),
 columns are ``j * BK + lane``, valid below M.
+
+Groups (``backends.base``): the ``*_groups`` entry points also read the
+panel rows' and the columns' int32 group ids; related pairs get G = 0
+("mask": the diagonal stays a positive) or the label z = +1
+(``POSITIVES``). The entry points share one tile (``_g_tile``, ``GROUPS``
+a compile-time switch).
 """
 from __future__ import annotations
 
@@ -24,10 +30,11 @@ MODES = ("g", "max")
 
 
 @triton.jit
-def _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, i, j, M: tl.constexpr,
-            D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-            BD: tl.constexpr, MASK: tl.constexpr, HAS_DIAG: tl.constexpr,
-            PREC: tl.constexpr):
+def _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j,
+            M: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
+            BK: tl.constexpr, BD: tl.constexpr, MASK: tl.constexpr,
+            HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
+            GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
   """(G, s0): the tile's float32 gradient and its raw dot products."""
   scale = tl.load(params_ptr)
   bias = tl.load(params_ptr + 1)
@@ -35,7 +42,25 @@ def _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, i, j, M: tl.constexpr,
   s = s0 * scale + bias
   rid = tl.load(rid_ptr + i * BQ + tl.arange(0, BQ))
   cid = j * BK + tl.arange(0, BK)
-  if HAS_DIAG:
+  if GROUPS:
+    gx = tl.load(gx_ptr + i * BQ + tl.arange(0, BQ))
+    rel = gx[:, None] == tl.load(gy_ptr + cid)[None, :]
+    if POSITIVES:
+      pos = rel
+      if HAS_DIAG:
+        pos = pos | (rid[:, None] == cid[None, :])
+      sg = common.sigmoid(tl.where(pos, -s, s))
+      g = tl.where(pos, -sg, sg)
+    else:
+      if HAS_DIAG:
+        pos = rid[:, None] == cid[None, :]
+        sg = common.sigmoid(tl.where(pos, -s, s))
+        g = tl.where(pos, -sg, sg)
+        rel = rel & ~pos
+      else:
+        g = common.sigmoid(s)
+      g = tl.where(rel, 0.0, g)
+  elif HAS_DIAG:
     pos = rid[:, None] == cid[None, :]
     sg = common.sigmoid(tl.where(pos, -s, s))
     g = tl.where(pos, -sg, sg)
@@ -52,11 +77,36 @@ def _kernel(params_ptr, x_ptr, y_ptr, rid_ptr, g_ptr, dsc_ptr, dbi_ptr,
             BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
             MASK: tl.constexpr, HAS_DIAG: tl.constexpr, SCALED: tl.constexpr,
             PREC: tl.constexpr):
+  # No group ids: rid_ptr stands in for them, never read.
+  _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, rid_ptr, rid_ptr, g_ptr,
+           dsc_ptr, dbi_ptr, M, M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG,
+           SCALED, PREC, False, False)
+
+
+@triton.jit
+def _kernel_groups(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr,
+                   dsc_ptr, dbi_ptr, M: tl.constexpr, M_PAD: tl.constexpr,
+                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                   BD: tl.constexpr, MASK: tl.constexpr,
+                   HAS_DIAG: tl.constexpr, SCALED: tl.constexpr,
+                   PREC: tl.constexpr, POSITIVES: tl.constexpr):
+  _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr, dsc_ptr,
+           dbi_ptr, M, M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG, SCALED, PREC,
+           True, POSITIVES)
+
+
+@triton.jit
+def _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr,
+             dsc_ptr, dbi_ptr, M: tl.constexpr, M_PAD: tl.constexpr,
+             D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+             BD: tl.constexpr, MASK: tl.constexpr, HAS_DIAG: tl.constexpr,
+             SCALED: tl.constexpr, PREC: tl.constexpr, GROUPS: tl.constexpr,
+             POSITIVES: tl.constexpr):
   i = tl.program_id(0)
   j = tl.program_id(1)
   NJ: tl.constexpr = M_PAD // BK
-  g, s0 = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, i, j, M, D_PAD, BQ, BK,
-                  BD, MASK, HAS_DIAG, PREC)
+  g, s0 = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j, M,
+                  D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, GROUPS, POSITIVES)
   # The scalar partials come from the unscaled float32 G.
   tl.store(dsc_ptr + i * NJ + j, tl.sum(g * s0))
   tl.store(dbi_ptr + i * NJ + j, tl.sum(g))
@@ -73,20 +123,41 @@ def _max_kernel(params_ptr, x_ptr, y_ptr, rid_ptr, max_ptr, M: tl.constexpr,
                 M_PAD: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
                 BK: tl.constexpr, BD: tl.constexpr, MASK: tl.constexpr,
                 HAS_DIAG: tl.constexpr, PREC: tl.constexpr):
+  _write_max(params_ptr, x_ptr, y_ptr, rid_ptr, rid_ptr, rid_ptr, max_ptr, M,
+             M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, False, False)
+
+
+@triton.jit
+def _max_kernel_groups(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr,
+                       max_ptr, M: tl.constexpr, M_PAD: tl.constexpr,
+                       D_PAD: tl.constexpr, BQ: tl.constexpr,
+                       BK: tl.constexpr, BD: tl.constexpr, MASK: tl.constexpr,
+                       HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
+                       POSITIVES: tl.constexpr):
+  _write_max(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, max_ptr, M,
+             M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, True, POSITIVES)
+
+
+@triton.jit
+def _write_max(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, max_ptr,
+               M: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
+               BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+               MASK: tl.constexpr, HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
+               GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
   i = tl.program_id(0)
   j = tl.program_id(1)
   NJ: tl.constexpr = M_PAD // BK
-  g, _ = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, i, j, M, D_PAD, BQ, BK,
-                 BD, MASK, HAS_DIAG, PREC)
+  g, _ = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j, M,
+                 D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, GROUPS, POSITIVES)
   tl.store(max_ptr + i * NJ + j, tl.max(tl.abs(g)))
 
 
 def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
             scaled, block_q, block_k, block_d, num_warps, num_stages,
-            precision):
+            precision, groups=None, group_mode="mask"):
   """The gradient panel and its scalar partials (mode "g"), or its largest
   |G| (mode "max"): the contract of the Pallas-Triton ``sigmoid_bwd.g_panel``
-  (less ``interpret``)."""
+  (less ``interpret``), ``groups`` and ``group_mode`` included."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   r_rows, d_pad = x.shape
@@ -98,12 +169,17 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
       M_PAD=m_pad, D_PAD=d_pad, BQ=block_q, BK=block_k, BD=block_d,
       MASK=mask, HAS_DIAG=has_diagonal, PREC=common.dot_precision(precision))
   ins = (params, x, y, row_ids)
+  g_kernel, max_kernel = _kernel, _max_kernel
+  if groups is not None:
+    ins += tuple(groups)
+    g_kernel, max_kernel = _kernel_groups, _max_kernel_groups
+    common_kw["POSITIVES"] = group_mode == "positives"
   if mode == "max":
-    (mx,) = launch.call(_max_kernel, *ins, out_shape=[scalar],
+    (mx,) = launch.call(max_kernel, *ins, out_shape=[scalar],
                         name="infcl_triton_sigmoid_bwd_max", **common_kw)
     return jnp.max(mx)
   g, dsc, dbi = launch.call(
-      _kernel, *ins,
+      g_kernel, *ins,
       out_shape=[jax.ShapeDtypeStruct((r_rows, m_pad), g_dtype), scalar,
                  scalar],
       name="infcl_triton_sigmoid_bwd_g", SCALED=scaled, **common_kw)
