@@ -11,6 +11,11 @@ combinations with held-out prompt templates (chance 1/8).
 
 ``configs/lit_demo.py:tiny`` is a seconds-long run of the same code path
 (tiny towers, random image tower, a few steps) for tests and smoke checks.
+
+``--config.captions_per_image=3 --config.loss.groups=image`` trains with the
+3 captions of each training image in one batch and tells the loss they are
+one image's (README, "Related pairs"; ``--config.loss.group_mode=positives``
+for multi-positive InfoNCE).
 """
 import os
 

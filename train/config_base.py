@@ -25,6 +25,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.batch_size = 256            # Global batch (all devices, all processes).
   # GradCache micro-batch (global). 0, or >= batch_size: no micro-batching.
   c.microbatch_size = 0
+  # Captions of one image per batch: each training image is put at k
+  # consecutive positions of the stream with k distinct captions (as long
+  # as it has k), e.g. COCO's 5. With loss.groups = "image" the loss knows
+  # them as one image's captions, not as negatives of each other. (Not in
+  # config.data: the image tower's pretraining, fingerprinted by config.data,
+  # does not depend on it.)
+  c.captions_per_image = 1
   # LiT: embed the training split once with the locked tower (into
   # <workdir>/image_embeddings, as `python -m train.precompute` does) and
   # train on those embeddings, decoding no image (needs model.image.locked).
@@ -80,6 +87,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss.init_bias = config_dict.placeholder(float)    # None: -10 sigmoid.
   c.loss.min_log_scale = 0.0
   c.loss.max_log_scale = math.log(100.0)
+  # Pairs that are not negatives (the loss's groups=): "none"; "image": the
+  # captions of one image sampled into one batch (captions_per_image,
+  # or a table of one row per caption); "content": duplicate images, by a
+  # hash of their pixels recorded where the embeddings are precomputed
+  # (needs precomputed embeddings).
+  c.loss.groups = "none"
+  # "mask": related pairs other than the positive leave the softmax
+  # (SigLIP: leave the sum); "positives": every related pair is a positive
+  # (multi-positive InfoNCE; SigLIP: label +1).
+  c.loss.group_mode = "mask"
 
   # The update of either optimizer is described in train/optim.py.
   c.optim = ml_collections.ConfigDict()
@@ -151,6 +168,10 @@ def check_config(config) -> None:
   need(config.batch_size >= 1, f"config.batch_size={config.batch_size} must "
        "be >= 1")
   need(config.microbatch_size >= 0, "config.microbatch_size must be >= 0")
+  need(isinstance(config.captions_per_image, int)
+       and config.captions_per_image >= 1,
+       f"config.captions_per_image={config.captions_per_image!r} must be an "
+       "int >= 1")
   mb = config.microbatch_size
   if 0 < mb < config.batch_size:
     need(config.batch_size % mb == 0, f"config.microbatch_size={mb} must "
@@ -180,6 +201,21 @@ def check_config(config) -> None:
   need(config.loss.backend in ("auto", "xla", "pallas", "reference"),
        f"config.loss.backend must be auto|xla|pallas|reference, got "
        f"{config.loss.backend!r}")
+  need(config.loss.groups in ("none", "image", "content"),
+       f"config.loss.groups must be 'none', 'image' or 'content', got "
+       f"{config.loss.groups!r}")
+  need(config.loss.group_mode in ("mask", "positives"),
+       f"config.loss.group_mode must be 'mask' or 'positives', got "
+       f"{config.loss.group_mode!r}")
+  need(config.loss.group_mode == "mask" or config.loss.groups != "none",
+       f"config.loss.group_mode={config.loss.group_mode!r} needs "
+       "config.loss.groups ('image' or 'content'): without groups there are "
+       "no related pairs")
+  need(config.loss.groups != "content" or config.precompute_image_embeddings
+       or config.data.name.startswith("embeddings:"),
+       "config.loss.groups='content' needs precomputed embeddings "
+       "(config.precompute_image_embeddings=True or config.data.name="
+       "embeddings:DIR): the content hashes are recorded there")
   need(config.optim.name in ("adamw", "adafactor"),
        f"config.optim.name must be 'adamw' or 'adafactor', got "
        f"{config.optim.name!r}")

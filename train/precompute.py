@@ -9,7 +9,9 @@ the embeddings are written as bfloat16 shards with the keys, captions and
 labels of their examples and the tower's fingerprint (layout:
 train/data/embeddings.py). Training then reads them by example index and
 decodes no image; a tower or preprocessing other than the one that made
-them is refused.
+them is refused. Each row also records its image id and a hash of its
+decoded pixels (``content_hash``): training groups duplicate images by it
+(``config.loss.groups = "content"``), never hashing again.
 
 Resumable: a shard is written to a temporary file and renamed into place,
 its .json last, and a rerun with the same --out skips the shards that are
@@ -22,6 +24,7 @@ are recorded as bad rows and skipped by training.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import os
 import sys
@@ -49,6 +52,17 @@ def _atomic_write(path: str, write) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+
+
+def content_hash(image: np.ndarray) -> str:
+  """Hex digest of an image's uint8 pixels as the tower sees them (at the
+  host's size), with their shape: equal for duplicate images, so training
+  can group them (``config.loss.groups = "content"``) without rehashing."""
+  image = np.ascontiguousarray(image, np.uint8)
+  h = hashlib.blake2b(digest_size=16)
+  h.update(repr(image.shape).encode())
+  h.update(image.tobytes())
+  return h.hexdigest()
 
 
 def _meta(source, tower, rows_per_shard: int, decode_size: int) -> dict:
@@ -131,6 +145,7 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
       lo = k * rows_per_shard
       hi = min(len(source), lo + rows_per_shard)
       keys, captions, labels, bad = [], [], [], {}
+      image_ids, hashes = [], []
       emb = np.zeros((hi - lo, tower.embed_dim), np.float32)
       # Decoding runs on the reader threads, one batch ahead of the device.
       batches = [range(s, min(hi, s + bs)) for s in range(lo, hi, bs)]
@@ -149,11 +164,15 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
             bad[str(i - lo)] = item.reason
             captions.append([])
             labels.append(-1)
+            image_ids.append(-1)
+            hashes.append("")
           else:
             images[r] = item["image"]
             captions.append([c.decode() if isinstance(c, bytes) else c
                              for c in item["captions"]])
             labels.append(int(item["label"]))
+            image_ids.append(int(item["image_id"]))
+            hashes.append(content_hash(item["image"]))
         out_rows = np.asarray(embed(params, images), np.float32)
         emb[rows.start - lo:rows.stop - lo] = out_rows[:len(rows)]
       if not np.all(np.isfinite(emb)):
@@ -165,6 +184,7 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
       _atomic_write(npy, lambda f, b=bits: np.save(f, b))
       _atomic_write(js, lambda f: f.write(json.dumps(
           {"keys": keys, "captions": captions, "labels": labels,
+           "image_ids": image_ids, "content_hashes": hashes,
            "bad": bad}).encode()))
       n_done += hi - lo
       log(f"[precompute] shard {k + 1}/{meta['num_shards']}: {hi - lo} "

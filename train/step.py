@@ -42,14 +42,23 @@ AXIS = "data"
 
 
 def make_loss_fn(head, mesh):
-  """``loss(head_params, img_emb_local, txt_emb_local)`` inside shard_map.
+  """``loss(head_params, img_emb_local, txt_emb_local, groups_local=None)``
+  inside shard_map.
 
   With more than one device the head gets ``axis_name`` (the ring): the
-  global loss of the local shards.
+  global loss of the local shards. ``groups_local`` (int32 [b]) are the
+  group ids of the shard's pairs (the batch is paired): the head's
+  ``group_mode`` says what related pairs are.
   """
   if mesh.size > 1:
     head = head.clone(axis_name=AXIS)
-  return lambda hp, x, y: head.apply({"params": hp}, x, y)
+
+  def loss(hp, x, y, groups=None):
+    if groups is None:  # The call of a run without groups, unchanged.
+      return head.apply({"params": hp}, x, y)
+    return head.apply({"params": hp}, x, y, groups=groups)
+
+  return loss
 
 
 # ----------------------------------------------------------------- the step
@@ -64,7 +73,8 @@ def embed_fn_of(tower):
 
 def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
                  head: nn.Module, microbatch_size: int, global_batch: int,
-                 precomputed: bool, image_locked: bool):
+                 precomputed: bool, image_locked: bool,
+                 groups: bool = False):
   """Builds ``grad_fn(params, batch) -> (loss, grads)`` (not jitted).
 
   Args:
@@ -80,6 +90,8 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
     precomputed: batches carry "image_emb" (b, D) instead of "image".
     image_locked: the image tower gets no gradient (it is frozen by the
       optimizer mask; skipping its backward only saves compute).
+    groups: batches carry "group" (int32 (b,), sharded like the pairs):
+      the loss gets them as ``groups=`` (``config.loss.groups``).
 
   Returns:
     A function of replicated params and a batch (dict of arrays sharded on
@@ -106,6 +118,9 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
 
   def local_grads(params, batch):
     """Loss and gradients of one device's shard (inside shard_map)."""
+    # The ids are data of the whole batch: GradCache chunks the towers, the
+    # loss sees the batch once, with its groups.
+    g_ids = batch["group"] if groups else None
     if chunked:
       embed_fns = {"txt": embed_txt}
       tower_params = {"txt": params["txt"]}
@@ -113,7 +128,7 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
         embed_fns["img"] = embed_img
         tower_params["img"] = params["img"]
       loss, g_head, g_towers = gradcache.value_and_grad(
-          lambda hp, e: loss_fn(hp, e["img"], e["txt"]), embed_fns,
+          lambda hp, e: loss_fn(hp, e["img"], e["txt"], g_ids), embed_fns,
           params["head"], tower_params,
           {"img": batch[image_key], "txt": batch["text"]},
           num_chunks=num_chunks,
@@ -129,7 +144,7 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
           if image_locked:
             x = jax.lax.stop_gradient(x)  # Skips the frozen tower's backward.
         return loss_fn(params["head"], x, embed_txt(params["txt"],
-                                                    batch["text"]))
+                                                    batch["text"]), g_ids)
       loss, grads = jax.value_and_grad(full_loss)(params)
     if grads["img"] is None:  # Precomputed embeddings: the tower is unused.
       grads["img"] = jax.tree.map(jnp.zeros_like, params["img"])

@@ -70,21 +70,28 @@ class StreamedImageTower:
 
   def step_inputs(self, iterator, num_microbatches: int) -> dict:
     """Pulls ``num_microbatches`` micro-batches and returns the step's
-    {"image_emb": (B, D), "text": (B, L)} global arrays."""
-    embs, texts, in_flight = [], [], collections.deque()
+    {"image_emb": (B, D), "text": (B, L)} global arrays (and "group": (B,)
+    when the micro-batches carry group ids)."""
+    embs, texts, groups, in_flight = [], [], [], collections.deque()
     for _ in range(num_microbatches):
       mb = next(iterator)
       e = self.embed_microbatch(mb["image"])
       embs.append(e)
       texts.append(mb["text"])
+      if "group" in mb:
+        groups.append(mb["group"])
       in_flight.append(e)
       if len(in_flight) > self.depth:
         # Bounds the images on the device (and the host's lead).
         in_flight.popleft().block_until_ready()
-    return {"image_emb": self.assemble(embs),
-            "text": jax.make_array_from_process_local_data(
-                self._sharding, device_major(texts, len(
-                    self.mesh.local_devices)))}
+    n_local = len(self.mesh.local_devices)
+    out = {"image_emb": self.assemble(embs),
+           "text": jax.make_array_from_process_local_data(
+               self._sharding, device_major(texts, n_local))}
+    if groups:
+      out["group"] = jax.make_array_from_process_local_data(
+          self._sharding, device_major(groups, n_local))
+    return out
 
   def assemble(self, embs: list):
     """Micro-batch embeddings -> one (B, D) array, device-major: each

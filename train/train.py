@@ -122,8 +122,12 @@ def make_head(config, axis_name=None) -> ContrastiveLoss:
   lc = config.loss
   block_sizes = (BlockSizes(lc.block_q, lc.block_k) if lc.block_q > 0
                  else None)
+  # group_mode only where groups are used: a run without them builds the
+  # head it always did.
+  extra = ({} if lc.get("groups", "none") == "none"
+           else {"group_mode": lc.group_mode})
   return ContrastiveLoss(
-      loss=lc.name, init_log_scale=lc.init_log_scale, use_bias=lc.use_bias,
+      **extra, loss=lc.name, init_log_scale=lc.init_log_scale, use_bias=lc.use_bias,
       init_bias=lc.init_bias, min_log_scale=lc.min_log_scale,
       max_log_scale=lc.max_log_scale, backend=lc.backend,
       block_sizes=block_sizes, axis_name=axis_name)
@@ -185,7 +189,10 @@ def init_params(config, image_tower, text_tower, head, tokenizer):
     txt = text_tower.init(
         rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
   e = jnp.zeros((2, text_tower.embed_dim))
-  hp = head.init(rng_head, e, e)["params"]
+  # A grouped head is called with groups (group_mode "positives" needs them).
+  g = ({} if config.loss.groups == "none"
+       else {"groups": jnp.arange(2, dtype=jnp.int32)})
+  hp = head.init(rng_head, e, e, **g)["params"]
   return {"img": image_tower.params, "txt": txt, "head": hp}
 
 
@@ -433,7 +440,10 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       config, batch_size=config.batch_size // n_proc,
       microbatch_size=(mb if chunked else config.batch_size) // n_proc,
       process_index=jax.process_index(), process_count=n_proc,
-      seed=config.seed, tokenizer=tokenizer, source=source)
+      seed=config.seed, tokenizer=tokenizer, source=source,
+      groups=config.loss.groups,
+      captions_per_image=config.captions_per_image)
+  grouped = config.loss.groups != "none"
   if is_main:
     print(f"[lit] data: {source.describe()}", flush=True)
   warning = optim.batch_repeat_warning(config.batch_size, len(source),
@@ -458,7 +468,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
       microbatch_size=config.microbatch_size, global_batch=config.batch_size,
       precomputed=precomputed or streamed,
-      image_locked=config.model.image.locked)
+      image_locked=config.model.image.locked, groups=grouped)
   if is_main:
     across = "" if mesh.size == 1 else ", ring across devices"
     print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
@@ -466,6 +476,10 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
           f"{config.batch_size}"
           + (f", GradCache micro-batch {mb}" if chunked else "")
           + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
+          + (f", groups {config.loss.groups} ({config.loss.group_mode})"
+             if grouped else "")
+          + (f"; {config.captions_per_image} captions per image"
+             if config.captions_per_image > 1 else "")
           + f"; image tower {config.model.image.kind}"
           + (" locked" if config.model.image.locked else " trained")
           + (", precomputed embeddings" if precomputed else "")
@@ -497,7 +511,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     key = "image_emb" if precomputed else "image"
     return step_lib.shard_batch(mesh, {
         k: stream_lib.device_major([p[k] for p in parts], n_local)
-        for k in (key, "text")})
+        for k in (key, "text") + (("group",) if grouped else ())})
 
   evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
   if is_main:

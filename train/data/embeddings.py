@@ -2,14 +2,20 @@
 
     DIR/meta.json            fingerprint of the tower, source, n, D, shard size
     DIR/shard-00000.npy      bfloat16 [rows, D] (stored as its uint16 bits)
-    DIR/shard-00000.json     keys, captions, labels and bad rows of the shard,
-                             written last: its presence marks the shard done
+    DIR/shard-00000.json     keys, captions, labels, image ids, content
+                             hashes and bad rows of the shard, written
+                             last: its presence marks the shard done
 
 Row i of the concatenated shards is example i of the source (its index, in
 source order), so training reads an embedding by example index from a
 memory-mapped file and decodes no image; ``row_of(key)`` gives the row of a
 key. An example whose image was bad when precomputing is bad here too, at the
 same index, so a stream skips the same examples either way.
+
+Group ids (``config.loss.groups``): "image" reads the source's image id of
+each row; "content" gives the rows with equal content hashes (duplicate
+images) one id, the index of the first of them, found once when the
+directory is opened.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ class EmbeddingSource:
           "rerun `python -m train.precompute` with the same --out to finish")
     self._emb, self.keys, self._captions, self._labels = [], [], [], []
     self._bad = {}
+    image_ids, hashes = [], []
     for s in range(k):
       npy, js = shard_paths(self.directory, s)
       with open(js) as f:
@@ -76,6 +83,11 @@ class EmbeddingSource:
       self.keys.extend(info["keys"])
       self._captions.extend(info["captions"])
       self._labels.extend(info["labels"])
+      # Shards written before ids were recorded have none: then no groups.
+      image_ids = (image_ids + info["image_ids"]
+                   if image_ids is not None and "image_ids" in info else None)
+      hashes = (hashes + info["content_hashes"]
+                if hashes is not None and "content_hashes" in info else None)
       self._bad.update({base + int(r): why for r, why in info["bad"].items()})
     if len(self.keys) != n:
       raise ValueError(f"{what}: {self.directory} holds {len(self.keys)} "
@@ -83,6 +95,20 @@ class EmbeddingSource:
     # Found while opening the images' source: counted as bad here as well.
     self.bad_at_open = [tuple(b) for b in self.meta.get("bad_at_open", [])]
     self._row_of = None
+    self._image_ids = image_ids
+    self._content_ids = None
+    if hashes is not None:
+      first = {}
+      self._content_ids = [first.setdefault(h, i) if h else -1
+                           for i, h in enumerate(hashes)]
+
+  @property
+  def has_image_ids(self) -> bool:
+    return self._image_ids is not None
+
+  @property
+  def has_content_ids(self) -> bool:
+    return self._content_ids is not None
 
   @property
   def dim(self) -> int:
@@ -115,7 +141,12 @@ class EmbeddingSource:
     if why is not None:
       raise BadExample(key, why)
     row = self._emb[index // self.rows][index % self.rows]
-    return {"key": key,
-            "image_emb": np.asarray(row).view(ml_dtypes.bfloat16).astype(
-                np.float32),
-            "captions": self._captions[index], "label": self._labels[index]}
+    out = {"key": key,
+           "image_emb": np.asarray(row).view(ml_dtypes.bfloat16).astype(
+               np.float32),
+           "captions": self._captions[index], "label": self._labels[index]}
+    if self._image_ids is not None:
+      out["image_id"] = self._image_ids[index]
+    if self._content_ids is not None:
+      out["content_id"] = self._content_ids[index]
+    return out

@@ -7,8 +7,11 @@
          left as it is) for the device to resize (host_size); done once and
          kept in memory when the shard fits in cache_max_mb
       -> shuffle(seed) + repeat: a fresh permutation of the shard each epoch
+      -> with config.captions_per_image k > 1: each image at k consecutive
+         stream positions (its k captions in one batch)
       -> map_with_index: pick one caption (random per stream position, so it
-         varies across epochs), tokenize
+         varies across epochs; distinct for the k copies), tokenize; with
+         config.loss.groups, the example's group id (image or content id)
       -> prefetch: grain's reader threads (num_threads), in num_workers
          worker processes when set (decoding is CPU-bound Python-level
          work: threads stop scaling at a few cores, processes do not)
@@ -104,11 +107,14 @@ def host_size(data) -> int:
 
 class Compact:
   """A source example -> {"image": uint8 [S, S, 3] (or "image_emb"),
-  "captions", "label"}, or a ``Bad`` naming it.
+  "captions", "label", "image_id" (and "content_id" where the source has
+  one)}, or a ``Bad`` naming it.
 
   S is the size the host delivers (``host_size``). Keeps only what training
   needs, at that resolution, so a cached shard costs S*S*3 bytes per example
-  whatever the original image size.
+  whatever the original image size. ``image_id`` is the source's identity of
+  the example's image (examples of one image share it; by default the
+  example's index), the group id of ``config.loss.groups = "image"``.
   """
 
   def __init__(self, source, image_size: int):
@@ -117,7 +123,10 @@ class Compact:
   def __call__(self, index: int):
     try:
       ex = self.source[int(index)]
-      out = {"captions": ex["captions"], "label": ex["label"]}
+      out = {"captions": ex["captions"], "label": ex["label"],
+             "image_id": int(ex.get("image_id", index))}
+      if "content_id" in ex:
+        out["content_id"] = int(ex["content_id"])
       if "image_emb" in ex:
         out["image_emb"] = ex["image_emb"]
       else:
@@ -130,23 +139,39 @@ class Compact:
       return Bad(e.where, e.reason)
 
 
+# config.loss.groups -> the compact example's id that becomes "group".
+GROUP_IDS = {"image": "image_id", "content": "content_id"}
+
+
 class Finalize:
   """A compact example at stream position p -> {"image" (uint8) or
-  "image_emb", "text", "label", "position"}; a Bad passes through.
+  "image_emb", "text", "label"} (and "group", int32, when ``groups`` is
+  "image" or "content"); a Bad passes through.
 
   Picks one caption (random, seeded by (seed, stream, p): it varies across
-  epochs but is the same on every run) and tokenizes it.
+  epochs but is the same on every run) and tokenizes it. With
+  ``captions_per_image`` k > 1 the stream holds each image at k consecutive
+  positions (``each_k``): position p takes caption (p mod k) of a permutation
+  of the image's captions seeded by (seed, stream, p // k), so the k copies
+  get distinct captions while the image has that many.
   """
 
-  def __init__(self, tokenizer, *, seed=0, stream=0, first_caption=False):
+  def __init__(self, tokenizer, *, seed=0, stream=0, first_caption=False,
+               groups: str = "none", captions_per_image: int = 1):
     self.tokenizer = tokenizer
     self.seed, self.stream, self.first_caption = seed, stream, first_caption
+    self.group_key = GROUP_IDS.get(groups)
+    self.k = captions_per_image
 
   def pick_caption(self, captions: list, position: int):
     if not captions:
       return b""
     if self.first_caption or len(captions) == 1:
       return captions[0]
+    if self.k > 1:
+      rng = np.random.default_rng([self.seed, self.stream, position // self.k])
+      return captions[int(rng.permutation(len(captions))[
+          (position % self.k) % len(captions)])]
     rng = np.random.default_rng([self.seed, self.stream, position])
     return captions[int(rng.integers(len(captions)))]
 
@@ -156,10 +181,33 @@ class Finalize:
     caption = self.pick_caption(compact["captions"], position)
     out = {"text": self.tokenizer.encode([caption])[0],
            "label": np.int32(compact["label"])}
+    if self.group_key is not None:
+      out["group"] = np.int32(compact[self.group_key])
     for k in ("image", "image_emb"):
       if k in compact:
         out[k] = compact[k]
     return (position, out)
+
+
+class _CopyOf:
+  """Position p of an ``each_k`` stream -> element p // k of its parent."""
+
+  def __init__(self, parent, k: int):
+    self.parent, self.k = parent, k
+
+  def __call__(self, position: int):
+    return self.parent[position // self.k]
+
+
+def each_k(ds, k: int):
+  """A grain MapDataset holding each element of ``ds`` at k consecutive
+  positions: the images of a ``captions_per_image`` stream, shuffled as
+  whole images, so the k captions of one image land in one batch (a k that
+  divides the micro-batch keeps them in one micro-batch too)."""
+  import grain  # pylint: disable=import-outside-toplevel
+  n = len(ds)
+  return grain.MapDataset.range(n if n >= sys.maxsize else n * k).map(
+      _CopyOf(ds, k))
 
 
 class _InMemorySource:
@@ -274,7 +322,8 @@ class TrainIterator:
 
   Yields {"image": uint8 [m, S, S, 3] (S = ``host_size``; or "image_emb":
   float32 [m, D] from precomputed embeddings), "text": int32 [m, L],
-  "label": int32 [m] (-1 without labels)} as numpy arrays, m = microbatch_size; a step takes
+  "label": int32 [m] (-1 without labels), with groups also "group": int32
+  [m]} as numpy arrays, m = microbatch_size; a step takes
   batch_size // microbatch_size of them in a row (``next_batch``).
 
   ``bad`` counts the examples skipped so far (those found while opening
@@ -407,7 +456,8 @@ class TrainIterator:
 def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                         process_count: int = 1, seed: int = 0,
                         tokenizer=None, microbatch_size: int = 0,
-                        source=None) -> TrainIterator:
+                        source=None, groups: str = "none",
+                        captions_per_image: int = 1) -> TrainIterator:
   """The training iterator of config.data for one process.
 
   Args:
@@ -422,6 +472,12 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
       divide batch_size); 0 = whole batches.
     source: an opened source (default: ``sources.open_source(config.data,
       config.data.split)``), e.g. precomputed embeddings.
+    groups: ``config.loss.groups``: "none", or "image" / "content": each
+      micro-batch also carries "group" (int32 [m]), the example's image id
+      or content id (precomputed embeddings only), for the loss's
+      ``groups=``.
+    captions_per_image: ``config.captions_per_image``: each image at k
+      consecutive stream positions with distinct captions (``each_k``).
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
@@ -440,6 +496,10 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if len(source) < process_count:
     raise ValueError(f"{source.spec} has {len(source)} examples, fewer "
                      f"than process_count={process_count}")
+  check_groups(source, groups)
+  k = captions_per_image
+  if not (isinstance(k, int) and k >= 1):
+    raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   compact = Compact(source, host_size(data))
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
@@ -451,7 +511,10 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   else:
     ds = grain.MapDataset.source(_Indices(shard)).map(compact)
   ds = ds.shuffle(seed=seed).repeat(None)
-  ds = ds.map_with_index(Finalize(tokenizer, seed=seed, stream=process_index))
+  if k > 1:
+    ds = each_k(ds, k)
+  ds = ds.map_with_index(Finalize(tokenizer, seed=seed, stream=process_index,
+                                  groups=groups, captions_per_image=k))
   read_options = grain.ReadOptions(
       num_threads=data.num_threads,
       prefetch_buffer_size=max(
@@ -469,9 +532,28 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                  "image_size": data.image_size,
                  "decode_size": data.decode_size,
                  "max_len": tokenizer.max_len}
+  if k > 1:  # Another stream (a k of 1 leaves older states valid).
+    fingerprint["captions_per_image"] = k
   return TrainIterator(ds, read_options, fingerprint,
                        microbatch_size=microbatch_size, ledger=ledger,
                        num_workers=data.num_workers)
+
+
+def check_groups(source, groups: str) -> None:
+  """One-line ValueError when ``source`` cannot give the ids of ``groups``."""
+  if groups not in ("none", *GROUP_IDS):
+    raise ValueError(f"config.loss.groups must be 'none', 'image' or "
+                     f"'content', got {groups!r}")
+  if groups == "content" and not getattr(source, "has_content_ids", False):
+    raise ValueError(
+        f"config.loss.groups='content' needs precomputed embeddings with "
+        f"content ids (written by `python -m train.precompute`, or "
+        f"config.precompute_image_embeddings=True); {source.spec} has none")
+  if groups == "image" and getattr(source, "has_image_ids", True) is False:
+    raise ValueError(
+        f"config.loss.groups='image': the embeddings {source.spec} were "
+        "written without image ids; recompute them with `python -m "
+        "train.precompute` into a new directory")
 
 
 def _read_all(compact, shard: range, num_threads: int) -> list:

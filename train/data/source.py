@@ -6,10 +6,13 @@ A source is a random-access sequence of examples (``len`` and
     {"key": str,         # stable and unique: "shard.tar:000123", "row 17"
      "image": bytes | np.ndarray,   # encoded file bytes, or uint8 [H, W, C]
      "captions": list[str | bytes], # at least one, non-empty
-     "label": int}       # -1 without labels
+     "label": int,       # -1 without labels
+     "image_id": int}    # optional: examples of one image share it
+                         # (default: the example's index)
 
 or, for precomputed embeddings, ``"image_emb": float32 [D]`` instead of
-"image". A bad record (a missing or empty caption, an image file that cannot
+"image" (and ``"content_id"``: examples with equal decoded pixels share
+it). A bad record (a missing or empty caption, an image file that cannot
 be read) raises ``BadExample``, naming it; an image that does not decode is
 found later by the pipeline, which raises the same. Bad examples found while
 a source is opened (a tar member without its pair, a truncated shard) are

@@ -10,7 +10,9 @@ may be a list of captions (one is drawn per epoch). The table is read whole
 at start-up (the standard library's csv and json: a million rows take
 seconds); the images are read when their example is. Rows with an empty
 caption or no image path are listed in ``bad_at_open``; an image file that
-cannot be read, or does not decode, is skipped when it is reached.
+cannot be read, or does not decode, is skipped when it is reached. Rows
+that name the same image file share an image id (the group of
+``config.loss.groups = "image"``).
 """
 from __future__ import annotations
 
@@ -118,6 +120,11 @@ class TableSource:
     if not self.keys:
       raise ValueError(f"{what}: table {path!r} has no usable (image, "
                        f"caption) rows ({len(self.bad_at_open)} bad)")
+    # Rows of one image file (a table of one row per caption) share an
+    # image id: the index of the first of them (config.loss.groups="image").
+    first = {}
+    self._image_ids = [first.setdefault(p, i)
+                       for i, p in enumerate(self._images)]
 
   def __len__(self):
     return len(self.keys)
@@ -135,4 +142,5 @@ class TableSource:
       raise BadExample(key, f"cannot read image {path!r}: "
                        f"{e.strerror or e}") from None
     return {"key": key, "image": data, "captions": self._captions[index],
-            "label": self._labels[index]}
+            "label": self._labels[index],
+            "image_id": self._image_ids[index]}
