@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The last H200 job of the groups session (< 5 min): the Mosaic forward's
-# padding mask now only in edge tiles (edge_mask="cond" by default): every
+# padding mask now only in the tiles that hold padding: every
 # Mosaic -m gpu test (4 xdist workers, nothing timed), then the fwd+bwd
 # step at B = 50,000 and 65,536, both families (bench_loss, one ceiling).
 #   OUT=... bash scripts/gpu_odd_final.sh

@@ -222,7 +222,7 @@ def test_related_sum_against_numpy():
 
 @pytest.mark.parametrize("backend", ["xla", "reference"])
 @pytest.mark.parametrize("mode", ["mask", "positives"])
-@pytest.mark.parametrize("kind", ["pairs", "big", "random", "one"])
+@pytest.mark.parametrize("kind", ["pairs", "big", "one"])
 def test_both_directions_match_float64(backend, mode, kind):
   rng = np.random.default_rng(hash((mode, kind)) % 2**32)
   n, d = 37, 16
@@ -508,6 +508,8 @@ def _correlated(n, m, d, seed, noise=3.0):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: "
+                    "off it the kernels are interpreted in exact float32")
 @pytest.mark.parametrize("backend", ["pallas", "mosaic"])
 @pytest.mark.parametrize("n,m,d,t,direction", [
     (8192, 8192, 768, 50.0, "both"), (3001, 3001, 200, 50.0, "both"),

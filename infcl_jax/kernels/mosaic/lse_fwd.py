@@ -34,22 +34,11 @@ and NaN inputs pay a second forward; every other call none.
 Everything is in base 2 (exp2 / log2 with log2(e) folded into the scale and
 bias). Padded rows / columns (index >= n / m) are masked to -inf.
 
-Where the padding mask is built (``edge_mask``, static; only the last row
-block and the last column block of an odd batch hold padding):
-
-* ``False``: every tile of a padded call compares two (bq, bk) iotas in the
-  WGMMA layout and selects: at B = 50,000 on an H200 the forward ran at
-  half the aligned rate (12.6 ms, 305 TFLOP/s, against 584 at 50,176);
-* ``"cond"`` (default): the same compare / select, but only in the tiles
-  that hold padding, behind a runtime branch (a ``lax.cond`` on the tile);
-  the other tiles pay one scalar test (7.9 ms, 484 TFLOP/s);
-* ``"vec"``: no 2-D iota and no branch: per row block a (bq,) ROW vector,
-  per tile a (bk,) COL vector, 0 on valid and -inf on padded indices, added
-  to the logits through the broadcast bias (rows, columns: no extra
-  operation; both: one add per logit; 9.0 ms, 428 TFLOP/s). Exact on the
-  valid logits (+ 0).
-  Padded logits are x.0 = 0, so -inf is added to a finite number, unless a
-  valid x row holds inf / NaN, whose row LSE is NaN either way.
+The padding mask is built only in the tiles that hold padding (the last
+row block, the last column block), behind a runtime branch on the tile;
+the other tiles pay one scalar test. Building it in every tile (two
+(bq, bk) iotas in the WGMMA layout, a compare and a select) halved the
+forward's rate at B = 50,000 on an H200 (BENCHMARKS.md).
 
 Groups (``groups=(gx, gy)``, a static switch: without them the kernel is
 the ungrouped one, unchanged). Related pairs (gx_i == gy_j) are
@@ -187,8 +176,7 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
 
 
 def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
-            nd, nrb, nkb2, nprog, stages, single_exp, check, groups,
-            edge_mask=False):
+            nd, nrb, nkb2, nprog, stages, single_exp, check, groups):
   refs = list(refs)
   gx_ref, gy_ref, lo_ref, hi_ref = (
       [refs.pop(0) for _ in range(4)] if groups else [None] * 4)
@@ -202,8 +190,8 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
   neg_inf = lambda shape: jnp.full(shape, -jnp.inf, F32)
 
   def pad_valid(rb, c0, valid=None):
-    """(bq, bk) validity of the tile's logits (rows < n, columns < m) from
-    two 2-D iotas, and-ed onto ``valid``."""
+    """(bq, bk) validity of an edge tile's logits (rows < n, columns < m)
+    from two 2-D iotas, and-ed onto ``valid``."""
     if mask_rows:
       ri = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=WGMMA)
       rv = ri + rb * bq < n
@@ -217,10 +205,6 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
   def col_validity(c0):
     """(bk,) COL: which of the consumer's columns are < m."""
     return plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=COL) + c0 < m
-
-  def penalty(valid):
-    """0 where ``valid``, -inf elsewhere (a 1-D ROW / COL vector)."""
-    return jnp.where(valid, jnp.zeros(valid.shape, F32), neg_inf(valid.shape))
 
   def row_block(t):
     return pid + t * nprog
@@ -240,12 +224,6 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
 
     def round_body(t, carry):
       rb = row_block(t)
-      row_bias = None
-      if edge_mask == "vec" and mask_rows:
-        # Once per round: the bias of each row, -inf on padded rows.
-        rv = plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=ROW) + (
-            rb * bq) < n
-        row_bias = penalty(rv) + bias2
       if groups:
         gx = plgpu.load(gx_ref.at[pl.ds(rb * bq, bq)], layout=ROW,
                         optimized=False)
@@ -270,44 +248,27 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
                              nd=nd, wg=wg, bq=bq, bk=bk, stages=stages,
                              split_rings=True)
         turns.wait(t * nkb2 + j)
-        col_valid = None
-        if edge_mask == "vec" and mask_cols:
-          col_valid = col_validity(c0)
-          col_bias = penalty(col_valid)
-          if row_bias is None:
-            s = s0 * scale2 + lax.broadcast_in_dim(col_bias + bias2,
-                                                   (bq, bk), [1])
-          else:
-            s = (s0 * scale2 + lax.broadcast_in_dim(row_bias, (bq, bk), [0])
-                 + lax.broadcast_in_dim(col_bias, (bq, bk), [1]))
-        elif row_bias is not None:
-          s = s0 * scale2 + lax.broadcast_in_dim(row_bias, (bq, bk), [0])
-        else:
-          s = s0 * scale2 + bias2
-        group_valid = None
+        s = s0 * scale2 + bias2
         if groups:
-          group_valid = (lax.broadcast_in_dim(gx, (bq, bk), [0])
-                         != lax.broadcast_in_dim(gy, (bq, bk), [1]))
-        if edge_mask is False:
-          if mask_rows or mask_cols or groups:
-            s = jnp.where(pad_valid(rb, c0, group_valid), s, neg_inf(s.shape))
-        else:
-          if groups:
-            s = jnp.where(group_valid, s, neg_inf(s.shape))
-          if edge_mask == "cond" and (mask_rows or mask_cols):
-            # Only the last row block / the consumer's last column block
-            # hold padding; every other tile skips the mask.
-            edge = False
-            if mask_rows:
-              edge = (rb + 1) * bq > n
-            if mask_cols:
-              edge = edge | (c0 + bk > m)
-            s = lax.cond(
-                edge,
-                lambda s: jnp.where(pad_valid(rb, c0), s, neg_inf(s.shape)),
-                lambda s: s, s)
+          unrelated = (lax.broadcast_in_dim(gx, (bq, bk), [0])
+                       != lax.broadcast_in_dim(gy, (bq, bk), [1]))
+          s = jnp.where(unrelated, s, neg_inf(s.shape))
+        if mask_rows or mask_cols:
+          # Only the last row block / the consumer's last column block
+          # hold padding: every other tile skips the mask (building it in
+          # every tile halved the forward's rate at B = 50,000).
+          edge = False
+          if mask_rows:
+            edge = (rb + 1) * bq > n
+          if mask_cols:
+            edge = edge | (c0 + bk > m)
+          s = lax.cond(
+              edge,
+              lambda s: jnp.where(pad_valid(rb, c0), s, neg_inf(s.shape)),
+              lambda s: s, s)
+        col_valid = None
         if flagged:
-          if mask_cols and col_valid is None:
+          if mask_cols:
             col_valid = col_validity(c0)
           all_rel = ((gy == lo) & (gy == hi)) if groups else None
           m_i, l_i, new_c = _shared_flagged(s, m_i, l_i, old_c, col_valid,
@@ -345,12 +306,11 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
 REDUCTION_SCRATCH_BYTES = 16384
 
 
-EDGE_MASKS = (False, "cond", "vec")
 
 
 def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
             block_d=64, num_stages=3, num_programs=None, interpret=False,
-            single_exp=True, check="rerun", groups=None, edge_mask="cond"):
+            single_exp=True, check="rerun", groups=None):
   """Row / column LSE of the logits of padded x (n_pad, Dp), y (m_pad, Dp).
 
   Args:
@@ -377,11 +337,6 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
       padded rows / columns (any value on padding): related pairs
       (gx_i == gy_j) are left out of both statistics; a row / column with
       no other pair gets -inf.
-    edge_mask: where the padding mask is applied (static): ``False`` (every
-      tile of a padded call), ``"cond"`` (default: only the tiles holding
-      padding, behind a runtime branch) or ``"vec"`` (per-row / per-column -inf
-      biases, no 2-D iota); see the module docstring. Same results to
-      float32 rounding.
 
   Returns:
     (row_lse (n,) or None, col_lse (m,) or None), float32, natural log.
@@ -390,9 +345,6 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
     return None, None
   if check not in ("tile", "rerun"):
     raise ValueError(f"check must be tile or rerun, got {check}")
-  if not (edge_mask is False or edge_mask in ("cond", "vec")):
-    raise ValueError(
-        f"edge_mask must be False, 'cond' or 'vec', got {edge_mask!r}")
   if groups is not None and (groups[0].shape != (x.shape[0],)
                              or groups[1].shape != (y.shape[0],)):
     raise ValueError(
@@ -400,7 +352,7 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
         f"({y.shape[0]},)), got {groups[0].shape}, {groups[1].shape}")
   kw = dict(n=n, m=m, rows=rows, cols=cols, block_q=block_q, block_k=block_k,
             block_d=block_d, num_stages=num_stages, num_programs=num_programs,
-            interpret=interpret, single_exp=single_exp, edge_mask=edge_mask,
+            interpret=interpret, single_exp=single_exp,
             groups=None if groups is None else _group_operands(
                 *groups, n=n, block_q=block_q))
   if not (check == "rerun" and single_exp and rows and cols):
@@ -428,7 +380,7 @@ def _group_operands(gx, gy, *, n, block_q):
 
 def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
                   block_d, num_stages, num_programs, interpret, single_exp,
-                  check, groups, edge_mask=False):
+                  check, groups):
   """One kernel call (see ``lse_fwd``; ``groups``: ``_group_operands``)."""
   common.check_inputs(x, y, block_q, block_k, block_d)
   n_pad, d_pad = x.shape
@@ -448,10 +400,10 @@ def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   kernel = functools.partial(
       _kernel, n=n, m=m, rows=rows, cols=cols, bq=block_q, bk=block_k,
       bd=block_d, nd=nd, nrb=nrb, nkb2=nkb2, nprog=nprog, stages=num_stages,
-      single_exp=single_exp, check=check, groups=groups is not None,
-      edge_mask=edge_mask)
+      single_exp=single_exp, check=check, groups=groups is not None)
   outs = common.launch(
-      kernel, operands=(params, x, y) + tuple(groups or ()), out_type=out_type, scratch=scratch,
+      kernel, operands=(params, x, y) + tuple(groups or ()),
+      out_type=out_type, scratch=scratch,
       nprog=nprog, name="infcl_mosaic_lse_fwd", interpret=interpret,
       split_rings=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES)
   row_lse = col_lse = None
