@@ -233,3 +233,15 @@ def check_past_int32_against_xla(loss_fn, backend, seed):
   assert_rel_close(nyp, nyx, rtol=2e-2, what="|d text| per row")
   tail = slice(2**31 // d, None)
   assert_rel_close(nxp[tail], nxx[tail], rtol=2e-2, what="rows past 2**31")
+
+
+def set_overrides(config, overrides):
+  """Sets ``{"a.b.c": value}`` entries on an ml_collections config, as
+  ``--config.a.b.c=value`` would."""
+  for k, v in overrides.items():
+    node = config
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return config

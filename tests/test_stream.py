@@ -26,6 +26,7 @@ from types import SimpleNamespace as NS
 from infcl_jax import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
 from tests import corpus as corpus_lib
+from tests.helpers import set_overrides
 from train.towers import own
 from train.towers import text as text_lib
 from train import precompute as precompute_lib
@@ -138,13 +139,7 @@ def _tiny(name, eval_split, shapes_dir, **overrides):
   c.data.data_dir = str(shapes_dir)
   c.data.num_train_examples = 64
   c.data.num_eval_examples = 32
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return set_overrides(c, overrides)
 
 
 def _rows(workdir):

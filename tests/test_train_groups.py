@@ -28,6 +28,7 @@ from types import SimpleNamespace as NS
 from infcl_jax import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
 from tests import group_reference
+from tests.helpers import set_overrides
 from train import config_base
 from train import data as data_lib
 from train import precompute as precompute_lib
@@ -51,13 +52,7 @@ def _tiny(data_dir, **overrides):
   c.data.data_dir = str(data_dir)
   c.data.num_train_examples = 64
   c.data.num_eval_examples = 16
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return set_overrides(c, overrides)
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,21 @@ def _add_distinct(distinct, launches):
     distinct.setdefault(key, spec)
 
 
+def assert_within_budget(launches, cc):
+  """Every launch compiled for sm``cc`` fits its shared memory, 255
+  registers and no spills; the failures listed by kernel."""
+  smem = capability.SMEM_PER_BLOCK[(cc // 10, cc % 10)]
+  over = []
+  for spec in launches:
+    c = aot.compile_launch(spec, cc)
+    if (c.shared > smem or c.registers > MAX_REGISTERS
+        or c.local > MAX_LOCAL_BYTES):
+      over.append(f"{spec.name} {spec.constexprs}: shared {c.shared} B "
+                  f"(limit {smem}), {c.registers} registers, {c.local} B "
+                  f"local")
+  assert not over, f"sm{cc} ({TARGETS[cc]}):\n" + "\n".join(over)
+
+
 def recorded_launches(cc, dtype):
   """The distinct launches of both families' fwd + bwd on sm``cc``."""
   bs = native_triton_configs.config((cc // 10, cc % 10), dtype)
@@ -105,7 +120,6 @@ def recorded_launches(cc, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("cc", sorted(TARGETS), ids=lambda c: f"sm{c}")
 def test_every_kernel_compiles_within_budget(cc, dtype):
-  smem = capability.SMEM_PER_BLOCK[(cc // 10, cc % 10)]
   launches = recorded_launches(cc, dtype)
   names = {s.name for s in launches}
   want = {"infcl_triton_lse_fwd", "infcl_triton_lse_bwd_panel",
@@ -113,15 +127,7 @@ def test_every_kernel_compiles_within_budget(cc, dtype):
   if np.dtype(dtype) == np.float16:
     want.add("infcl_triton_sigmoid_bwd_max")
   assert names == want, names
-  over = []
-  for spec in launches:
-    c = aot.compile_launch(spec, cc)
-    if (c.shared > smem or c.registers > MAX_REGISTERS
-        or c.local > MAX_LOCAL_BYTES):
-      over.append(f"{spec.name} {spec.constexprs}: shared {c.shared} B "
-                  f"(limit {smem}), {c.registers} registers, {c.local} B "
-                  f"local")
-  assert not over, f"sm{cc} ({TARGETS[cc]}):\n" + "\n".join(over)
+  assert_within_budget(launches, cc)
 
 
 def recorded_group_launches(cc, dtype):
@@ -161,19 +167,10 @@ def recorded_group_launches(cc, dtype):
 def test_every_groups_kernel_compiles_within_budget(cc, dtype):
   """The ``*_groups`` entry points (their group ids an extra compare and
   select per logit) within the same budgets."""
-  smem = capability.SMEM_PER_BLOCK[(cc // 10, cc % 10)]
   launches = recorded_group_launches(cc, dtype)
   kernels = {getattr(s.kernel, "fn", s.kernel).__name__ for s in launches}
   assert all(k.endswith("_groups") for k in kernels), kernels
-  over = []
-  for spec in launches:
-    c = aot.compile_launch(spec, cc)
-    if (c.shared > smem or c.registers > MAX_REGISTERS
-        or c.local > MAX_LOCAL_BYTES):
-      over.append(f"{spec.name} {spec.constexprs}: shared {c.shared} B "
-                  f"(limit {smem}), {c.registers} registers, {c.local} B "
-                  f"local")
-  assert not over, f"sm{cc} ({TARGETS[cc]}):\n" + "\n".join(over)
+  assert_within_budget(launches, cc)
 
 
 def test_every_config_entry_is_compiled():
