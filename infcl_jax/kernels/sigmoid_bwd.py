@@ -60,23 +60,22 @@ def _body(i, j, params_ref, x_ref, y_ref, rid_ref, *out_refs, bq, bk, bd, nd,
   rid = rid_ref[...]  # (bq,) global row index, -1 on padding
   cid = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
   pos = (rid[:, None] == cid[None, :]) if has_diagonal else None
-  drop = None
+  u = s
   if group_mode is not None:
     rel = gx_ref[...][:, None] == gy_ref[...][None, :]
     if group_mode == "positives":
       pos = rel if pos is None else pos | rel
     else:
-      drop = rel if pos is None else rel & ~pos
+      # sigmoid(-inf) = 0 is a dropped pair's G; the diagonal's select
+      # overrides it (as the forward).
+      u = jnp.where(rel, -jnp.inf, s)
+  # sigmoid(u) = 1 / (1 + e^-u): exact to rounding for any u (e^-u
+  # overflows to inf for u << 0 and gives 0, never NaN).
   if pos is not None:
-    u = jnp.where(pos, -s, s)
-    # sigmoid(u) = 1 / (1 + e^-u): exact to rounding for any u (e^-u
-    # overflows to inf for u << 0 and gives 0, never NaN).
-    sg = 1.0 / (1.0 + jnp.exp(-u))
+    sg = 1.0 / (1.0 + jnp.exp(-jnp.where(pos, -s, u)))
     g = jnp.where(pos, -sg, sg)
   else:
-    g = 1.0 / (1.0 + jnp.exp(-s))
-  if drop is not None:
-    g = jnp.where(drop, 0.0, g)
+    g = 1.0 / (1.0 + jnp.exp(-u))
   if mask:
     g = jnp.where((rid >= 0)[:, None] & (cid < m)[None, :], g, 0.0)
   # Triton reduces one axis at a time.

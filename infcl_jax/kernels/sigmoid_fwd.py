@@ -77,17 +77,19 @@ def _body(i, c, params_ref, x_ref, y_ref, *refs, n, m, bq, bk, bd, nd,
     col_ids = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
     # -z * s: softplus(-s) on the positives, softplus(s) on the negatives.
     pos = (row_ids[:, None] == col_ids[None, :]) if has_diagonal else None
-    drop = None
+    u = s
     if group_mode is not None:
       rel = gx[:, None] == gy_ref[pl.ds(j * bk, bk)][None, :]
       if group_mode == "positives":
         pos = rel if pos is None else pos | rel
       else:
-        drop = rel if pos is None else rel & ~pos
-    u = s if pos is None else jnp.where(pos, -s, s)
+        # A dropped pair's argument is -inf (softplus(-inf) = 0); the
+        # diagonal's select below overrides it. No mask stays live across
+        # the softplus.
+        u = jnp.where(rel, -jnp.inf, s)
+    if pos is not None:
+      u = jnp.where(pos, -s, u)
     sp = softplus(u)
-    if drop is not None:
-      sp = jnp.where(drop, 0.0, sp)
     if mask_rows or mask_cols:
       # Padded rows / columns are zeros, whose logit is the bias: mask them.
       valid = None

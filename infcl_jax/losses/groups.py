@@ -101,22 +101,43 @@ def weights(g_q, g_k_all, g_q_all, g_k_all_keys, row_w, col_w):
   return w_q, w_k, jnp.where(bad, jnp.nan, 0.0).astype(F32)
 
 
+def _segments(g_q, g_k):
+  """Dense segment ids of one key shard's groups: (seg_q, seg_k), where
+  seg_k[j] is the rank of g_k[j] among the shard's distinct ids and seg_q[i]
+  the rank of g_q[i] there, or b_k (out of range: ``segment_sum`` drops it)
+  when no key of the shard shares the query's id. O(b log b) on ints."""
+  m = g_k.shape[0]
+  order = jnp.argsort(g_k)
+  srt = g_k[order]
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                            (srt[1:] != srt[:-1]).astype(jnp.int32)])
+  rank = jnp.cumsum(starts)
+  seg_k = jnp.zeros((m,), jnp.int32).at[order].set(rank)
+  at = jnp.clip(jnp.searchsorted(srt, g_q), 0, m - 1)
+  seg_q = jnp.where(srt[at] == g_q, rank[at], m)
+  return seg_q, seg_k
+
+
 def positives_term(q, k, scale, bias, g_q, g_k, w_q, w_k):
   """sum over related (i, j) of (w_q[i] + w_k[j]) * s_ij, float32, for the
   local queries against one key shard (``g_k``, ``w_k`` its ids and
-  weights)."""
-  k32 = k.astype(F32)
-  # One grouped sum for the four per-key quantities the term needs.
-  packed = jnp.concatenate(
-      [k32, k32 * w_k[:, None], jnp.ones((k.shape[0], 1), F32),
-       w_k[:, None]], axis=1)
-  sums = related_sum(g_q, g_k, packed)
-  d = k.shape[1]
-  k_sum, kw_sum = sums[:, :d], sums[:, d:2 * d]
-  n_rel, w_rel = sums[:, 2 * d], sums[:, 2 * d + 1]
-  q32 = q.astype(F32)
-  dots = jnp.sum(q32 * (w_q[:, None] * k_sum + kw_sum))
-  return scale * dots + bias * jnp.sum(w_q * n_rel + w_rel)
+  weights).
+
+  Per group G the pairs give (sum_G w_q q) . (sum_G k) + (sum_G q) .
+  (sum_G w_k k), so both sides are summed by group id straight from the
+  embeddings (scatter-adds, nothing sorted or gathered at B x D): the
+  term's cost stays a few passes over q and k.
+  """
+  m = k.shape[0]
+  seg_q, seg_k = _segments(g_q, g_k)
+  q32, k32 = q.astype(F32), k.astype(F32)
+  sum_k = lambda v: jax.ops.segment_sum(v, seg_k, num_segments=m)
+  sum_q = lambda v: jax.ops.segment_sum(v, seg_q, num_segments=m)
+  dots = (jnp.sum(sum_q(q32 * w_q[:, None]) * sum_k(k32))
+          + jnp.sum(sum_q(q32) * sum_k(k32 * w_k[:, None])))
+  n_q, wq_g = sum_q(jnp.ones_like(w_q)), sum_q(w_q)
+  n_k, wk_g = sum_k(jnp.ones_like(w_k)), sum_k(w_k)
+  return scale * dots + bias * jnp.sum(wq_g * n_k + n_q * wk_g)
 
 
 def positives_term_grads(q, k, scale, bias, g_q, g_k, w_q, w_k, coef):

@@ -52,14 +52,15 @@ def _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j,
       sg = common.sigmoid(tl.where(pos, -s, s))
       g = tl.where(pos, -sg, sg)
     else:
+      # sigmoid(-inf) = 0 is a dropped pair's G; the diagonal's select
+      # overrides it (as the forward).
+      u = tl.where(rel, -float("inf"), s)
       if HAS_DIAG:
         pos = rid[:, None] == cid[None, :]
-        sg = common.sigmoid(tl.where(pos, -s, s))
+        sg = common.sigmoid(tl.where(pos, -s, u))
         g = tl.where(pos, -sg, sg)
-        rel = rel & ~pos
       else:
-        g = common.sigmoid(s)
-      g = tl.where(rel, 0.0, g)
+        g = common.sigmoid(u)
   elif HAS_DIAG:
     pos = rid[:, None] == cid[None, :]
     sg = common.sigmoid(tl.where(pos, -s, s))

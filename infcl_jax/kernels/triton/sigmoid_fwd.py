@@ -79,15 +79,16 @@ def _sums(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, out_ptr, N: tl.constexpr,
           rel = rel | (rows[:, None] == cols[None, :])
         s = tl.where(rel, -s, s)
       else:
+        # A dropped pair's argument is -inf (softplus(-inf) = 0); the
+        # diagonal's select overrides it. No mask stays live across the
+        # softplus.
+        u = tl.where(rel, -float("inf"), s)
         if HAS_DIAG:
-          diag = rows[:, None] == cols[None, :]
-          s = tl.where(diag, -s, s)
-          rel = rel & ~diag
+          u = tl.where(rows[:, None] == cols[None, :], -s, u)
+        s = u
     elif HAS_DIAG:
       s = tl.where(rows[:, None] == cols[None, :], -s, s)
     sp = common.softplus(s)
-    if GROUPS and not POSITIVES:
-      sp = tl.where(rel, 0.0, sp)
     if N % BQ != 0 or M % BK != 0:
       # Padded rows / columns are zeros, whose logit is the bias: mask them.
       sp = tl.where((rows < N)[:, None] & (cols < M)[None, :], sp, 0.0)
