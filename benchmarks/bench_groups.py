@@ -45,27 +45,41 @@ def check(family, backend, mode):
   return f"loss rel {abs(float(v) - float(rv)) / abs(float(rv)):.1e} dx rel {rel(gx, rgx):.1e}"
 
 
-def cost(b, backends):
+def cost(b, backends, rounds):
+  """Per (family, backend): the three variants compiled, then timed in
+  ``rounds`` interleaved rounds (none, mask, positives, none, ...), so a
+  drift of the clocks during the job lands on all three alike; each row is
+  the median over the rounds."""
   x, y = inputs(b, 768, jnp.bfloat16, seed=1)
   g = pairs(b)
   rows = [(f, be) for be in backends for f in ("softmax", "sigmoid")]
+  modes = (None, "mask", "positives")
   for family, backend in rows:
-    for mode in (None, "mask", "positives"):
-      name = f"{family} {backend} {mode or 'none'}"
-      if mode is not None:
-        record(f"check {name}", lambda f=family, be=backend, m=mode:
-               check(f, be, m))
-      record(f"time B={b} {name} ms", lambda f=family, be=backend, m=mode:
-             round(bench(loss_fn(f, be, m), x, y, g, reps=5), 3))
+    fns = {m: loss_fn(family, backend, m) for m in modes}
+    for mode in modes[1:]:
+      record(f"check {family} {backend} {mode}",
+             lambda f=family, be=backend, m=mode: check(f, be, m))
+    times = {m: [] for m in modes}
+    for _ in range(rounds):
+      for mode in modes:
+        times[mode].append(bench(fns[mode], x, y, g, reps=5))
+    for mode in modes:
+      record(f"time B={b} {family} {backend} {mode or 'none'} ms",
+             lambda t=times[mode]: round(float(np.median(t)), 3))
+    for mode in modes[1:]:
+      record(f"cost {family} {backend} {mode} %",
+             lambda t=times[mode], t0=times[None]: round(
+                 100 * (float(np.median(t)) / float(np.median(t0)) - 1), 1))
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--b", type=int, default=65536)
   p.add_argument("--backends", default="mosaic,triton,pallas")
+  p.add_argument("--rounds", type=int, default=3)
   a = p.parse_args()
   print("jax", jax.__version__, jax.devices(), flush=True)
-  cost(a.b, a.backends.split(","))
+  cost(a.b, a.backends.split(","), a.rounds)
   summary(50)
 
 

@@ -20,10 +20,10 @@ repetitions after compilation and a warm-up (``harness.timeit``).
    the two exact-GELU formulations), to see where the activation was fused.
    The A/B cases (``VIT_AB_CASES``) compile several variants of the
    default in one process under one set of XLA flags and time them in
-   interleaved rounds: params stored in bf16 (the trainer's
-   ``model.image.params_in_dtype``), the shifted one-pass LayerNorm
-   (``layers.LayerNorm``), q/k/v as three GEMMs, and all three; under no
-   flags, and under XLA's fusion autotuner (native vs Triton emitters),
+   interleaved rounds: every token through the last block (as torch
+   computes it; the default computes only the class token there), params
+   stored in bf16 (the trainer's ``model.image.params_in_dtype``), the
+   shifted one-pass LayerNorm (``layers.LayerNorm``); under no flags, and under XLA's fusion autotuner (native vs Triton emitters),
    cuDNN LayerNorm, Triton GEMMs for any dot, and block-level Triton
    fusions. Kernel lists
    go to OUT/hlo/CASE.VARIANT.kernels.txt.
@@ -53,6 +53,7 @@ summary table is printed last.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -61,7 +62,6 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
@@ -119,19 +119,21 @@ VIT_CASES = {
                                xla_flags=NO_TRITON_GEMM)),
 }
 
-# Variants of the default ViT (erf-GELU in f32) that the A/B cases compare
-# in one process: key -> (label, fields of ``_Patched`` / ``_compiled_vit``).
-# "params": "dtype" is the trainer's option ``model.image.params_in_dtype``
+# Variants of the default ViT (erf-GELU in f32, the last block pruned to
+# the class token) that the A/B cases compare in one process: key ->
+# (label, fields of ``_Patched`` / ``_compiled_vit``). "prune": "off" is
+# ``layers.Encoder(prune_last=False)`` (every token through the last block,
+# the class token picked after: what a torch ViT computes); "params":
+# "dtype" is the trainer's option ``model.image.params_in_dtype``
 # (``Tower.with_params_in_dtype``: no per-call f32 -> bf16 casts of the
 # weights); "ln": "shift" is ``layers.LayerNorm`` (one pass, shifted, exact
-# at large means) for flax's; "qkv": "split" is ``_split_qkv_attention``.
+# at large means) for flax's.
 VIT_VARIANTS = {
-    "base": ("ours, GELU erf f32 (default)", {}),
+    "base": ("ours, GELU erf f32, last block class token only (default)", {}),
+    "full_last": ("ours, every token through the last block",
+                  dict(prune="off")),
     "p16": ("ours, + params stored bf16", dict(params="dtype")),
     "ln": ("ours, + shifted one-pass LayerNorm", dict(ln="shift")),
-    "qkv3": ("ours, + q/k/v as three GEMMs", dict(qkv="split")),
-    "all": ("ours, + bf16 params, shifted LN, 3 GEMMs",
-            dict(params="dtype", ln="shift", qkv="split")),
 }
 # A/B cases: name -> (label, spec). ``variants``: keys of VIT_VARIANTS,
 # compiled in one process under ``xla_flags``; ``suffix`` ends each row's
@@ -146,19 +148,19 @@ VIT_AB_CASES = {
     "vit_ab": ("ours, A/B of the variants, one process",
                dict(variants=list(VIT_VARIANTS), suffix="")),
     "vit_ab_fa": ("ours, A/B under XLA's fusion autotuner",
-                  dict(variants=["base", "p16", "all"], xla_flags=(
+                  dict(variants=["base", "p16"], xla_flags=(
                       "--xla_gpu_experimental_enable_fusion_autotuner=true"),
                        suffix=" [fusion autotuner]")),
     "vit_ab_cudnn_ln": ("ours, A/B under cuDNN LayerNorm",
-                        dict(variants=["base", "all"],
+                        dict(variants=["base", "p16"],
                              xla_flags="--xla_gpu_enable_cudnn_layer_norm=true",
                              suffix=" [cudnn layer norm]")),
     "vit_ab_gemm_any": ("ours, A/B under Triton GEMM for any dot",
-                        dict(variants=["base", "all"],
+                        dict(variants=["base", "p16"],
                              xla_flags="--xla_gpu_triton_gemm_any=true",
                              suffix=" [triton gemm any]")),
     "vit_ab_block": ("ours, A/B under block-level Triton fusions",
-                     dict(variants=["base", "all"], xla_flags=(
+                     dict(variants=["base", "p16"], xla_flags=(
                          "--xla_gpu_experimental_enable_fusion_block_level_"
                          "rewriter=true"), suffix=" [block-level fusion]")),
 }
@@ -298,64 +300,13 @@ def _strip_metadata(text):
   return re.sub(r", metadata=\{[^}]*\}", "", text)
 
 
-def _split_qkv_attention():
-  """``layers.Attention`` with the same params, self-attention's q, k and v
-  as three GEMMs on slices of the fused ``qkv`` kernel instead of one GEMM
-  and a slice: XLA gives cuDNN's attention separate buffers, so the fused
-  form copies its [b, L, 3, H, hd] output (with the bias add) into three;
-  three GEMMs write them directly (their bias adds fused into the GEMMs or
-  done apart: the A/B shows which). Benchmark-only."""
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from train.towers import layers  # pylint: disable=import-outside-toplevel
-
-  class Qkv(nn.Module):
-    shape: tuple
-    use_bias: bool
-
-    @nn.compact
-    def __call__(self):
-      k = self.param("kernel", nn.initializers.lecun_normal(
-          in_axis=0, out_axis=(1, 2, 3)), self.shape)
-      b = (self.param("bias", nn.initializers.zeros, self.shape[1:])
-           if self.use_bias else None)
-      return k, b
-
-  class SplitQkvAttention(nn.Module):
-    num_heads: int
-    qkv_bias: bool = True
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, q_in, kv_in=None, lengths=None, causal=False):
-      if kv_in is not None:
-        raise NotImplementedError("split qkv: self-attention only")
-      d, dt = q_in.shape[-1], self.dtype
-      hd = d // self.num_heads
-      kernel, bias = Qkv((d, 3, self.num_heads, hd), self.qkv_bias,
-                         name="qkv")()
-      x = q_in.astype(dt)
-
-      def proj(i):
-        y = jnp.einsum("...d,dhk->...hk", x, kernel[:, i].astype(dt))
-        return y if bias is None else y + bias[i].astype(dt)
-      o = jax.nn.dot_product_attention(
-          proj(0), proj(1), proj(2), is_causal=causal,
-          key_value_seq_lengths=lengths,
-          implementation=layers.attention_implementation(dt))
-      return nn.DenseGeneral(d, axis=(-2, -1), dtype=dt, name="out")(o)
-
-  return SplitQkvAttention
-
-
 class _Patched:
   """A ViT variant's code in place for the ``with`` block (the module is
   traced inside: init, ``with_params_in_dtype``, lowering): the GELU
   formulation (``gelu``), an optimisation barrier after it (``barrier``),
-  ``ln="shift"``: ``layers.LayerNorm`` for flax's; ``qkv="split"``:
-  ``_split_qkv_attention``. Restored on exit, so one process can compile
-  several variants."""
+  ``ln="shift"``: ``layers.LayerNorm`` for flax's; ``prune="off"``:
+  ``layers.Encoder`` with ``prune_last=False``. Restored on exit, so one
+  process can compile several variants."""
 
   def __init__(self, act, variant):
     self.act, self.v = act, variant
@@ -365,7 +316,7 @@ class _Patched:
     import jax  # pylint: disable=import-outside-toplevel
     from train.towers import layers  # pylint: disable=import-outside-toplevel
     v = self.v
-    self.saved = (dict(layers.ACTIVATIONS), layers.Attention, nn.LayerNorm)
+    self.saved = (dict(layers.ACTIVATIONS), layers.Encoder, nn.LayerNorm)
     fn = (_gelu_forms()[v["gelu"]] if "gelu" in v
           else layers.ACTIVATIONS[self.act])
     if v.get("barrier"):
@@ -373,14 +324,14 @@ class _Patched:
     layers.ACTIVATIONS[self.act] = fn
     if v.get("ln", "flax") == "shift":
       nn.LayerNorm = layers.LayerNorm
-    if v.get("qkv", "fused") == "split":
-      layers.Attention = _split_qkv_attention()
+    if v.get("prune", "on") == "off":
+      layers.Encoder = functools.partial(layers.Encoder, prune_last=False)
     return self
 
   def __exit__(self, *exc):
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     from train.towers import layers  # pylint: disable=import-outside-toplevel
-    acts, layers.Attention, nn.LayerNorm = self.saved
+    acts, layers.Encoder, nn.LayerNorm = self.saved
     layers.ACTIVATIONS.clear()
     layers.ACTIVATIONS.update(acts)
     return False
@@ -585,31 +536,36 @@ def _text_tokens(jax, jnp, batch, length, vocab, eos):
 
 def child_text_jax(spec, rows):
   """Ours, forward + backward, each length (the longest first), each
-  pooling of the case: causal + EOS (CLIP's, the one HF is compared with)
+  pooling of the case: causal + EOS (CLIP's, the one HF is compared with;
+  "eos_full": every token through the last block, as torch computes it)
   and bidirectional + mean over per-row lengths (``text_jax`` only)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from train.towers import layers  # pylint: disable=import-outside-toplevel
   from train.towers import text as text_lib  # pylint: disable=import-outside-toplevel
   t = spec["sizes"]["text"]
   b = t["batch"]
-  acts = {"eos": "quick_gelu", "mean": "gelu_tanh"}
+  acts = {"eos": "quick_gelu", "eos_full": "quick_gelu", "mean": "gelu_tanh"}
   for length in sorted(t["lengths"], reverse=True):
     tokens = _text_tokens(jax, jnp, b, length, t["vocab"], 1)
     for pool in spec["case"]["pools"]:
       act = acts[pool]
-      impl = f"ours ({pool} pool, {act})"
+      impl = (f"ours ({pool} pool, {act})" if pool != "eos_full" else
+              f"ours (eos pool, {act}, every token through the last block)")
       part = f"text_fwd_bwd_L{length}"
       try:
-        m = text_lib.TextTransformer(
-            vocab_size=t["vocab"], max_len=77, width=t["width"],
-            depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
-            embed_dim=t["embed"], pool=pool, act=act, dtype=jnp.bfloat16)
-        p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
-        grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
-            m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
-        t0 = time.perf_counter()
-        compiled = grad.lower(p, tokens).compile()
-        compile_s = time.perf_counter() - t0
+        with _Patched(act, dict(prune="off") if pool == "eos_full" else {}):
+          m = text_lib.TextTransformer(
+              vocab_size=t["vocab"], max_len=77, width=t["width"],
+              depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
+              embed_dim=t["embed"], pool=pool.split("_")[0], act=act,
+              dtype=jnp.bfloat16)
+          p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
+          grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
+              m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
+          t0 = time.perf_counter()
+          compiled = grad.lower(p, tokens).compile()
+          compile_s = time.perf_counter() - t0
         tm = harness.timeit(compiled, p, tokens, reps=spec["reps"], warmup=2)
       except Exception as e:  # pylint: disable=broad-except
         rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
@@ -806,8 +762,8 @@ def case_spec(name, kind):
   if kind == "vit_ab":
     return VIT_AB_CASES[name]
   if kind == "text_jax":
-    return name, dict(pools=("eos",) if name == "text_jax_eos"
-                      else ("eos", "mean"))
+    return name, dict(pools=("eos", "eos_full") if name == "text_jax_eos"
+                      else ("eos", "eos_full", "mean"))
   if kind == "lit":
     _, tower, *mode = name.split("_")
     return name, dict(tower=tower, mode="_".join(mode))

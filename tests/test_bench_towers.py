@@ -68,7 +68,8 @@ def test_every_planned_case_has_a_spec_and_the_gelu_forms_agree():
   assert set(bt.VIT_AB_CASES) <= set(names)
   for label, case in bt.VIT_AB_CASES.values():
     assert set(case["variants"]) <= set(bt.VIT_VARIANTS), label
-  assert bt.case_spec("text_jax_eos", "text_jax")[1]["pools"] == ("eos",)
+  assert bt.case_spec("text_jax_eos", "text_jax")[1]["pools"] == ("eos",
+                                                              "eos_full")
   forms = bt._gelu_forms()  # pylint: disable=protected-access
   assert {c.get("gelu") for _, c in bt.VIT_CASES.values()} - {None} == set(
       forms)
@@ -93,7 +94,7 @@ def test_quick_run_writes_rows_and_hlo_and_keeps_the_budget(tmp_path):
   ab = [r for r in rows if r["case"] == "vit_ab"]
   assert [r["variant"] for r in ab] == list(bt.VIT_VARIANTS), ab
   assert all(r["status"] == "ok" and r["per_s"] > 0 for r in ab)
-  assert (tmp_path / "hlo" / "vit_ab.all.kernels.txt").exists()
+  assert (tmp_path / "hlo" / "vit_ab.full_last.kernels.txt").exists()
   rows = rows[len(ab):]
   assert [(r["case"], r["status"]) for r in rows] == [
       ("vit_erf", "ok"), ("vit_erfc", "ok")], rows
@@ -139,27 +140,16 @@ def test_every_xla_flag_of_a_case_is_known_to_this_jax():
   assert p.returncode != 0 and "Unknown flag" in p.stderr
 
 
-def test_split_qkv_attention_equals_the_fused_one_and_patches_restore():
+def test_patched_variants_are_in_place_inside_and_restored():
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
   from train.towers import layers  # pylint: disable=g-import-not-at-top
-  x = jax.random.normal(jax.random.key(0), (2, 7, 32))
-  fused = layers.Attention(4)
-  p = fused.init(jax.random.key(1), x)
-  p = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(
-      jax.random.key(a.size), a.shape), p)
-  split = bt._split_qkv_attention()(4)  # pylint: disable=protected-access
-  assert jax.tree.structure(split.init(jax.random.key(1), x)) == \
-      jax.tree.structure(p)
-  np.testing.assert_allclose(np.asarray(split.apply(p, x)),
-                             np.asarray(fused.apply(p, x)), rtol=1e-5,
-                             atol=1e-6)
-  before = (layers.Attention, nn.LayerNorm, dict(layers.ACTIVATIONS))
-  with bt._Patched("gelu", dict(qkv="split", ln="shift", gelu="erfc")):  # pylint: disable=protected-access
+  before = (layers.Encoder, nn.LayerNorm, dict(layers.ACTIVATIONS))
+  with bt._Patched("gelu", dict(prune="off", ln="shift", gelu="erfc")):  # pylint: disable=protected-access
     assert nn.LayerNorm is layers.LayerNorm
-    assert layers.Attention is not before[0]
+    assert layers.Encoder(depth=1, num_heads=1, mlp_dim=4).prune_last is False
     assert layers.ACTIVATIONS["gelu"] is not before[2]["gelu"]
-  assert (layers.Attention, nn.LayerNorm, layers.ACTIVATIONS) == before
+  assert (layers.Encoder, nn.LayerNorm, layers.ACTIVATIONS) == before
+  assert layers.Encoder(depth=1, num_heads=1, mlp_dim=4).prune_last
 
 
 def test_kernel_profile_times_each_op_of_a_jitted_call():

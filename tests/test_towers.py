@@ -85,6 +85,39 @@ def test_attention_equals_a_float64_reference():
                                  atol=1e-5)
 
 
+@pytest.mark.parametrize("causal,lengths", [(False, None), (True, None),
+                                            (False, [7, 5, 2]),
+                                            (True, [7, 5, 6])])
+def test_pruned_last_block_equals_every_token_then_picked(causal, lengths):
+  # The pooled token of each row (any position, the last included) through
+  # an encoder whose last block computes that token only, against the same
+  # params computing every token; values and parameter gradients.
+  kw = dict(depth=2, num_heads=2, mlp_dim=24, layer_scale=True)
+  x = jax.random.normal(jax.random.key(0), (3, 7, 12))
+  query = jnp.array([0, 4, 6], jnp.int32)
+  lens = None if lengths is None else jnp.array(lengths, jnp.int32)
+  pruned = layers.Encoder(**kw)
+  full = layers.Encoder(**kw, prune_last=False)
+  p = pruned.init(jax.random.key(1), x, lens, causal, query)["params"]
+
+  def out(m, p_):
+    return m.apply({"params": p_}, x, lens, causal, query)
+
+  def loss(m, p_):
+    return jnp.sum(jnp.sin(out(m, p_)))
+
+  got, want = out(pruned, p), out(full, p)
+  assert got.shape == (3, 12)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  g_got, g_want = jax.grad(loss, 1)(pruned, p), jax.grad(loss, 1)(full, p)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               g_got, g_want)
+  # The last block's MLP sees one token per row, the first block's all.
+  hlo = jax.jit(lambda p_: out(pruned, p_)).lower(p).as_text()
+  assert "3x1x24" in hlo and "3x7x24" in hlo
+
+
 def test_gelu_is_the_erf_gelu_of_a_float64_reference():
   import math  # pylint: disable=import-outside-toplevel
   x = np.concatenate([np.linspace(-8, 8, 4001), [-30.0, 30.0]])

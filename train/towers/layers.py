@@ -97,7 +97,10 @@ class Attention(nn.Module):
   dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, q_in, kv_in=None, lengths=None, causal=False):
+  def __call__(self, q_in, kv_in=None, lengths=None, causal=False,
+               query=None):
+    """``query`` [b] (int32), self-attention only: the output at one
+    position per row, [b, 1, d] (``Encoder``'s last block)."""
     d = q_in.shape[-1]
     if d % self.num_heads:
       raise ValueError(f"width {d} is not divisible by num_heads "
@@ -112,9 +115,21 @@ class Attention(nn.Module):
       q = dense((self.num_heads, hd), "q")(q_in)
       kv = dense((2, self.num_heads, hd), "kv")(kv_in)
       k, v = kv[..., 0, :, :], kv[..., 1, :, :]
-    x = jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, key_value_seq_lengths=lengths,
-        implementation=attention_implementation(self.dtype))
+    if query is None:
+      x = jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, key_value_seq_lengths=lengths,
+          implementation=attention_implementation(self.dtype))
+    else:
+      # One query per row: under the causal mask it sees keys 0..query,
+      # i.e. a length. A [b, 1] query is a matrix-vector product per head,
+      # which XLA's attention does well (cuDNN's fused kernel wants even
+      # query lengths once a mask is involved).
+      q = jnp.take_along_axis(q, query[:, None, None, None], axis=1)
+      seen = query + 1 if causal else None
+      if lengths is not None:
+        seen = lengths if seen is None else jnp.minimum(seen, lengths)
+      x = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=seen,
+                                       implementation="xla")
     return nn.DenseGeneral(d, axis=(-2, -1), dtype=self.dtype, name="out")(x)
 
 
@@ -146,10 +161,15 @@ class Block(nn.Module):
   dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, lengths=None, causal=False):
+  def __call__(self, x, lengths=None, causal=False, query=None):
+    """``query`` [b] (int32): only the token at that position of each row,
+    [b, 1, d] (its attention still reads every key)."""
     ln = lambda name: nn.LayerNorm(self.ln_eps, dtype=self.dtype, name=name)  # noqa: E731
     y = Attention(self.num_heads, self.qkv_bias, dtype=self.dtype,
-                  name="attn")(ln("norm1")(x), lengths=lengths, causal=causal)
+                  name="attn")(ln("norm1")(x), lengths=lengths, causal=causal,
+                               query=query)
+    if query is not None:
+      x = jnp.take_along_axis(x, query[:, None, None], axis=1)
     if self.layer_scale:
       y = y * self.param("ls1", nn.initializers.ones, (x.shape[-1],))
     x = x + y
@@ -161,7 +181,16 @@ class Block(nn.Module):
 
 
 class Encoder(nn.Module):
-  """``depth`` blocks named ``block{i}`` (no final norm: the towers place it)."""
+  """``depth`` blocks named ``block{i}`` (no final norm: the towers place it).
+
+  ``query`` [b] (int32): the one position per row that the tower pools
+  (the class token, CLIP text's EOS); the result is then [b, d]. The last
+  block computes its attention output, residual and MLP for that token
+  only: the other tokens' outputs are never read, and this is about a
+  twelfth of a 12-block tower's work (a torch tower computes them).
+  ``prune_last=False`` computes every token and picks the row's token after
+  the last block (the same numbers up to rounding; the benchmark's A/B).
+  """
   depth: int
   num_heads: int
   mlp_dim: int
@@ -170,11 +199,19 @@ class Encoder(nn.Module):
   qkv_bias: bool = True
   layer_scale: bool = False
   dtype: Dtype = jnp.float32
+  prune_last: bool = True
 
   @nn.compact
-  def __call__(self, x, lengths=None, causal=False):
+  def __call__(self, x, lengths=None, causal=False, query=None):
+    pruned = query is not None and self.prune_last and self.depth > 0
     for i in range(self.depth):
       x = Block(self.num_heads, self.mlp_dim, self.act, self.ln_eps,
                 self.qkv_bias, self.layer_scale, dtype=self.dtype,
-                name=f"block{i}")(x, lengths, causal)
-    return x
+                name=f"block{i}")(
+                    x, lengths, causal,
+                    query=query if pruned and i == self.depth - 1 else None)
+    if query is None:
+      return x
+    if not pruned:
+      x = jnp.take_along_axis(x, query[:, None, None], axis=1)
+    return x[:, 0]

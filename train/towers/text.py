@@ -68,12 +68,12 @@ class TextTransformer(nn.Module):
                             name="encoder")
     norm = nn.LayerNorm(self.ln_eps, dtype=self.dtype, name="norm")
     if self.pool == "eos":
-      x = norm(blocks(x, causal=True))[:, :length]
       is_eos = tokens == self.eos_id
-      # The first EOS; a row without one pools its last token.
+      # The first EOS; a row without one pools its last token. Only that
+      # token leaves the encoder (its last block computes no other).
       idx = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1),
-                      length - 1)
-      x = jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+                      length - 1).astype(jnp.int32)
+      x = norm(blocks(x, causal=True, query=idx))
     else:
       valid = tokens != self.pad_id
       lengths = jnp.maximum(jnp.sum(valid, axis=1, dtype=jnp.int32), 1)

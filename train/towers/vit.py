@@ -129,17 +129,20 @@ class ViT(nn.Module):
       x = x + pos
     if self.pre_norm:
       x = ln("pre_norm")(x)
-    x = layers.Encoder(self.depth, self.num_heads, self.mlp_dim, self.act,
-                       self.ln_eps, self.qkv_bias, self.layer_scale,
-                       dtype=dt, name="encoder")(x)
+    encoder = layers.Encoder(self.depth, self.num_heads, self.mlp_dim,
+                             self.act, self.ln_eps, self.qkv_bias,
+                             self.layer_scale, dtype=dt, name="encoder")
+    # With "tok" pooling only the class token leaves the encoder (its last
+    # block computes no other token); a per-token final norm of it is the
+    # same.
+    query = jnp.zeros((b,), jnp.int32) if self.pool == "tok" else None
+    x = encoder(x, query=query)
     if self.final_norm == "tokens":
       x = ln("norm")(x)
-    if self.pool == "tok":
-      x = x[:, 0]
-    elif self.pool == "gap":
+    if self.pool == "gap":
       x = jnp.mean(x[:, 1 if self.class_token else 0:].astype(jnp.float32),
                    axis=1).astype(dt)
-    else:
+    elif self.pool == "map":
       x = MapHead(self.num_heads, self.mlp_dim, self.act, self.ln_eps,
                   dtype=dt, name="map_head")(x)
     if self.final_norm == "pooled":
