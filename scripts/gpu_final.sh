@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The H200 jobs of the session that closes issues 20, 25 and 26, one per
+# device call (each < 9.5 min):
+#   groups: the -m gpu tests of the kernels that changed (Pallas and Triton
+#           sigmoid "mask", the positives term), then bench_groups (three
+#           interleaved rounds per row)
+#   table:  issue 25's table in one bench_loss run (one ceiling, one case per
+#           process), then the per-stage times (bench_mosaic) at 65,536 in
+#           bf16 and float32 and at 16,384
+#   towers: ViT-B/16 forward and the CLIP text tower fwd+bwd, ours (pruned
+#           last block and not) beside timm / HF eager and compiled
+#   lit:    the LiT step with the HF CLIP tower on the fly, and our own
+#   OUT=... bash scripts/gpu_final.sh JOB
+set -u
+cd "$(dirname "$0")/.."
+. scripts/gpu_lib.sh
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+T0=$SECONDS
+left() { echo $(( $1 - (SECONDS - T0) )); }
+case "${1:?job: groups, table, towers or lit}" in
+groups)
+  gpu_pytest "$out/gpu_tests.log" 170 3 -k "not past_2_to_the_31" \
+    tests/test_groups.py tests/test_groups_kernels.py tests/test_pallas_sigmoid.py &
+  gpu_pytest "$out/triton_tests.log" 170 2 -k "not past_2_to_the_31 and (Groups or Sigmoid or sigmoid)" \
+    tests/test_native_triton.py &
+  wait
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/gpu_tests.log" "$out/triton_tests.log"
+  timeout -k 10 "$(left 540)" python3 benchmarks/bench_groups.py --backends mosaic,triton,pallas \
+    --rounds 3 > "$out/bench_groups.log" 2>&1
+  echo "== bench_groups rc=$? at $((SECONDS - T0)) s"
+  sed -n '/SUMMARY/,$p' "$out/bench_groups.log"
+  ;;
+table)
+  b() { timeout -k 10 "$1" python3 benchmarks/bench_loss.py --out "$out/bench" --budget-s 2 \
+          --timeout-s 100 --resume "${@:2}" >> "$out/bench.log" 2>&1
+        echo "bench ${*:2} rc=$? at $((SECONDS - T0)) s"; }
+  b 110 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 65536
+  b 80 --loss softmax --backends mosaic --dtypes float32,float16 --batches 65536
+  b 70 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 16384,50000
+  b 130 --loss softmax --backends mosaic --dtypes bfloat16 --batches 1048576
+  grep -B2 -A30 "bf16 matmul ceiling" "$out/bench.log" | tail -24
+  st() { timeout -k 10 "$2" python3 benchmarks/bench_mosaic.py --full 0 "${@:3}" > "$out/stages_$1.log" 2>&1
+         echo "stages $1 rc=$? at $((SECONDS - T0)) s"; cat "$out/stages_$1.log"; }
+  st 65536 "$(left 430)" --b 65536 --r_list 4096
+  st 16384 "$(left 510)" --b 16384 --r_list 8192,16384
+  st 65536_f32 "$(left 565)" --b 65536 --dtype float32 --r_list 4096
+  ;;
+towers)
+  timeout -k 10 "$(left 560)" python3 benchmarks/bench_towers.py --out "$out/towers" \
+    --cases vit_ab,vit_torch,text_jax_eos,text_torch,vit_ab_fa,vit_ab_gemm_any \
+    --budget_s "$(left 545)" > "$out/towers.log" 2>&1
+  echo "== towers rc=$? at $((SECONDS - T0)) s"
+  tail -40 "$out/towers.log"
+  ;;
+lit)
+  timeout -k 10 "$(left 560)" python3 benchmarks/bench_towers.py --out "$out/lit" \
+    --cases lit_hf_on_the_fly,lit_own_on_the_fly --budget_s "$(left 545)" > "$out/lit.log" 2>&1
+  echo "== lit rc=$? at $((SECONDS - T0)) s"
+  tail -20 "$out/lit.log"
+  ;;
+esac
