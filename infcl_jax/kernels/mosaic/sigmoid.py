@@ -123,17 +123,22 @@ def _kernel(params_ref, x_ref, y_ref, rid_ref, *refs, mode, m, mask,
         gx2 = lax.broadcast_in_dim(gx, s.shape, [0])
         gy2 = lax.broadcast_in_dim(gy, s.shape, [1])
         # Negations as comparisons: Mosaic GPU does not lower a bool ``~``.
+        keep = None
         if group_mode == "positives":
           rel = gx2 == gy2
           pos = rel if pos is None else pos | rel
         else:
           keep = gx2 != gy2
           keep = keep if pos is None else pos | keep
-          valid = keep if valid is None else valid & keep
       zeros = jnp.zeros(s.shape, F32)
       signed = pos is not None
       # -z * s: -s on the positives, s elsewhere.
       u_ = jnp.where(pos, -s, s) if signed else s
+      if group_mode == "mask":
+        # A dropped pair's argument is -inf: softplus(-inf) = sigmoid(-inf)
+        # = 0, one select before the exponentials and no mask kept across
+        # them.
+        u_ = jnp.where(keep, u_, jnp.full(s.shape, -jnp.inf, F32))
       if mode == "sum":
         sp = softplus(u_)
         if valid is not None:
