@@ -4,11 +4,11 @@
 #   groups: the -m gpu tests of the kernel that changed (Mosaic sigmoid
 #           "mask"), then bench_groups (three interleaved rounds per row)
 #   table:  issue 25's table in one bench_loss run (one ceiling, one case per
-#           process), then the per-stage times (bench_mosaic) at 65,536 in
-#           bf16 and float32
-#   towers: ViT-B/16 forward and the CLIP text tower fwd+bwd, ours (pruned
-#           last block and not) beside timm / HF eager and compiled; the
-#           LiT step with the HF CLIP tower on the fly
+#           process), the per-stage times (bench_mosaic) at 65,536 in bf16
+#           and float32; then the ViT-B/16 forward, ours (last block pruned
+#           and not) beside timm eager and compiled
+#   text_lit: the CLIP text tower fwd+bwd, ours (pruned and not) beside HF
+#           eager and compiled; the LiT step with the HF CLIP tower on the fly
 #   OUT=... bash scripts/gpu_final.sh JOB
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 T0=$SECONDS
 left() { echo $(( $1 - (SECONDS - T0) )); }
-case "${1:?job: groups, table or towers}" in
+case "${1:?job: groups, table or text_lit}" in
 groups)
   # After the Pallas / Triton sigmoid "mask" change (its tests passed in the
   # first groups job), the Mosaic sigmoid's: its groups tests.
@@ -32,24 +32,31 @@ groups)
   sed -n '/SUMMARY/,$p' "$out/bench_groups.log"
   ;;
 table)
+  # Issue 25's table, then the ViT-B/16 forward beside timm (issue 20).
   b() { timeout -k 10 "$1" python3 benchmarks/bench_loss.py --out "$out/bench" --budget-s 2 \
           --timeout-s 100 --resume "${@:2}" >> "$out/bench.log" 2>&1
         echo "bench ${*:2} rc=$? at $((SECONDS - T0)) s"; }
-  b 110 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 65536
-  b 80 --loss softmax --backends mosaic --dtypes float32,float16 --batches 65536
-  b 70 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 16384,50000
-  b 130 --loss softmax --backends mosaic --dtypes bfloat16 --batches 1048576
+  b 80 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 65536
+  b 70 --loss softmax --backends mosaic --dtypes float32,float16 --batches 65536
+  b 60 --loss softmax,sigmoid --backends mosaic --dtypes bfloat16 --batches 16384,50000
+  b 110 --loss softmax --backends mosaic --dtypes bfloat16 --batches 1048576
   grep -B2 -A30 "bf16 matmul ceiling" "$out/bench.log" | tail -24
   st() { timeout -k 10 "$2" python3 benchmarks/bench_mosaic.py --full 0 "${@:3}" > "$out/stages_$1.log" 2>&1
          echo "stages $1 rc=$? at $((SECONDS - T0)) s"; cat "$out/stages_$1.log"; }
-  st 65536 "$(left 480)" --b 65536 --r_list 4096
-  st 65536_f32 "$(left 565)" --b 65536 --dtype float32 --r_list 4096
+  st 65536 60 --b 65536 --r_list 4096
+  st 65536_f32 60 --b 65536 --dtype float32 --r_list 4096
+  timeout -k 10 "$(left 575)" python3 benchmarks/bench_towers.py --out "$out/towers" \
+    --cases vit_ab,vit_torch --budget_s "$(left 565)" > "$out/towers.log" 2>&1
+  echo "== towers rc=$? at $((SECONDS - T0)) s"
+  tail -16 "$out/towers.log"
   ;;
-towers)
+text_lit)
+  # The CLIP text tower fwd+bwd beside HF, then the LiT step with the HF
+  # CLIP tower on the fly (issue 20).
   timeout -k 10 "$(left 560)" python3 benchmarks/bench_towers.py --out "$out/towers" \
-    --cases vit_ab,vit_torch,text_jax_eos,text_torch,lit_hf_on_the_fly \
+    --cases text_jax_eos,text_torch,lit_hf_on_the_fly \
     --budget_s "$(left 545)" > "$out/towers.log" 2>&1
   echo "== towers rc=$? at $((SECONDS - T0)) s"
-  tail -40 "$out/towers.log"
+  tail -24 "$out/towers.log"
   ;;
 esac
