@@ -46,7 +46,7 @@ table)
   st 65536 60 --b 65536 --r_list 4096
   st 65536_f32 60 --b 65536 --dtype float32 --r_list 4096
   timeout -k 10 "$(left 470)" python3 benchmarks/bench_towers.py --out "$out/towers" \
-    --cases vit_ab,vit_torch --budget_s "$(left 460)" > "$out/towers.log" 2>    --cases vit_ab,vit_torch --budget_s "$(left 565)" > "$out/towers.log" 2>&11
+    --cases vit_ab,vit_torch --budget_s "$(left 460)" > "$out/towers.log" 2>&1
   echo "== towers rc=$? at $((SECONDS - T0)) s"
   tail -16 "$out/towers.log"
   ;;
