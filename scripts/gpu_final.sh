@@ -53,9 +53,9 @@ table)
 text_lit)
   # The CLIP text tower fwd+bwd beside HF, then the LiT step with the HF
   # CLIP tower on the fly (issue 20).
-  timeout -k 10 "$(left 560)" python3 benchmarks/bench_towers.py --out "$out/towers" \
+  timeout -k 10 "$(left 415)" python3 benchmarks/bench_towers.py --out "$out/towers" \
     --cases text_jax_eos,text_torch,lit_hf_on_the_fly \
-    --budget_s "$(left 545)" > "$out/towers.log" 2>&1
+    --budget_s "$(left 405)" > "$out/towers.log" 2>&1
   echo "== towers rc=$? at $((SECONDS - T0)) s"
   tail -24 "$out/towers.log"
   ;;
