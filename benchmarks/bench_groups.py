@@ -45,7 +45,8 @@ def check(family, backend, mode):
   return f"loss rel {abs(float(v) - float(rv)) / abs(float(rv)):.1e} dx rel {rel(gx, rgx):.1e}"
 
 
-def cost(b, backends, rounds):
+def cost(b, backends, rounds, families=("softmax", "sigmoid"),
+         modes=("none", "mask", "positives", "none again")):
   """Per (family, backend): the variants compiled, then timed in
   ``rounds`` interleaved rounds (none, mask, positives, none again, ...),
   so a drift of the clocks during the job lands on all alike; each row is
@@ -56,12 +57,11 @@ def cost(b, backends, rounds):
   the same GEMMs)."""
   x, y = inputs(b, 768, jnp.bfloat16, seed=1)
   g = pairs(b)
-  rows = [(f, be) for be in backends for f in ("softmax", "sigmoid")]
-  modes = ("none", "mask", "positives", "none again")
+  rows = [(f, be) for be in backends for f in families]
   for family, backend in rows:
     fns = {m: loss_fn(family, backend, None if m.startswith("none") else m)
            for m in modes}
-    for mode in ("mask", "positives"):
+    for mode in [m for m in modes if not m.startswith("none")]:
       record(f"check {family} {backend} {mode}",
              lambda f=family, be=backend, m=mode: check(f, be, m))
     times = {m: [] for m in modes}
@@ -83,9 +83,13 @@ def main():
   p.add_argument("--b", type=int, default=65536)
   p.add_argument("--backends", default="mosaic,triton,pallas")
   p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--families", default="softmax,sigmoid")
+  p.add_argument("--modes", default="none,mask,positives,none again",
+                 help="'none' first; 'none again' is the noise floor")
   a = p.parse_args()
   print("jax", jax.__version__, jax.devices(), flush=True)
-  cost(a.b, a.backends.split(","), a.rounds)
+  cost(a.b, a.backends.split(","), a.rounds, a.families.split(","),
+       tuple(a.modes.split(",")))
   summary(50)
 
 

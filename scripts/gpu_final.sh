@@ -9,6 +9,7 @@
 #           and not) beside timm eager and compiled
 #   text_lit: the CLIP text tower fwd+bwd, ours (pruned and not) beside HF
 #           eager and compiled; the LiT step with the HF CLIP tower on the fly
+#   rerun:  the two groups rows whose kernels changed after "groups"
 #   OUT=... bash scripts/gpu_final.sh JOB
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 T0=$SECONDS
 left() { echo $(( $1 - (SECONDS - T0) )); }
-case "${1:?job: groups, table or text_lit}" in
+case "${1:?job: groups, table, text_lit or rerun}" in
 groups)
   # After the Pallas / Triton sigmoid "mask" change (its tests passed in the
   # first groups job), the Mosaic sigmoid's: its groups tests.
@@ -58,5 +59,20 @@ text_lit)
     --budget_s "$(left 405)" > "$out/towers.log" 2>&1
   echo "== towers rc=$? at $((SECONDS - T0)) s"
   tail -24 "$out/towers.log"
+  ;;
+rerun)
+  # After the Mosaic softmax panel and the Triton sigmoid backward took the
+  # -inf logit for related pairs: their groups tests, then their two rows.
+  gpu_pytest "$out/mosaic_tests.log" 45 3 -k "softmax" tests/test_groups_mosaic.py &
+  gpu_pytest "$out/triton_tests.log" 45 2 -k "Groups and Gpu and sigmoid" tests/test_native_triton.py &
+  wait
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/mosaic_tests.log" "$out/triton_tests.log"
+  g() { XLA_FLAGS="--xla_gpu_per_fusion_autotune_cache_dir=/tmp/autotune_groups" \
+          timeout -k 5 "$1" python3 benchmarks/bench_groups.py --rounds 3 --modes "none,mask,none again" \
+          "${@:2}" >> "$out/bench_groups.log" 2>&1; echo "bench_groups ${*:2} rc=$? at $((SECONDS - T0)) s"; }
+  g "$(left 97)" --backends mosaic --families softmax
+  g "$(left 147)" --backends triton --families sigmoid
+  grep "^check\|^time\|^cost" "$out/bench_groups.log"
   ;;
 esac
