@@ -27,11 +27,11 @@ turns them into a -inf logit, so that both terms vanish there (a padded
 row's column term would otherwise not). NaN statistics stay NaN.
 
 Groups (``groups=(gx, gy)``, a static switch): G is 0 on related pairs
-(gx_i == gy_j), which the LSEs left out: one compare and one select per
-element set their logit to -inf before the exponentials. A row or column
-whose statistic is -inf (all its pairs related) is clamped to a large
-finite value (``common.safe``), so that it gives 0, not NaN, there and
-against the padding. The rows' ids are loaded beside r, the
+(gx_i == gy_j), which the LSEs left out; one compare and one select per
+element after the exponentials, so that a row or column whose statistic is
+-inf (all its pairs related) gives 0 there, not NaN; such a statistic is
+also clamped to a large finite value (``common.safe``), so that it gives 0,
+not NaN, against the padding. The rows' ids are loaded beside r, the
 columns' beside c.
 """
 from __future__ import annotations
@@ -123,16 +123,13 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
       halves = [(s0[:, h * bw:(h + 1) * bw], c_parts[h])
                 for h in range(EPILOGUE_SPLIT)]
       for h, (s0h, ch) in enumerate(halves):
-        s = s0h * scale2 + bias2
-        if groups:
-          # A related pair's logit is -inf: its two exponentials give 0 (the
-          # statistics are finite above), one select before them and no
-          # mask kept across them.
-          rel = (lax.broadcast_in_dim(gx, s.shape, [0])
-                 == lax.broadcast_in_dim(gy_parts[h], s.shape, [1]))
-          s = jnp.where(rel, jnp.full(s.shape, -jnp.inf, F32), s)
-        g = _g_tile(s, r, ch, a_r, a_c, rows=rows, cols=cols, mask=mask,
+        g = _g_tile(s0h * scale2 + bias2, r, ch, a_r, a_c, rows=rows,
+                    cols=cols, mask=mask,
                     consts=(inf_r, zero_r, inf_c, zero_c))
+        if groups:
+          rel = (lax.broadcast_in_dim(gx, g.shape, [0])
+                 == lax.broadcast_in_dim(gy_parts[h], g.shape, [1]))
+          g = jnp.where(rel, jnp.zeros(g.shape, F32), g)
         # The previous TMA store must have read the buffer before it is
         # reused; the second sub-tile's exponentials run while the first
         # one's store drains.

@@ -54,13 +54,13 @@ def _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j,
     else:
       # sigmoid(-inf) = 0 is a dropped pair's G; the diagonal's select
       # overrides it (as the forward).
+      u = tl.where(rel, -float("inf"), s)
       if HAS_DIAG:
         pos = rid[:, None] == cid[None, :]
-        u = tl.where(rel & ~pos, -float("inf"), tl.where(pos, -s, s))
-        sg = common.sigmoid(u)
+        sg = common.sigmoid(tl.where(pos, -s, u))
         g = tl.where(pos, -sg, sg)
       else:
-        g = common.sigmoid(tl.where(rel, -float("inf"), s))
+        g = common.sigmoid(u)
   elif HAS_DIAG:
     pos = rid[:, None] == cid[None, :]
     sg = common.sigmoid(tl.where(pos, -s, s))
