@@ -3,7 +3,8 @@
 Attention goes through ``jax.nn.dot_product_attention``: on a GPU in bf16 or
 f16 that is cuDNN's fused (flash) kernel, which keeps the [L, L] scores out
 of memory; elsewhere XLA's own. Queries, keys and values come from one fused
-projection (one matmul instead of three).
+projection (one matmul instead of three). A tower that pools one token
+(``Encoder(query=...)``) runs its last block for that token only.
 """
 from __future__ import annotations
 
