@@ -12,12 +12,14 @@ The target: <= 5% over the same backend without groups.
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import infcl_jax
+from benchmarks import harness
 from benchmarks.probes.common import bench, inputs, record, rel, summary
 
 
@@ -45,8 +47,18 @@ def check(family, backend, mode):
   return f"loss rel {abs(float(v) - float(rv)) / abs(float(rv)):.1e} dx rel {rel(gx, rgx):.1e}"
 
 
+def write_profile(path, fn, *args):
+  """Per XLA op (on a GPU: per kernel) the ms per call of ``fn``, longest
+  first: where a variant's extra time goes."""
+  rows = harness.kernel_profile(fn, *args)
+  with open(path, "w", encoding="utf-8") as f:
+    for op, ms, n in rows:
+      f.write(f"{op[:80]:80s} {ms:10.3f} {n:7.1f}\n")
+    f.write(f"{'total':80s} {sum(r[1] for r in rows):10.3f}\n")
+
+
 def cost(b, backends, rounds, families=("softmax", "sigmoid"),
-         modes=("none", "mask", "positives", "none again")):
+         modes=("none", "mask", "positives", "none again"), profile=None):
   """Per (family, backend): the variants compiled, then timed in
   ``rounds`` interleaved rounds (none, mask, positives, none again, ...),
   so a drift of the clocks during the job lands on all alike; each row is
@@ -76,6 +88,12 @@ def cost(b, backends, rounds, families=("softmax", "sigmoid"),
     for mode in modes[1:]:
       record(f"cost {family} {backend} {mode} %",
              lambda m=mode: round(100 * (med[m] / med["none"] - 1), 1))
+    for mode in modes if profile else ():
+      path = os.path.join(profile, f"{family}_{backend}_"
+                          f"{mode.replace(' ', '_')}.txt")
+      record(f"profile {family} {backend} {mode}",
+             lambda pth=path, m=mode: write_profile(pth, fns[m], x, y, g)
+             or pth)
 
 
 def main():
@@ -86,10 +104,14 @@ def main():
   p.add_argument("--families", default="softmax,sigmoid")
   p.add_argument("--modes", default="none,mask,positives,none again",
                  help="'none' first; 'none again' is the noise floor")
+  p.add_argument("--profile", default="",
+                 help="folder: each variant's per-kernel times go there")
   a = p.parse_args()
+  if a.profile:
+    os.makedirs(a.profile, exist_ok=True)
   print("jax", jax.__version__, jax.devices(), flush=True)
   cost(a.b, a.backends.split(","), a.rounds, a.families.split(","),
-       tuple(a.modes.split(",")))
+       tuple(a.modes.split(",")), a.profile or None)
   summary(50)
 
 

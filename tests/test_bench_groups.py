@@ -1,0 +1,26 @@
+"""CPU smoke test of benchmarks/bench_groups.py: the pipeline (checks,
+interleaved rounds, the noise-floor row, per-kernel profiles), not the
+numbers."""
+import jax
+
+from benchmarks import bench_groups
+from benchmarks.probes import common
+
+
+def test_rows_costs_and_profiles(tmp_path, monkeypatch):
+  monkeypatch.setattr(common, "RESULTS", [])
+  assert jax.default_backend() == "cpu"
+  bench_groups.cost(64, ["xla"], 2, families=("sigmoid",),
+                    modes=("none", "mask", "none again"), profile=str(tmp_path))
+  got = dict(common.RESULTS)
+  assert not [k for k, v in got.items() if str(v).startswith("FAILED")], got
+  assert got["check sigmoid xla mask"].startswith("loss rel 0.0e+00"), got
+  for mode in ("none", "mask", "none again"):
+    ms, rounds = got[f"time B=64 sigmoid xla {mode} ms"].split(" (rounds ")
+    lo, hi = (float(t) for t in rounds.rstrip(")").split("-"))
+    assert 0 < lo <= float(ms) <= hi, got
+    with open(got[f"profile sigmoid xla {mode}"], encoding="utf-8") as f:
+      lines = f.read().splitlines()
+    assert lines[-1].startswith("total") and len(lines) >= 2, lines
+  assert isinstance(got["cost sigmoid xla mask %"], float)
+  assert isinstance(got["cost sigmoid xla none again %"], float)
