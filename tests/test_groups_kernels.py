@@ -37,7 +37,8 @@ ON_GPU = jax.default_backend() == "gpu"
 # float32 exact when compiled.
 TINY = dataclasses.replace(test_pallas_sigmoid.TINY, num_programs=3)
 GPU_SMALL = dataclasses.replace(test_pallas_sigmoid.GPU_SMALL, num_programs=3)
-STRUCTURES = ("singletons", "pairs", "big", "all_keys", "all_queries")
+STRUCTURES = ("singletons", "pairs", "big", "all_keys", "all_queries",
+              "sparse")
 # G is stored in the input dtype before the GEMMs: bfloat16 keeps ~3
 # digits. The statistics are float32 sums of exact products.
 GRAD_RTOL = {jnp.float32: 5e-5, jnp.bfloat16: 2e-2, jnp.float16: 1e-2}
@@ -67,9 +68,28 @@ def make_groups(structure, n, m, seed):
     gy[0], gy[1] = 7, 100
   elif structure == "distinct":
     gx, gy = np.arange(n), n + np.arange(m)
+  elif structure == "sparse":
+    # Distinct ids but for a few related pairs (row rows[0] has three): a
+    # few tiles hold a related pair, the others none.
+    gx, gy = np.arange(n), n + np.arange(m)
+    k = max(4, min(n, m) // 64)
+    rows = rng.choice(n, size=k, replace=False)
+    cols = rng.choice(m, size=k + 2, replace=False)
+    gy[cols[:k]] = gx[rows]
+    gy[cols[k:]] = gx[rows[0]]
   else:
     raise ValueError(structure)
   return np.asarray(gx, np.int32), np.asarray(gy, np.int32)
+
+
+def with_duplicates(structure, x, y, gx, gy):
+  """y with each related key a copy of its query for "sparse" (duplicate
+  images): those logits dominate, so a tile that skipped its related pairs
+  shows in every output. Other structures keep y."""
+  if structure != "sparse":
+    return y
+  i, j = np.nonzero(gx[:, None] == gy[None, :])
+  return y.at[j].set(x[i])
 
 
 def check_lse(actual, ref, what):
@@ -163,11 +183,12 @@ class TestPallasGroupsInterpret:
     be = self.backend("softmax")
     blocks = blocks or self.BLOCKS
     rng = np.random.default_rng(seed)
-    x, y = rand_emb(rng, n, d, dtype), rand_emb(rng, m, d, dtype)
+    x, y0 = rand_emb(rng, n, d, dtype), rand_emb(rng, m, d, dtype)
     t, b = 9.0, -0.5
     for k, structure in enumerate(structures):
       gx, gy = make_groups(structure, n, m, seed + k)
       g = (jnp.asarray(gx), jnp.asarray(gy))
+      y = with_duplicates(structure, x, y0, gx, gy)
       rr, cr = gr.tile_lse(as64(x), as64(y), t, b, gx, gy)
       r, c = _lse(be, x, y, *_f32(t, b), g, rows=True, cols=True, bs=blocks)
       check_lse(r, rr, f"{structure} row lse")
@@ -220,11 +241,12 @@ class TestPallasGroupsInterpret:
     if has_diagonal:
       m = n
     rng = np.random.default_rng(seed)
-    x, y = rand_emb(rng, n, d, dtype), rand_emb(rng, m, d, dtype)
+    x, y0 = rand_emb(rng, n, d, dtype), rand_emb(rng, m, d, dtype)
     t, b = 7.0, -3.0
     for k, structure in enumerate(structures):
       gx, gy = make_groups(structure, n, m, seed + k)
       g = (jnp.asarray(gx), jnp.asarray(gy))
+      y = with_duplicates(structure, x, y0, gx, gy)
       for mode in ("mask", "positives"):
         what = f"{structure} {mode} diag={has_diagonal}"
         ref = gr.sigmoid_tile(as64(x), as64(y), t, b, gx, gy, has_diagonal,
@@ -248,7 +270,8 @@ class TestPallasGroupsInterpret:
   def test_sigmoid_low_precision(self):
     n, _, d = self.SHAPES[1]
     for dtype in self.SIGMOID_LOW_PRECISION:
-      self.sigmoid_case(n, n, d, dtype, ("pairs", "all_keys"), seed=4,
+      self.sigmoid_case(n, n, d, dtype, ("pairs", "all_keys", "sparse"),
+                        seed=4,
                         has_diagonal=True, bwd_impls=("pallas",))
 
   # ----------------------------------------------------- distinct groups
@@ -294,6 +317,7 @@ class TestPallasGroupsGpu(TestPallasGroupsInterpret):
 
   @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
   @pytest.mark.parametrize("n,d,structure", [(4096, 768, "pairs"),
+                                             (4096, 768, "sparse"),
                                              (3001, 1000, "all_keys")])
   def test_default_tiles(self, n, d, structure, dtype):
     for family in ("softmax", "sigmoid"):
