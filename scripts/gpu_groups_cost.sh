@@ -11,6 +11,12 @@
 #          (three interleaved rounds, "none again" the noise floor); it ran
 #          on the per-tile flags that BENCHMARKS.md records as reverted
 #   tests: the same tests alone (the kernels as committed)
+#   triton: after the triton backend's grouped "mask" sigmoid panels run
+#          without the diagonal (written afterwards): its sigmoid groups
+#          -m gpu tests, then its bench_groups row
+#   mosaic: after the Mosaic softmax forward's per-column test moved behind
+#          a branch per round: its groups -m gpu tests, then its row of
+#          bench_groups
 #   OUT=... bash scripts/gpu_groups_cost.sh JOB
 set -u
 cd "$(dirname "$0")/.."
@@ -29,7 +35,21 @@ ncu_step() {  # LOG FAMILY BACKEND MODE
     python3 benchmarks/probes/groups_step.py --family "$2" --backend "$3" --mode "$4" > "$1" 2>&1
   echo "ncu $2 $3 $4 rc=$? at $((SECONDS - T0)) s"
 }
-case "${1:?job: diag, check or tests}" in
+case "${1:?job: diag, check, tests, mosaic or triton}" in
+triton)
+  gpu_pytest "$out/triton_tests.log" 130 2 -k "Groups and Gpu and sigmoid" tests/test_native_triton.py
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/triton_tests.log"
+  g "$(left 235)" --backends triton --families sigmoid --rounds 2 --modes "none,mask,positives,none again"
+  grep "^check\|^time\|^cost" "$out/bench_groups.log" | sort -u
+  ;;
+mosaic)
+  gpu_pytest "$out/gpu_tests.log" 200 3 tests/test_groups_mosaic.py
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/gpu_tests.log"
+  g "$(left 330)" --backends mosaic --families softmax --rounds 3 --modes "none,mask,positives,none again"
+  grep "^check\|^time\|^cost" "$out/bench_groups.log" | sort -u
+  ;;
 tests)
   gpu_pytest "$out/gpu_tests.log" 230 3 tests/test_groups_mosaic.py tests/test_groups_kernels.py &
   gpu_pytest "$out/triton_tests.log" 230 2 -k "Groups and Gpu" tests/test_native_triton.py &

@@ -91,6 +91,10 @@ class NativeTritonBackend(triton_tiles.TritonTilesBackend):
   """Triton-language kernels through jax-triton, both families."""
 
   name = "triton"
+  # Its sigmoid panel is latency-bound (one 8-warp CTA per SM): the
+  # diagonal's compare and selects, per logit, made the grouped "mask"
+  # backward 17% slower than "positives" (BENCHMARKS.md).
+  GROUP_DIAGONAL_OUTSIDE = True
 
   def default_block_sizes(self, platform, dtype):
     """The ``native_triton_configs`` entry that fits this GPU."""

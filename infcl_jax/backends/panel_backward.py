@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -70,8 +71,9 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
       dbi)``: the panel G (R, m_pad) in the input dtype, a float32 scalar it
       was divided by (multiplied back after the GEMMs), and the panel's
       float32 sums of G * (x y^T) and of G.
-    row_groups: optional (layout.n_pad,) int32 group ids of the rows, split
-      like ``row_vec`` and handed to ``g_panel`` as its fourth argument.
+    row_groups: optional (layout.n_pad,) per-row array (the rows' int32
+      group ids), or a tuple of them, split like ``row_vec`` and handed to
+      ``g_panel`` after it.
     layout: ``panel_layout(...)``.
     precision: matmul precision of the GEMMs.
     refs: further arrays the kernel reads (their varying axes type the
@@ -103,7 +105,9 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
   scanned = (xp.reshape(layout.n_panels, layout.rows, layout.d_pad),
              per_panel(row_vec))
   if row_groups is not None:
-    scanned = scanned + (per_panel(row_groups),)
+    if not isinstance(row_groups, tuple):
+      row_groups = (row_groups,)
+    scanned = scanned + tuple(per_panel(v) for v in row_groups)
   (dy, dsc, dbi), dx = lax.scan(panel, init, scanned)
   dx = dx.reshape(layout.n_pad, layout.d_pad)[:n, :d]
   return dx, dy[:m, :d], dsc, dbi
@@ -175,7 +179,8 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
 
 
 def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
-                 panel=None, groups=None, group_mode="mask"):
+                 panel=None, groups=None, group_mode="mask",
+                 diagonal_outside=False):
   """``sigmoid_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
 
   G = (-z) sigmoid(-z s) lies in [-1, 1]; coef (~1/B) is applied after the
@@ -190,6 +195,12 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   global indices (-1 on padding). ``panel=None`` forms the panel in XLA.
   With ``groups`` the panel is also given ``groups=(gx_p, gy)`` (as in
   ``softmax_grad``) and ``group_mode`` (``base``).
+
+  ``diagonal_outside`` (grouped "mask" with the diagonal only): the panel
+  kernel runs without the diagonal (one compare and two selects fewer per
+  logit, which a latency-bound panel pays in full) and the diagonal's G is
+  written here afterwards, with the scalar sums corrected by the
+  difference: O(B * D) beside the panels' O(B^2 * D).
   """
   n, d = x.shape
   m = y.shape[0]
@@ -202,22 +213,56 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
             has_diagonal=has_diagonal)
   panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision)
   gx, gy = _padded_groups(groups, layout)
+  outside = (diagonal_outside and has_diagonal and groups is not None
+             and group_mode == "mask")
+  row_groups = gx
+  if outside:
+    kw["has_diagonal"] = False
+    g_diag, dsc_fix, dbi_fix = _diagonal_fix(x, y, scale, bias, groups)
+    row_groups = (gx, pad1(g_diag, layout.n_pad, 0.0))
 
-  def g_panel(x_p, yp, rid_p, gx_p=None):
+  def g_panel(x_p, yp, rid_p, gx_p=None, gd_p=None):
     pkw = dict(kw) if groups is None else dict(
         kw, groups=(gx_p, gy), group_mode=group_mode)
     g_max = jnp.ones((), F32)
     if rescale:
       unit = jnp.stack([scale, bias, 1.0, 0.0]).astype(F32)
-      g_max = usable_max(panel(x_p, yp, rid_p, unit, "max", **pkw))
+      g_max = panel(x_p, yp, rid_p, unit, "max", **pkw)
+      if gd_p is not None:
+        g_max = jnp.maximum(g_max, jnp.max(jnp.abs(gd_p)))
+      g_max = usable_max(g_max)
     params = jnp.stack([scale, bias, 1.0 / g_max, 0.0]).astype(F32)
     g, dsc, dbi = panel(x_p, yp, rid_p, params, "g", **pkw)
+    if gd_p is not None:
+      # Padded rows (-1) point past the end and are dropped.
+      cols = jnp.where(rid_p >= 0, rid_p, g.shape[1])
+      val = gd_p * params[2] if rescale else gd_p
+      g = g.at[jnp.arange(g.shape[0]), cols].set(val.astype(g.dtype),
+                                                 mode="drop")
     return g, g_max, dsc, dbi
 
   dx, dy, dsc, dbi = panel_backward(
       x, y, rid, g_panel, layout=layout, precision=precision,
-      refs=(scale, bias) + (() if groups is None else (gy,)), row_groups=gx)
+      refs=(scale, bias) + (() if groups is None else (gy,)),
+      row_groups=row_groups)
+  if outside:
+    dsc, dbi = dsc + dsc_fix, dbi + dbi_fix
   return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
+
+
+def _diagonal_fix(x, y, scale, bias, groups):
+  """For a grouped "mask" panel run without its diagonal: each row's
+  diagonal G (-sigmoid(-s_ii), the positive's), and the corrections of the
+  sums of G * x y^T and of G for what the kernel put there instead (0 on a
+  related diagonal pair, which it dropped; sigmoid(s_ii), a negative's,
+  otherwise). float32, from the rows' exact float32 dot products."""
+  n = x.shape[0]
+  s0 = jnp.sum(x.astype(F32) * y[:n].astype(F32), axis=1)
+  s = s0 * scale + bias
+  g_true = -jax.nn.sigmoid(-s)
+  g_kernel = jnp.where(groups[0][:n] == groups[1][:n], 0.0, jax.nn.sigmoid(s))
+  delta = g_true - g_kernel
+  return g_true, jnp.sum(delta * s0), jnp.sum(delta)
 
 
 # ``bwd_impl="xla"``: the same panels from XLA's GEMM and a fusion. They
