@@ -21,9 +21,6 @@
 set -u
 cd "$(dirname "$0")/.."
 . scripts/gpu_lib.sh
-out=${OUT:-/tmp/out}; mkdir -p "$out"
-T0=$SECONDS
-left() { echo $(( $1 - (SECONDS - T0) )); }
 export XLA_FLAGS="--xla_gpu_per_fusion_autotune_cache_dir=/tmp/autotune_groups"
 g() { timeout -k 5 "$1" python3 benchmarks/bench_groups.py "${@:2}" >> "$out/bench_groups.log" 2>&1
       echo "bench_groups ${*:2} rc=$? at $((SECONDS - T0)) s"; }
@@ -34,6 +31,13 @@ ncu_step() {  # LOG FAMILY BACKEND MODE
     -k regex:"infcl|_kernel|_sums" --launch-count 3 $NCU_SECTIONS --print-details all \
     python3 benchmarks/probes/groups_step.py --family "$2" --backend "$3" --mode "$4" > "$1" 2>&1
   echo "ncu $2 $3 $4 rc=$? at $((SECONDS - T0)) s"
+}
+groups_tests() {  # BOX_S: every kernel backend's groups -m gpu tests
+  gpu_pytest "$out/gpu_tests.log" "$1" 3 tests/test_groups_mosaic.py tests/test_groups_kernels.py &
+  gpu_pytest "$out/triton_tests.log" "$1" 2 -k "Groups and Gpu" tests/test_native_triton.py &
+  wait
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/gpu_tests.log" "$out/triton_tests.log"
 }
 case "${1:?job: diag, check, tests, mosaic or triton}" in
 triton)
@@ -51,18 +55,10 @@ mosaic)
   grep "^check\|^time\|^cost" "$out/bench_groups.log" | sort -u
   ;;
 tests)
-  gpu_pytest "$out/gpu_tests.log" 230 3 tests/test_groups_mosaic.py tests/test_groups_kernels.py &
-  gpu_pytest "$out/triton_tests.log" 230 2 -k "Groups and Gpu" tests/test_native_triton.py &
-  wait
-  echo "== tests done at $((SECONDS - T0)) s"
-  gpu_summary "$out/gpu_tests.log" "$out/triton_tests.log"
+  groups_tests 230
   ;;
 check)
-  gpu_pytest "$out/gpu_tests.log" 200 3 tests/test_groups_mosaic.py tests/test_groups_kernels.py &
-  gpu_pytest "$out/triton_tests.log" 200 2 -k "Groups and Gpu" tests/test_native_triton.py &
-  wait
-  echo "== tests done at $((SECONDS - T0)) s"
-  gpu_summary "$out/gpu_tests.log" "$out/triton_tests.log"
+  groups_tests 200
   g "$(left 320)" --backends mosaic --families softmax --rounds 3 --modes "none,mask,positives,none again"
   g "$(left 440)" --backends triton --families sigmoid --rounds 3 --modes "none,mask,positives,none again"
   g "$(left 560)" --backends pallas --families sigmoid --rounds 3 --modes "none,mask,positives,none again"

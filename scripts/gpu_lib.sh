@@ -1,7 +1,10 @@
 # What the GPU job scripts share (sourced): time-boxed pytest runs whose
-# logs keep every test's line (-v) and their one-paragraph summaries.
+# logs keep every test's line (-v) and their one-paragraph summaries, and
+# the job's clock.
 #   gpu_pytest LOG BOX_S WORKERS PYTEST_ARGS...   (in the background: &)
 #   gpu_summary LOG...
+#   $out (from $OUT), $T0 (the job's start), left N: seconds left of the
+#   first N of the job
 # SIGINT at the box, so that pytest still writes what it has.
 gpu_pytest() {
   local log=$1 box=$2 workers=$3
@@ -19,3 +22,7 @@ gpu_summary() {
     tail -1 "$f"
   done
 }
+
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+T0=$SECONDS
+left() { echo $(( $1 - (SECONDS - T0) )); }
