@@ -105,10 +105,15 @@ def main():
   p.add_argument("--modes", default="none,mask,positives,none again",
                  help="'none' first; 'none again' is the noise floor")
   p.add_argument("--profile", default="",
-                 help="folder: each variant's per-kernel times go there")
+                 help="folder: each variant's per-kernel times go there "
+                 "(XLA's command buffers are turned off for the run: a "
+                 "profile of them names no kernel)")
   a = p.parse_args()
   if a.profile:
     os.makedirs(a.profile, exist_ok=True)
+    # Read when the backend starts (below), not at import.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=")
   print("jax", jax.__version__, jax.devices(), flush=True)
   cost(a.b, a.backends.split(","), a.rounds, a.families.split(","),
        tuple(a.modes.split(",")), a.profile or None)
