@@ -61,7 +61,7 @@ def panel_layout(n, m, d, *, block_q, block_k, block_d,
 
 
 def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
-                   row_groups=None):
+                   row_extras=()):
   """Sums (G y, G^T x, sum G * x y^T, sum G) over the panels of G.
 
   Args:
@@ -71,8 +71,8 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
       dbi)``: the panel G (R, m_pad) in the input dtype, a float32 scalar it
       was divided by (multiplied back after the GEMMs), and the panel's
       float32 sums of G * (x y^T) and of G.
-    row_groups: optional (layout.n_pad,) per-row array (the rows' int32
-      group ids), or a tuple of them, split like ``row_vec`` and handed to
+    row_extras: further (layout.n_pad,) per-row arrays (the rows' int32
+      group ids, ...), each split like ``row_vec`` and handed to
       ``g_panel`` after it.
     layout: ``panel_layout(...)``.
     precision: matmul precision of the GEMMs.
@@ -104,10 +104,7 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
   per_panel = lambda v: v.reshape(layout.n_panels, layout.rows)
   scanned = (xp.reshape(layout.n_panels, layout.rows, layout.d_pad),
              per_panel(row_vec))
-  if row_groups is not None:
-    if not isinstance(row_groups, tuple):
-      row_groups = (row_groups,)
-    scanned = scanned + tuple(per_panel(v) for v in row_groups)
+  scanned = scanned + tuple(per_panel(v) for v in row_extras)
   (dy, dsc, dbi), dx = lax.scan(panel, init, scanned)
   dx = dx.reshape(layout.n_pad, layout.d_pad)[:n, :d]
   return dx, dy[:m, :d], dsc, dbi
@@ -174,7 +171,8 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
 
   dx, dy, dsc, dbi = panel_backward(
       x, y, r2, g_panel, layout=layout, precision=precision,
-      refs=(c2, params) + (() if groups is None else (gy,)), row_groups=gx)
+      refs=(c2, params) + (() if groups is None else (gy,)),
+      row_extras=() if groups is None else (gx,))
   return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
 
@@ -215,11 +213,11 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   gx, gy = _padded_groups(groups, layout)
   outside = (diagonal_outside and has_diagonal and groups is not None
              and group_mode == "mask")
-  row_groups = gx
+  row_extras = () if groups is None else (gx,)
   if outside:
     kw["has_diagonal"] = False
     g_diag, dsc_fix, dbi_fix = _diagonal_fix(x, y, scale, bias, groups)
-    row_groups = (gx, pad1(g_diag, layout.n_pad, 0.0))
+    row_extras = (gx, pad1(g_diag, layout.n_pad, 0.0))
 
   def g_panel(x_p, yp, rid_p, gx_p=None, gd_p=None):
     pkw = dict(kw) if groups is None else dict(
@@ -244,7 +242,7 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   dx, dy, dsc, dbi = panel_backward(
       x, y, rid, g_panel, layout=layout, precision=precision,
       refs=(scale, bias) + (() if groups is None else (gy,)),
-      row_groups=row_groups)
+      row_extras=row_extras)
   if outside:
     dsc, dbi = dsc + dsc_fix, dbi + dbi_fix
   return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
