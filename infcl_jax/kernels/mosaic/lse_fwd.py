@@ -45,14 +45,25 @@ the ungrouped one, unchanged). Related pairs (gx_i == gy_j) are
 masked to -inf like padding: the row block's ids are loaded once per round,
 the column tile's beside its workspace slice, and the mask is one compare
 and one select per logit. The one-exponential update must then tell "no
-term in this tile" from "terms too small for the shared shift": a row with
-no unrelated logit in the tile (its max is -inf) keeps its running
-statistics untouched; a column with none cannot be seen without a
-cross-warp reduction, so it is recognised from its id: it happens only when
-every valid row of the block has one id, and the column has it (``lo`` ==
-``hi`` == gy_j, the block's smallest and largest row id, computed in XLA and
-loaded as two scalars per round). Such a column keeps its workspace
-value. A row or column with no unrelated pair at all ends at -inf.
+term in this tile" from "terms too small for the shared shift". Both
+happen only in a *uniform* block: a row has no unrelated logit in a tile
+only if every valid column of the tile has its id, a column none only if
+every valid row of the row block has its id. So the kernel comes in two
+variants, picked per call in XLA from the ids (O(B)):
+
+* no uniform row block and no uniform column tile (any batch whose groups
+  are not runs of a tile's length: the common case): no extra work; a
+  column that still ends with no term (it cannot) would be flagged like an
+  underflow and redone exactly;
+* otherwise (``uniform``): a row with no unrelated logit in the tile (its
+  max is -inf) keeps its running statistics untouched; a column with none,
+  which cannot be seen without a cross-warp reduction, is recognised from
+  its id (``lo`` == ``hi`` == gy_j, the block's smallest and largest valid
+  row id, computed in XLA and loaded as two scalars per round) and keeps
+  its workspace value. These per-column tests cost the forward about as
+  much as the mask itself (BENCHMARKS.md), hence the two variants.
+
+A row or column with no unrelated pair at all ends at -inf.
 """
 from __future__ import annotations
 
@@ -176,7 +187,7 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
 
 
 def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
-            nd, nrb, nkb2, nprog, stages, single_exp, check, groups):
+            nd, nrb, nkb2, nprog, stages, single_exp, check, groups, uniform):
   refs = list(refs)
   gx_ref, gy_ref, lo_ref, hi_ref = (
       [refs.pop(0) for _ in range(4)] if groups else [None] * 4)
@@ -227,7 +238,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
       if groups:
         gx = plgpu.load(gx_ref.at[pl.ds(rb * bq, bq)], layout=ROW,
                         optimized=False)
-        if flagged:
+        if flagged and uniform:
           # Scalars: one register each across the round.
           lo = lo_ref[rb]
           hi = hi_ref[rb]
@@ -270,7 +281,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
         if flagged:
           if mask_cols:
             col_valid = col_validity(c0)
-          all_rel = ((gy == lo) & (gy == hi)) if groups else None
+          all_rel = ((gy == lo) & (gy == hi)) if groups and uniform else None
           m_i, l_i, new_c = _shared_flagged(s, m_i, l_i, old_c, col_valid,
                                             all_rel)
         elif single_exp and rows and cols:
@@ -350,38 +361,56 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
     raise ValueError(
         f"groups must be ((n_pad,), (m_pad,)) = (({x.shape[0]},), "
         f"({y.shape[0]},)), got {groups[0].shape}, {groups[1].shape}")
+  ops = None if groups is None else _group_operands(
+      *groups, n=n, m=m, block_q=block_q, block_k=block_k)
   kw = dict(n=n, m=m, rows=rows, cols=cols, block_q=block_q, block_k=block_k,
             block_d=block_d, num_stages=num_stages, num_programs=num_programs,
             interpret=interpret, single_exp=single_exp,
-            groups=None if groups is None else _group_operands(
-                *groups, n=n, block_q=block_q))
+            groups=None if ops is None else ops[:4])
   if not (check == "rerun" and single_exp and rows and cols):
-    return _lse_fwd_once(x, y, scale, bias, check="tile", **kw)
-  row_lse, col_lse = _lse_fwd_once(x, y, scale, bias, check="rerun", **kw)
+    return _lse_fwd_once(x, y, scale, bias, check="tile", uniform=False, **kw)
+  first = functools.partial(_lse_fwd_once, x, y, scale, bias, check="rerun",
+                            **kw)
+  if ops is None:
+    row_lse, col_lse = first(uniform=False)
+  else:
+    row_lse, col_lse = lax.cond(ops[4], lambda: first(uniform=True),
+                                lambda: first(uniform=False))
   redo = jnp.isnan(row_lse).any() | jnp.isnan(col_lse).any()
   return lax.cond(
       redo,
-      lambda: _lse_fwd_once(x, y, scale, bias, check="tile", **kw),
+      lambda: _lse_fwd_once(x, y, scale, bias, check="tile", uniform=False,
+                            **kw),
       lambda: (row_lse, col_lse))
 
 
-def _group_operands(gx, gy, *, n, block_q):
-  """The kernel's group operands: the padded ids, and per row block the
-  smallest and largest id of its valid rows (see the module docstring)."""
+def _group_operands(gx, gy, *, n, m, block_q, block_k):
+  """The kernel's group operands: the padded ids, per row block the
+  smallest and largest id of its valid rows, and whether any row block or
+  any column tile (``block_k`` columns) is uniform: all its valid ids one
+  (see the module docstring)."""
+  info = jnp.iinfo(jnp.int32)
+
+  def ranges(ids, valid_count, size):
+    blocks = ids.reshape(-1, size)
+    valid = (jnp.arange(ids.shape[0]) < valid_count).reshape(blocks.shape)
+    return (jnp.min(jnp.where(valid, blocks, info.max), axis=1),
+            jnp.max(jnp.where(valid, blocks, info.min), axis=1))
+
   gx = gx.astype(jnp.int32)
   gy = gy.astype(jnp.int32)
-  blocks = gx.reshape(-1, block_q)
-  valid = (jnp.arange(gx.shape[0]) < n).reshape(blocks.shape)
-  info = jnp.iinfo(jnp.int32)
-  lo = jnp.min(jnp.where(valid, blocks, info.max), axis=1)
-  hi = jnp.max(jnp.where(valid, blocks, info.min), axis=1)
-  return gx, gy, lo, hi
+  lo, hi = ranges(gx, n, block_q)
+  col_lo, col_hi = ranges(gy, m, block_k)
+  # A column tile with no valid column (lo > hi) is not uniform.
+  uniform = jnp.any(lo == hi) | jnp.any(col_lo == col_hi)
+  return gx, gy, lo, hi, uniform
 
 
 def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
                   block_d, num_stages, num_programs, interpret, single_exp,
-                  check, groups):
-  """One kernel call (see ``lse_fwd``; ``groups``: ``_group_operands``)."""
+                  check, groups, uniform):
+  """One kernel call (see ``lse_fwd``; ``groups``: ``_group_operands``'
+  ids and row ranges; ``uniform``: the variant for uniform blocks)."""
   common.check_inputs(x, y, block_q, block_k, block_d)
   n_pad, d_pad = x.shape
   m_pad = y.shape[0]
@@ -400,7 +429,8 @@ def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   kernel = functools.partial(
       _kernel, n=n, m=m, rows=rows, cols=cols, bq=block_q, bk=block_k,
       bd=block_d, nd=nd, nrb=nrb, nkb2=nkb2, nprog=nprog, stages=num_stages,
-      single_exp=single_exp, check=check, groups=groups is not None)
+      single_exp=single_exp, check=check, groups=groups is not None,
+      uniform=uniform)
   outs = common.launch(
       kernel, operands=(params, x, y) + tuple(groups or ()),
       out_type=out_type, scratch=scratch,
