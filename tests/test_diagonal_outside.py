@@ -1,6 +1,9 @@
 """``panel_backward.sigmoid_grad(diagonal_outside=True)``: a grouped "mask"
 panel run without its diagonal, the diagonal's G written afterwards and the
 scalar sums corrected, gives what the panel with its diagonal gives.
+The seam's two sigmoid shortcuts (``backends.base``) likewise: the "mask"
+sum without its diagonal plus ``diagonal_sum_fix``, and "positives" without
+the diagonal's test where every diagonal pair is related.
 
 Checked on the XLA panels (any platform) against the same call without
 the option and against the float64 reference, on diagonals that are
@@ -9,11 +12,13 @@ rows and several panels, in float32 and in float16 (whose max-|G|
 pre-pass must see the diagonal too). The Triton backend, which turns the
 option on, runs the kernel twins in ``test_native_triton.py``.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from infcl_jax.backends import panel_backward as pb
+from infcl_jax.backends import registry
 from tests import group_reference as gr
 from tests.helpers import as64, assert_rel_close, rand_emb
 
@@ -93,3 +98,65 @@ def test_float16_divisor_sees_the_diagonal():
   for a, r, what in zip(out, ref[1:], ("dx", "dy", "dscale", "dbias")):
     assert np.all(np.isfinite(np.asarray(a))), what
     assert_rel_close(a, r, rtol=2e-3, atol=1e-6, what=what)
+
+
+@pytest.mark.parametrize("kind", ["paired", "mixed"])
+def test_mask_sum_without_the_diagonal(kind, monkeypatch):
+  """A backend with GROUP_DIAGONAL_OUTSIDE sums the "mask" tiles without
+  the diagonal and corrects the diagonal's terms: equal to the sum with it
+  and to float64, on related and unrelated diagonals."""
+  n, d = 45, 24
+  rng = np.random.default_rng(6)
+  x = rand_emb(rng, n, d, jnp.float32)
+  y = x.at[n // 2:].set(rand_emb(rng, n - n // 2, d, jnp.float32))
+  gx, gy = (np.int32(a) for a in groups(kind, n, rng))
+  be = registry.get("xla", "sigmoid")
+  kw = dict(has_diagonal=True, groups=(jnp.asarray(gx), jnp.asarray(gy)),
+            group_mode="mask")
+  inside = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
+  monkeypatch.setattr(type(be), "GROUP_DIAGONAL_OUTSIDE", True)
+  calls = []
+  real = be._sigmoid_sum  # pylint: disable=protected-access
+  monkeypatch.setattr(be, "_sigmoid_sum", lambda *a, **k: calls.append(
+      k["has_diagonal"]) or real(*a, **k))
+  outside = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
+  assert calls == [False]
+  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True, "mask")
+  assert_rel_close(outside, inside, rtol=1e-5, what="sum vs inside")
+  assert_rel_close(outside, ref[0], rtol=1e-5, what="sum vs float64")
+
+
+@pytest.mark.parametrize("kind", ["paired", "mixed"])
+def test_positives_skip_the_diagonal_test_when_it_is_related(kind,
+                                                             monkeypatch):
+  """"positives" on a diagonal block pair: the tiles run without the
+  diagonal's test when every diagonal pair is related (one id array),
+  with it otherwise; the sum and the gradients are float64's either way."""
+  n, d = 45, 24
+  rng = np.random.default_rng(7)
+  x = rand_emb(rng, n, d, jnp.float32)
+  y = x.at[n // 2:].set(rand_emb(rng, n - n // 2, d, jnp.float32))
+  gx, gy = (np.int32(a) for a in groups(kind, n, rng))
+  be = registry.get("xla", "sigmoid")
+  ran = []
+  for op in ("_sigmoid_sum", "_sigmoid_grad"):
+    real = getattr(be, op)
+    def spy(*a, real=real, op=op, **k):
+      # Both branches are traced; the one that runs reports itself.
+      out = real(*a, **k)
+      jax.debug.callback(lambda o=op, h=k["has_diagonal"]: ran.append((o, h)))
+      return out
+    monkeypatch.setattr(be, op, spy)
+  kw = dict(has_diagonal=True, groups=(jnp.asarray(gx), jnp.asarray(gy)),
+            group_mode="positives")
+  total = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
+  grads = be.sigmoid_grad(x, y, 7.0, -3.0, 1.0, **kw)
+  jax.effects_barrier()
+  diagonal = kind != "paired"
+  assert sorted(ran) == [("_sigmoid_grad", diagonal),
+                         ("_sigmoid_sum", diagonal)], ran
+  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True,
+                        "positives")
+  assert_rel_close(total, ref[0], rtol=1e-5, what="sum")
+  for a, r, what in zip(grads, ref[1:], ("dx", "dy", "dscale", "dbias")):
+    assert_rel_close(a, r, rtol=1e-5, atol=1e-6, what=what)

@@ -290,8 +290,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
         precision=self.precision(bs, x.dtype),
-        panel=None if bs.bwd_impl == "xla" else panel, groups=groups,
-        group_mode=group_mode)
+        panel=None if bs.bwd_impl == "xla" else panel,
+        **({} if groups is None else {
+            "groups": groups, "group_mode": group_mode,
+            "diagonal_outside": self.GROUP_DIAGONAL_OUTSIDE}))
 
 
 def _group_kw(groups, group_mode=None):

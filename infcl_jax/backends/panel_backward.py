@@ -248,6 +248,12 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
 
 
+def _diagonal_logits(x, y, scale, bias):
+  """(x_i . y_i, s_ii) of a square block pair, float32 row dot products."""
+  s0 = jnp.sum(x.astype(F32) * y[:x.shape[0]].astype(F32), axis=1)
+  return s0, s0 * scale + bias
+
+
 def _diagonal_fix(x, y, scale, bias, groups):
   """For a grouped "mask" panel run without its diagonal: each row's
   diagonal G (-sigmoid(-s_ii), the positive's), and the corrections of the
@@ -255,12 +261,22 @@ def _diagonal_fix(x, y, scale, bias, groups):
   related diagonal pair, which it dropped; sigmoid(s_ii), a negative's,
   otherwise). float32, from the rows' exact float32 dot products."""
   n = x.shape[0]
-  s0 = jnp.sum(x.astype(F32) * y[:n].astype(F32), axis=1)
-  s = s0 * scale + bias
+  s0, s = _diagonal_logits(x, y, scale, bias)
   g_true = -jax.nn.sigmoid(-s)
   g_kernel = jnp.where(groups[0][:n] == groups[1][:n], 0.0, jax.nn.sigmoid(s))
   delta = g_true - g_kernel
   return g_true, jnp.sum(delta * s0), jnp.sum(delta)
+
+
+def diagonal_sum_fix(x, y, scale, bias, groups):
+  """For grouped "mask" sigmoid tiles summed without their diagonal: the
+  positives' terms softplus(-s_ii), less what the tiles put there instead
+  (nothing on a related diagonal pair, softplus(s_ii), a negative's,
+  otherwise). float32 scalar."""
+  _, s = _diagonal_logits(x, y, scale, bias)
+  n = x.shape[0]
+  kernel = jnp.where(groups[0][:n] == groups[1][:n], 0.0, _math.softplus(s))
+  return jnp.sum(_math.softplus(-s) - kernel)
 
 
 # ``bwd_impl="xla"``: the same panels from XLA's GEMM and a fusion. They

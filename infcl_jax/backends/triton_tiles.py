@@ -69,10 +69,6 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
 
   families = ("softmax", "sigmoid")
   GROUPS = True
-  # Whether the grouped "mask" sigmoid panels run without the diagonal,
-  # which is written afterwards (``panel_backward.sigmoid_grad``): a
-  # subclass turns it on where it measured faster.
-  GROUP_DIAGONAL_OUTSIDE = False
   # Where Triton's kernels run, for both launch paths: every GPU from sm80
   # whose shared memory per block is known (the configs fit it). Newer GPUs
   # are untested; below sm80 Triton has no bfloat16 dot.
