@@ -12,6 +12,7 @@ The target: <= 5% over the same backend without groups.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import jax
@@ -20,6 +21,7 @@ import numpy as np
 
 import infcl_jax
 from benchmarks import harness
+from infcl_jax.backends import registry
 from benchmarks.probes.common import bench, inputs, record, rel, summary
 
 
@@ -27,6 +29,41 @@ def pairs(b):
   """Group ids with every id used twice, shuffled (two captions per image,
   anywhere in the batch)."""
   return jnp.asarray(np.random.default_rng(0).permutation(b) // 2, jnp.int32)
+
+
+def variant(backend, family, mode):
+  """(group_mode or None, the backend class's GROUP_DIAGONAL_OUTSIDE for
+  this variant or None to keep it) of a mode name: "none", "mask",
+  "positives", "none again", or "mask outside" / "mask inside" (the
+  grouped "mask" sigmoid panels without / with their diagonal, whatever the
+  backend's default)."""
+  name, _, where = mode.partition(" ")
+  if name == "none":
+    return None, None
+  if where not in ("", "outside", "inside"):
+    raise ValueError(f"unknown mode {mode!r}")
+  outside = None if not where else where == "outside"
+  if outside is not None and not hasattr(
+      type(registry.get(backend, family)), "GROUP_DIAGONAL_OUTSIDE"):
+    raise ValueError(f"backend {backend} has no GROUP_DIAGONAL_OUTSIDE")
+  return name, outside
+
+
+@contextlib.contextmanager
+def diagonal_outside(backend, family, outside):
+  """The backend class's GROUP_DIAGONAL_OUTSIDE set to ``outside`` (None:
+  as it is) while a variant is traced. JAX caches the traces of the loss's
+  inner functions by function, so the caches are cleared first."""
+  cls = type(registry.get(backend, family))
+  old = getattr(cls, "GROUP_DIAGONAL_OUTSIDE", None)
+  if outside is not None:
+    cls.GROUP_DIAGONAL_OUTSIDE = outside
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    if outside is not None:
+      cls.GROUP_DIAGONAL_OUTSIDE = old
 
 
 def loss_fn(family, backend, mode):
@@ -71,11 +108,16 @@ def cost(b, backends, rounds, families=("softmax", "sigmoid"),
   g = pairs(b)
   rows = [(f, be) for be in backends for f in families]
   for family, backend in rows:
-    fns = {m: loss_fn(family, backend, None if m.startswith("none") else m)
-           for m in modes}
-    for mode in [m for m in modes if not m.startswith("none")]:
-      record(f"check {family} {backend} {mode}",
-             lambda f=family, be=backend, m=mode: check(f, be, m))
+    fns = {}
+    for mode in modes:
+      group_mode, outside = variant(backend, family, mode)
+      with diagonal_outside(backend, family, outside):
+        # Compiled ahead of time: later cache clears leave it as it is.
+        fns[mode] = loss_fn(family, backend, group_mode).lower(
+            x, y, g).compile()
+        if group_mode:
+          record(f"check {family} {backend} {mode}",
+                 lambda: check(family, backend, group_mode))
     times = {m: [] for m in modes}
     for _ in range(rounds):
       for mode in modes:

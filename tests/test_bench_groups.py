@@ -24,3 +24,28 @@ def test_rows_costs_and_profiles(tmp_path, monkeypatch):
     assert lines[-1].startswith("total") and len(lines) >= 2, lines
   assert isinstance(got["cost sigmoid xla mask %"], float)
   assert isinstance(got["cost sigmoid xla none again %"], float)
+
+
+def test_diagonal_outside_variants_trace_differently():
+  """"mask outside" / "mask inside" trace the loss with the backend's
+  GROUP_DIAGONAL_OUTSIDE set (the diagonal's G written after the panels:
+  a scatter), and leave the class attribute as it was."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  cls = type(registry.get("pallas", "sigmoid"))
+  before = cls.GROUP_DIAGONAL_OUTSIDE
+  x = jnp.ones((40, 16), jnp.bfloat16)
+  g = jnp.arange(40, dtype=jnp.int32) // 2
+  scatters = {}
+  for mode in ("mask outside", "mask inside"):
+    group_mode, outside = bench_groups.variant("pallas", "sigmoid", mode)
+    assert group_mode == "mask" and outside == (mode == "mask outside")
+    with bench_groups.diagonal_outside("pallas", "sigmoid", outside):
+      assert cls.GROUP_DIAGONAL_OUTSIDE is outside
+      jaxpr = jax.make_jaxpr(bench_groups.loss_fn("sigmoid", "pallas",
+                                                  group_mode))(x, x, g)
+    scatters[mode] = str(jaxpr).count("scatter")
+    assert cls.GROUP_DIAGONAL_OUTSIDE is before
+  assert scatters["mask outside"] > scatters["mask inside"], scatters
+  assert bench_groups.variant("pallas", "sigmoid", "none again") == (None,
+                                                                    None)
