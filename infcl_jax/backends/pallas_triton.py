@@ -52,6 +52,9 @@ class PallasTritonBackend(triton_tiles.TritonTilesBackend):
   """The fused Pallas-Triton backend, softmax and sigmoid families."""
 
   name = "pallas"
+  # Without the diagonal's test per logit the grouped "mask" sigmoid ran
+  # 8.6 points faster on an H200 (BENCHMARKS.md, 2026-12-02).
+  GROUP_DIAGONAL_OUTSIDE = True
 
   def default_block_sizes(self, platform, dtype):
     """The ``triton_configs`` entry that fits this GPU's shared memory."""

@@ -29,10 +29,11 @@ row's column term would otherwise not). NaN statistics stay NaN.
 Groups (``groups=(gx, gy)``, a static switch): G is 0 on related pairs
 (gx_i == gy_j), which the LSEs left out; one compare and one select per
 element after the exponentials, so that a row or column whose statistic is
--inf (all its pairs related) gives 0 there, not NaN; such a statistic is
-also clamped to a large finite value (``common.safe``), so that it gives 0,
-not NaN, against the padding. The rows' ids are loaded beside r, the
-columns' beside c.
+-inf (all its pairs related) gives 0 there, not NaN. Such a statistic is
+clamped to a large finite value (``common.safe``) before the call, once
+(O(R + m), not per tile), so that it gives 0, not NaN, against the
+padding. The rows' ids are loaded beside r; the columns' after the
+matmul (measured faster than beside c: fewer registers live across it).
 """
 from __future__ import annotations
 
@@ -104,21 +105,16 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
       c_parts = [plgpu.load(c_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
                             optimized=False) for h in range(EPILOGUE_SPLIT)]
       if groups:
-        # A statistic of -inf (every pair of the row / column related)
-        # becomes a large finite one: its related pairs are zeroed below,
-        # and against a padded column / row (-inf logit) it gives 0, not
-        # -inf - (-inf) = NaN.
-        r = common.safe(r)
-        c_parts = [common.safe(ch) for ch in c_parts]
         gx = plgpu.load(gx_ref.at[pl.ds(i * bq, bq)], layout=ROW,
                         optimized=False)
-        gy_parts = [plgpu.load(gy_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
-                               optimized=False)
-                    for h in range(EPILOGUE_SPLIT)]
       s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
                            g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
                            stages=stages, split_rings=True)
       turns.wait(u)
+      if groups:
+        gy_parts = [plgpu.load(gy_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
+                               optimized=False)
+                    for h in range(EPILOGUE_SPLIT)]
       # Per column sub-tile: its raw logits and its slice of c.
       halves = [(s0[:, h * bw:(h + 1) * bw], c_parts[h])
                 for h in range(EPILOGUE_SPLIT)]
@@ -206,7 +202,14 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
       _kernel, rows=rows, cols=cols, mask=mask, groups=groups is not None,
       bq=block_q, bk=block_k, bd=block_d, nd=nd, ni=ni, num_tiles=num_tiles,
       nprog=nprog, stages=num_stages)
-  ins = (params.astype(F32), x, y, r2.astype(F32), c2.astype(F32))
+  r2, c2 = r2.astype(F32), c2.astype(F32)
+  if groups is not None:
+    # A statistic of -inf (every pair of the row / column related) becomes
+    # a large finite one: its related pairs are zeroed in the kernel, and
+    # against a padded column / row (-inf logit) it gives 0, not
+    # -inf - (-inf) = NaN. +inf (padding) stays.
+    r2, c2 = common.safe(r2), common.safe(c2)
+  ins = (params.astype(F32), x, y, r2, c2)
   if groups is not None:
     ins += tuple(g.astype(jnp.int32) for g in groups)
   # The panel reduces only along rows (within warps): no cross-warp
