@@ -100,16 +100,22 @@ def test_float16_divisor_sees_the_diagonal():
     assert_rel_close(a, r, rtol=2e-3, atol=1e-6, what=what)
 
 
+def _square_case(kind, seed, n=45, d=24):
+  """float32 (x, y, gx, gy) of a diagonal block pair: half the positives
+  duplicate their query (a large logit), half are random."""
+  rng = np.random.default_rng(seed)
+  x = rand_emb(rng, n, d, jnp.float32)
+  y = x.at[n // 2:].set(rand_emb(rng, n - n // 2, d, jnp.float32))
+  gx, gy = (np.int32(a) for a in groups(kind, n, rng))
+  return x, y, gx, gy
+
+
 @pytest.mark.parametrize("kind", ["paired", "mixed"])
 def test_mask_sum_without_the_diagonal(kind, monkeypatch):
   """A backend with GROUP_DIAGONAL_OUTSIDE sums the "mask" tiles without
   the diagonal and corrects the diagonal's terms: equal to the sum with it
   and to float64, on related and unrelated diagonals."""
-  n, d = 45, 24
-  rng = np.random.default_rng(6)
-  x = rand_emb(rng, n, d, jnp.float32)
-  y = x.at[n // 2:].set(rand_emb(rng, n - n // 2, d, jnp.float32))
-  gx, gy = (np.int32(a) for a in groups(kind, n, rng))
+  x, y, gx, gy = _square_case(kind, 6)
   be = registry.get("xla", "sigmoid")
   kw = dict(has_diagonal=True, groups=(jnp.asarray(gx), jnp.asarray(gy)),
             group_mode="mask")
@@ -132,11 +138,7 @@ def test_positives_skip_the_diagonal_test_when_it_is_related(kind,
   """"positives" on a diagonal block pair: the tiles run without the
   diagonal's test when every diagonal pair is related (one id array),
   with it otherwise; the sum and the gradients are float64's either way."""
-  n, d = 45, 24
-  rng = np.random.default_rng(7)
-  x = rand_emb(rng, n, d, jnp.float32)
-  y = x.at[n // 2:].set(rand_emb(rng, n - n // 2, d, jnp.float32))
-  gx, gy = (np.int32(a) for a in groups(kind, n, rng))
+  x, y, gx, gy = _square_case(kind, 7)
   be = registry.get("xla", "sigmoid")
   ran = []
   for op in ("_sigmoid_sum", "_sigmoid_grad"):

@@ -14,37 +14,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import tempfile
 
 from benchmarks import harness
-
-
-def device_events(trace_dir):
-  """The traced kernels: [(start_us, end_us, op)], sorted; on a GPU those
-  of the device, elsewhere the host's XLA thunks."""
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                    recursive=True)
-  if not paths:
-    raise RuntimeError(f"the profiler wrote no trace in {trace_dir}")
-  with gzip.open(paths[0]) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  procs = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  on_device = any(n.startswith("/device:") for n in procs.values())
-  out = []
-  for e in events:
-    op = (e.get("args") or {}).get("hlo_op")
-    if e.get("ph") != "X" or not op:
-      continue
-    if on_device and not procs.get(e.get("pid"), "").startswith("/device:"):
-      continue
-    out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), op))
-  return sorted(out)
 
 
 def timeline(events, steps, top=8):
@@ -95,7 +68,7 @@ def main():
       with jax.profiler.trace(d):
         for _ in range(a.steps):
           jax.block_until_ready(fn(x, y, g))
-      t = timeline(device_events(d), a.steps)
+      t = timeline(harness.traced_kernels(d), a.steps)
     print(f"== {a.family} {a.backend} {mode}: wall {wall:.3f} ms/step; "
           f"traced span {t['span_ms']:.3f}, device busy {t['busy_ms']:.3f}, "
           f"idle {t['idle_ms']:.3f} ms/step", flush=True)
