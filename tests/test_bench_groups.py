@@ -38,7 +38,7 @@ def test_diagonal_outside_variants_trace_differently():
   g = jnp.arange(40, dtype=jnp.int32) // 2
   scatters = {}
   for mode in ("mask outside", "mask inside"):
-    group_mode, outside = bench_groups.variant("pallas", "sigmoid", mode)
+    group_mode, outside = bench_groups.variant(mode)
     assert group_mode == "mask" and outside == (mode == "mask outside")
     with bench_groups.diagonal_outside("pallas", "sigmoid", outside):
       assert cls.GROUP_DIAGONAL_OUTSIDE is outside
@@ -47,8 +47,7 @@ def test_diagonal_outside_variants_trace_differently():
     scatters[mode] = str(jaxpr).count("scatter")
     assert cls.GROUP_DIAGONAL_OUTSIDE is before
   assert scatters["mask outside"] > scatters["mask inside"], scatters
-  assert bench_groups.variant("pallas", "sigmoid", "none again") == (None,
-                                                                    None)
+  assert bench_groups.variant("none again") == (None, None)
 
 
 def test_timeline_busy_idle_and_gaps():

@@ -59,7 +59,7 @@ def main():
   x, y = inputs(a.b, 768, jnp.bfloat16, seed=1)
   g = bench_groups.pairs(a.b)
   for mode in a.modes.split(","):
-    group_mode, _ = bench_groups.variant(a.backend, a.family, mode)
+    group_mode, _ = bench_groups.variant(mode)
     fn = bench_groups.loss_fn(a.family, a.backend, group_mode).lower(
         x, y, g).compile()
     wall = harness.timeit(fn, x, y, g, reps=5).median * 1e3
