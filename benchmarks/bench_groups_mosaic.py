@@ -8,8 +8,8 @@ and with group ids of several structures, and the ratio to the time
 without: "distinct" (all ids different: the pure cost of the compare and
 select), "pairs5" (runs of 5 rows sharing an id, as several captions per
 image), "classes1000" (1000 random classes), "sorted64" (64 classes in
-sorted order: whole row blocks of one id, the forward's uniform-block
-case). The goal is a ratio <= 1.05 at B = 65536.
+sorted order: whole row blocks of one id, rows and columns with no
+unrelated pair in a tile). The goal is a ratio <= 1.05 at B = 65536.
 """
 from __future__ import annotations
 

@@ -6,6 +6,9 @@
 #          mosaic, pallas and triton kernels), then bench_groups: the Mosaic
 #          softmax row, and the Mosaic and Pallas sigmoid rows with the
 #          "mask" panels with and without their diagonal
+#   sorted: the Mosaic -m gpu groups and kernel tests (the softmax kernels
+#          on ids sorted in the backend, clean tiles unmasked), then
+#          bench_groups' Mosaic softmax rows
 #   final: bench_groups, every backend and family in one job (three
 #          interleaved rounds, "none again" the noise floor), then the
 #          remaining -m gpu groups tests in the time left
@@ -19,7 +22,14 @@ python3 -c "import jax_triton" 2>/dev/null || python3 -m pip install -q --no-dep
 g() { timeout -k 5 "$1" python3 benchmarks/bench_groups.py "${@:2}" >> "$out/bench_groups.log" 2>&1
       echo "bench_groups ${*:2} rc=$? at $((SECONDS - T0)) s"; }
 rows() { grep "^check\|^time\|^cost" "$out/bench_groups.log" | sort -u; }
-case "${1:?job: ab or final}" in
+case "${1:?job: ab, sorted or final}" in
+sorted)
+  gpu_pytest "$out/mosaic_tests.log" 260 2 tests/test_groups_mosaic.py tests/test_mosaic_kernels.py
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/mosaic_tests.log"
+  g "$(left 500)" --backends mosaic --families softmax --rounds 3 --modes "none,mask,positives,none again"
+  rows
+  ;;
 ab)
   [ -n "${SKIP_TESTS:-}" ] || {
   gpu_pytest "$out/mosaic_tests.log" 175 2 tests/test_groups_mosaic.py &

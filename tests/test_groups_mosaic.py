@@ -333,22 +333,21 @@ def pad_ids(g, size):
   return np.concatenate([g, np.full(size - len(g), -77, np.int32)])
 
 
-def _operands(gx, gy, n, m):
-  """The forward's group operands at 64 x 64 tiles: ids, row ranges, and
-  whether a block is uniform."""
-  return mlse_fwd._group_operands(jnp.asarray(gx), jnp.asarray(gy), n=n, m=m,  # pylint: disable=protected-access
+def _operands(gx, gy, n):
+  """The forward's group operands at 64 x 64 tiles."""
+  return mlse_fwd._group_operands(jnp.asarray(gx), jnp.asarray(gy), n=n,  # pylint: disable=protected-access
                                   block_q=64, block_k=64)
 
 
-def _one_pass(x, y, groups, *, uniform, interpret=True, n=None, m=None,
-              scale=1.0, bias=0.0):
+def _one_pass(x, y, groups, *, interpret=True, n=None, m=None, scale=1.0,
+              bias=0.0):
   """The forward's unchecked one-exponential pass alone (no retry), one
   program, 64 x 64 tiles."""
   return mlse_fwd._lse_fwd_once(  # pylint: disable=protected-access
       x, y, scale, bias, n=n or x.shape[0], m=m or y.shape[0], rows=True,
       cols=True, block_q=64, block_k=64, block_d=64, num_stages=3,
       num_programs=1, interpret=interpret, single_exp=True, check="rerun",
-      groups=tuple(groups), uniform=uniform)
+      groups=groups)
 
 
 class TestForwardShortcuts:
@@ -356,31 +355,18 @@ class TestForwardShortcuts:
 
   def test_empty_rows_and_columns_keep_their_statistics(self):
     x, y, gx, gy = _shortcut_inputs()
-    n, m = x.shape[0], y.shape[0]
+    n = x.shape[0]
     rr, cr = gref.tile_lse(as64(x), as64(y), 1.0, 0.0, gx, gy)
     assert np.all(np.isfinite(rr)) and np.all(np.isfinite(cr))
-    *groups, uniform = _operands(gx, gy, n, m)
-    # Row block 1 and column tiles 2, 3 are uniform: the kernel's variant
-    # with the per-row and per-column tests.
-    assert bool(uniform)
-    r, c = _one_pass(x, y, groups, uniform=True)
+    r, c = _one_pass(x, y, _operands(gx, gy, n))
     # Nothing flagged (no exact retry), and exact.
     assert_lse(r, rr, "row lse (one pass)")
     assert_lse(c, cr, "col lse (one pass)")
 
-  def test_variant_without_the_tests_flags_an_empty_column(self):
-    """Were the variant without the per-column test run on a uniform row
-    block, the column with no unrelated pair in it is flagged for the exact
-    retry (NaN), never silently wrong."""
-    x, y, gx, gy = _shortcut_inputs()
-    r, c = _one_pass(x, y, _operands(gx, gy, x.shape[0], y.shape[0])[:4],
-                     uniform=False)
-    assert np.isnan(np.asarray(c)).any()
-
   @pytest.mark.parametrize("kind", ["pairs", "sparse", "distinct"])
-  def test_variant_without_the_tests_is_exact_in_one_pass(self, kind):
-    """With no uniform block (pairs and singletons: the common case) the
-    lean variant is picked, and its one pass is exact: no retry."""
+  def test_one_pass_is_exact(self, kind):
+    """Pairs and singletons, ids in any order (every tile masked): the one
+    pass is exact, no retry."""
     rng = np.random.default_rng(5)
     n, m = 200, 333
     x, y = rand_emb(rng, n, 64, jnp.bfloat16), rand_emb(rng, m, 64,
@@ -390,32 +376,11 @@ class TestForwardShortcuts:
       i, j = np.nonzero(gx[:, None] == gy[None, :])
       y = y.at[j].set(x[i])
     xp, yp = pad_rows(x, 256), pad_rows(y, 384)
-    *groups, uniform = _operands(pad_ids(gx, 256), pad_ids(gy, 384), n, m)
-    assert not bool(uniform)
     rr, cr = gref.tile_lse(as64(x), as64(y), 4.0, 0.5, gx, gy)
-    r, c = _one_pass(xp, yp, groups, uniform=False, n=n, m=m, scale=4.0,
-                     bias=0.5)
+    r, c = _one_pass(xp, yp, _operands(pad_ids(gx, 256), pad_ids(gy, 384), n),
+                     n=n, m=m, scale=4.0, bias=0.5)
     assert_lse(r, rr, "row lse (one pass)")
     assert_lse(c, cr, "col lse (one pass)")
-
-  def test_uniform_blocks_are_found(self):
-    """The variant's switch: some row block (64 rows) or column tile (64
-    columns) whose valid ids are one; padding ignored."""
-    pairs = np.random.default_rng(0).permutation(256) // 2
-    def uniform(gx, gy, n, m):
-      return bool(_operands(pad_ids(gx, 256), pad_ids(gy, 256), n, m)[-1])
-    assert not uniform(pairs, pairs, 256, 256)
-    gx = pairs.copy()
-    gx[64:128] = 9
-    assert uniform(gx, pairs, 256, 256)
-    gy = pairs.copy()
-    gy[192:256] = 9
-    assert uniform(pairs, gy, 256, 256)
-    # One valid row / column in the last block: uniform.
-    assert uniform(pairs[:193], pairs, 193, 256)
-    assert uniform(pairs, pairs[:129], 256, 129)
-    # The padding's own ids never make a block uniform.
-    assert not uniform(pairs[:200], pairs[:150], 200, 150)
 
   @SLOW
   @pytest.mark.parametrize("check", ["rerun", "tile"])
@@ -514,10 +479,9 @@ class TestGroupsMosaicGpu:
 
   def test_forward_shortcuts(self):
     x, y, gx, gy = _shortcut_inputs()
-    n, m = x.shape[0], y.shape[0]
+    n = x.shape[0]
     rr, cr = gref.tile_lse(as64(x), as64(y), 1.0, 0.0, gx, gy)
-    r, c = _one_pass(x, y, _operands(gx, gy, n, m)[:4], uniform=True,
-                     interpret=False)
+    r, c = _one_pass(x, y, _operands(gx, gy, n), interpret=False)
     assert_lse(r, rr, "row lse (one pass)")
     assert_lse(c, cr, "col lse (one pass)")
 

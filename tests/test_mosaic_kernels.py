@@ -130,7 +130,7 @@ def check_rerun_path(interpret, n=200, m=300, d=64):
       mosaic_lse_fwd.lse_fwd).parameters.items()
           if p.kind == p.KEYWORD_ONLY and k not in kw and k != "check"}
   r, c = mosaic_lse_fwd._lse_fwd_once(xp, yp, scale, bias, check="rerun",  # pylint: disable=protected-access
-                                      uniform=False, **kw, **once)
+                                      **kw, **once)
   assert np.isnan(np.asarray(r)).any() or np.isnan(np.asarray(c)).any()
   for check in ("rerun", "tile"):
     r, c = mosaic_lse_fwd.lse_fwd(xp, yp, scale, bias, check=check, **kw)

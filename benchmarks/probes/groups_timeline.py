@@ -9,6 +9,10 @@ kernels on either side, and the kernels' time by op.
 
     PYTHONPATH=. python3 benchmarks/probes/groups_timeline.py \\
         [--b 65536] [--family softmax] [--backend mosaic] [--modes none,mask]
+        [--hlo 8]
+
+``--hlo N`` also prints the compiled HLO instruction of each of the N
+costliest ops (what an XLA fusion named in the trace does).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def main():
   p.add_argument("--backend", default="mosaic")
   p.add_argument("--modes", default="none,mask")
   p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--hlo", type=int, default=0)
   a = p.parse_args()
   # Read when the backend starts (the imports below), not at import.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -76,6 +81,33 @@ def main():
       print(f"   gap {us:9.1f} us  after {before[:50]}  before {after[:50]}")
     for op, ms in t["by_op"][:12]:
       print(f"   {op[:60]:60s} {ms:8.3f} ms")
+    if a.hlo:
+      text = fn.as_text()
+      for op, _ in t["by_op"][:a.hlo]:
+        for line in instructions(text, op):
+          print(f"   hlo {line[:400]}")
+
+
+def instructions(text, op):
+  """The lines of HLO ``text`` that define instruction ``op``, and the
+  root of the computation it calls (a fusion's body)."""
+  lines = text.splitlines()
+  found = [ln.strip() for ln in lines
+           if ln.strip().startswith((f"%{op} = ", f"{op} = "))]
+  for ln in list(found):
+    if "calls=" in ln:
+      called = ln.split("calls=")[1].split(",")[0].split(" ")[0].lstrip("%")
+      body, inside = [], False
+      for l2 in lines:
+        if l2.startswith((f"%{called} ", f"{called} ")):
+          inside = True
+        elif inside and l2.startswith("}"):
+          break
+        elif inside:
+          body.append(l2.strip())
+      found += [b for b in body if "ROOT" in b or "gather" in b or
+                "sort" in b or "scatter" in b][:6]
+  return found
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ from infcl_jax.backends import capability
 from infcl_jax.backends import pallas_triton
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends.padding import check_int32
-from infcl_jax.backends.padding import pad1
+from infcl_jax.backends.padding import pad_ids
 from infcl_jax.backends.padding import pad_inputs
 from infcl_jax.backends.padding import round_up
 from infcl_jax.backends.padding import row_ids
@@ -212,12 +212,11 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
 
   @staticmethod
   def _padded_groups(groups, xp, yp):
-    """The group ids padded like the inputs (padded pairs are masked by the
-    kernels, so the fill is arbitrary), or None."""
+    """The group ids padded like the inputs (``pad_ids``), or None."""
     if groups is None:
       return None
     gx, gy = groups
-    return pad1(gx, xp.shape[0], -1), pad1(gy, yp.shape[0], -1)
+    return pad_ids(gx, xp.shape[0]), pad_ids(gy, yp.shape[0])
 
   # ------------------------------------------------------------ softmax
 
@@ -227,15 +226,24 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
                           **_group_kw(groups))
     mb = mosaic_blocks(bs)
     n, m = x.shape[0], y.shape[0]
-    xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
     nprog = bs.num_programs or _device.num_sms()
-    check_int32(self.name, column_workspace=min(
-        nprog, xp.shape[0] // mb.bq) * yp.shape[0])
-    return mlse_fwd.lse_fwd(
-        xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
-        rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
-        num_programs=nprog, interpret=self.interpret,
-        single_exp=bs.single_exp, groups=self._padded_groups(groups, xp, yp))
+
+    def lse(x, y, groups):
+      xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+      check_int32(self.name, column_workspace=min(
+          nprog, xp.shape[0] // mb.bq) * yp.shape[0])
+      return mlse_fwd.lse_fwd(
+          xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
+          rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
+          num_programs=nprog, interpret=self.interpret,
+          single_exp=bs.single_exp,
+          groups=self._padded_groups(groups, xp, yp))
+
+    if groups is None:
+      return lse(x, y, None)
+    order = GroupOrder(groups)
+    r, c = lse(order.rows(x), order.cols(y), order.groups)
+    return order.rows_back(r), order.cols_back(c)
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
                 col_coef, *, bs, groups=None):
@@ -247,10 +255,17 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
         block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
         interpret=self.interpret)
-    return pb.softmax_grad(
+    grad = lambda x, y, row_lse, col_lse, groups: pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
         precision=self.precision(bs, x.dtype), panel=panel, groups=groups)
+    if groups is None or panel is None:
+      return grad(x, y, row_lse, col_lse, groups)
+    order = GroupOrder(groups)
+    dx, dy, dscale, dbias = grad(order.rows(x), order.cols(y),
+                                 order.rows(row_lse), order.cols(col_lse),
+                                 order.groups)
+    return order.rows_back(dx), order.cols_back(dy), dscale, dbias
 
   # ------------------------------------------------------------ sigmoid
 
@@ -294,6 +309,39 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         **({} if groups is None else {
             "groups": groups, "group_mode": group_mode,
             "diagonal_outside": self.GROUP_DIAGONAL_OUTSIDE}))
+
+
+class GroupOrder:
+  """The rows and the columns of a grouped tile sorted by group id.
+
+  The softmax kernels run on sorted rows and columns: a row block's related
+  pairs then lie in the few column blocks that hold its ids, and every
+  other tile runs without the compare and select
+  (``kernels.group_tiles``). The sorts and permutations cost
+  O(B log B + B D) beside the tiles' O(B^2 D); what the kernels return is
+  put back in the caller's order.
+  """
+
+  def __init__(self, groups):
+    gx, gy = groups
+    self._px, self._py = jnp.argsort(gx), jnp.argsort(gy)
+    self.groups = (gx[self._px], gy[self._py])
+
+  def rows(self, a):
+    return None if a is None else a[self._px]
+
+  def cols(self, a):
+    return None if a is None else a[self._py]
+
+  def rows_back(self, a):
+    return None if a is None else a[_inverse(self._px)]
+
+  def cols_back(self, a):
+    return None if a is None else a[_inverse(self._py)]
+
+
+def _inverse(p):
+  return jnp.zeros_like(p).at[p].set(jnp.arange(p.shape[0], dtype=p.dtype))
 
 
 def _group_kw(groups, group_mode=None):

@@ -34,6 +34,16 @@ def pad1(v, n, fill):
   return jnp.pad(v, (0, n - v.shape[0]), constant_values=fill)
 
 
+def pad_ids(ids, n):
+  """Group ids padded to ``n`` with the last id: the kernels mask padded
+  pairs whatever their ids, and a repeated last id keeps the id range of
+  a sorted block tight (``kernels.group_tiles``)."""
+  ids = ids.astype(jnp.int32)
+  if ids.shape[0] == n:
+    return ids
+  return jnp.pad(ids, (0, n - ids.shape[0]), mode="edge")
+
+
 def pad_inputs(x, y, block_q, block_k, block_d):
   """x, y zero-padded to (block_q | block_k) x block_d multiples."""
   d_pad = round_up(x.shape[1], block_d)

@@ -25,6 +25,7 @@ from infcl_jax import _axes
 from infcl_jax import _math
 from infcl_jax.backends.padding import MAX_INT32_ELEMS
 from infcl_jax.backends.padding import pad1
+from infcl_jax.backends.padding import pad_ids
 from infcl_jax.backends.padding import pad2
 from infcl_jax.backends.padding import round_up
 from infcl_jax.backends.padding import row_ids
@@ -120,13 +121,11 @@ def usable_max(g_max):
 
 
 def _padded_groups(groups, layout):
-  """The row and column group ids padded to the layout (padded pairs are
-  masked by the statistics or the row ids, so the fill is arbitrary)."""
+  """The row and column group ids padded to the layout (``pad_ids``)."""
   if groups is None:
     return None, None
   gx, gy = groups
-  return (pad1(gx.astype(jnp.int32), layout.n_pad, -1),
-          pad1(gy.astype(jnp.int32), layout.m_pad, -1))
+  return pad_ids(gx, layout.n_pad), pad_ids(gy, layout.m_pad)
 
 
 def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,

@@ -29,7 +29,11 @@ row's column term would otherwise not). NaN statistics stay NaN.
 Groups (``groups=(gx, gy)``, a static switch): G is 0 on related pairs
 (gx_i == gy_j), which the LSEs left out; one compare and one select per
 element after the exponentials, so that a row or column whose statistic is
--inf (all its pairs related) gives 0 there, not NaN. Such a statistic is
+-inf (all its pairs related) gives 0 there, not NaN. Only the tiles whose
+id ranges overlap pay for them (``group_tiles``): each CTA walks the tiles
+in the order ``tile_order`` gives, its clean tiles in a first loop without
+the compare and select, the others in a second; with ids sorted (the
+backend sorts them) nearly every tile is clean. Such a statistic is
 clamped to a large finite value (``common.safe``) before the call, once
 (O(R + m), not per tile), so that it gives 0, not NaN, against the
 padding. The rows' ids are loaded beside r; the columns' after the
@@ -46,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from infcl_jax import _device
+from infcl_jax.kernels import group_tiles
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -78,11 +83,20 @@ def _g_tile(s, r, c, a_r, a_c, *, rows, cols, mask, consts):
 def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
             groups, bq, bk, bd, nd, ni, num_tiles, nprog, stages):
   refs = list(refs)
-  gx_ref, gy_ref = [refs.pop(0) for _ in range(2)] if groups else (None,) * 2
+  gx_ref, gy_ref, order_ref, n_clean_ref = (
+      [refs.pop(0) for _ in range(4)] if groups else (None,) * 4)
   (g_ref, part_ref, x_smem, y_smem, g_smem, x_full, y_full, consumed,
    turn) = refs
   bw = bk // EPILOGUE_SPLIT
   pid, my_tiles, coords = common.persistent_tiles(num_tiles, nprog, ni)
+  my_clean = my_tiles
+  if groups:
+    # The CTA walks ``order`` (clean tiles first) round-robin as it would
+    # walk the grid; its first ``my_clean`` tiles are clean.
+    def coords(u):
+      t = order_ref[pid + u * nprog]
+      return lax.rem(t, ni), lax.div(t, ni)
+    my_clean = common.my_count(pid, n_clean_ref[0], nprog)
 
   def consumer(wg):
     scale2 = params_ref[0]
@@ -95,7 +109,7 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
     zero_c = plgpu.layout_cast(jnp.zeros((bw,), F32), COL)
     turns = common.Turns(turn, wg)
 
-    def tile_body(u, acc):
+    def tile_body(u, acc, *, masked):
       dsc, dbi = acc
       i, j = coords(u)
       c0 = j * (2 * bk) + wg * bk
@@ -104,14 +118,14 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
       # c per column sub-tile.
       c_parts = [plgpu.load(c_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
                             optimized=False) for h in range(EPILOGUE_SPLIT)]
-      if groups:
+      if masked:
         gx = plgpu.load(gx_ref.at[pl.ds(i * bq, bq)], layout=ROW,
                         optimized=False)
       s0 = common.mma_tile(x_smem, y_smem, x_full, y_full, consumed,
                            g0=u * nd, nd=nd, wg=wg, bq=bq, bk=bk,
                            stages=stages, split_rings=True)
       turns.wait(u)
-      if groups:
+      if masked:
         gy_parts = [plgpu.load(gy_ref.at[pl.ds(c0 + h * bw, bw)], layout=COL,
                                optimized=False)
                     for h in range(EPILOGUE_SPLIT)]
@@ -122,7 +136,7 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
         g = _g_tile(s0h * scale2 + bias2, r, ch, a_r, a_c, rows=rows,
                     cols=cols, mask=mask,
                     consts=(inf_r, zero_r, inf_c, zero_c))
-        if groups:
+        if masked:
           rel = (lax.broadcast_in_dim(gx, g.shape, [0])
                  == lax.broadcast_in_dim(gy_parts[h], g.shape, [1]))
           g = jnp.where(rel, jnp.zeros(g.shape, F32), g)
@@ -139,7 +153,15 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
       turns.done()
       return dsc, dbi
 
-    dsc, dbi = lax.fori_loop(0, my_tiles, tile_body, (zero_r, zero_r))
+    # Two loops, not a branch per tile (which costs Mosaic GPU more than the
+    # compare and select it would skip).
+    acc = lax.fori_loop(0, my_clean,
+                        functools.partial(tile_body, masked=False),
+                        (zero_r, zero_r))
+    if groups:
+      acc = lax.fori_loop(my_clean, my_tiles,
+                          functools.partial(tile_body, masked=True), acc)
+    dsc, dbi = acc
     turns.drain(my_tiles)
     part_ref.at[pid, wg, 0][...] = dsc
     part_ref.at[pid, wg, 1][...] = dbi
@@ -211,7 +233,9 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
     r2, c2 = common.safe(r2), common.safe(c2)
   ins = (params.astype(F32), x, y, r2, c2)
   if groups is not None:
-    ins += tuple(g.astype(jnp.int32) for g in groups)
+    gx, gy = (g.astype(jnp.int32) for g in groups)
+    order, n_clean = group_tiles.tile_order(gx, gy, block_q, 2 * block_k)
+    ins += (gx, gy, order, n_clean.reshape(1))
   # The panel reduces only along rows (within warps): no cross-warp
   # reduction scratch is needed, and its SMEM goes to the ring.
   g, part = common.launch(

@@ -41,27 +41,21 @@ the other tiles pay one scalar test. Building it in every tile (two
 forward's rate at B = 50,000 on an H200 (BENCHMARKS.md).
 
 Groups (``groups=(gx, gy)``, a static switch: without them the kernel is
-the ungrouped one, unchanged). Related pairs (gx_i == gy_j) are
-masked to -inf like padding: the row block's ids are loaded once per round,
-the column tile's beside its workspace slice, and the mask is one compare
-and one select per logit. The one-exponential update must then tell "no
-term in this tile" from "terms too small for the shared shift". Both
-happen only in a *uniform* block: a row has no unrelated logit in a tile
-only if every valid column of the tile has its id, a column none only if
-every valid row of the row block has its id. So the kernel comes in two
-variants, picked per call in XLA from the ids (O(B)):
-
-* no uniform row block and no uniform column tile (any batch whose groups
-  are not runs of a tile's length: the common case): no extra work; a
-  column that still ends with no term (it cannot) would be flagged like an
-  underflow and redone exactly;
-* otherwise (``uniform``): a row with no unrelated logit in the tile (its
-  max is -inf) keeps its running statistics untouched; a column with none,
-  which cannot be seen without a cross-warp reduction, is recognised from
-  its id (``lo`` == ``hi`` == gy_j, the block's smallest and largest valid
-  row id, computed in XLA and loaded as two scalars per round) and keeps
-  its workspace value. These per-column tests cost the forward about as
-  much as the mask itself (BENCHMARKS.md), hence the two variants.
+the ungrouped one, unchanged). Related pairs (gx_i == gy_j) are masked to
+-inf like padding, one compare and one select per logit, but only in the
+column blocks whose id range overlaps the row block's
+(``group_tiles.dirty_spans``, computed in XLA and loaded as two scalars
+per round): a round walks its column blocks in three loops, the masked
+span between two unmasked ones. The backend hands the kernel ids sorted
+(``backends.mosaic.GroupOrder``), so a span is the one or two column
+blocks that hold the row block's ids. Inside the span the one-exponential
+update must tell "no term in this tile" from "terms too small for the
+shared shift": a row with no unrelated logit in the tile (its max is
+-inf) keeps its running statistics; a column with none, which cannot be
+seen without a cross-warp reduction, is recognised from its id (``lo`` ==
+``hi`` == gy_j, the row block's smallest and largest valid id, two more
+scalars per round) and keeps its workspace value. Outside it every pair
+is unrelated.
 
 A row or column with no unrelated pair at all ends at -inf.
 """
@@ -77,6 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from infcl_jax import _device
 from infcl_jax import _math
+from infcl_jax.kernels import group_tiles
 from infcl_jax.kernels.mosaic import common
 
 F32 = jnp.float32
@@ -187,10 +182,10 @@ def _shared_flagged(s, m_i, l_i, old_c, col_valid, col_related=None):
 
 
 def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
-            nd, nrb, nkb2, nprog, stages, single_exp, check, groups, uniform):
+            nd, nrb, nkb2, nprog, stages, single_exp, check, groups):
   refs = list(refs)
-  gx_ref, gy_ref, lo_ref, hi_ref = (
-      [refs.pop(0) for _ in range(4)] if groups else [None] * 4)
+  gx_ref, gy_ref, lo_ref, hi_ref, start_ref, stop_ref = (
+      [refs.pop(0) for _ in range(6)] if groups else [None] * 6)
   row_ref = refs.pop(0) if rows else None
   col_ref = refs.pop(0) if cols else None
   x_smem, y_smem, x_full, y_full, consumed, turn = refs
@@ -238,12 +233,12 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
       if groups:
         gx = plgpu.load(gx_ref.at[pl.ds(rb * bq, bq)], layout=ROW,
                         optimized=False)
-        if flagged and uniform:
+        if flagged:
           # Scalars: one register each across the round.
           lo = lo_ref[rb]
           hi = hi_ref[rb]
 
-      def col_body(j, rc):
+      def col_body(j, rc, *, masked):
         m_i, l_i = rc
         c0 = j * (2 * bk) + wg * bk
         old_c = None
@@ -251,7 +246,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
           col_slice = col_ref.at[pid, pl.ds(c0, bk)]
           # Issued before the matmul so that its latency hides behind it.
           old_c = plgpu.load(col_slice, layout=COL, optimized=False)
-        if groups:
+        if masked:
           gy = plgpu.load(gy_ref.at[pl.ds(c0, bk)], layout=COL,
                           optimized=False)
         g0 = (t * nkb2 + j) * nd
@@ -260,7 +255,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
                              split_rings=True)
         turns.wait(t * nkb2 + j)
         s = s0 * scale2 + bias2
-        if groups:
+        if masked:
           unrelated = (lax.broadcast_in_dim(gx, (bq, bk), [0])
                        != lax.broadcast_in_dim(gy, (bq, bk), [1]))
           s = jnp.where(unrelated, s, neg_inf(s.shape))
@@ -281,7 +276,7 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
         if flagged:
           if mask_cols:
             col_valid = col_validity(c0)
-          all_rel = ((gy == lo) & (gy == hi)) if groups and uniform else None
+          all_rel = ((gy == lo) & (gy == hi)) if masked else None
           m_i, l_i, new_c = _shared_flagged(s, m_i, l_i, old_c, col_valid,
                                             all_rel)
         elif single_exp and rows and cols:
@@ -295,7 +290,18 @@ def _kernel(params_ref, x_ref, y_ref, *refs, n, m, rows, cols, bq, bk, bd,
 
       init = (plgpu.layout_cast(jnp.full((bq,), -jnp.inf, F32), ROW),
               plgpu.layout_cast(jnp.zeros((bq,), F32), ROW))
-      m_i, l_i = lax.fori_loop(0, nkb2, col_body, init)
+      plain = functools.partial(col_body, masked=False)
+      if groups:
+        # The column blocks that may hold a related pair, [start, stop),
+        # mask them; the rest run the ungrouped tile (three loops, not a
+        # branch per tile).
+        start, stop = start_ref[rb], stop_ref[rb]
+        rc = lax.fori_loop(0, start, plain, init)
+        rc = lax.fori_loop(start, stop,
+                           functools.partial(col_body, masked=True), rc)
+        m_i, l_i = lax.fori_loop(stop, nkb2, plain, rc)
+      else:
+        m_i, l_i = lax.fori_loop(0, nkb2, plain, init)
       if rows:
         row_ref.at[wg, pl.ds(rb * bq, bq)][...] = (
             common.safe(m_i) + jnp.log2(l_i))
@@ -362,55 +368,40 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
         f"groups must be ((n_pad,), (m_pad,)) = (({x.shape[0]},), "
         f"({y.shape[0]},)), got {groups[0].shape}, {groups[1].shape}")
   ops = None if groups is None else _group_operands(
-      *groups, n=n, m=m, block_q=block_q, block_k=block_k)
+      *groups, n=n, block_q=block_q, block_k=block_k)
   kw = dict(n=n, m=m, rows=rows, cols=cols, block_q=block_q, block_k=block_k,
             block_d=block_d, num_stages=num_stages, num_programs=num_programs,
             interpret=interpret, single_exp=single_exp,
-            groups=None if ops is None else ops[:4])
+            groups=ops)
   if not (check == "rerun" and single_exp and rows and cols):
-    return _lse_fwd_once(x, y, scale, bias, check="tile", uniform=False, **kw)
-  first = functools.partial(_lse_fwd_once, x, y, scale, bias, check="rerun",
-                            **kw)
-  if ops is None:
-    row_lse, col_lse = first(uniform=False)
-  else:
-    row_lse, col_lse = lax.cond(ops[4], lambda: first(uniform=True),
-                                lambda: first(uniform=False))
+    return _lse_fwd_once(x, y, scale, bias, check="tile", **kw)
+  row_lse, col_lse = _lse_fwd_once(x, y, scale, bias, check="rerun", **kw)
   redo = jnp.isnan(row_lse).any() | jnp.isnan(col_lse).any()
   return lax.cond(
       redo,
-      lambda: _lse_fwd_once(x, y, scale, bias, check="tile", uniform=False,
-                            **kw),
+      lambda: _lse_fwd_once(x, y, scale, bias, check="tile", **kw),
       lambda: (row_lse, col_lse))
 
 
-def _group_operands(gx, gy, *, n, m, block_q, block_k):
-  """The kernel's group operands: the padded ids, per row block the
-  smallest and largest id of its valid rows, and whether any row block or
-  any column tile (``block_k`` columns) is uniform: all its valid ids one
-  (see the module docstring)."""
+def _group_operands(gx, gy, *, n, block_q, block_k):
+  """The kernel's group operands: the padded ids; per row block the
+  smallest and largest id of its valid rows, and the column blocks
+  [start, stop) that it masks (``group_tiles.dirty_spans``)."""
   info = jnp.iinfo(jnp.int32)
-
-  def ranges(ids, valid_count, size):
-    blocks = ids.reshape(-1, size)
-    valid = (jnp.arange(ids.shape[0]) < valid_count).reshape(blocks.shape)
-    return (jnp.min(jnp.where(valid, blocks, info.max), axis=1),
-            jnp.max(jnp.where(valid, blocks, info.min), axis=1))
-
   gx = gx.astype(jnp.int32)
   gy = gy.astype(jnp.int32)
-  lo, hi = ranges(gx, n, block_q)
-  col_lo, col_hi = ranges(gy, m, block_k)
-  # A column tile with no valid column (lo > hi) is not uniform.
-  uniform = jnp.any(lo == hi) | jnp.any(col_lo == col_hi)
-  return gx, gy, lo, hi, uniform
+  blocks = gx.reshape(-1, block_q)
+  valid = (jnp.arange(gx.shape[0]) < n).reshape(blocks.shape)
+  lo = jnp.min(jnp.where(valid, blocks, info.max), axis=1)
+  hi = jnp.max(jnp.where(valid, blocks, info.min), axis=1)
+  start, stop = group_tiles.dirty_spans(gx, gy, block_q, 2 * block_k)
+  return gx, gy, lo, hi, start, stop
 
 
 def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
                   block_d, num_stages, num_programs, interpret, single_exp,
-                  check, groups, uniform):
-  """One kernel call (see ``lse_fwd``; ``groups``: ``_group_operands``'
-  ids and row ranges; ``uniform``: the variant for uniform blocks)."""
+                  check, groups):
+  """One kernel call (see ``lse_fwd``; ``groups``: ``_group_operands``)."""
   common.check_inputs(x, y, block_q, block_k, block_d)
   n_pad, d_pad = x.shape
   m_pad = y.shape[0]
@@ -429,8 +420,7 @@ def _lse_fwd_once(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   kernel = functools.partial(
       _kernel, n=n, m=m, rows=rows, cols=cols, bq=block_q, bk=block_k,
       bd=block_d, nd=nd, nrb=nrb, nkb2=nkb2, nprog=nprog, stages=num_stages,
-      single_exp=single_exp, check=check, groups=groups is not None,
-      uniform=uniform)
+      single_exp=single_exp, check=check, groups=groups is not None)
   outs = common.launch(
       kernel, operands=(params, x, y) + tuple(groups or ()),
       out_type=out_type, scratch=scratch,
