@@ -7,8 +7,9 @@
 #          softmax row, and the Mosaic and Pallas sigmoid rows with the
 #          "mask" panels with and without their diagonal
 #   sorted: the Mosaic -m gpu groups and kernel tests (the softmax kernels
-#          on ids sorted in the backend, clean tiles unmasked), then
-#          bench_groups' Mosaic softmax rows
+#          on ids sorted in the backend, clean tiles unmasked), the step's
+#          timeline with and without groups, then bench_groups' Mosaic
+#          softmax rows
 #   final: bench_groups, every backend and family in one job (three
 #          interleaved rounds, "none again" the noise floor), then the
 #          remaining -m gpu groups tests in the time left
@@ -27,7 +28,9 @@ sorted)
   gpu_pytest "$out/mosaic_tests.log" 260 2 tests/test_groups_mosaic.py tests/test_mosaic_kernels.py
   echo "== tests done at $((SECONDS - T0)) s"
   gpu_summary "$out/mosaic_tests.log"
-  g "$(left 500)" --backends mosaic --families softmax --rounds 3 --modes "none,mask,positives,none again"
+  timeout 120 python3 benchmarks/probes/groups_timeline.py --modes none,mask --hlo 12 > "$out/timeline.log" 2>&1
+  echo "timeline rc=$? at $((SECONDS - T0)) s"
+  g "$(left 530)" --backends mosaic --families softmax --rounds 3 --modes "none,mask,positives,none again"
   rows
   ;;
 ab)
