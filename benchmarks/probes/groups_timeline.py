@@ -12,7 +12,8 @@ kernels on either side, and the kernels' time by op.
         [--hlo 8]
 
 ``--hlo N`` also prints the compiled HLO instruction of each of the N
-costliest ops (what an XLA fusion named in the trace does).
+costliest ops and of the ops beside the largest gaps (what an XLA fusion
+named in the trace does).
 """
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ def main():
       print(f"   {op[:60]:60s} {ms:8.3f} ms")
     if a.hlo:
       text = fn.as_text()
-      for op, _ in t["by_op"][:a.hlo]:
+      ops = [op for op, _ in t["by_op"][:a.hlo]]
+      ops += [op for _, b, e in t["gaps"] for op in (b, e) if op not in ops]
+      for op in dict.fromkeys(ops):
         for line in instructions(text, op):
           print(f"   hlo {line[:400]}")
 

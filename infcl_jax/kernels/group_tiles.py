@@ -40,9 +40,16 @@ def tile_order(gx, gy, block_rows, block_cols):
     (row blocks fastest, as the kernels' persistent grids walk them);
     n_clean, an int32 scalar, counts the clean ones.
   """
-  flat = dirty_tiles(gx, gy, block_rows, block_cols).reshape(-1)
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-  return order, (flat.size - jnp.sum(flat, dtype=jnp.int32)).astype(jnp.int32)
+  dirty = dirty_tiles(gx, gy, block_rows, block_cols).reshape(-1)
+  # A stable partition by prefix counts, a scatter of distinct positions (an
+  # argsort of the flags took XLA ~37 us per 8192 tiles on an H200).
+  clean = ~dirty
+  n_clean = jnp.sum(clean, dtype=jnp.int32)
+  pos = jnp.where(clean, jnp.cumsum(clean, dtype=jnp.int32),
+                  n_clean + jnp.cumsum(dirty, dtype=jnp.int32)) - 1
+  order = jnp.zeros(dirty.shape, jnp.int32).at[pos].set(
+      jnp.arange(dirty.size, dtype=jnp.int32), unique_indices=True)
+  return order, n_clean
 
 
 def dirty_spans(gx, gy, block_rows, block_cols):
