@@ -82,6 +82,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from infcl_jax import _device
@@ -94,6 +95,7 @@ from infcl_jax.backends.padding import pad_inputs
 from infcl_jax.backends.padding import round_up
 from infcl_jax.backends.padding import row_ids
 from infcl_jax.block_sizes import BlockSizes
+from infcl_jax.kernels import group_tiles
 from infcl_jax.kernels.mosaic import common as mcommon
 from infcl_jax.kernels.mosaic import g_panel as mg_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
@@ -255,10 +257,18 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
         block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
         interpret=self.interpret)
+
+    def tiles(gx, gy, rows):
+      # Every panel's tile order at once (a few XLA ops, not a few per
+      # panel).
+      return jax.vmap(lambda g: group_tiles.tile_order(
+          g, gy, mb.bwd_bq, 2 * mb.bwd_bk))(gx.reshape(-1, rows))
+
     grad = lambda x, y, row_lse, col_lse, groups: pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self.precision(bs, x.dtype), panel=panel, groups=groups)
+        precision=self.precision(bs, x.dtype), panel=panel, groups=groups,
+        group_tiles=None if panel is None else tiles)
     if groups is None or panel is None:
       return grad(x, y, row_lse, col_lse, groups)
     order = GroupOrder(groups)

@@ -62,7 +62,7 @@ def panel_layout(n, m, d, *, block_q, block_k, block_d,
 
 
 def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
-                   row_extras=()):
+                   row_extras=(), panel_extras=()):
   """Sums (G y, G^T x, sum G * x y^T, sum G) over the panels of G.
 
   Args:
@@ -75,6 +75,8 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
     row_extras: further (layout.n_pad,) per-row arrays (the rows' int32
       group ids, ...), each split like ``row_vec`` and handed to
       ``g_panel`` after it.
+    panel_extras: further arrays with one entry per panel (leading axis
+      layout.n_panels), handed to ``g_panel`` after the row extras.
     layout: ``panel_layout(...)``.
     precision: matmul precision of the GEMMs.
     refs: further arrays the kernel reads (their varying axes type the
@@ -105,7 +107,8 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
   per_panel = lambda v: v.reshape(layout.n_panels, layout.rows)
   scanned = (xp.reshape(layout.n_panels, layout.rows, layout.d_pad),
              per_panel(row_vec))
-  scanned = scanned + tuple(per_panel(v) for v in row_extras)
+  scanned = scanned + tuple(per_panel(v) for v in row_extras) + tuple(
+      panel_extras)
   (dy, dsc, dbi), dx = lax.scan(panel, init, scanned)
   dx = dx.reshape(layout.n_pad, layout.d_pad)[:n, :d]
   return dx, dy[:m, :d], dsc, dbi
@@ -129,7 +132,7 @@ def _padded_groups(groups, layout):
 
 
 def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
-                 layout, precision, panel=None, groups=None):
+                 layout, precision, panel=None, groups=None, group_tiles=None):
   """``lse_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
 
   Probabilities are in [0, 1] and the coefficients (~1/B) are applied after
@@ -141,7 +144,10 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   statistics (+inf on padding). ``panel=None`` forms the panel in XLA.
   With ``groups`` (``base``: related pairs have G = 0) the panel is also
   given ``groups=(gx_p, gy)``: the panel rows' and all columns' padded
-  int32 group ids.
+  int32 group ids; and with ``group_tiles(gx, gy, rows)`` (all padded
+  ids, the rows per panel) -> per-panel arrays (leading axis: the panels),
+  ``tiles=`` their entries of the panel: what a kernel derives from the
+  ids once for every panel, outside the panel loop.
   """
   n = x.shape[0]
   m = y.shape[0]
@@ -162,8 +168,13 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   panel = panel or functools.partial(_xla_softmax_panel, precision=precision)
   gx, gy = _padded_groups(groups, layout)
 
-  def g_panel(x_p, yp, r_p, gx_p=None):
+  tiles = () if group_tiles is None or groups is None else tuple(
+      group_tiles(gx, gy, layout.rows))
+
+  def g_panel(x_p, yp, r_p, gx_p=None, *tiles_p):
     kw = {} if groups is None else {"groups": (gx_p, gy)}
+    if tiles_p:
+      kw["tiles"] = tiles_p
     g, dsc, dbi = panel(x_p, yp, r_p, c2, params, rows=rows, cols=cols,
                         mask=mask, **kw)
     return g, jnp.ones((), F32), dsc, dbi
@@ -171,7 +182,7 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   dx, dy, dsc, dbi = panel_backward(
       x, y, r2, g_panel, layout=layout, precision=precision,
       refs=(c2, params) + (() if groups is None else (gy,)),
-      row_extras=() if groups is None else (gx,))
+      row_extras=() if groups is None else (gx,), panel_extras=tiles)
   return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
 

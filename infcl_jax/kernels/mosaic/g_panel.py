@@ -174,7 +174,7 @@ def _kernel(params_ref, x_ref, y_ref, r_ref, c_ref, *refs, rows, cols, mask,
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
             block_q=128, block_k=128, block_d=64, num_stages=3,
-            num_programs=None, interpret=False, groups=None):
+            num_programs=None, interpret=False, groups=None, tiles=None):
   """The (R, m_pad) probability panel and its scalar partial sums.
 
   Args:
@@ -193,6 +193,9 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
     num_programs: persistent CTAs (default: one per SM).
     groups: None, or (gx (R,), gy (m_pad,)) int32 group ids of the panel's
       rows and of the columns: G = 0 on related pairs (gx_i == gy_j).
+    tiles: with ``groups``, the panel's ``group_tiles.tile_order(gx, gy,
+      block_q, 2 * block_k)`` when the caller has it (computed here if
+      None).
 
   Returns:
     g (R, m_pad) of x.dtype, and the sums of G * (x y^T) and of G (float32
@@ -234,8 +237,10 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
   ins = (params.astype(F32), x, y, r2, c2)
   if groups is not None:
     gx, gy = (g.astype(jnp.int32) for g in groups)
-    order, n_clean = group_tiles.tile_order(gx, gy, block_q, 2 * block_k)
-    ins += (gx, gy, order, n_clean.reshape(1))
+    order, n_clean = tiles or group_tiles.tile_order(gx, gy, block_q,
+                                                     2 * block_k)
+    ins += (gx, gy, order.astype(jnp.int32),
+            n_clean.astype(jnp.int32).reshape(1))
   # The panel reduces only along rows (within warps): no cross-warp
   # reduction scratch is needed, and its SMEM goes to the ring.
   g, part = common.launch(
