@@ -10,6 +10,8 @@
 #          on ids sorted in the backend, clean tiles unmasked), the step's
 #          timeline with and without groups, then bench_groups' Mosaic
 #          softmax rows
+#   last:  the Mosaic -m gpu groups and kernel tests, then bench_groups,
+#          every backend and family in one job (three rounds), in 430 s
 #   final: bench_groups, every backend and family in one job (three
 #          interleaved rounds, "none again" the noise floor), then the
 #          remaining -m gpu groups tests in the time left
@@ -23,7 +25,14 @@ python3 -c "import jax_triton" 2>/dev/null || python3 -m pip install -q --no-dep
 g() { timeout -k 5 "$1" python3 benchmarks/bench_groups.py "${@:2}" >> "$out/bench_groups.log" 2>&1
       echo "bench_groups ${*:2} rc=$? at $((SECONDS - T0)) s"; }
 rows() { grep "^check\|^time\|^cost" "$out/bench_groups.log" | sort -u; }
-case "${1:?job: ab, sorted or final}" in
+case "${1:?job: ab, sorted, last or final}" in
+last)
+  gpu_pytest "$out/mosaic_tests.log" 170 2 tests/test_groups_mosaic.py tests/test_mosaic_kernels.py
+  echo "== tests done at $((SECONDS - T0)) s"
+  gpu_summary "$out/mosaic_tests.log"
+  g "$(left 430)" --backends mosaic,triton,pallas --rounds 3
+  rows
+  ;;
 sorted)
   gpu_pytest "$out/mosaic_tests.log" 260 2 tests/test_groups_mosaic.py tests/test_mosaic_kernels.py
   echo "== tests done at $((SECONDS - T0)) s"
