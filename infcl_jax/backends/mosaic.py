@@ -71,7 +71,10 @@ Groups (``groups=``, ``base``): the Mosaic kernels take the rows' and
 columns' int32 ids behind a static switch (a call without them compiles
 the ungrouped kernels, unchanged), loaded like the kernels' other per-row /
 per-column vectors; per logit one compare and one select
-(``kernels.mosaic``). The Triton path is handed them only when given.
+(``kernels.mosaic``). The softmax kernels run on rows and columns sorted
+by id (``GroupOrder``) and pay the compare and select only in the tiles
+whose id ranges overlap (``kernels.group_tiles``). The Triton path is
+handed the ids only when given.
 
 Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
 like their inputs (``kernels.mosaic.common.vary_like``), the panel carry by
