@@ -84,25 +84,30 @@ def test_sorted_pairs_leave_a_band():
   assert int(unsorted_clean) == 0 < int(n_clean) == ni * nj - dirty.size
 
 
-def _panel_inputs(seed=0):
-  """A 3 x 4 grid of (64, 128) tiles, padding in both directions, sorted
-  pairs whose related keys duplicate their rows (a tile that skipped the
-  mask shows)."""
+def _sorted_pairs(seed, n, m, d, n_pad, m_pad):
+  """Sorted pairs whose related keys copy their rows (a tile that skipped
+  the mask shows): (rng, x, y, gx, gy, xp, yp, padded groups), the inputs
+  zero-padded, the ids padded with the last one."""
   rng = np.random.default_rng(seed)
-  n, m, d = 170, 500, 64
-  gx, gy = make_groups("pairs", n, m, seed + 1)
-  gx, gy = np.sort(gx), np.sort(gy)
+  gx, gy = (np.sort(g) for g in make_groups("pairs", n, m, seed + 1))
   x, y = rand_emb(rng, n, d, jnp.bfloat16), rand_emb(rng, m, d, jnp.bfloat16)
   i, j = np.nonzero(gx[:, None] == gy[None, :])
   y = y.at[j].set(x[i])
-  xp = jnp.zeros((192, d), x.dtype).at[:n].set(x)
-  yp = jnp.zeros((512, d), y.dtype).at[:m].set(y)
+  xp = jnp.zeros((n_pad, d), x.dtype).at[:n].set(x)
+  yp = jnp.zeros((m_pad, d), y.dtype).at[:m].set(y)
+  groups = (jnp.asarray(np.pad(gx, (0, n_pad - n), mode="edge")),
+            jnp.asarray(np.pad(gy, (0, m_pad - m), mode="edge")))
+  return rng, x, y, gx, gy, xp, yp, groups
+
+
+def _panel_inputs(seed=0):
+  """A 3 x 4 grid of (64, 128) tiles, padding in both directions."""
+  n, m = 170, 500
+  rng, _, _, _, _, xp, yp, groups = _sorted_pairs(seed, n, m, 64, 192, 512)
   r2 = jnp.full((192,), jnp.inf).at[:n].set(
       jnp.asarray(rng.uniform(2, 4, n), jnp.float32))
   c2 = jnp.full((512,), jnp.inf).at[:m].set(
       jnp.asarray(rng.uniform(2, 4, m), jnp.float32))
-  groups = (jnp.asarray(np.pad(gx, (0, 192 - n), constant_values=-1)),
-            jnp.asarray(np.pad(gy, (0, 512 - m), constant_values=-1)))
   params = jnp.asarray([3.0, -0.5, 0.7, -0.3], jnp.float32)
   return xp, yp, r2, c2, params, groups
 
@@ -144,17 +149,8 @@ def test_panel_runs_the_clean_tiles_without_the_mask(monkeypatch):
 def test_forward_masks_the_dirty_spans_only(monkeypatch):
   """The forward's three loops per row block: with the true spans the
   grouped LSEs; told that no tile is dirty, the ungrouped ones."""
-  rng = np.random.default_rng(4)
-  n, m, d = 200, 333, 64
-  gx, gy = make_groups("pairs", n, m, 7)
-  gx, gy = np.sort(gx), np.sort(gy)
-  x, y = rand_emb(rng, n, d, jnp.bfloat16), rand_emb(rng, m, d, jnp.bfloat16)
-  i, j = np.nonzero(gx[:, None] == gy[None, :])
-  y = y.at[j].set(x[i])
-  xp = jnp.zeros((256, d), x.dtype).at[:n].set(x)
-  yp = jnp.zeros((512, d), y.dtype).at[:m].set(y)
-  groups = (jnp.asarray(np.pad(gx, (0, 256 - n), mode="edge")),
-            jnp.asarray(np.pad(gy, (0, 512 - m), mode="edge")))
+  n, m = 200, 333
+  _, x, y, gx, gy, xp, yp, groups = _sorted_pairs(6, n, m, 64, 256, 512)
   start, stop = group_tiles.dirty_spans(*groups, 64, 128)
   assert np.all(np.asarray(stop) - np.asarray(start) < 4)  # clean tiles too
   run = lambda: mlse_fwd.lse_fwd(xp, yp, 4.0, 0.5, n=n, m=m, rows=True,
