@@ -41,8 +41,9 @@ def tile_order(gx, gy, block_rows, block_cols):
     n_clean, an int32 scalar, counts the clean ones.
   """
   dirty = dirty_tiles(gx, gy, block_rows, block_cols).reshape(-1)
-  # A stable partition by prefix counts, a scatter of distinct positions (an
-  # argsort of the flags took XLA ~37 us per 8192 tiles on an H200).
+  # A stable partition by prefix counts and a scatter to distinct
+  # positions: XLA's GPU sort of a few thousand flags costs more than the
+  # panel saves (BENCHMARKS.md).
   clean = ~dirty
   n_clean = jnp.sum(clean, dtype=jnp.int32)
   pos = jnp.where(clean, jnp.cumsum(clean, dtype=jnp.int32),
