@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from infcl_jax import BlockSizes, contrastive_loss, sigmoid_loss
 from infcl_jax.backends import registry
+from tests import group_reference
 from tests import np_reference
 from tests import test_pallas
 from tests import test_pallas_sigmoid
@@ -501,6 +502,42 @@ def test_softmax_ring_and_gather(strategy):
   assert_rel_close(val, ref[0], rtol=2e-4, what="loss")
   for g, r, what in zip(grads[:3], ref[1:4], ("dx", "dy", "dscale")):
     assert_rel_close(g, r, rtol=2e-2, atol=1e-4, what=what)
+  assert abs(float(grads[3]) - ref[4]) < 1e-3
+
+
+@pytest.mark.parametrize("strategy,mode", [("ring", "mask"),
+                                           ("gather", "mask"),
+                                           ("ring", "positives")])
+def test_softmax_ring_and_gather_with_groups(strategy, mode):
+  """Grouped softmax tiles inside ``shard_map`` (the backend sorts each
+  tile's rows and columns by id and puts the results back), against
+  float64: pairs in random places and one group of five."""
+  mesh = _ring_mesh()
+  n = 70 * mesh.shape["data"]
+  rng = np.random.default_rng(42)
+  x = rand_emb(rng, n, 20, jnp.bfloat16)
+  y = rand_emb(rng, n, 20, jnp.bfloat16)
+  g = rng.permutation(n) // 2
+  g[rng.choice(n, 5, replace=False)] = n
+  g = jnp.asarray(g, jnp.int32)
+  t, b = jnp.float32(10.0), jnp.float32(-1.5)
+
+  def step(x, y, t, b, g):
+    return jax.value_and_grad(
+        lambda x, y, t, b: contrastive_loss(
+            x, y, t, logit_bias=b, axis_name="data", strategy=strategy,
+            backend="mosaic", block_sizes=SMALL, groups=g, group_mode=mode),
+        argnums=(0, 1, 2, 3))(x, y, t, b)
+
+  val, grads = jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(P("data"), P("data"), P(), P(), P("data")),
+      out_specs=(P(), (P("data"), P("data"), P(), P()))))(x, y, t, b, g)
+  ref = group_reference.clip_loss_and_grads(as64(x), as64(y), 10.0, -1.5,
+                                            np.asarray(g), np.asarray(g),
+                                            mode)
+  assert_rel_close(val, ref[0], rtol=2e-4, what="loss")
+  for a, r, what in zip(grads[:3], ref[1:4], ("dx", "dy", "dscale")):
+    assert_rel_close(a, r, rtol=2e-2, atol=1e-4, what=what)
   assert abs(float(grads[3]) - ref[4]) < 1e-3
 
 
