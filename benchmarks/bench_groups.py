@@ -34,9 +34,9 @@ def pairs(b):
 def variant(mode):
   """(group_mode or None, the backend class's GROUP_DIAGONAL_OUTSIDE for
   this variant or None to keep it) of a mode name: "none", "mask",
-  "positives", "none again", or "mask outside" / "mask inside" (the
-  grouped "mask" sigmoid panels without / with their diagonal, whatever the
-  backend's default)."""
+  "positives", "none again", or "<mode> outside" / "<mode> inside" (the
+  grouped sigmoid tiles of the diagonal block pair without / with their
+  diagonal's test, whatever the backend's default)."""
   name, _, where = mode.partition(" ")
   if name == "none":
     return None, None

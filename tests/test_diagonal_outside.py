@@ -1,9 +1,8 @@
-"""``panel_backward.sigmoid_grad(diagonal_outside=True)``: a grouped "mask"
-panel run without its diagonal, the diagonal's G written afterwards and the
-scalar sums corrected, gives what the panel with its diagonal gives.
-The seam's two sigmoid shortcuts (``backends.base``) likewise: the "mask"
-sum without its diagonal plus ``diagonal_sum_fix``, and "positives" without
-the diagonal's test where every diagonal pair is related.
+"""``panel_backward.sigmoid_grad(diagonal_outside=True)``: a grouped panel
+("mask" or "positives") run without its diagonal, the diagonal's G written
+afterwards and the scalar sums corrected, gives what the panel with its
+diagonal gives. The seam's sum (``backends.base``) likewise: the tiles
+without their diagonal plus ``diagonal_sum_fix``.
 
 Checked on the XLA panels (any platform) against the same call without
 the option and against the float64 reference, on diagonals that are
@@ -12,7 +11,6 @@ rows and several panels, in float32 and in float16 (whose max-|G|
 pre-pass must see the diagonal too). The Triton backend, which turns the
 option on, runs the kernel twins in ``test_native_triton.py``.
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,9 +34,10 @@ def groups(kind, n, rng):
   raise ValueError(kind)
 
 
+@pytest.mark.parametrize("mode", ["mask", "positives"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize("kind", ["paired", "mixed"])
-def test_diagonal_outside_equals_inside(kind, dtype):
+def test_diagonal_outside_equals_inside(kind, dtype, mode):
   n, d = 45, 24
   rng = np.random.default_rng(3)
   x = rand_emb(rng, n, d, dtype)
@@ -49,11 +48,11 @@ def test_diagonal_outside_equals_inside(kind, dtype):
   layout = pb.panel_layout(n, n, d, block_q=8, block_k=16, block_d=8,
                            panel_rows=16)  # 3 panels, padded rows
   kw = dict(has_diagonal=True, layout=layout, precision="highest",
-            groups=(jnp.asarray(gx), jnp.asarray(gy)), group_mode="mask")
+            groups=(jnp.asarray(gx), jnp.asarray(gy)), group_mode=mode)
   inside = pb.sigmoid_grad(x, y, 7.0, -3.0, 1.0, **kw)
   outside = pb.sigmoid_grad(x, y, 7.0, -3.0, 1.0, diagonal_outside=True,
                             **kw)
-  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True, "mask")
+  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True, mode)
   tol = 1e-5 if dtype == jnp.float32 else 2e-3
   for a, b, r, what in zip(outside, inside, ref[1:],
                            ("dx", "dy", "dscale", "dbias")):
@@ -61,17 +60,17 @@ def test_diagonal_outside_equals_inside(kind, dtype):
     assert_rel_close(a, r, rtol=tol, atol=1e-6, what=f"{what} vs float64")
 
 
-def test_off_without_mask_mode_or_diagonal():
-  """"positives" and off-diagonal tiles keep the kernel's own diagonal:
-  the option changes nothing there (same program, same numbers)."""
+def test_off_without_a_diagonal():
+  """Off-diagonal tiles have no diagonal to take out: the option changes
+  nothing there (same program, same numbers)."""
   n, d = 32, 16
   rng = np.random.default_rng(4)
   x, y = rand_emb(rng, n, d, jnp.float32), rand_emb(rng, n, d, jnp.float32)
   g = jnp.asarray(rng.permutation(n) // 2, jnp.int32)
   layout = pb.panel_layout(n, n, d, block_q=8, block_k=16, block_d=8,
                            panel_rows=16)
-  for has_diagonal, mode in ((True, "positives"), (False, "mask")):
-    kw = dict(has_diagonal=has_diagonal, layout=layout, precision="highest",
+  for mode in ("mask", "positives"):
+    kw = dict(has_diagonal=False, layout=layout, precision="highest",
               groups=(g, g), group_mode=mode)
     a = pb.sigmoid_grad(x, y, 5.0, -2.0, 1.0, diagonal_outside=True, **kw)
     b = pb.sigmoid_grad(x, y, 5.0, -2.0, 1.0, **kw)
@@ -110,55 +109,26 @@ def _square_case(kind, seed, n=45, d=24):
   return x, y, gx, gy
 
 
+@pytest.mark.parametrize("mode", ["mask", "positives"])
 @pytest.mark.parametrize("kind", ["paired", "mixed"])
-def test_mask_sum_without_the_diagonal(kind, monkeypatch):
-  """A backend with GROUP_DIAGONAL_OUTSIDE sums the "mask" tiles without
-  the diagonal and corrects the diagonal's terms: equal to the sum with it
-  and to float64, on related and unrelated diagonals."""
+def test_sum_without_the_diagonal(kind, mode, monkeypatch):
+  """A backend with GROUP_DIAGONAL_OUTSIDE sums the grouped tiles of a
+  diagonal block pair without the diagonal and corrects the diagonal's
+  terms: equal to the sum with it and to float64, on related and unrelated
+  diagonals. Without the option the tiles take the diagonal themselves."""
   x, y, gx, gy = _square_case(kind, 6)
   be = registry.get("xla", "sigmoid")
-  kw = dict(has_diagonal=True, groups=(jnp.asarray(gx), jnp.asarray(gy)),
-            group_mode="mask")
-  inside = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
-  monkeypatch.setattr(type(be), "GROUP_DIAGONAL_OUTSIDE", True)
   calls = []
   real = be._sigmoid_sum  # pylint: disable=protected-access
   monkeypatch.setattr(be, "_sigmoid_sum", lambda *a, **k: calls.append(
       k["has_diagonal"]) or real(*a, **k))
+  kw = dict(has_diagonal=True, groups=(jnp.asarray(gx), jnp.asarray(gy)),
+            group_mode=mode)
+  inside = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
+  monkeypatch.setattr(type(be), "GROUP_DIAGONAL_OUTSIDE", True)
   outside = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
-  assert calls == [False]
-  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True, "mask")
+  assert calls == [True, False]
+  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True, mode)
+  assert_rel_close(inside, ref[0], rtol=1e-5, what="inside vs float64")
   assert_rel_close(outside, inside, rtol=1e-5, what="sum vs inside")
   assert_rel_close(outside, ref[0], rtol=1e-5, what="sum vs float64")
-
-
-@pytest.mark.parametrize("kind", ["paired", "mixed"])
-def test_positives_skip_the_diagonal_test_when_it_is_related(kind,
-                                                             monkeypatch):
-  """"positives" on a diagonal block pair: the tiles run without the
-  diagonal's test when every diagonal pair is related (one id array),
-  with it otherwise; the sum and the gradients are float64's either way."""
-  x, y, gx, gy = _square_case(kind, 7)
-  be = registry.get("xla", "sigmoid")
-  ran = []
-  for op in ("_sigmoid_sum", "_sigmoid_grad"):
-    real = getattr(be, op)
-    def spy(*a, real=real, op=op, **k):
-      # Both branches are traced; the one that runs reports itself.
-      out = real(*a, **k)
-      jax.debug.callback(lambda o=op, h=k["has_diagonal"]: ran.append((o, h)))
-      return out
-    monkeypatch.setattr(be, op, spy)
-  kw = dict(has_diagonal=True, groups=(jnp.asarray(gx), jnp.asarray(gy)),
-            group_mode="positives")
-  total = be.sigmoid_sum(x, y, 7.0, -3.0, **kw)
-  grads = be.sigmoid_grad(x, y, 7.0, -3.0, 1.0, **kw)
-  jax.effects_barrier()
-  diagonal = kind != "paired"
-  assert sorted(ran) == [("_sigmoid_grad", diagonal),
-                         ("_sigmoid_sum", diagonal)], ran
-  ref = gr.sigmoid_tile(as64(x), as64(y), 7.0, -3.0, gx, gy, True,
-                        "positives")
-  assert_rel_close(total, ref[0], rtol=1e-5, what="sum")
-  for a, r, what in zip(grads, ref[1:], ("dx", "dy", "dscale", "dbias")):
-    assert_rel_close(a, r, rtol=1e-5, atol=1e-6, what=what)

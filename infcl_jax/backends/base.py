@@ -20,25 +20,21 @@ out of the sum (the diagonal of ``has_diagonal`` stays a positive),
 sets ``GROUPS = True`` and accepts the keyword in its underscored
 operations.
 
-Two sigmoid shortcuts, here once for every backend, take the diagonal's
-test out of the grouped tiles (it costs a compare and a select or an or
-per logit, which a latency-bound kernel pays in full):
-
-* "positives" on a block pair whose every diagonal pair is related (groups
-  given as one array: always) needs no diagonal test, the related pairs
-  hold it; the ids decide per call (O(B)), so both variants compile;
-* "mask" with ``GROUP_DIAGONAL_OUTSIDE`` (a backend turns it on where it
-  measured faster): the tiles run without the diagonal, dropping every
-  related pair, and the diagonal's terms are corrected here
-  (``panel_backward.diagonal_sum_fix``; the gradient's in
-  ``panel_backward.sigmoid_grad``), O(B * D) beside the tiles' O(B^2 * D).
+The sigmoid tiles of a diagonal block pair with groups run without the
+diagonal's test where a backend sets ``GROUP_DIAGONAL_OUTSIDE`` (it costs
+a compare and a select or an or per logit, which a latency-bound kernel
+pays in full): they treat only the related pairs ("mask": drop them,
+"positives": make them positives), and the diagonal's terms are corrected
+here (``panel_backward.diagonal_sum_fix``; the gradient's in
+``panel_backward.sigmoid_grad``), O(B * D) beside the tiles' O(B^2 * D).
+The correction depends on the ids per row, not on a branch: a ``lax.cond``
+on the ids would cost the GPU a host round trip per call.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jax import lax
 
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends import precision as precision_lib
@@ -139,35 +135,22 @@ class TileBackend:
     """sum_ij softplus(-z_ij * s_ij) over the block pair, float32 scalar."""
     check_diagonal(has_diagonal, x.shape[0], y.shape[0])
     kw = self._group_kw(x, y, groups, group_mode)
-    tiles = lambda diagonal: self._sigmoid_sum(
-        x, y, scale, bias, has_diagonal=diagonal,
+    outside = (has_diagonal and groups is not None
+               and self.GROUP_DIAGONAL_OUTSIDE)
+    total = self._sigmoid_sum(
+        x, y, scale, bias, has_diagonal=has_diagonal and not outside,
         bs=self.block_sizes(block_sizes, x.dtype), **kw)
-    if not (has_diagonal and groups is not None):
-      return tiles(has_diagonal)
-    if group_mode == "positives":
-      return _if_diagonal_related(kw["groups"], tiles)
-    if self.GROUP_DIAGONAL_OUTSIDE:
-      return tiles(False) + pb.diagonal_sum_fix(x, y, scale, bias,
-                                                kw["groups"])
-    return tiles(True)
+    if outside:
+      total += pb.diagonal_sum_fix(x, y, scale, bias, kw["groups"],
+                                   group_mode)
+    return total
 
   def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal,
                    block_sizes=None, groups=None, group_mode="mask"):
     """(dx, dy, dscale, dbias) of ``coef * sigmoid_sum``, all float32: the
     tile gradient is G_ij = coef * (-z_ij) * sigmoid(-z_ij * s_ij)."""
     check_diagonal(has_diagonal, x.shape[0], y.shape[0])
-    kw = self._group_kw(x, y, groups, group_mode)
-    tiles = lambda diagonal: self._sigmoid_grad(
-        x, y, scale, bias, coef, has_diagonal=diagonal,
-        bs=self.block_sizes(block_sizes, x.dtype), **kw)
-    if has_diagonal and groups is not None and group_mode == "positives":
-      return _if_diagonal_related(kw["groups"], tiles)
-    return tiles(has_diagonal)
-
-
-def _if_diagonal_related(groups, tiles):
-  """``tiles(False)`` when every diagonal pair is related ("positives":
-  they are positives as related pairs), else ``tiles(True)``."""
-  gx, gy = groups
-  return lax.cond(jnp.all(gx == gy), lambda: tiles(False),
-                  lambda: tiles(True))
+    return self._sigmoid_grad(
+        x, y, scale, bias, coef, has_diagonal=has_diagonal,
+        bs=self.block_sizes(block_sizes, x.dtype),
+        **self._group_kw(x, y, groups, group_mode))

@@ -204,7 +204,7 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   With ``groups`` the panel is also given ``groups=(gx_p, gy)`` (as in
   ``softmax_grad``) and ``group_mode`` (``base``).
 
-  ``diagonal_outside`` (grouped "mask" with the diagonal only): the panel
+  ``diagonal_outside`` (grouped, a block pair with a diagonal): the panel
   kernel runs without the diagonal (one compare and two selects fewer per
   logit, which a latency-bound panel pays in full) and the diagonal's G is
   written here afterwards, with the scalar sums corrected by the
@@ -221,12 +221,12 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
             has_diagonal=has_diagonal)
   panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision)
   gx, gy = _padded_groups(groups, layout)
-  outside = (diagonal_outside and has_diagonal and groups is not None
-             and group_mode == "mask")
+  outside = diagonal_outside and has_diagonal and groups is not None
   row_extras = () if groups is None else (gx,)
   if outside:
     kw["has_diagonal"] = False
-    g_diag, dsc_fix, dbi_fix = _diagonal_fix(x, y, scale, bias, groups)
+    g_diag, dsc_fix, dbi_fix = _diagonal_fix(x, y, scale, bias, groups,
+                                             group_mode)
     row_extras = (gx, pad1(g_diag, layout.n_pad, 0.0))
 
   def g_panel(x_p, yp, rid_p, gx_p=None, gd_p=None):
@@ -264,28 +264,41 @@ def _diagonal_logits(x, y, scale, bias):
   return s0, s0 * scale + bias
 
 
-def _diagonal_fix(x, y, scale, bias, groups):
-  """For a grouped "mask" panel run without its diagonal: each row's
-  diagonal G (-sigmoid(-s_ii), the positive's), and the corrections of the
-  sums of G * x y^T and of G for what the kernel put there instead (0 on a
-  related diagonal pair, which it dropped; sigmoid(s_ii), a negative's,
-  otherwise). float32, from the rows' exact float32 dot products."""
-  n = x.shape[0]
+def _diagonal_related(groups, n):
+  return groups[0][:n] == groups[1][:n]
+
+
+def _on_diagonal(related, group_mode, positive, negative):
+  """What tiles run without their diagonal put on the pair (i, i): on a
+  related pair the related pairs' treatment (dropped, 0, for "mask"; the
+  positive's ``positive`` for "positives"), on any other a negative's
+  ``negative``."""
+  on_related = 0.0 if group_mode == "mask" else positive
+  return jnp.where(related, on_related, negative)
+
+
+def _diagonal_fix(x, y, scale, bias, groups, group_mode):
+  """For a grouped panel run without its diagonal: each row's diagonal G
+  (-sigmoid(-s_ii), the positive's), and the corrections of the sums of
+  G * x y^T and of G for what the kernel put there instead
+  (``_on_diagonal``). float32, from the rows' exact float32 dot
+  products."""
   s0, s = _diagonal_logits(x, y, scale, bias)
   g_true = -jax.nn.sigmoid(-s)
-  g_kernel = jnp.where(groups[0][:n] == groups[1][:n], 0.0, jax.nn.sigmoid(s))
+  g_kernel = _on_diagonal(_diagonal_related(groups, x.shape[0]), group_mode,
+                          g_true, jax.nn.sigmoid(s))
   delta = g_true - g_kernel
   return g_true, jnp.sum(delta * s0), jnp.sum(delta)
 
 
-def diagonal_sum_fix(x, y, scale, bias, groups):
-  """For grouped "mask" sigmoid tiles summed without their diagonal: the
+def diagonal_sum_fix(x, y, scale, bias, groups, group_mode="mask"):
+  """For grouped sigmoid tiles summed without their diagonal: the
   positives' terms softplus(-s_ii), less what the tiles put there instead
-  (nothing on a related diagonal pair, softplus(s_ii), a negative's,
-  otherwise). float32 scalar."""
+  (``_on_diagonal``). float32 scalar."""
   _, s = _diagonal_logits(x, y, scale, bias)
-  n = x.shape[0]
-  kernel = jnp.where(groups[0][:n] == groups[1][:n], 0.0, _math.softplus(s))
+  related = _diagonal_related(groups, x.shape[0])
+  kernel = _on_diagonal(related, group_mode, _math.softplus(-s),
+                        _math.softplus(s))
   return jnp.sum(_math.softplus(-s) - kernel)
 
 
