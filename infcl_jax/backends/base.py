@@ -61,7 +61,7 @@ class TileBackend:
   F32_DEFAULT = "highest"
   # Whether the underscored operations accept ``groups=`` (see above).
   GROUPS = False
-  # Whether grouped "mask" sigmoid tiles run without their diagonal (see
+  # Whether grouped sigmoid tiles run without their diagonal (see
   # above); the backend's ``_sigmoid_grad`` passes it to
   # ``panel_backward.sigmoid_grad``.
   GROUP_DIAGONAL_OUTSIDE = False
