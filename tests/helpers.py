@@ -38,6 +38,18 @@ def assert_rel_close(actual, ref, rtol, atol=0.0, what=""):
   assert err <= bound, f"{what}: |err|={err:.3e} > {bound:.3e} (|ref|={np.linalg.norm(ref):.3e})"
 
 
+def loss_floor(x, y, t, b=None):
+  """Absolute tolerance of a float32 softmax loss against float64.
+
+  Each term is LSE_i - s_ii in float32: where the loss is small the two
+  cancel and leave rounding of the logits' size (up to ~2 eps32 max|s|
+  over 3,000 random 2 x 2 cases at t = 14.3), so the floor scales with
+  the largest logit; 1e-6 at the least."""
+  s_max = np.abs(float(t) * as64(x) @ as64(y).T
+                 + (0.0 if b is None else float(b))).max(initial=0.0)
+  return max(1e-6, 4 * float(np.finfo(np.float32).eps) * s_max)
+
+
 def free_port():
   """A TCP port on localhost that is free now (for jax.distributed)."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
