@@ -35,7 +35,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends import precision as precision_lib
 
