@@ -197,7 +197,7 @@ def main(argv) -> None:
   del argv
   from train import config_base  # pylint: disable=import-outside-toplevel
   from train import data as data_lib  # pylint: disable=import-outside-toplevel
-  from train import train as train_lib  # pylint: disable=import-outside-toplevel
+  from train import model as model_lib  # pylint: disable=import-outside-toplevel
   if FLAGS.jax_distributed:
     jax.distributed.initialize()
   config = FLAGS.config
@@ -207,7 +207,7 @@ def main(argv) -> None:
     if not FLAGS.out:
       raise ValueError("--out DIR is required")
     tokenizer = data_lib.make_tokenizer(config)
-    tower = train_lib.make_locked_tower(config, tokenizer)
+    tower = model_lib.make_locked_tower(config, tokenizer)
     precompute(config, FLAGS.out, tower, process_index=jax.process_index(),
                process_count=jax.process_count(),
                rows_per_shard=FLAGS.rows_per_shard,

@@ -30,27 +30,29 @@ from typing import Callable
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from infcl_jax.block_sizes import BlockSizes
-from infcl_jax.flax import ContrastiveLoss
 from train import checkpoint as checkpoint_lib
 from train import config_base
 from train import data as data_lib
 from train import diagnostics
 from train import evaluate
+from train import model as model_lib
 from train import optim
 from train import precompute as precompute_lib
 from train import step as step_lib
 from train import stream as stream_lib
-from train.towers import build as towers_build
-from train.towers import tower as tower_lib
 from train import workdir as workdir_lib
 from train.eval import zeroshot as zeroshot_lib
+
+# The model's builders, where callers of this module have always found them.
+make_head = model_lib.make_head
+make_models = model_lib.make_models
+make_locked_tower = model_lib.make_locked_tower
+init_params = model_lib.init_params
 
 
 # ----------------------------------------------------------------- logging
@@ -114,45 +116,6 @@ def _progress_bar(config, total, initial, enabled):
               smoothing=0.1)
 
 
-# ----------------------------------------------------------------- model
-
-
-def make_head(config, axis_name=None) -> ContrastiveLoss:
-  """The loss head of ``config.loss`` (temperature, bias, loss, backend)."""
-  lc = config.loss
-  block_sizes = (BlockSizes(lc.block_q, lc.block_k) if lc.block_q > 0
-                 else None)
-  # group_mode only where groups are used: a run without them builds the
-  # head it always did.
-  extra = ({} if lc.get("groups", "none") == "none"
-           else {"group_mode": lc.group_mode})
-  return ContrastiveLoss(
-      **extra, loss=lc.name, init_log_scale=lc.init_log_scale, use_bias=lc.use_bias,
-      init_bias=lc.init_bias, min_log_scale=lc.min_log_scale,
-      max_log_scale=lc.max_log_scale, backend=lc.backend,
-      block_sizes=block_sizes, axis_name=axis_name)
-
-
-def make_models(config, tokenizer):
-  """(image ``Tower`` with its params, text module, loss head)."""
-  dtype = jnp.dtype(config.model.dtype)
-  # The first of init_params' three keys: a random own tower is initialised
-  # as it always was.
-  rng_img = jax.random.split(jax.random.key(config.seed), 3)[0]
-  image_tower = towers_build.make_image_tower(config, dtype, rng_img)
-  embed_dim = towers_build.image_embed_dim(config, image_tower)
-  text_tower = towers_build.make_text_tower(config, tokenizer, embed_dim,
-                                            dtype)
-  return image_tower, text_tower, make_head(config)
-
-
-def make_locked_tower(config, tokenizer) -> tower_lib.Tower:
-  """The (locked) image tower of ``config``, loaded as training loads it."""
-  image_tower, _, _ = make_models(config, tokenizer)
-  return dataclasses.replace(image_tower,
-                             params=jax.device_get(image_tower.params))
-
-
 def _training_source(config, workdir, tower, is_main):
   """The source of config.data; with precompute_image_embeddings, the
   embeddings of it in ``workdir/image_embeddings`` (computed there first,
@@ -175,25 +138,6 @@ def _training_source(config, workdir, tower, is_main):
   if data_lib.sources.kind_of(source.spec) == "embeddings":
     source.check_fingerprint(tower.fingerprint, "config.model.image")
   return source
-
-
-def init_params(config, image_tower, text_tower, head, tokenizer):
-  """The image tower's params (loaded by ``make_models``), the text tower's
-  (fresh, or from ``config.model.text.init``) and a fresh head."""
-  _, rng_txt, rng_head = jax.random.split(jax.random.key(config.seed), 3)
-  if config.model.text.init:
-    _, txt = towers_build.text_init(config, tokenizer, image_tower.embed_dim)
-    txt = jax.tree.map(jnp.asarray, txt)
-    logging.info("text tower loaded from %s", config.model.text.init)
-  else:
-    txt = text_tower.init(
-        rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
-  e = jnp.zeros((2, text_tower.embed_dim))
-  # A grouped head is called with groups (group_mode "positives" needs them).
-  g = ({} if config.loss.groups == "none"
-       else {"groups": jnp.arange(2, dtype=jnp.int32)})
-  hp = head.init(rng_head, e, e, **g)["params"]
-  return {"img": image_tower.params, "txt": txt, "head": hp}
 
 
 # ----------------------------------------------------------------- checks
