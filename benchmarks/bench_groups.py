@@ -22,7 +22,7 @@ import numpy as np
 import infcl_jax
 from benchmarks import harness
 from infcl_jax.backends import registry
-from benchmarks.probes.common import bench, inputs, record, rel, summary
+from benchmarks.harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 
 
 def pairs(b):

@@ -4,15 +4,15 @@ numbers."""
 import jax
 
 from benchmarks import bench_groups
-from benchmarks.probes import common
+from benchmarks import harness
 
 
 def test_rows_costs_and_profiles(tmp_path, monkeypatch):
-  monkeypatch.setattr(common, "RESULTS", [])
+  monkeypatch.setattr(harness, "RESULTS", [])
   assert jax.default_backend() == "cpu"
   bench_groups.cost(64, ["xla"], 2, families=("sigmoid",),
                     modes=("none", "mask", "none again"), profile=str(tmp_path))
-  got = dict(common.RESULTS)
+  got = dict(harness.RESULTS)
   assert not [k for k, v in got.items() if str(v).startswith("FAILED")], got
   assert got["check sigmoid xla mask"].startswith("loss rel 0.0e+00"), got
   for mode in ("none", "mask", "none again"):
@@ -49,15 +49,3 @@ def test_diagonal_outside_variants_trace_differently():
   assert scatters["mask outside"] > scatters["mask inside"], scatters
   assert bench_groups.variant("none again") == (None, None)
 
-
-def test_timeline_busy_idle_and_gaps():
-  """groups_timeline's accounting: overlapping kernels count once, the
-  idle time is the span less the busy time, gaps name their neighbours."""
-  from benchmarks.probes import groups_timeline  # pylint: disable=import-outside-toplevel
-  events = [(0.0, 1000.0, "a"), (500.0, 1500.0, "b"), (2000.0, 2500.0, "c"),
-            (2600.0, 3000.0, "a")]
-  t = groups_timeline.timeline(events, steps=2)
-  assert t["span_ms"] == 1.5 and t["busy_ms"] == 1.2, t
-  assert abs(t["idle_ms"] - 0.3) < 1e-12, t
-  assert t["gaps"] == [(500.0, "b", "c"), (100.0, "c", "a")], t
-  assert dict(t["by_op"]) == {"a": 0.7, "b": 0.5, "c": 0.25}, t

@@ -1,4 +1,4 @@
-"""GPU probe: float32 inputs, how exact and how fast each way of running them is.
+"""Float32 inputs, how exact and how fast each way of running them is.
 
 For issue 25's float32 rules: the loss must stay within 3e-5 of float64 at
 B = 8192 and get under 1e-3 in the worst cases found so far (scale 30-50,
@@ -17,7 +17,7 @@ small D), while the step should come within 2x of bf16. Variants:
 Every variant is checked against float64 (loss and both embedding
 gradients) before it is timed.
 
-  python benchmarks/probes/f32_precision.py [--quick]
+  python benchmarks/bench_f32.py [--quick] [--parts fidelity,speed]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import infcl_jax  # pylint: disable=wrong-import-position
-from benchmarks.probes.common import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
+from benchmarks.harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
 
 BF16 = jnp.bfloat16
 

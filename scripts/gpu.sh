@@ -1,0 +1,277 @@
+#!/usr/bin/env bash
+# The one GPU entry point: every measurement in BENCHMARKS.md and the -m gpu
+# tests, by suite.
+#
+#   bash scripts/gpu.sh SUITE [PART...]        run (logs under $OUT, default /tmp/out)
+#   bash scripts/gpu.sh --dry-run SUITE [PART...]   print the plan, run nothing
+#   bash scripts/gpu.sh --list                 the suites and their parts
+#
+# SUITE is tests, loss, towers, train, data, ring or all; PART picks some of a
+# suite's parts (all of them by default). Every part runs under its own time
+# box (timeout -s INT, so that pytest and the benchmarks still write what
+# they have), writes its log to $OUT/SUITE-PART.log, and ends with a
+# one-paragraph summary of that log. A device call is limited to 10 minutes:
+# --list gives each part's box, so that a call takes the parts that fit
+# (e.g. `loss table stages`, then `loss groups`). ring needs two GPUs.
+#
+# Wheels the GPU image lacks (jax-triton for backend="triton") travel in
+# .whl/ (git-excluded; carry it): they are installed to /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+case "${1:-}" in
+--dry-run) dry=1; shift ;;
+esac
+out=${OUT:-/tmp/out}
+py=${PYTHON:-python3}
+
+# Suites and their parts, in order, one "name:box_s" a line.
+suite_parts() {
+  local parts
+  case "$1" in
+  tests) parts="kernels:420 large:120" ;;
+  loss) parts="table:420 stages:130 groups:575 configs:300 f32:240 sweep:560" ;;
+  towers) parts="vit:240 text:280 lit:330" ;;
+  train) parts="step:420 ladder:560 stream:430 l14:150" ;;
+  data) parts="pipeline:200" ;;
+  ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
+  *) return 1 ;;
+  esac
+  printf '%s\n' $parts
+}
+SUITES="tests loss towers train data ring"
+
+box_of() {  # box_of SUITE PART
+  local p
+  for p in $(suite_parts "$1"); do
+    [ "${p%%:*}" = "$2" ] && { echo "${p##*:}"; return 0; }
+  done
+  return 1
+}
+
+if [ "${1:-}" = "--list" ]; then
+  for s in $SUITES; do
+    total=0; line=""
+    for p in $(suite_parts "$s"); do
+      line+=" ${p%%:*} (${p##*:} s)"; total=$((total + ${p##*:}))
+    done
+    echo "$s:$line; $total s in all"
+  done
+  exit 0
+fi
+
+suite=${1:?usage: bash scripts/gpu.sh [--dry-run] SUITE [PART...]; --list for the suites}
+shift
+if [ "$suite" != all ] && ! suite_parts "$suite" > /dev/null; then
+  echo "gpu.sh: unknown suite '$suite' (one of: $SUITES all)" >&2
+  exit 2
+fi
+for p in "$@"; do
+  if [ "$suite" = all ] || ! box_of "$suite" "$p" > /dev/null; then
+    echo "gpu.sh: suite '$suite' has no part '$p' (bash scripts/gpu.sh --list)" >&2
+    exit 2
+  fi
+done
+
+# job NAME BOX CMD...: CMD under its box, its output in $out/NAME.log, its
+# exit status appended to $rcs (jobs may run in the background).
+rcs=$out/gpu_sh.rc
+job() {
+  local name=$1 box=$2 start rc
+  shift 2
+  if [ "$dry" = 1 ]; then
+    echo "$name [${box} s]: $*"
+    return 0
+  fi
+  start=$SECONDS
+  timeout -s INT -k 15 "$box" "$@" > "$out/$name.log" 2>&1
+  rc=$?
+  echo "$name $rc" >> "$rcs"
+  summary "$name" "$rc" $((SECONDS - start)) "$box"
+}
+# One paragraph per log: exit status and time; for pytest the counts and the
+# first failures, for a benchmark its last lines (each prints its table last).
+summary() {
+  local name=$1 rc=$2 secs=$3 box=$4 log=$out/$1.log note=""
+  [ "$rc" -eq 124 ] && note=" (cut by its box)"
+  echo "== $name: exit $rc$note, $secs of $box s, log $log"
+  if grep -qE "^=+ .*(passed|failed|error|no tests ran).* in [0-9.]+s" "$log"; then
+    echo "   $(grep -c ' PASSED' "$log") passed, $(grep -c ' FAILED' "$log") failed," \
+      "$(grep -c ' SKIPPED' "$log") skipped: $(tail -1 "$log")"
+    grep -E "^(FAILED|ERROR) " "$log" | cut -c1-200 | head -15 | sed 's/^/   /'
+  else
+    tail -n "${SUMMARY_LINES:-25}" "$log" | cut -c1-200 | sed 's/^/   /'
+  fi
+}
+# pytest -m gpu, every test's line kept (-v) and its failures summarised.
+gpu_pytest() {  # gpu_pytest NAME BOX WORKERS PYTEST_ARGS...
+  local name=$1 box=$2 workers=$3
+  shift 3
+  XLA_PYTHON_CLIENT_PREALLOCATE=false job "$name" "$box" "$py" -m pytest -m gpu -v -rfE \
+    -p no:cacheprovider --tb=short -n "$workers" "$@"
+}
+bench() { job "$1" "$2" env PYTHONUNBUFFERED=1 "$py" "${@:3}"; }
+
+# ------------------------------------------------------------------ suites
+# Every command below is the one behind a BENCHMARKS.md row ("bash
+# scripts/gpu.sh SUITE PART").
+
+tests_kernels() {
+  # Three pytest processes side by side (nothing is timed): the Mosaic
+  # kernels and backend, the Pallas ones and the groups, the triton backend.
+  # The > 2^31-element cases need the GPU's memory alone: part "large".
+  local k="not past_2_to_the_31" bg="&"
+  [ "$dry" = 1 ] && bg=""
+  eval "gpu_pytest tests-mosaic \"\$1\" 2 -k \"\$k\" tests/test_mosaic_kernels.py \
+    tests/test_mosaic_backend.py tests/test_groups_mosaic.py $bg"
+  eval "gpu_pytest tests-pallas \"\$1\" 2 -k \"\$k\" tests/test_pallas.py tests/test_pallas_sigmoid.py \
+    tests/test_groups.py tests/test_groups_kernels.py tests/test_auto.py $bg"
+  eval "gpu_pytest tests-triton \"\$1\" 1 -k \"\$k\" tests/test_native_triton.py \
+    tests/test_triton_aot.py tests/test_triton_backend_host.py $bg"
+  wait
+}
+tests_large() {
+  gpu_pytest tests-large "$1" 0 -k past_2_to_the_31 tests/test_mosaic_backend.py \
+    tests/test_native_triton.py tests/test_pallas.py tests/test_pallas_sigmoid.py
+}
+
+loss_table() {
+  # bench_loss: one process per case, resumed across calls under one bf16
+  # matmul ceiling. The Mosaic rows at every size, then the other kernel
+  # backends at 65,536.
+  local b=(bench_loss.py --out "$out/loss" --budget-s 2 --timeout-s 100 --resume)
+  local box=$1
+  bench loss-table-65k $((box * 30 / 100)) benchmarks/"${b[@]}" --loss softmax,sigmoid \
+    --backends mosaic,triton,pallas --dtypes bfloat16 --batches 65536
+  bench loss-table-dtypes $((box * 20 / 100)) benchmarks/"${b[@]}" --loss softmax \
+    --backends mosaic,triton --dtypes float32,float16 --batches 65536
+  bench loss-table-sizes $((box * 15 / 100)) benchmarks/"${b[@]}" --loss softmax,sigmoid \
+    --backends mosaic --dtypes bfloat16 --batches 16384,50000
+  bench loss-table-1m $((box * 35 / 100)) benchmarks/"${b[@]}" --loss softmax \
+    --backends mosaic --dtypes bfloat16 --batches 1048576
+}
+loss_stages() {
+  bench loss-stages-bf16 $(($1 / 2)) benchmarks/bench_mosaic.py --full 0 --b 65536 --r_list 4096
+  bench loss-stages-f32 $(($1 / 2)) benchmarks/bench_mosaic.py --full 0 --b 65536 --dtype float32 \
+    --r_list 4096
+}
+loss_groups() {
+  # One GEMM autotuning shared by every variant: they then differ by their
+  # groups work only ("none again", the plain loss compiled twice, is the
+  # noise floor).
+  XLA_FLAGS="--xla_gpu_per_fusion_autotune_cache_dir=/tmp/autotune_groups" \
+    bench loss-groups "$1" benchmarks/bench_groups.py --backends mosaic,triton,pallas --rounds 5
+}
+loss_configs() {
+  bench loss-configs "$1" benchmarks/bench_configs.py --smem_probe --out "$out/configs"
+}
+loss_f32() {
+  bench loss-f32 "$1" benchmarks/bench_f32.py
+}
+loss_sweep() {
+  # Time and memory against B: the full-matrix definition, the XLA tiles and
+  # the Pallas kernels, 16k to 1M.
+  bench loss-sweep "$1" benchmarks/bench_loss.py --out "$out/sweep" --loss softmax,sigmoid \
+    --backends reference,xla,pallas --dtypes bfloat16 --batches 16384,65536,262144,1048576 \
+    --budget-s 2 --timeout-s 150
+}
+
+towers_vit() {
+  bench towers-vit "$1" benchmarks/bench_towers.py --out "$out/towers" --cases vit_erf,vit_torch \
+    --budget_s $(($1 - 10))
+}
+towers_text() {
+  bench towers-text "$1" benchmarks/bench_towers.py --out "$out/towers" \
+    --cases text_jax_eos,text_torch --budget_s $(($1 - 10))
+}
+towers_lit() {
+  bench towers-lit "$1" benchmarks/bench_towers.py --out "$out/towers" \
+    --cases lit_hf_precomputed,lit_hf_on_the_fly --budget_s $(($1 - 10))
+}
+
+train_step() {
+  # The step at 65,536 (precomputed, tower on the fly) and 262,144.
+  bench train-step "$1" benchmarks/bench_train.py --out "$out/train" --ladder 262144 \
+    --timeout_s 200 --budget_s $(($1 - 10))
+}
+train_ladder() {
+  bench train-ladder "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" \
+    --ladder 1048576,4194304 --timeout_s 470 --budget_s $(($1 - 10))
+}
+train_stream() {
+  bench train-stream "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" \
+    --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
+    --timeout_s $(($1 - 10))
+}
+train_l14() {
+  bench train-l14 "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" --ladder "" \
+    --stream_batches 65536 --microbatch 4096 --stream_steps 1 --decode_size 256 --workers 12 \
+    --image_model l14 --timeout_s $(($1 - 10))
+}
+
+data_pipeline() {
+  bench data-pipeline "$1" benchmarks/bench_data.py --out "$out/data" --threads 8 \
+    --workers 12,16 --measure_s 8 --timeout_s 40
+}
+
+ring_schedule() {
+  gpu_pytest ring-schedule "$1" 0 tests/test_ring_hlo.py tests/test_bench_ring.py
+}
+ring_scaling() {
+  bench ring-scaling "$1" benchmarks/bench_ring.py --out "$out/ring" --budget-s 2 \
+    --strategies ring,gather --sections scaling,overlap,hlo --time-budget-s $(($1 - 20)) \
+    --timeout-s 90
+}
+ring_plain() {
+  # The B x B baseline's plan is ~138 GB per GPU: an arena preallocated up
+  # front, not grown on demand.
+  XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+    bench ring-plain "$1" benchmarks/bench_ring.py --out "$out/ring_plain" --budget-s 2 \
+    --strategies plain --b-local 65536 --devices 2 --sections scaling \
+    --time-budget-s $(($1 - 10)) --timeout-s 100
+}
+ring_maxbatch() {
+  bench ring-maxbatch "$1" benchmarks/bench_ring.py --out "$out/ring" --resume --sections maxbatch \
+    --max-b-start 2097152 --max-b-local 2097152 --max-step-s 0 --max-once-s 300
+}
+
+# ------------------------------------------------------------------- main
+
+if [ "$dry" = 1 ]; then
+  echo "plan (dry run): logs under $out"
+else
+  mkdir -p "$out"
+  : > "$rcs"
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+  fi
+fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+  [ "$dry" = 1 ] && echo "install [.whl]: $(ls .whl/*.whl | wc -l) wheels to /tmp/site"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+[ "$dry" = 1 ] || "$py" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+
+run_suite() {  # run_suite SUITE [PART...]
+  local s=$1 p
+  shift
+  local parts=("$@")
+  if [ ${#parts[@]} -eq 0 ]; then
+    for p in $(suite_parts "$s"); do parts+=("${p%%:*}"); done
+  fi
+  for p in "${parts[@]}"; do
+    "${s}_${p}" "$(box_of "$s" "$p")"
+  done
+}
+if [ "$suite" = all ]; then
+  for s in $SUITES; do run_suite "$s"; done
+else
+  run_suite "$suite" "$@"
+fi
+[ "$dry" = 1 ] && exit 0
+echo "== gpu.sh $suite: $(awk '$2 != 0' "$rcs" | wc -l) of $(wc -l < "$rcs") jobs failed or were cut"
+! awk '$2 != 0 {bad = 1} END {exit !bad}' "$rcs"

@@ -1,0 +1,85 @@
+"""scripts/gpu.sh on the CPU: its suites, the plan it would run (--dry-run),
+and that every BENCHMARKS.md command names a suite and part it has."""
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu.sh")
+SUITES = ("tests", "loss", "towers", "train", "data", "ring")
+
+
+def _sh(*args):
+  return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True,
+                        cwd=ROOT, timeout=60, check=False)
+
+
+def _parts():
+  """{suite: {part: box_s}} from --list."""
+  p = _sh("--list")
+  assert p.returncode == 0, p.stderr
+  out = {}
+  for line in p.stdout.splitlines():
+    suite, rest = line.split(":", 1)
+    out[suite] = {m[0]: int(m[1]) for m in re.findall(r"(\w+) \((\d+) s\)", rest)}
+  return out
+
+
+def test_syntax_and_the_one_gpu_script():
+  assert subprocess.run(["bash", "-n", SCRIPT], check=False).returncode == 0
+  scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "scripts"))
+                   if f.startswith("gpu"))
+  assert scripts == ["gpu.sh"]
+
+
+def test_suites_and_boxes_fit_a_device_call():
+  parts = _parts()
+  assert tuple(parts) == SUITES
+  for suite, boxes in parts.items():
+    assert boxes, suite
+    # One device call runs at most 10 minutes, start-up included.
+    assert all(0 < b <= 580 for b in boxes.values()), (suite, boxes)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_dry_run_plan_names_existing_files_under_each_box(suite):
+  p = _sh("--dry-run", suite)
+  assert p.returncode == 0, p.stderr
+  jobs = [l for l in p.stdout.splitlines() if re.match(r"[\w-]+ \[\d+ s\]: ", l)]
+  assert jobs, p.stdout
+  boxes = _parts()[suite]
+  for line in jobs:
+    name = line.split(" ", 1)[0]
+    assert name.startswith(suite + "-"), line
+    for path in re.findall(r"\b((?:benchmarks|tests)/[\w/]+\.py)\b", line):
+      assert os.path.exists(os.path.join(ROOT, path)), line
+    assert "--out /tmp/out" in line or "pytest" in line, line
+  # Jobs of one part share its box: their boxes add up to at most it.
+  total = sum(int(re.search(r"\[(\d+) s\]", l)[1]) for l in jobs
+              if not l.startswith("tests-") or "past_2" in l)
+  assert total <= sum(boxes.values()), (total, boxes)
+
+
+def test_parts_select_and_bad_names_fail_in_one_line():
+  p = _sh("--dry-run", "loss", "stages")
+  assert p.returncode == 0
+  jobs = [l for l in p.stdout.splitlines() if "[" in l and "]: " in l]
+  assert [j.split(" ")[0] for j in jobs] == ["loss-stages-bf16", "loss-stages-f32"]
+  for args, word in ((("nope",), "unknown suite 'nope'"),
+                     (("loss", "nope"), "no part 'nope'")):
+    p = _sh("--dry-run", *args)
+    assert p.returncode == 2 and word in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_every_benchmarks_md_command_is_a_suite_part():
+  text = open(os.path.join(ROOT, "BENCHMARKS.md")).read()
+  cited = re.findall(r"scripts/gpu\.sh ([a-z]+)((?: [a-z0-9]+)*)", text)
+  assert cited
+  parts = _parts()
+  for suite, rest in cited:
+    assert suite in parts, suite
+    for part in rest.split():
+      assert part in parts[suite], (suite, part)
