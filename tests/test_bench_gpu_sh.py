@@ -13,7 +13,12 @@ SUITES = ("tests", "loss", "towers", "train", "data", "ring")
 
 def _sh(*args):
   return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True,
-                        cwd=ROOT, timeout=60, check=False)
+                        cwd=ROOT, timeout=60, check=False,
+                        env=dict(os.environ, OUT="/tmp/gpu_sh_plan"))
+
+
+def _jobs(stdout):
+  return [l for l in stdout.splitlines() if re.match(r"[\w-]+ \[\d+ s\]: ", l)]
 
 
 def _parts():
@@ -47,7 +52,7 @@ def test_suites_and_boxes_fit_a_device_call():
 def test_dry_run_plan_names_existing_files_under_each_box(suite):
   p = _sh("--dry-run", suite)
   assert p.returncode == 0, p.stderr
-  jobs = [l for l in p.stdout.splitlines() if re.match(r"[\w-]+ \[\d+ s\]: ", l)]
+  jobs = _jobs(p.stdout)
   assert jobs, p.stdout
   boxes = _parts()[suite]
   for line in jobs:
@@ -55,17 +60,21 @@ def test_dry_run_plan_names_existing_files_under_each_box(suite):
     assert name.startswith(suite + "-"), line
     for path in re.findall(r"\b((?:benchmarks|tests)/[\w/]+\.py)\b", line):
       assert os.path.exists(os.path.join(ROOT, path)), line
-    assert "--out /tmp/out" in line or "pytest" in line, line
-  # Jobs of one part share its box: their boxes add up to at most it.
+    # Results go under $OUT, where the device call returns them from.
+    for out in re.findall(r"--out (\S+)", line):
+      assert out.startswith("/tmp/gpu_sh_plan/"), line
+  # The jobs of a part share its box: run one after another, their boxes
+  # add up to at most the suite's; tests-pallas and tests-triton run beside
+  # tests-mosaic, in the same box.
   total = sum(int(re.search(r"\[(\d+) s\]", l)[1]) for l in jobs
-              if not l.startswith("tests-") or "past_2" in l)
+              if not l.startswith(("tests-pallas", "tests-triton")))
   assert total <= sum(boxes.values()), (total, boxes)
 
 
 def test_parts_select_and_bad_names_fail_in_one_line():
   p = _sh("--dry-run", "loss", "stages")
   assert p.returncode == 0
-  jobs = [l for l in p.stdout.splitlines() if "[" in l and "]: " in l]
+  jobs = _jobs(p.stdout)
   assert [j.split(" ")[0] for j in jobs] == ["loss-stages-bf16", "loss-stages-f32"]
   for args, word in ((("nope",), "unknown suite 'nope'"),
                      (("loss", "nope"), "no part 'nope'")):
@@ -83,3 +92,20 @@ def test_every_benchmarks_md_command_is_a_suite_part():
     assert suite in parts, suite
     for part in rest.split():
       assert part in parts[suite], (suite, part)
+
+
+def test_results_are_the_raw_rows_behind_benchmarks_md():
+  """benchmarks/results/ holds raw rows only (CSV, JSON, JSONL), at most 40
+  files, each behind a BENCHMARKS.md table (a *_meta.json beside its CSV),
+  and every file BENCHMARKS.md links there exists."""
+  text = open(os.path.join(ROOT, "BENCHMARKS.md")).read()
+  results = os.path.join(ROOT, "benchmarks", "results")
+  names = sorted(os.listdir(results))
+  assert 0 < len(names) <= 40, len(names)
+  for name in names:
+    assert os.path.isfile(os.path.join(results, name)), name
+    assert name.endswith((".csv", ".json", ".jsonl")), name
+    cited = re.sub(r"_meta\.json$", ".csv", name)
+    assert f"benchmarks/results/{cited}" in text, name
+  for link in re.findall(r"\]\((benchmarks/results/[^)]+)\)", text):
+    assert os.path.exists(os.path.join(ROOT, link)), link
