@@ -8,6 +8,7 @@ a single-line ValueError, so a bad config fails before any training starts.
 
 import ml_collections
 
+from train.data import decode as decode_lib
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 from train.eval import names as names_lib
@@ -97,6 +98,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.num_workers = 0
   # Micro-batches held ahead on the host, in all (workers included).
   c.prefetch_batches = 2
+  # Where JPEGs are decoded (train/data/decode.py): "host" (the reader
+  # threads / workers; simplejpeg when installed, else Pillow), "gpu"
+  # (nvImageCodec on the device, per micro-batch: the gpu-decode extra;
+  # webdataset and table sources), "auto" (gpu when both are there).
+  c.decoder = "host"
   # A process's shard is decoded and resized once and kept in memory when
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
   # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.
@@ -167,3 +173,4 @@ def check_data_config(config) -> None:
     raise ValueError(f"config.data.max_bad_fraction={data.max_bad_fraction!r}"
                      " must be a number in [0, 1]")
   sources.check_sources(data)
+  decode_lib.check_decoder(data)

@@ -19,8 +19,10 @@
 
 Bad examples (an image that does not decode, an empty caption, an unreadable
 file; those a source found while opening are counted at start) are skipped
-where they fall in the stream, logged with their shard and key, and counted;
-more than config.data.max_bad_fraction of them stops the run.
+where they fall in the stream, logged with their shard and key, and counted
+once each (not again in a later epoch); more than config.data.max_bad_fraction
+of the examples seen, checked from min(1000, corpus size) examples on, stops
+the run.
 
 Each element is a pure function of (seed, shard, stream position), whatever
 the thread count, so the iterator's state is the next stream position (plus
@@ -30,16 +32,17 @@ to the device, where the tower resizes them from decode_size (if set),
 normalises them and casts them (``Tower.embed``, train/towers/tower.py).
 """
 
-import io
 import sys
 
 import numpy as np
 
+from train.data import decode as decode_lib
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 from train.data.source import Bad
 from train.data.source import BadDataLedger
 from train.data.source import BadExample
+from train.data.source import start_of_check
 
 
 def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
@@ -48,19 +51,11 @@ def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
   With ``size``, a JPEG is decoded at the smallest DCT scale that keeps both
   sides >= size (Pillow's draft mode: a large photo decodes several times
   faster, and resize_crop then sees fewer pixels). BadExample if it does not
-  decode, fully (a truncated file fails here, not later).
+  decode, fully (a truncated file fails here, not later). JPEGs go through
+  simplejpeg when it is installed (train/data/decode.py: Pillow's pixels,
+  about twice as fast).
   """
-  from PIL import Image  # pylint: disable=import-outside-toplevel
-  try:
-    with Image.open(io.BytesIO(data)) as im:
-      if size:
-        im.draft("RGB", (size, size))
-      im = im.convert("RGB")
-      return np.asarray(im, np.uint8)
-  except Exception as e:  # pylint: disable=broad-except
-    # Pillow raises many types (OSError, SyntaxError, ValueError, ...).
-    raise BadExample(where, f"undecodable image ({type(e).__name__}: "
-                     f"{e})") from None
+  return decode_lib.decode_host(data, where, size)
 
 
 def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -115,10 +110,14 @@ class Compact:
   whatever the original image size. ``image_id`` is the source's identity of
   the example's image (examples of one image share it; by default the
   example's index), the group id of ``config.loss.groups = "image"``.
+
+  With ``decode=False`` (a batch decoder downstream, train/data/decode.py)
+  encoded images are only checked to be whole JPEGs and kept as
+  "encoded" bytes, with the example's "key".
   """
 
-  def __init__(self, source, image_size: int):
-    self.source, self.image_size = source, image_size
+  def __init__(self, source, image_size: int, decode: bool = True):
+    self.source, self.image_size, self.decode = source, image_size, decode
 
   def __call__(self, index: int):
     try:
@@ -131,6 +130,13 @@ class Compact:
         out["image_emb"] = ex["image_emb"]
       else:
         image = ex["image"]
+        if (isinstance(image, (bytes, bytearray, memoryview))
+            and not self.decode):
+          problem = decode_lib.jpeg_problem(image)
+          if problem:
+            raise BadExample(ex["key"], f"undecodable image ({problem})")
+          out["encoded"], out["key"] = bytes(image), ex["key"]
+          return out
         if isinstance(image, (bytes, bytearray, memoryview)):
           image = decode_image(image, ex["key"], self.image_size)
         out["image"] = resize_crop(image, self.image_size)
@@ -183,7 +189,7 @@ class Finalize:
            "label": np.int32(compact["label"])}
     if self.group_key is not None:
       out["group"] = np.int32(compact[self.group_key])
-    for k in ("image", "image_emb"):
+    for k in ("image", "image_emb", "encoded", "key"):
       if k in compact:
         out[k] = compact[k]
     return (position, out)
@@ -305,13 +311,23 @@ class _Buffers:
     return a
 
 
+def _stack(values: list) -> np.ndarray:
+  if isinstance(values[0], (bytes, str)):
+    # Encoded images and keys as objects: np.stack would pad them all to
+    # the longest (and strip trailing NUL bytes).
+    out = np.empty(len(values), object)
+    out[:] = values
+    return out
+  return np.stack(values)
+
+
 def _pack(items: list) -> dict:
   """(position, element or Bad) x n -> one chunk: the good elements stacked,
   which local positions were good, and the bad ones named."""
   good = np.array([not isinstance(e, Bad) for _, e in items])
   elements = [e for _, e in items if not isinstance(e, Bad)]
   return {"pos0": items[0][0], "good": good,
-          "arrays": ({k: np.stack([e[k] for e in elements])
+          "arrays": ({k: _stack([e[k] for e in elements])
                       for k in elements[0]} if elements else None),
           "bad": [(i, e.where, e.reason) for i, (_, e) in enumerate(items)
                   if isinstance(e, Bad)]}
@@ -326,9 +342,9 @@ class TrainIterator:
   [m]} as numpy arrays, m = microbatch_size; a step takes
   batch_size // microbatch_size of them in a row (``next_batch``).
 
-  ``bad`` counts the examples skipped so far (those found while opening
-  the source included, once; one bad when read is skipped, and counted,
-  in every epoch), ``seen`` all examples looked at.
+  ``bad`` counts the distinct examples skipped so far (those found while
+  opening the source included; one bad when read is skipped in every epoch
+  but counted once), ``seen`` the distinct examples looked at.
   """
 
   def __init__(self, dataset, read_options, fingerprint: dict, *,
@@ -385,8 +401,16 @@ class TrainIterator:
     """The next micro-batch: the next ``microbatch_size`` good examples of
     the stream; the bad ones passed on the way are counted (exactly those
     before the last example taken, so a resumed stream counts the same)."""
+    out = self.take(self.microbatch_size)
+    self.ledger.add_good(self.microbatch_size)
+    return out
+
+  def take(self, n: int) -> dict:
+    """The next ``n`` good examples, stacked, the bad ones before the last
+    counted; the good ones are not counted (``__next__`` does; a batch
+    decoder first drops the ones that do not decode)."""
     self._ensure_iter()
-    need, parts = self.microbatch_size, []
+    need, parts = n, []
     while need:
       if self._chunk is None or self._cursor >= len(self._chunk["good"]):
         self._chunk, self._cursor = next(self._iter), 0
@@ -406,10 +430,9 @@ class TrainIterator:
       self._cursor = int(end)
       self._next_position = chunk["pos0"] + self._cursor
       self.ledger.check()
-    self.ledger.add_good(self.microbatch_size)
     out = {}
     for key, first in parts[0].items():
-      shape = (self.microbatch_size, *first.shape[1:])
+      shape = (n, *first.shape[1:])
       # The images are most of the bytes: they go into a reused buffer
       # (see _Buffers); the rest is small.
       buf = (self._buffers.empty(shape, first.dtype) if key in _LARGE
@@ -457,7 +480,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                         process_count: int = 1, seed: int = 0,
                         tokenizer=None, microbatch_size: int = 0,
                         source=None, groups: str = "none",
-                        captions_per_image: int = 1) -> TrainIterator:
+                        captions_per_image: int = 1,
+                        batch_decoder=None) -> TrainIterator:
   """The training iterator of config.data for one process.
 
   Args:
@@ -478,6 +502,10 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
       ``groups=``.
     captions_per_image: ``config.captions_per_image``: each image at k
       consecutive stream positions with distinct captions (``each_k``).
+    batch_decoder: decodes each micro-batch's encoded images in one call
+      (train/data/decode.py); default: config.data.decoder's ("host":
+      none, every example decoded where it is read). With one, the
+      iterator is a ``decode.Prefetch`` of a ``decode.DecodedIterator``.
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
@@ -500,7 +528,10 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   k = captions_per_image
   if not (isinstance(k, int) and k >= 1):
     raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
-  compact = Compact(source, host_size(data))
+  if batch_decoder is None:
+    batch_decoder = decode_lib.make_batch_decoder(
+        data, sources.kind_of(source.spec))
+  compact = Compact(source, host_size(data), decode=batch_decoder is None)
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
   example_bytes = (4 * source.dim if precomputed
@@ -521,8 +552,12 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
           2, max(1, data.prefetch_batches) * microbatch_size // CHUNK))
   # A process's share of the bad examples found while opening.
   bad_open = source.bad_at_open[process_index::process_count]
+  # Counted once each, over this process's share: its examples and the
+  # bad ones found while opening (source.py, BadDataLedger).
+  corpus = len(shard) + len(bad_open)
   ledger = BadDataLedger(data.max_bad_fraction,
-                         min_seen=min(1000, len(shard)))
+                         min_seen=start_of_check(corpus),
+                         corpus_size=corpus, copies=k)
   for where, reason in bad_open:
     ledger.add_bad(where, reason)
   ledger.check()
@@ -534,9 +569,14 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                  "max_len": tokenizer.max_len}
   if k > 1:  # Another stream (a k of 1 leaves older states valid).
     fingerprint["captions_per_image"] = k
-  return TrainIterator(ds, read_options, fingerprint,
-                       microbatch_size=microbatch_size, ledger=ledger,
-                       num_workers=data.num_workers)
+  it = TrainIterator(ds, read_options, fingerprint,
+                     microbatch_size=microbatch_size, ledger=ledger,
+                     num_workers=data.num_workers)
+  if batch_decoder is None:
+    return it
+  return decode_lib.Prefetch(
+      decode_lib.DecodedIterator(it, batch_decoder, host_size(data)),
+      depth=max(1, data.prefetch_batches))
 
 
 def check_groups(source, groups: str) -> None:

@@ -1,0 +1,255 @@
+"""The batch-decoder path (config.data.decoder = "gpu") and its host twin.
+
+CPU tests run the GPU path's logic (train/data/decode.py: micro-batches of
+encoded images decoded in one call, topped up past the ones that fail, on
+a prefetch thread, resumable) with the GPU call swapped for the host
+decoder, against the host path on the same corpus (tests/corpus.py: a
+truncated JPEG, empty captions, orphans, a cut shard). The ``gpu`` tests
+run nvImageCodec itself on the device (pixels against the host path within
+a measured bound, every kind of bad member, resume).
+"""
+import hashlib
+import io
+import json
+
+import ml_collections
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests import corpus as corpus_lib
+from train import data as D
+from train.data import decode
+from train.data import pipeline
+from train.data.source import BadExample
+from train.data.source import TooMuchBadData
+
+S = corpus_lib.IMAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  return corpus_lib.make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _config(name, **data):
+  config = ml_collections.ConfigDict()
+  config.data = D.default_data_config()
+  config.tokenizer = D.default_tokenizer_config()
+  config.data.name = name
+  config.data.eval_split = ""
+  config.data.image_size = S
+  config.data.max_bad_fraction = 0.5
+  config.data.wds_label_field = "label"
+  config.data.table_label_column = "label"
+  for k, v in data.items():
+    config.data[k] = v
+  return config
+
+
+def _jpeg(image, **kw):
+  buf = io.BytesIO()
+  Image.fromarray(image).save(buf, format="JPEG", **kw)
+  return buf.getvalue()
+
+
+def _digest(image):
+  return hashlib.sha1(np.ascontiguousarray(image).tobytes()).hexdigest()
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _flat(batches):
+  """(image digest, tokens, label) per example, in stream order."""
+  return [(_digest(np.asarray(b["image"][i])), b["text"][i].tobytes(),
+           int(b["label"][i])) for b in batches for i in range(len(b["text"]))]
+
+
+def _same(a, b):
+  return all(set(x) == set(y) and all(np.array_equal(np.asarray(x[k]),
+                                                     np.asarray(y[k]))
+                                      for k in x)
+             for x, y in zip(a, b, strict=True))
+
+
+def _images(seed=0):
+  """JPEGs of the kinds a web corpus holds: baseline 4:2:0, 4:4:4,
+  progressive, grayscale, non-square, and one large enough for the draft
+  (DCT-scaled) decode at the sizes used here."""
+  rng = np.random.default_rng(seed)
+  smooth = lambda h, w: np.asarray(Image.fromarray(rng.integers(
+      0, 255, (6, 6, 3), dtype=np.uint8)).resize((w, h), Image.BICUBIC))
+  return [_jpeg(smooth(64, 64), quality=90),
+          _jpeg(smooth(48, 80), quality=75, subsampling=0),
+          _jpeg(smooth(70, 50), quality=85, progressive=True),
+          _jpeg(rng.integers(0, 255, (40, 60), dtype=np.uint8)),
+          _jpeg(smooth(300, 420), quality=80)]
+
+
+# ------------------------------------------------------------ the JPEG check
+
+def test_every_cut_of_a_jpeg_is_found_and_whole_ones_pass():
+  for data in _images():
+    assert decode.jpeg_problem(data) == ""
+    assert decode.jpeg_problem(data + b"trailing bytes") == ""
+    for cut in range(2, len(data) - 1):  # the last byte of EOI included
+      problem = decode.jpeg_problem(data[:cut])
+      assert problem.startswith(("truncated JPEG", "corrupt JPEG")), cut
+  assert decode.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
+  assert decode.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
+
+
+def test_host_decoders_agree_bitwise_with_pillow_and_name_bad_images():
+  pytest.importorskip("simplejpeg")
+  for data in _images():
+    for size in (0, 16, 40, 64):
+      fast = decode.decode_host(data, "k", size, library="simplejpeg")
+      slow = decode.decode_host(data, "k", size, library="pillow")
+      assert fast.shape == slow.shape and np.array_equal(fast, slow), size
+  png = io.BytesIO()
+  Image.fromarray(np.zeros((5, 7, 3), np.uint8)).save(png, format="PNG")
+  assert decode.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
+  whole = _images()[0]
+  for data, fragment in ((whole[:len(whole) // 3], "truncated JPEG"),
+                         (whole[:-2], "no end-of-image marker"),
+                         (b"<html>404</html>", "not an image"),
+                         (b"", "not an image")):
+    with pytest.raises(BadExample, match=fragment) as e:
+      decode.decode_host(data, "shard.tar:0042", 16)
+    assert e.value.where == "shard.tar:0042"
+    assert e.value.reason.startswith("undecodable image")
+
+
+# ----------------------------------------- the batch path, on the host decoder
+
+class _Failing(decode.HostBatchDecoder):
+  """The host decoder, failing the images whose decoded pixels are in
+  ``digests`` (as a GPU decode can fail where the host's succeeds), and
+  recording the batch sizes it was called with."""
+
+  def __init__(self, digests=()):
+    super().__init__()
+    self.digests, self.calls = set(digests), []
+
+  def decode(self, encoded, wheres, size):
+    self.calls.append(len(encoded))
+    images, ok, bad = super().decode(encoded, wheres, size)
+    keep, out = [], []
+    for j, i in enumerate(np.flatnonzero(ok)):
+      if _digest(images[j]) in self.digests:
+        ok[i] = False
+        bad.append((int(i), wheres[i], "undecodable image (device: failed)"))
+      else:
+        keep.append(images[j])
+    bad.sort()
+    out = np.stack(keep) if keep else images[:0]
+    return out, ok, bad
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "csv"])
+def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt):
+  name = ("webdataset:" + corpus.pattern if fmt == "webdataset"
+          else "csv:" + corpus.tables["csv"])
+  config = _config(name)
+  host = D.make_train_iterator(config, batch_size=24, seed=3,
+                               microbatch_size=8)
+  dec = _Failing()
+  batch = D.make_train_iterator(config, batch_size=24, seed=3,
+                                microbatch_size=8, batch_decoder=dec)
+  assert isinstance(batch, decode.Prefetch)
+  a, b = _take(host, 12), _take(batch, 12)  # 96 > an epoch's 58 or 61
+  assert _same(a, b)
+  assert all(x["image"].dtype == np.uint8 and x["image"].shape == (8, S, S, 3)
+             for x in b)
+  assert batch.bad == host.bad and batch.seen == host.seen and host.bad > 0
+  assert batch.ledger.by_reason == host.ledger.by_reason
+  # Taken between micro-batches, the two states are the same: a run can
+  # resume on the other decoder.
+  assert batch.get_state() == host.get_state()
+  assert set(dec.calls) == {8}  # the host found every bad one: no top-ups
+  batch.close()
+
+
+def test_a_failed_decode_costs_only_itself_and_keeps_the_order(corpus, caplog):
+  config = _config("webdataset:" + corpus.pattern)
+  whole = _flat(_take(D.make_train_iterator(
+      config, batch_size=8, seed=1, batch_decoder=_Failing()), 20))
+  # Fail three distinct images, each wherever it falls in the stream.
+  fail = {whole[i][0] for i in (0, 9, 17)}
+  dec = _Failing(fail)
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    it = D.make_train_iterator(config, batch_size=8, seed=1,
+                               batch_decoder=dec)
+    got = _take(it, 15)
+  assert all(len(b["text"]) == 8 for b in got)
+  kept = [e for e in whole if e[0] not in fail]
+  assert _flat(got) == kept[:120]
+  # Every failure in the span taken is counted once and logged once (with
+  # its shard and key), beside the source's own bad examples.
+  failed = sum(e[0] in fail for e in whole[:whole.index(kept[119]) + 1])
+  logged = [r.getMessage() for r in caplog.records
+            if "skipped a bad example" in r.getMessage()]
+  assert failed >= 3
+  assert sum("device: failed" in m for m in logged) == failed
+  assert all(".tar:" in m for m in logged)
+  assert it.bad == len(logged) < it.ledger.log_first
+  assert max(dec.calls) == 8 and min(dec.calls) < 8  # top-ups after failures
+  it.close()
+
+
+def test_batch_path_resumes_bitwise_from_a_json_state(corpus):
+  config = _config("webdataset:" + corpus.pattern)
+  fail = set()
+  probe = _flat(_take(D.make_train_iterator(
+      config, batch_size=8, seed=2, batch_decoder=_Failing()), 4))
+  fail = {probe[5][0]}
+  for k in (0, 3, 7):
+    it = D.make_train_iterator(config, batch_size=8, seed=2,
+                               batch_decoder=_Failing(fail))
+    _take(it, k)
+    state = json.loads(json.dumps(it.get_state()))
+    expected, bad_then = _take(it, 6), None
+    bad_then = it.bad
+    it.close()
+    resumed = D.make_train_iterator(config, batch_size=8, seed=2,
+                                    batch_decoder=_Failing(fail))
+    resumed.set_state(state)
+    assert _same(expected, _take(resumed, 6)), k
+    assert resumed.bad == bad_then
+    resumed.close()
+
+
+def test_too_much_bad_data_stops_the_batch_path(corpus):
+  config = _config("webdataset:" + corpus.pattern, max_bad_fraction=0.05)
+  it = D.make_train_iterator(config, batch_size=8, seed=0,
+                             batch_decoder=_Failing())
+  with pytest.raises(TooMuchBadData, match="config.data.max_bad_fraction"):
+    _take(it, 20)
+
+
+def test_decoder_config_errors_are_one_line(corpus):
+  config = _config("webdataset:" + corpus.pattern, decoder="cpu")
+  with pytest.raises(ValueError, match=r"config.data.decoder='cpu' must be "
+                     "one of host, gpu, auto"):
+    D.check_data_config(config)
+  why = decode.gpu_unavailable()
+  if why:  # This machine: no extra or no GPU.
+    config = _config("webdataset:" + corpus.pattern, decoder="gpu")
+    with pytest.raises(ValueError) as e:
+      D.check_data_config(config)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(
+        "config.data.decoder='gpu' cannot run: ")
+    assert "gpu-decode" in msg or "CUDA GPU" in msg
+    with pytest.raises(ValueError, match="cannot run"):
+      D.make_train_iterator(config, batch_size=8)
+    # "auto" falls back to the host path.
+    config.data.decoder = "auto"
+    it = D.make_train_iterator(config, batch_size=8)
+    assert isinstance(it, pipeline.TrainIterator)
+  config = _config("synthetic_shapes", decoder="gpu")
+  with pytest.raises(ValueError, match=r"is a tfds source"):
+    decode.check_decoder(config.data)
