@@ -175,7 +175,9 @@ def test_streams_are_deterministic_sharded_and_resume_bitwise(corpus):
 def test_too_much_bad_data_stops_with_a_clear_error(corpus):
   config = _config("webdataset:" + corpus.pattern, max_bad_fraction=0.05)
   with pytest.raises(TooMuchBadData, match=r"examples of the training data "
-                     r"were bad \(.*% > config.data.max_bad_fraction=0.05\)"):
+                     r"were bad \(.*% > config.data.max_bad_fraction=0.05; "
+                     r"checked from min\(1000, corpus size\) = 62 examples "
+                     r"seen on\)"):
     it = D.make_train_iterator(config, batch_size=8, seed=0)
     _take(it, 20)
 

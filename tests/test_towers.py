@@ -220,13 +220,23 @@ def test_pretrained_config_builds_the_towers_and_checks_sizes():
     config_base.check_config(c)
   for arg in ("hf", "hf_text", "siglip", "timm", "open_clip", "bv"):
     config_base.check_config(_config("p:" + arg))
-  # One override points the tokenizer and the text start at the checkpoint.
+  # Each key is its own: moving the image tower moves nothing else, and an
+  # unset tokenizer path is the checkpoint's (the text tower's first).
+  from train.data import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   c = _config("p:hf_text")
   c.model.image.init = "/ckpt/clip"
-  assert c.tokenizer.bpe_path == c.model.text.init == "/ckpt/clip"
+  assert c.tokenizer.bpe_path == "" and c.model.text.init != "/ckpt/clip"
+  assert tok_lib.resolve_tokenizer_config(c).bpe_path == c.model.text.init
+  c.model.text.init = ""
+  assert tok_lib.resolve_tokenizer_config(c).bpe_path == "/ckpt/clip"
+  c.tokenizer.bpe_path = "/elsewhere/tokenizer.json"
+  assert tok_lib.resolve_tokenizer_config(c).bpe_path == \
+      "/elsewhere/tokenizer.json" and c.model.image.init == "/ckpt/clip"
   c = _config("p:siglip")
   c.model.image.init = "/ckpt/siglip"
-  assert c.tokenizer.spm_path == "/ckpt/siglip/spiece.model"
+  assert c.tokenizer.spm_path == ""
+  assert tok_lib.resolve_tokenizer_config(c).spm_path == \
+      "/ckpt/siglip/spiece.model"
 
 
 @pytest.mark.slow

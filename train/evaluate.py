@@ -54,12 +54,14 @@ class Evaluator:
     tokenizer: the trainer's tokenizer.
     zeroshot, retrieval: from ``train.data.make_eval_sets`` (None: skipped).
     batch_size: global images or texts per batch (a multiple of mesh.size).
+    zeroshot_skipped: why there is no zero-shot set (``describe`` says it).
   """
 
   def __init__(self, *, mesh, image_tower, text_tower, tokenizer, zeroshot,
-               retrieval, batch_size: int):
+               retrieval, batch_size: int, zeroshot_skipped: str = ""):
     self.mesh, self.tokenizer = mesh, tokenizer
     self.zeroshot, self.retrieval = zeroshot, retrieval
+    self.zeroshot_skipped = zeroshot_skipped
     self.batch_size = batch_size
     self._embed_img = stream.make_image_embed(mesh, image_tower.embed)
     self._embed_txt = step_lib.make_embed_fn(mesh, text_tower)
@@ -79,6 +81,8 @@ class Evaluator:
           f"{zs.split.name}" + _prefix_note(zs.split)
           + f", {len(p.classnames)} classes (names from {p.classnames_from}),"
           f" {len(p.templates)} templates (from {p.templates_from})")
+    elif self.zeroshot_skipped:
+      lines.append(f"[lit] zero-shot eval: skipped: {self.zeroshot_skipped}")
     if rs is not None:
       lines.append(f"[lit] retrieval eval: {rs.split.num_examples} images of "
                    f"{rs.split.name}" + _prefix_note(rs.split)

@@ -89,7 +89,8 @@ def _unknown_key_message(e: Exception, argv) -> str | None:
                and key in a.split("=")[0].split(".")), None)
   return (f"{flag or 'config'}: unknown config key {key!r}"
           + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
-          + "; train/config_base.py lists every key")
+          + "; train/config_base.py lists the trainer's keys, "
+          "train/data/config.py the data and tokenizer keys")
 
 
 def _parse_flags(argv):
@@ -189,7 +190,9 @@ def main(argv) -> None:
   _check_distributed_flags()
   from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   try:
-    workdir_lib.check_workdir(FLAGS.workdir)  # Before any work.
+    # Before any work, creating nothing: the workdir is made once the
+    # config has been validated (train.train_and_evaluate).
+    workdir_lib.check_workdir(FLAGS.workdir, create=False)
   except ValueError as e:
     _error(str(e))
   if not FLAGS["verbosity"].present:

@@ -7,6 +7,7 @@ both build the locked image tower from here, so neither imports the other.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from absl import logging
 import jax
@@ -16,6 +17,28 @@ from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
 from train.towers import build as towers_build
 from train.towers import tower as tower_lib
+
+
+def check_checkpoints(config) -> None:
+  """The checkpoints a config names exist and look like checkpoints (their
+  file names only: no weights are read), with the loaders' own messages,
+  e.g. "config.model.image.init: image tower checkpoint not found: PATH"."""
+  ic = config.model.image
+  if ic.init:
+    path = os.path.expanduser(ic.init)
+    if ic.kind == "pretrained":
+      from train import pretrained  # pylint: disable=g-import-not-at-top
+      try:
+        pretrained.check_checkpoint(path)
+      except (FileNotFoundError, pretrained.CheckpointError) as e:
+        raise type(e)(f"config.model.image.init: {e}") from None
+    elif not os.path.exists(path):
+      raise FileNotFoundError(f"config.model.image.init: image tower "
+                              f"checkpoint not found: {path}")
+  text = os.path.expanduser(config.model.text.init)
+  if text and not os.path.exists(text):
+    raise FileNotFoundError(f"config.model.text.init: text tower checkpoint "
+                            f"not found: {text}")
 
 
 def make_head(config, axis_name=None) -> ContrastiveLoss:

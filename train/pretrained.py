@@ -37,20 +37,32 @@ _FORMATS = (("open_clip", convert_open_clip), ("timm", convert_timm),
             ("hf", convert_hf), ("big_vision", convert_big_vision))
 
 
-def convert(path: str) -> io.Converted:
-  """The checkpoint at ``path`` in our ViT's layout, at its own size."""
+def check_checkpoint(path: str):
+  """The format module that reads ``path``, found from its file names alone
+  (no weights are read): the cheap check a config gets before any work.
+
+  Raises:
+    FileNotFoundError: ``path`` does not exist.
+    CheckpointError: nothing there looks like a checkpoint of a known format.
+  """
   path = os.path.expanduser(os.fspath(path))
   if not os.path.exists(path):
     raise FileNotFoundError(f"image tower checkpoint not found: {path}")
   for _, fmt in _FORMATS:
     if fmt.detect(path):
-      return fmt.load(path)
+      return fmt
   what = ("a directory with open_clip_config.json (OpenCLIP), or "
           "config.json with 'architecture' (timm) or 'model_type' (Hugging "
           "Face), plus safetensors weights; or a big_vision .npz")
   found = sorted(os.listdir(path))[:6] if os.path.isdir(path) else "a file"
   raise CheckpointError(f"{path}: no recognisable image tower checkpoint "
                         f"(expected {what}; found {found})")
+
+
+def convert(path: str) -> io.Converted:
+  """The checkpoint at ``path`` in our ViT's layout, at its own size."""
+  path = os.path.expanduser(os.fspath(path))
+  return check_checkpoint(path).load(path)
 
 
 def load_image_tower(path: str, *, image_size: int | None = None,

@@ -2,7 +2,9 @@
 
 ``train_and_evaluate(config, workdir)`` is everything ``train.main`` runs:
 
-1. Check the config (unknown keys, sizes, devices) before any work.
+1. Check the config (``validate``: unknown keys, sizes, the checkpoint,
+   the tokenizer, the data, the devices) before any work; only then is
+   the workdir created.
 2. Build the towers and the loss head; load the locked image tower.
 3. Build the optimizer (locked tower masked out) and the train state.
 4. Resume from the newest checkpoint in ``workdir`` if there is one (train
@@ -120,18 +122,19 @@ def _training_source(config, workdir, tower, is_main):
   """The source of config.data; with precompute_image_embeddings, the
   embeddings of it in ``workdir/image_embeddings`` (computed there first,
   once: a resumed run reuses them)."""
-  data = config.data
+  # Training needs no labels (zero-shot reads those of the held-out source).
+  data = data_lib.without_labels(config.data)
   if (config.precompute_image_embeddings
       and data_lib.sources.kind_of(data.name) != "embeddings"):
     out = os.path.join(workdir, "image_embeddings")
     precompute_lib.precompute(
-        config, out, tower, process_index=jax.process_index(),
+        config, out, tower, source=data_lib.open_source(data, data.split),
+        process_index=jax.process_index(),
         process_count=jax.process_count(),
         log=print if is_main else (lambda *_: None))
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices("precompute image embeddings")
-    data = data.copy_and_resolve_references()
     with data.unlocked():
       data.name = f"embeddings:{out}"
   source = data_lib.open_source(data, data.split)
@@ -141,6 +144,18 @@ def _training_source(config, workdir, tower, is_main):
 
 
 # ----------------------------------------------------------------- checks
+
+
+def validate(config) -> None:
+  """Every check of ``config`` that needs no training work, in the order a
+  user thinks of the run: the keys and values, the image tower checkpoint
+  (``train.model.check_checkpoints``: the loader's own message), the
+  tokenizer and the data (``train.data.check_data_config``), then the
+  devices. One-line ValueError or FileNotFoundError for the first problem."""
+  config_base.check_config(config)
+  model_lib.check_checkpoints(config)
+  data_lib.check_data_config(config)
+  check_devices(config)
 
 
 def check_devices(config) -> None:
@@ -164,11 +179,12 @@ def _round_up(x, m):
 
 def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
   """The held-out ``evaluate.Evaluator`` of ``config`` (sets read lazily)."""
-  zs, rs = data_lib.make_eval_sets(config, tokenizer)
+  sets = data_lib.eval_sets_of(config)
   return evaluate.Evaluator(
-      mesh=mesh, image_tower=image_tower,
-      text_tower=text_tower, tokenizer=tokenizer, zeroshot=zs, retrieval=rs,
-      batch_size=_round_up(config.eval.batch_size, mesh.size))
+      mesh=mesh, image_tower=image_tower, text_tower=text_tower,
+      tokenizer=tokenizer, zeroshot=sets.zeroshot, retrieval=sets.retrieval,
+      batch_size=_round_up(config.eval.batch_size, mesh.size),
+      zeroshot_skipped=sets.zeroshot_skipped)
 
 
 def _eval_line(step: int, m: dict) -> str:
@@ -235,10 +251,8 @@ def train_and_evaluate(config, workdir: str, *,
       printed.
   """
   t_start = time.time()
-  config_base.check_config(config)
-  data_lib.check_data_config(config)
-  check_devices(config)
-  workdir_lib.check_workdir(workdir)
+  validate(config)
+  workdir_lib.check_workdir(workdir)  # Created only for a valid config.
   is_main = jax.process_index() == 0
   ckpt = checkpoint_lib.Checkpointer(
       os.path.join(workdir, "checkpoints"),
@@ -376,6 +390,12 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   chunked = 0 < mb < config.batch_size
   num_micro = config.batch_size // mb if chunked else 1
 
+  # The held-out sets first: their checks (e.g. a label outside the class
+  # names) fail before the embeddings of the training split are computed.
+  evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
+  if is_main:
+    print("\n".join(evaluator.describe()), flush=True)
+
   # Data: each process reads its own shard, as micro-batches.
   source = _training_source(config, workdir, tower, is_main)
   precomputed = data_lib.sources.kind_of(source.spec) == "embeddings"
@@ -456,10 +476,6 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     return step_lib.shard_batch(mesh, {
         k: stream_lib.device_major([p[k] for p in parts], n_local)
         for k in (key, "text") + (("group",) if grouped else ())})
-
-  evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
-  if is_main:
-    print("\n".join(evaluator.describe()), flush=True)
 
   def run_eval():
     return evaluator(state["params"])

@@ -11,7 +11,10 @@ make_tokenizer, make_train_iterator, make_eval_sets, open_source.
 from train.data.config import check_data_config
 from train.data.config import default_data_config
 from train.data.config import default_tokenizer_config
+from train.data.eval_sets import eval_sets_of
+from train.data.eval_sets import EvalSets
 from train.data.eval_sets import make_eval_sets
+from train.data.eval_sets import without_labels
 from train.data.eval_sets import RetrievalSet
 from train.data.eval_sets import ZeroShotSet
 from train.data import sources

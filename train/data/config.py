@@ -40,17 +40,22 @@ def default_data_config() -> ml_collections.ConfigDict:
   # Integer class label feature; "" if the dataset has none (label = -1).
   c.label_key = "label"
   # webdataset: image member extensions in order of preference, the
-  # caption member's extension, and a .json field with an integer label ("").
+  # caption member's extension, and the field of the .json member that
+  # holds an integer label ("" = none). Labels are read from the held-out
+  # shards (eval_split) for zero-shot, label i named by line i of the class
+  # names; training ignores them.
   c.wds_image_exts = "jpg;jpeg;png;webp"
   c.wds_caption_ext = "txt"
   c.wds_label_field = ""
-  # csv/tsv/jsonl: column names (a JSONL caption may be a list of captions).
+  # csv/tsv/jsonl: column names (a JSONL caption may be a list of captions);
+  # the label column, like wds_label_field, serves zero-shot on eval_split.
   c.table_image_column = "image"
   c.table_caption_column = "caption"
   c.table_label_column = ""
   # Bad examples (undecodable image, empty caption, member without its pair,
-  # truncated shard) are skipped and counted; more than this fraction of the
-  # examples seen (after 1000) stops the run.
+  # truncated shard) are skipped and counted, once each; more than this
+  # fraction of the examples seen stops the run, checked once min(1000,
+  # corpus size) examples have been seen (per process: its share).
   c.max_bad_fraction = 0.01
   c.image_size = 32
   # 0: the host resizes (shorter side, bicubic) and centre-crops every image
@@ -67,16 +72,21 @@ def default_data_config() -> ml_collections.ConfigDict:
   # dataset, the first N of eval_split (0 = all) used for retrieval.
   c.num_eval_examples = 512
   # Zero-shot classification set: "" uses eval_split of this dataset with
-  # label_key (synthetic_shapes: held-out shape/color combinations); else a
-  # TFDS classification dataset name (e.g. "cifar10") read from data_dir.
+  # label_key (synthetic_shapes: held-out shape/color combinations), or for
+  # a webdataset / table eval_split its integer labels (wds_label_field,
+  # table_label_column) with zeroshot_classnames(_file); else a TFDS
+  # classification dataset name (e.g. "cifar10") read from data_dir.
+  # Without labels or class names the run says in one line why zero-shot
+  # is skipped.
   c.zeroshot_name = ""
   c.zeroshot_split = "test"
   c.zeroshot_image_key = "image"
   c.zeroshot_label_key = "label"
   # Class names (train/eval/names.py): a list in label order, or a file (one
-  # name per line, or "label<TAB>name" lines keyed by the dataset's label
-  # names); both empty = the dataset's labels, WordNet IDs (imagenet2012)
-  # mapped to CLIP's class names.
+  # name per line, line i naming label i; or "label<TAB>name" lines keyed by
+  # the dataset's label names, or by the integer labels of a file source);
+  # both empty = the dataset's labels, WordNet IDs (imagenet2012) mapped to
+  # CLIP's class names (a file source has none: it needs one of these).
   c.zeroshot_classnames = ()
   c.zeroshot_classnames_file = ""
   # Prompt templates with "{}" for the class name, a list or a file (one per
@@ -113,10 +123,13 @@ def default_data_config() -> ml_collections.ConfigDict:
 def default_tokenizer_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.kind = "bytes"  # "bytes" | "sentencepiece" | "clip_bpe"
-  c.max_len = 64
-  c.spm_path = ""  # local SentencePiece .model file for kind="sentencepiece"
+  c.max_len = 64     # Tokens per caption, EOS included (longer: truncated).
+  # kind="sentencepiece": a local SentencePiece .model file; "" = the
+  # pretrained image checkpoint's spiece.model (model.image.init).
+  c.spm_path = ""
   # kind="clip_bpe": a local tokenizer.json, or a directory with
-  # tokenizer.json or vocab.json + merges.txt (e.g. the HF CLIP checkpoint's).
+  # tokenizer.json or vocab.json + merges.txt; "" = the checkpoint's own
+  # files: model.text.init if set, else model.image.init (a pretrained tower).
   c.bpe_path = ""
   return c
 
@@ -144,7 +157,8 @@ def check_data_config(config) -> None:
   _check_keys(data, default_data_config(), "config.data")
   if "tokenizer" in config:
     _check_keys(config.tokenizer, default_tokenizer_config(), "config.tokenizer")
-    tokenizer_lib.check_tokenizer_config(config.tokenizer)
+    tokenizer_lib.check_tokenizer_config(
+        tokenizer_lib.resolve_tokenizer_config(config))
   for key in ("image_size", "num_eval_examples", "num_threads",
               "prefetch_batches", "num_train_examples", "cache_max_mb",
               "num_workers", "decode_size"):

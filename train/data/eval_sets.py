@@ -24,6 +24,7 @@ from train.data import pipeline
 from train.data import sources
 from train.data import synthetic
 from train.data.source import Bad
+from train.data.source import BadExample
 from train.eval import names as names_lib
 
 
@@ -102,6 +103,7 @@ class _SourceReader:
   train/data/source.py): uint8 images at ``image_size``, text decoded."""
 
   def __init__(self, source, image_size: int):
+    self.source = source
     self._compact = pipeline.Compact(source, image_size)
     self._image_size = image_size
 
@@ -161,16 +163,112 @@ def _source_split(data, limit) -> EvalSplit:
                    read=_SourceReader(source, data.image_size))
 
 
-def make_eval_sets(config, tokenizer=None):
-  """Returns (ZeroShotSet or None, RetrievalSet) for config.data.
+@dataclasses.dataclass
+class EvalSets:
+  """The held-out sets of a config; ``zeroshot_skipped`` says in one
+  sentence why there is no zero-shot set ("" when there is one)."""
+  zeroshot: ZeroShotSet | None
+  retrieval: RetrievalSet | None
+  zeroshot_skipped: str = ""
 
-  The zero-shot set is None when it has no labeled source (a TFDS dataset
-  without label_key and without zeroshot_name). ``tokenizer`` is unused
-  (captions are tokenized when evaluated); kept for the callers' signature.
-  """
+
+# The config key of the label field of each file source kind.
+_LABEL_KEYS = {"webdataset": "wds_label_field", "table": "table_label_column"}
+
+
+def without_labels(data):
+  """``data`` (a copy) with the file sources' label fields unset: the
+  training split never needs labels, so its examples do not depend on them
+  (a label field set for the held-out shards' zero-shot may be absent from
+  the training shards)."""
+  data = data.copy_and_resolve_references()
+  with data.unlocked():
+    for key in _LABEL_KEYS.values():
+      data[key] = ""
+  return data
+
+
+def _labels_of(source, n: int) -> tuple[list, list]:
+  """(labels of examples 0..n-1, None where missing; the BadExamples of
+  the missing ones), reading labels only where the source can."""
+  labels, missing = [], []
+  label_of = getattr(source, "label_of", None)
+  for i in range(n):
+    try:
+      labels.append(label_of(i) if label_of else int(source[i]["label"]))
+    except BadExample as e:
+      labels.append(None)
+      missing.append(e)
+  return labels, missing
+
+
+def _file_zeroshot(data, limit):
+  """(ZeroShotSet, "") of a file source's held-out split with integer
+  labels and class names from the config, or (None, why not)."""
+  kind = sources.kind_of(data.eval_split)
+  key = _LABEL_KEYS.get(kind)
+  if key is None:
+    return None, f"the held-out source {data.eval_split!r} has no labels"
+  if not data[key]:
+    return None, (f"config.data.{key} is empty: the held-out examples have "
+                  "no labels")
+  if not names_lib.has_classnames(data):
+    return None, ("no class names: set config.data.zeroshot_classnames (a "
+                  "list) or zeroshot_classnames_file (one name per line, "
+                  "line i names label i)")
+  prompts = names_lib.resolve_integer_labels(data)
+  split = _source_split(data, limit)
+  labels, missing = _labels_of(split.read.source, split.num_examples)
+  if len(missing) == split.num_examples:
+    return None, (f"none of the {split.num_examples} held-out examples of "
+                  f"{split.name} has a label (config.data.{key}="
+                  f"{data[key]!r}), e.g. {missing[0]}")
+  n = len(prompts.classnames)
+  for i, label in enumerate(labels):
+    if label is not None and not 0 <= label < n:
+      raise ValueError(
+          f"config.data.eval_split: the label {label} of "
+          f"{split.read.source.keys[i]} is outside the {n} class names "
+          f"(labels 0..{n - 1}) of {prompts.classnames_from}")
+  return ZeroShotSet(split=split, prompts=prompts), ""
+
+
+def make_eval_sets(config, tokenizer=None):
+  """Returns (ZeroShotSet or None, RetrievalSet) for config.data
+  (``eval_sets_of`` without the reason). ``tokenizer`` is unused (captions are tokenized when
+  evaluated); kept for the callers' signature."""
   del tokenizer
+  sets = eval_sets_of(config)
+  return sets.zeroshot, sets.retrieval
+
+
+def eval_sets_of(config) -> EvalSets:
+  """The held-out sets of config.data, and why zero-shot is skipped if it is.
+
+  Zero-shot runs on ``zeroshot_name`` (a TFDS classification set) when it is
+  set; else on the held-out split itself when it has labels and class
+  names: a TFDS ``label_key`` (its ClassLabel names, or the config's), or a
+  file source's integer labels (``wds_label_field``, ``table_label_column``)
+  with ``zeroshot_classnames`` or ``zeroshot_classnames_file``. A label
+  outside the class names is an error here, before any training; examples
+  without a label are left out of the evaluation and counted.
+  """
   data = config.data
   limit = data.num_eval_examples if data.name != synthetic.NAME else 0
+  if (not data.zeroshot_name and data.eval_split
+      and sources.kind_of(data.name) != "tfds"):
+    zs, why = _file_zeroshot(data, limit)
+    if zs is not None:
+      return EvalSets(zs, RetrievalSet(split=zs.split))
+    # Retrieval needs no labels: a label field the shards lack must not
+    # make every held-out example bad.
+    main = _source_split(without_labels(data), limit)
+    return EvalSets(None, RetrievalSet(split=main), why)
+  zs, rs, why = _tfds_eval_sets(data, limit)
+  return EvalSets(zs, rs, why)
+
+
+def _tfds_eval_sets(data, limit):
   # eval_split "" (a file source without a held-out set): no retrieval set.
   main = _source_split(data, limit) if data.eval_split else None
   retrieval = RetrievalSet(split=main) if main is not None else None
@@ -187,19 +285,21 @@ def make_eval_sets(config, tokenizer=None):
                          if data.zeroshot_name == synthetic.NAME else None)
     prompts = names_lib.resolve(data, list(label_feature.names),
                                 dataset_templates=dataset_templates)
-    return ZeroShotSet(split=split, prompts=prompts), retrieval
-  # Class names come from a TFDS ClassLabel; a file source's labels need
-  # zeroshot_name (a labelled TFDS set) for zero-shot.
-  if (not data.label_key or main is None
-      or sources.kind_of(data.name) != "tfds"):
-    return None, retrieval
+    return ZeroShotSet(split=split, prompts=prompts), retrieval, ""
+  if main is None:
+    return None, retrieval, ("no held-out source (config.data.eval_split is "
+                             "empty)")
+  if not data.label_key:
+    return None, retrieval, ("config.data.label_key is empty and "
+                             "config.data.zeroshot_name is unset: no labels")
   builder = sources.builder_for(data)
   label_feature = sources.feature_at(builder.info.features, data.label_key)
   label_names = getattr(label_feature, "names", None)
   if not label_names:
-    return None, retrieval
+    return None, retrieval, (f"the label {data.label_key!r} of {data.name} "
+                             "has no class names (not a ClassLabel)")
   dataset_templates = (synthetic.ZEROSHOT_TEMPLATES
                        if data.name == synthetic.NAME else None)
   prompts = names_lib.resolve(data, list(label_names),
                               dataset_templates=dataset_templates)
-  return ZeroShotSet(split=main, prompts=prompts), retrieval
+  return ZeroShotSet(split=main, prompts=prompts), retrieval, ""

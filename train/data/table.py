@@ -133,6 +133,10 @@ class TableSource:
     return (f"{self.format}: {len(self)} rows of {self.path}, "
             f"{len(self.bad_at_open)} bad found while reading it")
 
+  def label_of(self, index: int) -> int:
+    """The label of example ``index`` without reading its image."""
+    return self._labels[index]
+
   def __getitem__(self, index: int) -> dict:
     key, path = self.keys[index], self._images[index]
     try:

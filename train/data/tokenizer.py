@@ -125,8 +125,9 @@ _CLIP_SPLIT = (r"<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|"
 CLIP_BOS, CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
 
 
-def _clip_bpe_files(path: str) -> tuple[str, ...]:
-  """(tokenizer.json,) or (vocab.json, merges.txt) at `path`, or an error."""
+def _clip_bpe_files(path: str, what: str = "") -> tuple[str, ...]:
+  """(tokenizer.json,) or (vocab.json, merges.txt) at `path`, or an error
+  (``what`` names where the path came from, default bpe_path itself)."""
   if os.path.isfile(path) and path.endswith(".json"):
     return (path,)
   if os.path.isdir(path):
@@ -136,9 +137,9 @@ def _clip_bpe_files(path: str) -> tuple[str, ...]:
       return (tj,)
     if all(os.path.isfile(f) for f in vm):
       return vm
-  raise ValueError(f"config.tokenizer.bpe_path={path!r}: expected a "
-                   "tokenizer.json, or a directory with tokenizer.json or "
-                   "vocab.json + merges.txt")
+  raise ValueError(f"{what or f'config.tokenizer.bpe_path={path!r}'}: "
+                   "expected a tokenizer.json, or a directory with "
+                   "tokenizer.json or vocab.json + merges.txt")
 
 
 class ClipBpeTokenizer(Tokenizer):
@@ -199,8 +200,53 @@ class ClipBpeTokenizer(Tokenizer):
 TOKENIZER_KINDS = ("bytes", "sentencepiece", "clip_bpe")
 
 
+def checkpoint_default(config) -> tuple[str, str] | None:
+  """(key, path) the tokenizer reads when its own path is unset: the files
+  of the checkpoint the text tower starts from (``model.text.init``), else
+  of the pretrained image tower (``model.image.init``), whose vocabulary a
+  CLIP or SigLIP text tower was trained with. None: no checkpoint to use.
+
+  Only an unset ``bpe_path`` / ``spm_path`` is filled in: a path that is
+  given is used as it is, so each key can be set on its own.
+  """
+  tok = config.tokenizer
+  model = config.get("model")
+  if model is None:
+    return None
+  if tok.kind == "clip_bpe" and not tok.get("bpe_path"):
+    if model.text.get("init"):
+      return "config.model.text.init", model.text.init
+    if model.image.kind == "pretrained" and model.image.init:
+      return "config.model.image.init", model.image.init
+  if tok.kind == "sentencepiece" and not tok.get("spm_path"):
+    if model.image.kind == "pretrained" and model.image.init:
+      return ("config.model.image.init", os.path.join(model.image.init,
+                                                       "spiece.model"))
+  return None
+
+
+def resolve_tokenizer_config(config):
+  """``config.tokenizer`` with an unset path filled in from the checkpoint
+  (``checkpoint_default``): a copy, the config itself is left as it is.
+  Takes the whole config (or a bare tokenizer section, returned as it is)."""
+  if "tokenizer" not in config:
+    return config
+  tok = config.tokenizer
+  default = checkpoint_default(config)
+  if default is None:
+    return tok
+  tok = tok.copy_and_resolve_references()
+  with tok.unlocked():
+    tok["bpe_path" if tok.kind == "clip_bpe" else "spm_path"] = default[1]
+    tok["_from"] = default[0]  # Named in the error when the path is bad.
+  return tok
+
+
 def check_tokenizer_config(tok_config) -> None:
-  """Raises a one-line ValueError for a bad `config.tokenizer`."""
+  """Raises a one-line ValueError for a bad `config.tokenizer` (or a
+  resolved one, ``resolve_tokenizer_config``: its errors name the
+  checkpoint whose files it looked for)."""
+  src = tok_config.get("_from", "")
   kind = tok_config.get("kind", "bytes")
   if kind not in TOKENIZER_KINDS:
     raise ValueError(f"config.tokenizer.kind={kind!r} is not one of "
@@ -214,7 +260,12 @@ def check_tokenizer_config(tok_config) -> None:
     if not path:
       raise ValueError("config.tokenizer.kind='sentencepiece' needs "
                        "config.tokenizer.spm_path (a local .model file)")
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.expanduser(path)):
+      if src:
+        raise ValueError(
+            f"config.tokenizer.spm_path is unset and {src} has no "
+            f"spiece.model ({path}): set config.tokenizer.spm_path to the "
+            "SentencePiece .model file")
       raise ValueError(f"config.tokenizer.spm_path={path!r}: no such file")
     _import_sentencepiece()
   if kind == "clip_bpe":
@@ -223,7 +274,10 @@ def check_tokenizer_config(tok_config) -> None:
       raise ValueError("config.tokenizer.kind='clip_bpe' needs "
                        "config.tokenizer.bpe_path (a local tokenizer.json, or "
                        "a directory with vocab.json + merges.txt)")
-    _clip_bpe_files(os.path.expanduser(path))
+    what = (f"config.tokenizer.bpe_path is unset and {src}={path!r} has no "
+            "CLIP tokenizer files (set config.tokenizer.bpe_path)"
+            if src else "")
+    _clip_bpe_files(os.path.expanduser(path), what)
     _import_tokenizers()
 
 
@@ -232,13 +286,14 @@ def make_tokenizer(config) -> Tokenizer:
 
   Args:
     config: a ConfigDict with a `tokenizer` field (kind, max_len, spm_path,
-      bpe_path).
+      bpe_path; an unset path is the checkpoint's, ``checkpoint_default``).
       A bare tokenizer ConfigDict is accepted too.
   """
-  tok = config.tokenizer if "tokenizer" in config else config
+  tok = resolve_tokenizer_config(config)
   check_tokenizer_config(tok)
   if tok.kind == "sentencepiece":
-    return SentencePieceTokenizer(tok.spm_path, tok.max_len)
+    return SentencePieceTokenizer(os.path.expanduser(tok.spm_path),
+                                  tok.max_len)
   if tok.kind == "clip_bpe":
     return ClipBpeTokenizer(os.path.expanduser(tok.bpe_path), tok.max_len)
   return ByteTokenizer(tok.max_len)

@@ -190,24 +190,32 @@ class WebDatasetSource:
                        f"offset {offset}): the shard changed since indexing")
     return data
 
+  def label_of(self, index: int) -> int:
+    """The label of example ``index`` (its .json only; -1 without a label
+    field); BadExample if the .json or its integer label is missing."""
+    if not self.label_field:
+      return -1
+    path = self.paths[self._shard[index]]
+    js_off, js_size = (int(v) for v in self._table[index, 4:])
+    key = self.keys[index]
+    if js_size < 0:
+      raise BadExample(key, f"no .json member for label field "
+                       f"{self.label_field!r}")
+    try:
+      return int(json.loads(self._read(path, js_off, js_size))[
+          self.label_field])
+    except (ValueError, KeyError, TypeError) as e:
+      raise BadExample(key, f"no integer {self.label_field!r} in its .json "
+                       f"({type(e).__name__}: {e})") from None
+
   def __getitem__(self, index: int) -> dict:
     path = self.paths[self._shard[index]]
-    img_off, img_size, txt_off, txt_size, js_off, js_size = (
-        int(v) for v in self._table[index])
+    img_off, img_size, txt_off, txt_size = (
+        int(v) for v in self._table[index, :4])
     key = self.keys[index]
     caption = self._read(path, txt_off, txt_size).decode("utf-8", "replace")
     if not caption.strip():
       raise BadExample(key, "empty caption (whitespace only)")
-    label = -1
-    if self.label_field:
-      if js_size < 0:
-        raise BadExample(key, f"no .json member for label field "
-                         f"{self.label_field!r}")
-      try:
-        label = int(json.loads(self._read(path, js_off, js_size))[
-            self.label_field])
-      except (ValueError, KeyError, TypeError) as e:
-        raise BadExample(key, f"no integer {self.label_field!r} in its .json "
-                         f"({type(e).__name__}: {e})") from None
+    label = self.label_of(index)
     return {"key": key, "image": self._read(path, img_off, img_size),
             "captions": [caption.strip()], "label": label}

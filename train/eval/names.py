@@ -13,6 +13,10 @@ Where they come from, first match wins:
   label set, synthetic_shapes' own held-out prompts, and otherwise CLIP's
   single base prompt ``"a photo of a {}."``.
 
+A source with plain integer labels (webdataset ``.json``, a table column)
+has no label names: its class names must come from the config (name i for
+label i; ``resolve_integer_labels``).
+
 README ("Zero-shot class names and prompts") gives each shipped file's source.
 
 File formats (UTF-8, one entry per line, blank lines and lines starting with
@@ -119,7 +123,39 @@ def _map_labels(label_names, mapping, where: str) -> tuple[str, ...]:
   return tuple(mapping[n] for n in label_names)
 
 
-def resolve(data, label_names, *, dataset_templates=None) -> Prompts:
+def has_classnames(data) -> bool:
+  return bool(data.zeroshot_classnames or data.zeroshot_classnames_file)
+
+
+def resolve_integer_labels(data) -> Prompts:
+  """The class names and templates of a source whose labels are plain
+  integers (a webdataset .json field, a table column): the names come from
+  the config alone, name i for label i. A ``label<TAB>name`` file keys them
+  by the integer labels 0..n-1 (in any order)."""
+  if data.zeroshot_classnames:
+    names, names_from = tuple(data.zeroshot_classnames), "config list"
+  else:
+    where = "config.data.zeroshot_classnames_file"
+    path = resolve_path(data.zeroshot_classnames_file, where)
+    names, mapping = read_classnames(path, where)
+    names_from = path
+    if mapping is not None:
+      try:
+        by_label = {int(k): v for k, v in mapping.items()}
+      except ValueError:
+        raise ValueError(f"{where} {path!r}: the labels of 'label<TAB>name' "
+                         "lines must be integers for a source with integer "
+                         f"labels, got e.g. {next(iter(mapping))!r}") from None
+      if sorted(by_label) != list(range(len(by_label))):
+        raise ValueError(f"{where} {path!r}: the labels of its 'label<TAB>"
+                         f"name' lines must be 0..{len(by_label) - 1}, each "
+                         "once")
+      names = tuple(by_label[i] for i in range(len(by_label)))
+  return resolve(data, names, classnames=(names, names_from))
+
+
+def resolve(data, label_names, *, dataset_templates=None,
+            classnames=None) -> Prompts:
   """The class names and templates of ``config.data`` (module docstring).
 
   Args:
@@ -128,7 +164,9 @@ def resolve(data, label_names, *, dataset_templates=None) -> Prompts:
     dataset_templates: the dataset's own default templates, if it has any.
   """
   n = len(label_names)
-  if data.zeroshot_classnames:
+  if classnames is not None:  # Resolved by the caller (integer labels).
+    names, names_from = classnames
+  elif data.zeroshot_classnames:
     names, names_from = tuple(data.zeroshot_classnames), "config list"
   elif data.zeroshot_classnames_file:
     path = resolve_path(data.zeroshot_classnames_file,
