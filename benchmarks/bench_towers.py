@@ -11,27 +11,14 @@ repetitions after compilation and a warm-up (``harness.timeit``).
 
 1. ViT-B/16 forward, 224 px, batch 1024 (images/s), ours (``train.towers``
    ViT with a class token through ``Tower.embed`` on uint8, normalisation
-   included, cuDNN attention) under several MLP activations, the exact
-   GELU among them in several formulations, with and without an
-   optimisation barrier between the activation and fc2, and with XLA's
-   Triton GEMMs switched off; beside timm's ``vit_base_patch16_224``
-   (torch SDPA, float input) eager and ``torch.compile``d. The optimised
-   HLO of each of our cases goes to OUT/hlo/ (its kernels, and in full for
-   the two exact-GELU formulations), to see where the activation was fused.
-   The A/B cases (``VIT_AB_CASES``) compile several variants of the
-   default in one process under one set of XLA flags and time them in
-   interleaved rounds: every token through the last block (as torch
-   computes it; the default computes only the class token there), params
-   stored in bf16 (the trainer's ``model.image.params_in_dtype``), the
-   shifted one-pass LayerNorm (``layers.LayerNorm``); under no flags, and under XLA's fusion autotuner (native vs Triton emitters),
-   cuDNN LayerNorm, Triton GEMMs for any dot, and block-level Triton
-   fusions. Kernel lists
-   go to OUT/hlo/CASE.VARIANT.kernels.txt.
+   included, cuDNN attention, the exact GELU, the last block computing the
+   class token only) beside timm's ``vit_base_patch16_224`` (torch SDPA,
+   float input) eager and ``torch.compile``d.
 2. Text tower forward + backward, CLIP size (width 512, depth 12, 8 heads,
    vocabulary 49,408), batch 1024, 16 and 77 tokens (sequences/s): ours
-   (causal + EOS pooling, and bidirectional + mean pooling over per-row
-   lengths) beside HF ``CLIPTextModelWithProjection`` (SDPA) eager and
-   compiled.
+   (causal + EOS pooling; ``text_jax`` also bidirectional + mean pooling
+   over per-row lengths) beside HF ``CLIPTextModelWithProjection`` (SDPA)
+   eager and compiled.
 3. The LiT train step (``train.step``) at B = 65,536 with a ViT-B/16 image
    tower, locked, two towers (a ViT-B/16 HF-CLIP-layout checkpoint, random
    weights written by ``save_pretrained`` and read by
@@ -53,11 +40,9 @@ summary table is printed last.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -69,8 +54,6 @@ from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-posit
 RESULT_TAG = "BENCH_TOWERS_RESULT "
 FIXTURE_HF = os.path.join(harness.ROOT, "tests", "fixtures", "towers",
                           "hf_clip_vision")
-NO_TRITON_GEMM = "--xla_gpu_enable_triton_gemm=false"
-
 # Sizes of the GPU run and of the CPU smoke run (--quick).
 FULL = dict(
     vit=dict(patch_size=16, width=768, depth=12, num_heads=12, mlp_dim=3072,
@@ -90,109 +73,18 @@ QUICK = dict(
              embed_dim=24, text_width=32, text_depth=1, text_heads=2,
              text_mlp=64, text_len=16, vocab=300, reps=1, reps_on_the_fly=1))
 
-# ViT forward variants: name -> (label, spec). ``act`` is the module's
-# activation name; ``gelu`` the formulation put in place of
-# ``layers.ACTIVATIONS["gelu"]`` in that case's process (``_gelu_forms``);
-# ``barrier``: an optimisation barrier on the activation's output, so that
-# XLA cannot fuse the activation into fc2's GEMM as a prologue (evaluated
-# again for every output tile), only into fc1's epilogue or a kernel of its
-# own; ``xla_flags``: added for that process; ``full_hlo``: the whole
-# optimised HLO is written too, not only its kernel list.
-VIT_CASES = {
-    "vit_erfc": ("ours, GELU jax.nn.gelu (erfc)",
-                 dict(act="gelu", gelu="erfc", full_hlo=True)),
-    "vit_erf": ("ours, GELU erf in f32 (default)",
-                dict(act="gelu", gelu="erf_f32", full_hlo=True)),
-    "vit_erfc_barrier": ("ours, GELU erfc, barrier before fc2",
-                         dict(act="gelu", gelu="erfc", barrier=True)),
-    "vit_erfc_no_triton": ("ours, GELU erfc, Triton GEMM off",
-                           dict(act="gelu", gelu="erfc",
-                                xla_flags=NO_TRITON_GEMM)),
-    "vit_quick": ("ours, quick-GELU", dict(act="quick_gelu")),
-    "vit_tanh": ("ours, tanh-GELU", dict(act="gelu_tanh")),
-    "vit_erf_bf16": ("ours, GELU erf in bf16",
-                     dict(act="gelu", gelu="erf_dtype")),
-    "vit_erf_barrier": ("ours, GELU erf f32, barrier before fc2",
-                        dict(act="gelu", gelu="erf_f32", barrier=True)),
-    "vit_erf_no_triton": ("ours, GELU erf f32, Triton GEMM off",
-                          dict(act="gelu", gelu="erf_f32",
-                               xla_flags=NO_TRITON_GEMM)),
-}
-
-# Variants of the default ViT (erf-GELU in f32, the last block pruned to
-# the class token) that the A/B cases compare in one process: key ->
-# (label, fields of ``_Patched`` / ``_compiled_vit``). "prune": "off" is
-# ``layers.Encoder(prune_last=False)`` (every token through the last block,
-# the class token picked after: what a torch ViT computes); "params":
-# "dtype" is the trainer's option ``model.image.params_in_dtype``
-# (``Tower.with_params_in_dtype``: no per-call f32 -> bf16 casts of the
-# weights); "ln": "shift" is ``layers.LayerNorm`` (one pass, shifted, exact
-# at large means) for flax's.
-VIT_VARIANTS = {
-    "base": ("ours, GELU erf f32, last block class token only (default)", {}),
-    "full_last": ("ours, every token through the last block",
-                  dict(prune="off")),
-    "p16": ("ours, + params stored bf16", dict(params="dtype")),
-    "ln": ("ours, + shifted one-pass LayerNorm", dict(ln="shift")),
-}
-# A/B cases: name -> (label, spec). ``variants``: keys of VIT_VARIANTS,
-# compiled in one process under ``xla_flags``; ``suffix`` ends each row's
-# label. The flags (jax 0.11.2's XLA knows them; tests check it):
-# ``fusion_autotuner``: each fusion autotuned between XLA's native emitter
-# and its Triton (block-level) one (which may take a LayerNorm's row
-# reduction and normalisation in one kernel); ``block_level_rewriter``:
-# fusions rewritten to block-level (Triton) fusions; cuDNN's LayerNorm
-# rewriter; Triton GEMMs considered for every dot (the autotuner keeps
-# cuBLAS where faster; a Triton GEMM fuses the bias add and the GELU).
-VIT_AB_CASES = {
-    "vit_ab": ("ours, A/B of the variants, one process",
-               dict(variants=list(VIT_VARIANTS), suffix="")),
-    "vit_ab_fa": ("ours, A/B under XLA's fusion autotuner",
-                  dict(variants=["base", "p16"], xla_flags=(
-                      "--xla_gpu_experimental_enable_fusion_autotuner=true"),
-                       suffix=" [fusion autotuner]")),
-    "vit_ab_cudnn_ln": ("ours, A/B under cuDNN LayerNorm",
-                        dict(variants=["base", "p16"],
-                             xla_flags="--xla_gpu_enable_cudnn_layer_norm=true",
-                             suffix=" [cudnn layer norm]")),
-    "vit_ab_gemm_any": ("ours, A/B under Triton GEMM for any dot",
-                        dict(variants=["base", "p16"],
-                             xla_flags="--xla_gpu_triton_gemm_any=true",
-                             suffix=" [triton gemm any]")),
-    "vit_ab_block": ("ours, A/B under block-level Triton fusions",
-                     dict(variants=["base", "p16"], xla_flags=(
-                         "--xla_gpu_experimental_enable_fusion_block_level_"
-                         "rewriter=true"), suffix=" [block-level fusion]")),
-}
-AB_ROUNDS = 3
-
 # (name, part, estimated seconds on one H200 incl. the child's start,
 # deadline seconds), in priority order: what a short budget cuts is last.
-# The quick-GELU ViT-B/16's forward rate is also in lit_hf_precomputed (its
-# embedding of the images, batch 1024), hence vit_quick among the last.
 PLAN = (
-    ("vit_ab", "vit_ab", 70, 150),
-    ("vit_erf", "vit", 30, 120),
+    ("vit", "vit", 30, 120),
     ("vit_torch", "vit_torch", 40, 180),
-    ("vit_ab_fa", "vit_ab", 45, 120),
-    ("text_jax_eos", "text_jax", 80, 180),
+    ("text_jax_eos", "text_jax", 60, 180),
     ("text_torch", "text_torch", 110, 150),
-    ("vit_ab_gemm_any", "vit_ab", 40, 150),
-    ("vit_ab_cudnn_ln", "vit_ab", 40, 120),
-    ("vit_ab_block", "vit_ab", 40, 120),
-    ("vit_erfc", "vit", 30, 120),
-    ("vit_erfc_barrier", "vit", 20, 120),
-    ("vit_erfc_no_triton", "vit", 20, 120),
-    ("text_jax", "text_jax", 150, 280),
+    ("text_jax", "text_jax", 100, 280),
     ("lit_hf_precomputed", "lit", 60, 200),
     ("lit_own_precomputed", "lit", 45, 200),
     ("lit_hf_on_the_fly", "lit", 130, 240),
     ("lit_own_on_the_fly", "lit", 65, 240),
-    ("vit_quick", "vit", 20, 120),
-    ("vit_tanh", "vit", 20, 120),
-    ("vit_erf_bf16", "vit", 20, 120),
-    ("vit_erf_barrier", "vit", 20, 120),
-    ("vit_erf_no_triton", "vit", 20, 120),
 )
 PARTS_ORDER = ("vit_b16_fwd", "text_fwd_bwd_L16", "text_fwd_bwd_L77",
                "lit_step")
@@ -228,138 +120,25 @@ def _timing_row(t, batch):
               per_s=batch / t.median)
 
 
-def _gelu_forms():
-  """The exact GELU's formulations the A/B compares (the same function)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from train.towers import layers  # pylint: disable=import-outside-toplevel
-  half = np.sqrt(0.5)
-  return {
-      "erf_f32": layers.gelu,
-      "erfc": lambda x: jax.nn.gelu(x, approximate=False),
-      "erf_dtype": lambda x: x * 0.5 * (1 + jax.lax.erf(
-          x * np.asarray(half, x.dtype))),
-  }
-
-
-def _hlo_kernels(text):
-  """The kernels of optimised HLO, in order, one line each: its op, fusion
-  kind or custom-call target, GEMM epilogue, and what its computation holds
-  (dots, erf, exp, tanh, logistic), so one sees where the activation was
-  fused. ``call``s (e.g. XLA:GPU's command buffers) are listed through."""
-  comps, name, body = {}, None, []
-  for line in text.splitlines():
-    m = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if m and not line.startswith(" "):
-      name, body = ("ENTRY" if m.group(1) else m.group(2)), []
-    elif line.startswith("}") and name is not None:
-      comps[name], name = body, None
-    elif name is not None:
-      body.append(line)
-  callee = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
-
-  def held(comp, depth=0):
-    lines = comps.get(comp, [])
-    n = {op: sum(f" {op}(" in x for x in lines)
-         for op in ("dot", "erf", "exponential", "tanh", "logistic")}
-    for x in lines if depth < 4 else ():
-      for c in callee.findall(x):
-        for k, v in held(c, depth + 1).items():
-          n[k] += v
-    return n
-
-  out = []
-
-  def walk(comp, depth=0):
-    for line in comps.get(comp, []):
-      m = re.match(r"\s*(ROOT )?%?([\w.\-]+) = (\([^)]*\)|\S+) ([\w\-]+)\(",
-                   line)
-      if not m or m.group(4) in ("parameter", "constant", "tuple", "bitcast",
-                                 "get-tuple-element"):
-        continue
-      called = callee.findall(line)
-      if m.group(4) == "call" and depth < 4:
-        for c in called:
-          walk(c, depth + 1)
-        continue
-      tags = re.findall(r'custom_call_target="([^"]+)"|"kind":"(__\w+)"'
-                        r'|"epilogue":"(\w+)"', line)
-      tags = [t for g in tags for t in g if t]
-      ops = {}
-      for c in called:
-        for k, v in held(c).items():
-          ops[k] = ops.get(k, 0) + v
-      inside = " ".join(f"{k}x{v}" for k, v in ops.items() if v)
-      out.append(f"{m.group(2):36s} {m.group(4):12s} {m.group(3)[:40]:40s} "
-                 f"{' '.join(tags):28s} {inside}".rstrip())
-  walk("ENTRY")
-  return "\n".join(out) + "\n"
-
-
-def _strip_metadata(text):
-  return re.sub(r", metadata=\{[^}]*\}", "", text)
-
-
-class _Patched:
-  """A ViT variant's code in place for the ``with`` block (the module is
-  traced inside: init, ``with_params_in_dtype``, lowering): the GELU
-  formulation (``gelu``), an optimisation barrier after it (``barrier``),
-  ``ln="shift"``: ``layers.LayerNorm`` for flax's; ``prune="off"``:
-  ``layers.Encoder`` with ``prune_last=False``. Restored on exit, so one
-  process can compile several variants."""
-
-  def __init__(self, act, variant):
-    self.act, self.v = act, variant
-
-  def __enter__(self):
-    import flax.linen as nn  # pylint: disable=import-outside-toplevel
-    import jax  # pylint: disable=import-outside-toplevel
-    from train.towers import layers  # pylint: disable=import-outside-toplevel
-    v = self.v
-    self.saved = (dict(layers.ACTIVATIONS), layers.Encoder, nn.LayerNorm)
-    fn = (_gelu_forms()[v["gelu"]] if "gelu" in v
-          else layers.ACTIVATIONS[self.act])
-    if v.get("barrier"):
-      fn = lambda x, f=fn: jax.lax.optimization_barrier(f(x))  # noqa: E731
-    layers.ACTIVATIONS[self.act] = fn
-    if v.get("ln", "flax") == "shift":
-      nn.LayerNorm = layers.LayerNorm
-    if v.get("prune", "on") == "off":
-      layers.Encoder = functools.partial(layers.Encoder, prune_last=False)
-    return self
-
-  def __exit__(self, *exc):
-    import flax.linen as nn  # pylint: disable=import-outside-toplevel
-    from train.towers import layers  # pylint: disable=import-outside-toplevel
-    acts, layers.Encoder, nn.LayerNorm = self.saved
-    layers.ACTIVATIONS.clear()
-    layers.ACTIVATIONS.update(acts)
-    return False
-
-
-def _compiled_vit(v, act, variant, images):
+def _compiled_vit(v, images):
   """(compiled embed, params, compile seconds) of the benchmark's ViT-B/16
-  (class token, tok pooling) in ``variant`` (``_Patched``'s fields and
-  ``params="dtype"``: ``Tower.with_params_in_dtype``)."""
+  (class token, tok pooling, the trainer's defaults otherwise)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from train.towers import vit as vit_lib  # pylint: disable=import-outside-toplevel
   from train.towers.tower import Normalization, Tower  # pylint: disable=import-outside-toplevel,g-multiple-import
-  with _Patched(act, variant):
-    module = vit_lib.ViT(patch_size=v["patch_size"], width=v["width"],
-                         depth=v["depth"], num_heads=v["num_heads"],
-                         mlp_dim=v["mlp_dim"], class_token=True,
-                         pos_embed_cls=True, pool="tok", final_norm="tokens",
-                         act=act, dtype=jnp.bfloat16)
-    s = v["image"]
-    params = jax.jit(module.init)(jax.random.key(0),
-                                  jnp.zeros((1, s, s, 3)))["params"]
-    tower = Tower(module, params, s, Normalization((0.5,) * 3, (0.25,) * 3),
-                  v["width"], jnp.bfloat16)
-    if variant.get("params", "f32") == "dtype":
-      tower = tower.with_params_in_dtype()
-    t0 = time.perf_counter()
-    compiled = jax.jit(tower.embed).lower(tower.params, images).compile()
+  module = vit_lib.ViT(patch_size=v["patch_size"], width=v["width"],
+                       depth=v["depth"], num_heads=v["num_heads"],
+                       mlp_dim=v["mlp_dim"], class_token=True,
+                       pos_embed_cls=True, pool="tok", final_norm="tokens",
+                       act="gelu", dtype=jnp.bfloat16)
+  s = v["image"]
+  params = jax.jit(module.init)(jax.random.key(0),
+                                jnp.zeros((1, s, s, 3)))["params"]
+  tower = Tower(module, params, s, Normalization((0.5,) * 3, (0.25,) * 3),
+                v["width"], jnp.bfloat16)
+  t0 = time.perf_counter()
+  compiled = jax.jit(tower.embed).lower(tower.params, images).compile()
   return compiled, tower.params, time.perf_counter() - t0
 
 
@@ -371,80 +150,15 @@ def _vit_images(v):
       0, 256, (b, s, s, 3), dtype=np.uint8))
 
 
-def _write_hlo(spec, name, text, full):
-  hlo = os.path.join(spec["out"], "hlo")
-  os.makedirs(hlo, exist_ok=True)
-  with open(os.path.join(hlo, f"{name}.kernels.txt"), "w") as f:
-    f.write(_hlo_kernels(text))
-  if full:
-    with open(os.path.join(hlo, f"{name}.hlo.txt"), "w") as f:
-      f.write(_strip_metadata(text))
-
-
-def _write_profile(spec, name, rows, unit="ms"):
-  """The top kernels of a case (``--profile``): where its time goes, to set
-  beside the other implementation's."""
-  hlo = os.path.join(spec["out"], "hlo")
-  os.makedirs(hlo, exist_ok=True)
-  with open(os.path.join(hlo, f"{name}.profile.txt"), "w") as f:
-    f.write(f"{'op / kernel':70s} {unit + ' per call':>12s} {'launches':>9s}\n")
-    for op, ms, n in rows:
-      f.write(f"{op[:70]:70s} {ms:12.3f} {n:9.1f}\n")
-    f.write(f"{'total':70s} {sum(r[1] for r in rows):12.3f}\n")
-
-
 def child_vit(spec, rows):
-  """Ours, one variant: forward of a batch of uint8 images."""
-  v, case = spec["sizes"]["vit"], spec["case"]
+  """Ours: forward of a batch of uint8 images."""
+  v = spec["sizes"]["vit"]
   images = _vit_images(v)
-  compiled, params, compile_s = _compiled_vit(v, case["act"], case, images)
+  compiled, params, compile_s = _compiled_vit(v, images)
   t = harness.timeit(compiled, params, images, reps=spec["reps"], warmup=2)
-  _write_hlo(spec, spec["name"], compiled.as_text() or "",
-             case.get("full_hlo"))
-  if spec.get("profile"):
-    _write_profile(spec, spec["name"],
-                   harness.kernel_profile(compiled, params, images))
   b = v["batch"]
   rows.add(part="vit_b16_fwd", impl=spec["label"], batch=b,
-           compile_s=compile_s, peak_gib=_peak_gib(),
-           xla_flags=case.get("xla_flags", ""), **_timing_row(t, b))
-
-
-def child_vit_ab(spec, rows):
-  """Several ViT variants in one process (one set of XLA flags): all
-  compiled first, then timed in interleaved rounds (``AB_ROUNDS``), so
-  drift over the run hits each alike; one row per variant, its median of
-  the rounds' medians. Peak memory is the process's, not per variant."""
-  import statistics  # pylint: disable=import-outside-toplevel
-  v, case = spec["sizes"]["vit"], spec["case"]
-  images, b = _vit_images(v), v["batch"]
-  built = []
-  for key in case["variants"]:
-    label, variant = VIT_VARIANTS[key]
-    try:
-      compiled, params, compile_s = _compiled_vit(v, "gelu", variant, images)
-      harness.timeit(compiled, params, images, reps=1, warmup=1)
-    except Exception as e:  # pylint: disable=broad-except
-      rows.add(part="vit_b16_fwd", impl=f"{label}{case['suffix']}",
-               variant=key, batch=b, status=harness.failure(e))
-      continue
-    _write_hlo(spec, f"{spec['name']}.{key}", compiled.as_text() or "",
-               False)
-    built.append((key, label, compiled, params, compile_s, []))
-  rounds = max(1, min(AB_ROUNDS, spec["reps"]))
-  per_round = -(-spec["reps"] // rounds)
-  for _ in range(rounds):
-    for _, _, compiled, params, _, ts in built:
-      ts.append(harness.timeit(compiled, params, images, reps=per_round,
-                               warmup=1))
-  for key, label, _, _, compile_s, ts in built:
-    med = statistics.median(t.median for t in ts)
-    rows.add(part="vit_b16_fwd", impl=f"{label}{case['suffix']}",
-             variant=key, batch=b, compile_s=compile_s,
-             xla_flags=case.get("xla_flags", ""), median_s=med,
-             min_s=min(t.min for t in ts), max_s=max(t.max for t in ts),
-             reps=sum(t.reps for t in ts), rounds=len(ts), per_s=b / med,
-             peak_gib=_peak_gib())
+           compile_s=compile_s, peak_gib=_peak_gib(), **_timing_row(t, b))
 
 
 def _torch_timer(torch, dev):
@@ -492,34 +206,6 @@ def child_vit_torch(spec, rows):
     rows.add(part="vit_b16_fwd", impl=f"timm {name} (SDPA)", batch=b,
              first_calls_s=time.perf_counter() - t0,
              peak_gib=_torch_peak(torch, dev), **_timing_row(t, b))
-    if spec.get("profile"):
-      _write_profile(spec, f"{spec['name']}.{name.replace(' ', '_')}",
-                     _torch_kernels(torch, lambda f=f: f(x), dev))
-
-
-def _torch_kernels(torch, call, dev, steps=3):
-  """``kernel_profile``'s rows for a torch call: the device's kernels by
-  name (torch.profiler), ms per call, longest first."""
-  from torch.profiler import ProfilerActivity  # pylint: disable=import-outside-toplevel
-  acts = [ProfilerActivity.CUDA] if dev == "cuda" else [ProfilerActivity.CPU]
-  with torch.inference_mode(), torch.profiler.profile(activities=acts) as p:
-    for _ in range(steps):
-      call()
-    if dev == "cuda":
-      torch.cuda.synchronize()
-  out = []
-  for e in p.key_averages():
-    if dev == "cuda":
-      # The kernels themselves, not the operators that launch them (whose
-      # device time would count the same kernels again).
-      if str(getattr(e, "device_type", "")) != "DeviceType.CUDA":
-        continue
-      us = getattr(e, "self_device_time_total", 0)
-    else:
-      us = e.self_cpu_time_total
-    if us > 0:
-      out.append((e.key, us / 1e3 / steps, e.count / steps))
-  return sorted(out, key=lambda r: -r[1])
 
 
 def _torch_peak(torch, dev):
@@ -536,36 +222,30 @@ def _text_tokens(jax, jnp, batch, length, vocab, eos):
 
 def child_text_jax(spec, rows):
   """Ours, forward + backward, each length (the longest first), each
-  pooling of the case: causal + EOS (CLIP's, the one HF is compared with;
-  "eos_full": every token through the last block, as torch computes it)
+  pooling of the case: causal + EOS (CLIP's, the one HF is compared with)
   and bidirectional + mean over per-row lengths (``text_jax`` only)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from train.towers import layers  # pylint: disable=import-outside-toplevel
   from train.towers import text as text_lib  # pylint: disable=import-outside-toplevel
   t = spec["sizes"]["text"]
   b = t["batch"]
-  acts = {"eos": "quick_gelu", "eos_full": "quick_gelu", "mean": "gelu_tanh"}
+  acts = {"eos": "quick_gelu", "mean": "gelu_tanh"}
   for length in sorted(t["lengths"], reverse=True):
     tokens = _text_tokens(jax, jnp, b, length, t["vocab"], 1)
     for pool in spec["case"]["pools"]:
       act = acts[pool]
-      impl = (f"ours ({pool} pool, {act})" if pool != "eos_full" else
-              f"ours (eos pool, {act}, every token through the last block)")
-      part = f"text_fwd_bwd_L{length}"
+      impl, part = f"ours ({pool} pool, {act})", f"text_fwd_bwd_L{length}"
       try:
-        with _Patched(act, dict(prune="off") if pool == "eos_full" else {}):
-          m = text_lib.TextTransformer(
-              vocab_size=t["vocab"], max_len=77, width=t["width"],
-              depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
-              embed_dim=t["embed"], pool=pool.split("_")[0], act=act,
-              dtype=jnp.bfloat16)
-          p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
-          grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
-              m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
-          t0 = time.perf_counter()
-          compiled = grad.lower(p, tokens).compile()
-          compile_s = time.perf_counter() - t0
+        m = text_lib.TextTransformer(
+            vocab_size=t["vocab"], max_len=77, width=t["width"],
+            depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
+            embed_dim=t["embed"], pool=pool, act=act, dtype=jnp.bfloat16)
+        p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
+        grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
+            m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
+        t0 = time.perf_counter()
+        compiled = grad.lower(p, tokens).compile()
+        compile_s = time.perf_counter() - t0
         tm = harness.timeit(compiled, p, tokens, reps=spec["reps"], warmup=2)
       except Exception as e:  # pylint: disable=broad-except
         rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
@@ -739,8 +419,7 @@ def child_lit(spec, rows):
            peak_gib=_peak_gib(), loss=float(holder["loss"]), **extra)
 
 
-CHILDREN = {"vit": child_vit, "vit_ab": child_vit_ab,
-            "vit_torch": child_vit_torch,
+CHILDREN = {"vit": child_vit, "vit_torch": child_vit_torch,
             "text_jax": child_text_jax, "text_torch": child_text_torch,
             "lit": child_lit}
 
@@ -757,30 +436,22 @@ def run_as_child(spec):
 def case_spec(name, kind):
   """The label and the per-kind fields of a case of ``PLAN``."""
   if kind == "vit":
-    label, case = VIT_CASES[name]
-    return label, case
-  if kind == "vit_ab":
-    return VIT_AB_CASES[name]
+    return "ours (default)", {}
   if kind == "text_jax":
-    return name, dict(pools=("eos", "eos_full") if name == "text_jax_eos"
-                      else ("eos", "eos_full", "mean"))
+    return name, dict(pools=("eos",) if name == "text_jax_eos"
+                      else ("eos", "mean"))
   if kind == "lit":
     _, tower, *mode = name.split("_")
     return name, dict(tower=tower, mode="_".join(mode))
   return name, {}
 
 
-def child_env(kind, case):
-  """torch children: no JAX pool; JAX children: most of the device, and the
-  case's own XLA flags added to the job's."""
+def child_env(kind):
+  """torch children: no JAX pool; JAX children: most of the device."""
   if kind in ("vit_torch", "text_torch"):
     return harness.child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  flags = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""),
-                               case.get("xla_flags", "")) if x)
-  return harness.child_env(
-      XLA_FLAGS=flags or None,
-      XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
-          "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))
+  return harness.child_env(XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
+      "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))
 
 
 def read_rows(path):
@@ -830,7 +501,7 @@ def summary(rows):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", help="folder for the rows and HLO (required)")
+  ap.add_argument("--out", help="folder for the rows (required)")
   ap.add_argument("--budget_s", type=float, default=495,
                   help="seconds for all cases together (children's starts "
                   "included); what does not fit is skipped")
@@ -840,9 +511,6 @@ def main():
                   help="comma-separated case names (default: all of PLAN)")
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes: a CPU smoke run (torch cases need torch)")
-  ap.add_argument("--profile", action="store_true",
-                  help="vit and vit_torch cases: also write each one's "
-                  "kernels with their times (OUT/hlo/*.profile.txt)")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.child:
@@ -881,12 +549,12 @@ def main():
         spec = dict(name=name, kind=kind, label=label, case=case,
                     sizes=sizes, reps=2 if args.quick else args.reps,
                     quick=args.quick, out=args.out, jsonl=jsonl, t0=t0,
-                    hf_dir=hf_dir, profile=args.profile)
+                    hf_dir=hf_dir)
         print(f"[{time.time() - t0:5.0f} s] {name} ...", flush=True)
         r = harness.run_child(
             [os.path.abspath(__file__), "--child", json.dumps(spec)],
             result_tag=RESULT_TAG, timeout_s=max(1, min(cap_s, left)),
-            env=child_env(kind, case))
+            env=child_env(kind))
         if "rows" not in r:
           status = r.get("status", "no result")
         for row in r.get("rows", ()):
@@ -902,13 +570,12 @@ def main():
   finally:
     shutil.rmtree(hf_dir, ignore_errors=True)
   print(summary(read_rows(jsonl)))
-  print(f"\nwhole run {time.time() - t0:.0f} s; rows: {jsonl}; HLO: "
-        f"{os.path.join(args.out, 'hlo')}")
+  print(f"\nwhole run {time.time() - t0:.0f} s; rows: {jsonl}")
   return 0
 
 
 def _part_of(kind, name):
-  if kind in ("vit", "vit_ab", "vit_torch"):
+  if kind in ("vit", "vit_torch"):
     return "vit_b16_fwd"
   if kind == "lit":
     return "lit_step"
