@@ -86,17 +86,10 @@ def check_labels(labels, direction, n_queries, *, n_keys=None, what="batch"):
     raise ValueError(
         "labels= needs direction='image_to_text' or 'text_to_image' (an "
         "arbitrary positive per query); direction='both' pairs i with i")
-  if not hasattr(labels, "shape") or not hasattr(labels, "dtype"):
-    labels = np.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(f"labels must be an integer array (key indices), got "
-                    f"dtype {labels.dtype}")
-  if tuple(labels.shape) != (n_queries,):
-    queries = "image_emb" if direction == "image_to_text" else "text_emb"
-    raise ValueError(
-        f"labels must have shape ({n_queries},), one key index per query "
-        f"({queries} has {n_queries} rows in this {what}), got shape "
-        f"{tuple(labels.shape)}")
+  queries = "image_emb" if direction == "image_to_text" else "text_emb"
+  labels = _int_vector(labels, "labels", "key indices", n_queries,
+                       f"one key index per query ({queries} has {n_queries} "
+                       f"rows in this {what})")
   if n_keys is not None and not isinstance(labels, jax.core.Tracer):
     values = np.asarray(labels)
     bad = (values < 0) | (values >= n_keys)
@@ -186,15 +179,22 @@ def check_equal_batch(image_emb, text_emb, *, loss="sigmoid"):
 GROUP_MODES = ("mask", "positives")
 
 
+def _int_vector(v, name, what, n, per):
+  """``v`` as an integer array of shape (n,), or a one-line error: its
+  elements are ``what``, one ``per`` (labels and group ids alike)."""
+  if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+    v = np.asarray(v)
+  if not jnp.issubdtype(v.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array ({what}), got dtype "
+                    f"{v.dtype}")
+  if tuple(v.shape) != (n,):
+    raise ValueError(f"{name} must have shape ({n},), {per}, got shape "
+                     f"{tuple(v.shape)}")
+  return v
+
+
 def _group_array(g, name, n, rows_of):
-  if not hasattr(g, "shape") or not hasattr(g, "dtype"):
-    g = np.asarray(g)
-  if not jnp.issubdtype(g.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array (group ids), got dtype "
-                    f"{g.dtype}")
-  if tuple(g.shape) != (n,):
-    raise ValueError(f"{name} must have shape ({n},), one group id per row of "
-                     f"{rows_of}, got shape {tuple(g.shape)}")
+  g = _int_vector(g, name, "group ids", n, f"one group id per row of {rows_of}")
   return jnp.asarray(g).astype(jnp.int32)
 
 

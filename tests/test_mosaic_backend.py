@@ -404,15 +404,15 @@ def test_block_size_mapping():
   assert be.default_block_sizes("gpu", jnp.float32) == BlockSizes(
       block_q=128, block_k=256, block_d=32, bwd_block_q=128, bwd_block_k=256,
       panel_rows=2048)
+  # block_k / bwd_block_k: a CTA tile's columns (two consumer halves).
+  shape = lambda mb: (mb.block_q, mb.block_k, mb.bwd_block_q, mb.bwd_block_k,
+                      mb.block_d, mb.panel_rows)
   mb = mosaic.mosaic_blocks(mosaic.GPU_TILES)
-  assert (mb.bq, mb.bk, mb.bwd_bq, mb.bwd_bk, mb.bd, mb.panel_rows) == (
-      128, 128, 128, 128, 64, 4096)
+  assert shape(mb) == (128, 256, 128, 256, 64, 4096)
   mb = mosaic.mosaic_blocks(mosaic.INTERPRET_TILES)
-  assert (mb.bq, mb.bk, mb.bwd_bq, mb.bwd_bk, mb.panel_rows) == (
-      64, 64, 64, 64, 64)
+  assert shape(mb) == (64, 128, 64, 128, 64, 64)
   mb = mosaic.mosaic_blocks(test_pallas.TINY)
-  assert (mb.bq, mb.bk, mb.bwd_bq, mb.bwd_bk, mb.panel_rows) == (
-      64, 64, 64, 64, 64)
+  assert shape(mb) == (64, 128, 64, 128, 64, 64)
 
 
 def _compiled_mosaic_class():

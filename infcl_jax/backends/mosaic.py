@@ -105,31 +105,24 @@ from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
 from infcl_jax.kernels.mosaic import sigmoid as msigmoid
 
 F32 = jnp.float32
-@dataclasses.dataclass(frozen=True)
-class MosaicBlocks:
-  """Block shapes the Mosaic kernels take (bk: one consumer's columns)."""
-  bq: int
-  bk: int
-  bwd_bq: int
-  bwd_bk: int
-  bd: int
-  panel_rows: int
-
-
 def _rows(v):
   return 64 if v <= 64 else 128
 
 
 def _cols(v):
-  # Columns per CTA tile -> per consumer.
-  return 64 if v <= 128 else 128
+  # Columns per CTA tile: two consumer halves of 64 or 128.
+  return 128 if v <= 128 else 256
 
 
-def mosaic_blocks(bs: BlockSizes) -> MosaicBlocks:
+def mosaic_blocks(bs: BlockSizes) -> BlockSizes:
+  """``bs`` rounded to the block shapes the Mosaic kernels take: rows per CTA
+  tile 64 or 128, columns per CTA tile 128 or 256 (a kernel's ``block_k``
+  is one consumer's half), the K-step 64, panels of whole row blocks."""
   bwd_bq = _rows(bs.bwd_block_q)
-  return MosaicBlocks(bq=_rows(bs.block_q), bk=_cols(bs.block_k),
-                      bwd_bq=bwd_bq, bwd_bk=_cols(bs.bwd_block_k), bd=64,
-                      panel_rows=round_up(bs.panel_rows, bwd_bq))
+  return dataclasses.replace(
+      bs, block_q=_rows(bs.block_q), block_k=_cols(bs.block_k), block_d=64,
+      bwd_block_q=bwd_bq, bwd_block_k=_cols(bs.bwd_block_k),
+      panel_rows=round_up(bs.panel_rows, bwd_bq))
 
 
 # The Mosaic kernels' own default tiles (bf16 / f16): 128-row CTA tiles of
@@ -212,8 +205,9 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   @staticmethod
   def _panel_layout(mb, n, m, d):
     # Columns pad to the CTA's two consumer halves.
-    return pb.panel_layout(n, m, d, block_q=mb.bwd_bq, block_k=2 * mb.bwd_bk,
-                           block_d=mb.bd, panel_rows=mb.panel_rows)
+    return pb.panel_layout(n, m, d, block_q=mb.bwd_block_q,
+                           block_k=mb.bwd_block_k, block_d=mb.block_d,
+                           panel_rows=mb.panel_rows)
 
   @staticmethod
   def _padded_groups(groups, xp, yp):
@@ -234,12 +228,13 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     nprog = bs.num_programs or _device.num_sms()
 
     def lse(x, y, groups):
-      xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+      xp, yp = pad_inputs(x, y, mb.block_q, mb.block_k, mb.block_d)
       check_int32(self.name, column_workspace=min(
-          nprog, xp.shape[0] // mb.bq) * yp.shape[0])
+          nprog, xp.shape[0] // mb.block_q) * yp.shape[0])
       return mlse_fwd.lse_fwd(
           xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
-          rows=rows, cols=cols, block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
+          rows=rows, cols=cols, block_q=mb.block_q, block_k=mb.block_k // 2,
+          block_d=mb.block_d,
           num_programs=nprog, interpret=self.interpret,
           single_exp=bs.single_exp,
           groups=self._padded_groups(groups, xp, yp))
@@ -257,15 +252,15 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
                                col_coef, bs=bs, **_group_kw(groups))
     mb = mosaic_blocks(bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
-        mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_bq,
-        block_k=mb.bwd_bk, block_d=mb.bd, num_programs=bs.num_programs,
-        interpret=self.interpret)
+        mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_block_q,
+        block_k=mb.bwd_block_k // 2, block_d=mb.block_d,
+        num_programs=bs.num_programs, interpret=self.interpret)
 
     def tiles(gx, gy, rows):
       # Every panel's tile order at once (a few XLA ops, not a few per
       # panel).
       return jax.vmap(lambda g: group_tiles.tile_order(
-          g, gy, mb.bwd_bq, 2 * mb.bwd_bk))(gx.reshape(-1, rows))
+          g, gy, mb.bwd_block_q, mb.bwd_block_k))(gx.reshape(-1, rows))
 
     grad = lambda x, y, row_lse, col_lse, groups: pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
@@ -290,13 +285,13 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
                                   **_group_kw(groups, group_mode))
     n, m = x.shape[0], y.shape[0]
     mb = mosaic_blocks(bs)
-    xp, yp = pad_inputs(x, y, mb.bq, 2 * mb.bk, mb.bd)
+    xp, yp = pad_inputs(x, y, mb.block_q, mb.block_k, mb.block_d)
     params = jnp.stack([jnp.asarray(scale, F32), jnp.asarray(bias, F32),
                         jnp.ones((), F32), jnp.zeros((), F32)])
     return msigmoid.sigmoid_tiles(
         xp, yp, row_ids(n, xp.shape[0]), params, mode="sum", m=m,
         mask=xp.shape[0] != n or yp.shape[0] != m, has_diagonal=has_diagonal,
-        block_q=mb.bq, block_k=mb.bk, block_d=mb.bd,
+        block_q=mb.block_q, block_k=mb.block_k // 2, block_d=mb.block_d,
         num_programs=bs.num_programs, interpret=self.interpret,
         groups=self._padded_groups(groups, xp, yp), group_mode=group_mode)
 
@@ -310,8 +305,8 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return msigmoid.sigmoid_tiles(
-          x_p, yp, rid_p, params, mode=mode, block_q=mb.bwd_bq,
-          block_k=mb.bwd_bk, block_d=mb.bd,
+          x_p, yp, rid_p, params, mode=mode, block_q=mb.bwd_block_q,
+          block_k=mb.bwd_block_k // 2, block_d=mb.block_d,
           num_programs=bs.num_programs, interpret=self.interpret, **kw)
 
     return pb.sigmoid_grad(

@@ -81,20 +81,14 @@ from infcl_jax.kernels.triton import lse_fwd
 from infcl_jax.kernels.triton import sigmoid_bwd
 from infcl_jax.kernels.triton import sigmoid_fwd
 
-KERNELS = triton_tiles.Kernels(
-    lse_fwd=lse_fwd.lse_fwd, lse_panel=lse_bwd.g_panel,
-    sigmoid_rows=sigmoid_fwd.sigmoid_row_sums,
-    sigmoid_panel=sigmoid_bwd.g_panel)
+KERNELS = triton_tiles.Kernels(lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd)
 
 
 class NativeTritonBackend(triton_tiles.TritonTilesBackend):
   """Triton-language kernels through jax-triton, both families."""
 
   name = "triton"
-  # Its sigmoid panel is latency-bound (one 8-warp CTA per SM): the
-  # diagonal's compare and selects, per logit, made the grouped "mask"
-  # backward 17% slower than "positives" (BENCHMARKS.md).
-  GROUP_DIAGONAL_OUTSIDE = True
+  KERNELS = KERNELS
 
   def default_block_sizes(self, platform, dtype):
     """The ``native_triton_configs`` entry that fits this GPU."""
@@ -108,9 +102,6 @@ class NativeTritonBackend(triton_tiles.TritonTilesBackend):
           f"environment before the backend is first used; or use "
           f"backend='xla'")
     return super().block_sizes(block_sizes, dtype)
-
-  def kernels(self):
-    return KERNELS
 
 
 BACKEND = NativeTritonBackend

@@ -42,27 +42,19 @@ from infcl_jax.kernels import lse_fwd
 from infcl_jax.kernels import sigmoid_bwd
 from infcl_jax.kernels import sigmoid_fwd
 
-KERNELS = triton_tiles.Kernels(
-    lse_fwd=lse_fwd.lse_fwd, lse_panel=lse_bwd.g_panel,
-    sigmoid_rows=sigmoid_fwd.sigmoid_row_sums,
-    sigmoid_panel=sigmoid_bwd.g_panel)
+KERNELS = triton_tiles.Kernels(lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd)
 
 
 class PallasTritonBackend(triton_tiles.TritonTilesBackend):
   """The fused Pallas-Triton backend, softmax and sigmoid families."""
 
   name = "pallas"
-  # Without the diagonal's test per logit the grouped "mask" sigmoid ran
-  # 8.6 points faster on an H200 (BENCHMARKS.md, 2026-12-02).
-  GROUP_DIAGONAL_OUTSIDE = True
+  KERNELS = KERNELS
 
   def default_block_sizes(self, platform, dtype):
     """The ``triton_configs`` entry that fits this GPU's shared memory."""
     cc = capability.device_capability() if platform == "gpu" else None
     return triton_configs.default(platform, cc, dtype)
-
-  def kernels(self):
-    return KERNELS
 
   def _kernel_kw(self):
     return {"interpret": self.interpret}

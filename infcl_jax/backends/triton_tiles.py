@@ -5,9 +5,9 @@
 same algorithms with the same block sizes: the fused forward sweeps and the
 panel backward (``panel_backward``) over the padded inputs (``padding``).
 They differ only in the four kernel entry points, which a subclass names
-(``KERNELS``); everything around them (padding, the int32 guard, the
-persistent grid size, the panel layout and math, the precision policy) is
-here.
+(``KERNELS``, a ``Kernels`` of its kernel package); everything around them
+(padding, the int32 guard, the persistent grid size, the panel layout and
+math, the precision policy) is here.
 
 Groups (``backends.base``): the forward kernels take the rows' and columns'
 group ids padded like the inputs, the panel kernels the panel's and the
@@ -22,7 +22,6 @@ arguments (Pallas' ``interpret``).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -39,13 +38,16 @@ from infcl_jax.backends.padding import pad_inputs
 F32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
 class Kernels:
-  """The four kernel entry points of a Triton backend."""
-  lse_fwd: Callable
-  lse_panel: Callable
-  sigmoid_rows: Callable
-  sigmoid_panel: Callable
+  """The four kernel entry points of a Triton backend, taken from its kernel
+  package's four modules: both packages (``infcl_jax.kernels`` and
+  ``infcl_jax.kernels.triton``) give them the same names."""
+
+  def __init__(self, lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd):
+    self.lse_fwd: Callable = lse_fwd.lse_fwd
+    self.lse_panel: Callable = lse_bwd.g_panel
+    self.sigmoid_rows: Callable = sigmoid_fwd.sigmoid_row_sums
+    self.sigmoid_panel: Callable = sigmoid_bwd.g_panel
 
 
 def padded_groups(groups, xp, yp):
@@ -78,8 +80,15 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
       needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
             "no bfloat16 dot below)")
 
+  # Without the diagonal's test per logit the grouped "mask" sigmoid ran
+  # 8.6 points faster with Pallas-Triton on an H200, and the Triton-language
+  # sigmoid panel (latency-bound: one 8-warp CTA per SM) 17% faster
+  # (BENCHMARKS.md).
+  GROUP_DIAGONAL_OUTSIDE = True
+  KERNELS: Kernels  # The subclass's kernel set.
+
   def kernels(self) -> Kernels:
-    raise NotImplementedError
+    return self.KERNELS
 
   def _kernel_kw(self) -> dict:
     return {}

@@ -53,6 +53,16 @@ def check_inputs(x, y, block_q, block_k, block_d):
         f", block_d={block_d}")
 
 
+def check_groups(groups, x, y, *, rows="R"):
+  """``groups`` (None or the int32 ids of x's and y's padded rows) must have
+  one id per row; ``rows`` names x's padded row count in the error."""
+  if groups is not None and (groups[0].shape != (x.shape[0],)
+                             or groups[1].shape != (y.shape[0],)):
+    raise ValueError(
+        f"groups must be (({rows},), (m_pad,)) = (({x.shape[0]},), "
+        f"({y.shape[0]},)), got {groups[0].shape}, {groups[1].shape}")
+
+
 def interpret_params(interpret):
   """``interpret`` argument of plgpu.kernel: None (compile) or the params."""
   if interpret is True:

@@ -208,11 +208,7 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype=None,
     raise ValueError("at least one of rows / cols")
   r_rows, d_pad = x.shape
   m_pad = y.shape[0]
-  if groups is not None and (groups[0].shape != (r_rows,)
-                             or groups[1].shape != (m_pad,)):
-    raise ValueError(
-        f"groups must be ((R,), (m_pad,)) = (({r_rows},), ({m_pad},)), got "
-        f"{groups[0].shape}, {groups[1].shape}")
+  common.check_groups(groups, x, y)
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
   nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))

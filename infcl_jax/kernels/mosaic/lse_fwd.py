@@ -362,11 +362,7 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q=128, block_k=128,
     return None, None
   if check not in ("tile", "rerun"):
     raise ValueError(f"check must be tile or rerun, got {check}")
-  if groups is not None and (groups[0].shape != (x.shape[0],)
-                             or groups[1].shape != (y.shape[0],)):
-    raise ValueError(
-        f"groups must be ((n_pad,), (m_pad,)) = (({x.shape[0]},), "
-        f"({y.shape[0]},)), got {groups[0].shape}, {groups[1].shape}")
+  common.check_groups(groups, x, y, rows="n_pad")
   ops = None if groups is None else _group_operands(
       *groups, n=n, block_q=block_q, block_k=block_k)
   kw = dict(n=n, m=m, rows=rows, cols=cols, block_q=block_q, block_k=block_k,

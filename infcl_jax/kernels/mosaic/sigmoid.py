@@ -211,10 +211,7 @@ def sigmoid_tiles(x, y, row_ids, params, *, mode, m, mask, has_diagonal,
     if group_mode not in GROUP_MODES:
       raise ValueError(f"group_mode must be one of {GROUP_MODES}, got "
                        f"{group_mode!r}")
-    if groups[0].shape != (r_rows,) or groups[1].shape != (m_pad,):
-      raise ValueError(
-          f"groups must be ((R,), (m_pad,)) = (({r_rows},), ({m_pad},)), "
-          f"got {groups[0].shape}, {groups[1].shape}")
+    common.check_groups(groups, x, y)
   ni, nj2, nd = r_rows // block_q, m_pad // (2 * block_k), d_pad // block_d
   num_tiles = ni * nj2
   nprog = max(1, min(num_programs or _device.num_sms(), num_tiles))

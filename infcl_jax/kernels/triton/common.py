@@ -38,6 +38,14 @@ INTERPRETED = tl.constexpr(launch.interpreting())
 PRECISIONS = {"DEFAULT": "tf32", "HIGH": "tf32", "HIGHEST": "ieee"}
 
 
+def group_ptrs(groups, stand_in):
+  """The two group-id arguments of a kernel: the ids, or without groups
+  ``stand_in`` twice (an input already passed; a kernel compiled with
+  ``GROUPS`` False never reads them, so it is the program it would be
+  without the arguments)."""
+  return tuple(groups) if groups is not None else (stand_in, stand_in)
+
+
 def dot_precision(precision) -> str:
   """``tl.dot``'s input_precision for a ``lax.Precision`` (None: DEFAULT)."""
   return PRECISIONS[getattr(precision, "name", None) or "DEFAULT"]
@@ -65,6 +73,28 @@ def tile_dot(x_ptr, y_ptr, row0, col0, D_PAD: tl.constexpr,
     xp += BD
     yp += BD
   return acc
+
+
+@triton.jit
+def logit_tile(params_ptr, x_ptr, y_ptr, row0, col0, D_PAD: tl.constexpr,
+               BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+               PREC: tl.constexpr):
+  """(s, s0): the (BQ, BK) logits ``scale * s0 + bias`` of the raw dot
+  products ``s0`` (``tile_dot``); scale and bias are the first two float32
+  entries of every kernel's ``params`` (the softmax kernels' in base 2)."""
+  s0 = tile_dot(x_ptr, y_ptr, row0, col0, D_PAD, BQ, BK, BD, PREC)
+  return s0 * tl.load(params_ptr) + tl.load(params_ptr + 1), s0
+
+
+@triton.jit
+def store_tile_sums(dsc_ptr, dbi_ptr, g, s0, i, j, M_PAD: tl.constexpr,
+                    BK: tl.constexpr):
+  """A panel tile's float32 partials of the scale and bias gradients (sum
+  G * (x y^T) with ``s0`` the raw dot products, and sum G) at tile (i, j)'s
+  slot, row-major over the panel's tiles: both panel kernels' layout."""
+  slot = i * (M_PAD // BK) + j
+  tl.store(dsc_ptr + slot, tl.sum(g * s0))
+  tl.store(dbi_ptr + slot, tl.sum(g))
 
 
 @triton.jit

@@ -14,11 +14,11 @@ most 2^64 (checked per tile from r and c); otherwise the two-exponential
 form. Padding: statistics of padded rows / columns are +inf, and a masked
 tile zeroes both terms there (``!= inf`` keeps NaN statistics NaN).
 
-Groups (``backends.base``): ``_kernel_groups`` also reads the panel rows'
-and the columns' int32 group ids and selects G = 0 on related pairs, after
-the exponentials (a row of related pairs only has LSE -inf, whose
-exp(s - lse) is inf). One body (``_panel``, ``GROUPS`` a compile-time
-switch) serves both entry points.
+Groups (``backends.base``): with ``GROUPS`` (a compile-time switch) the
+kernel also reads the panel rows' and the columns' int32 group ids and
+selects G = 0 on related pairs, after the exponentials (a row of related
+pairs only has LSE -inf, whose exp(s - lse) is inf). Without it the ids
+are never read (``common.group_ptrs``).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import triton.language as tl
 from infcl_jax.kernels.triton import common
 from infcl_jax.kernels.triton import launch
 from infcl_jax.kernels.triton.common import MAX_SPREAD
+from infcl_jax.kernels.triton.common import group_ptrs
 
 F32 = jnp.float32
 
@@ -49,45 +50,17 @@ def _exact(s, r, c, a_r, a_c, BQ: tl.constexpr, BK: tl.constexpr,
 
 
 @triton.jit
-def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, g_ptr, dsc_ptr, dbi_ptr,
-            M_PAD: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
-            BK: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
-            COLS: tl.constexpr, MASK: tl.constexpr, SINGLE_EXP: tl.constexpr,
-            PREC: tl.constexpr):
-  # No group ids: r_ptr stands in for them, never read.
-  _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, r_ptr, r_ptr, g_ptr, dsc_ptr,
-         dbi_ptr, M_PAD, D_PAD, BQ, BK, BD, ROWS, COLS, MASK, SINGLE_EXP,
-         PREC, False)
-
-
-@triton.jit
-def _kernel_groups(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr,
-                   g_ptr, dsc_ptr, dbi_ptr, M_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-                   BD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                   MASK: tl.constexpr, SINGLE_EXP: tl.constexpr,
-                   PREC: tl.constexpr):
-  _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr, g_ptr,
-         dsc_ptr, dbi_ptr, M_PAD, D_PAD, BQ, BK, BD, ROWS, COLS, MASK,
-         SINGLE_EXP, PREC, True)
-
-
-@triton.jit
-def _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr, g_ptr,
-           dsc_ptr, dbi_ptr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
-           BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-           ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr,
-           SINGLE_EXP: tl.constexpr, PREC: tl.constexpr,
-           GROUPS: tl.constexpr):
+def _kernel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr, g_ptr,
+            dsc_ptr, dbi_ptr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+            ROWS: tl.constexpr, COLS: tl.constexpr, MASK: tl.constexpr,
+            SINGLE_EXP: tl.constexpr, PREC: tl.constexpr, GROUPS: tl.constexpr):
   i = tl.program_id(0)
   j = tl.program_id(1)
-  NJ: tl.constexpr = M_PAD // BK
-  scale2 = tl.load(params_ptr)
-  bias2 = tl.load(params_ptr + 1)
   a_r = tl.load(params_ptr + 2)
   a_c = tl.load(params_ptr + 3)
-  s0 = common.tile_dot(x_ptr, y_ptr, i * BQ, j * BK, D_PAD, BQ, BK, BD, PREC)
-  s = s0 * scale2 + bias2
+  s, s0 = common.logit_tile(params_ptr, x_ptr, y_ptr, i * BQ, j * BK, D_PAD,
+                            BQ, BK, BD, PREC)
   rows = i * BQ + tl.arange(0, BQ)
   cols = j * BK + tl.arange(0, BK)
   r = tl.load(r_ptr + rows)  # base-2 row LSE, +inf on padding
@@ -109,8 +82,7 @@ def _panel(params_ptr, x_ptr, y_ptr, r_ptr, c_ptr, gx_ptr, gy_ptr, g_ptr,
     g = tl.where(gx[:, None] == gy[None, :], 0.0, g)
   offs = rows.to(tl.int64)[:, None] * M_PAD + cols[None, :]
   tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty))
-  tl.store(dsc_ptr + i * NJ + j, tl.sum(g * s0))
-  tl.store(dbi_ptr + i * NJ + j, tl.sum(g))
+  common.store_tile_sums(dsc_ptr, dbi_ptr, g, s0, i, j, M_PAD, BK)
 
 
 def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
@@ -122,11 +94,8 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
   r_rows, d_pad = x.shape
   m_pad = y.shape[0]
   ni, nj = r_rows // block_q, m_pad // block_k
-  kernel, ins = _kernel, (params, x, y, r2, c2)
-  if groups is not None:
-    kernel, ins = _kernel_groups, ins + tuple(groups)
   g, dsc, dbi = launch.call(
-      kernel, *ins,
+      _kernel, params, x, y, r2, c2, *group_ptrs(groups, x),
       out_shape=[jax.ShapeDtypeStruct((r_rows, m_pad), g_dtype),
                  jax.ShapeDtypeStruct((ni * nj,), F32),
                  jax.ShapeDtypeStruct((ni * nj,), F32)],
@@ -135,5 +104,6 @@ def g_panel(x, y, r2, c2, params, *, rows, cols, mask, g_dtype, block_q,
       grid=(ni, nj), num_warps=num_warps, num_stages=num_stages,
       name="infcl_triton_lse_bwd_panel", M_PAD=m_pad, D_PAD=d_pad,
       BQ=block_q, BK=block_k, BD=block_d, ROWS=rows, COLS=cols, MASK=mask,
-      SINGLE_EXP=single_exp, PREC=common.dot_precision(precision))
+      SINGLE_EXP=single_exp, PREC=common.dot_precision(precision),
+      GROUPS=groups is not None)
   return g, jnp.sum(dsc), jnp.sum(dbi)

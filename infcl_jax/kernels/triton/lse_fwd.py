@@ -13,10 +13,10 @@ column's sum under the tile's own max stays >= 2^-64), otherwise the tile
 is recomputed and takes the exact two-exponential update. Base 2
 throughout (log2 e folded into scale and bias).
 
-Groups (``backends.base``): ``_kernel_groups`` also reads the rows' and
-columns' int32 group ids and sets related pairs' logits to -inf (one
-compare and one select per logit). Both entry points run one body
-(``_sweep``, ``GROUPS`` a compile-time switch), so the kernel without
+Groups (``backends.base``): with ``GROUPS`` (a compile-time switch) the
+kernel also reads the rows' and columns' int32 group ids and sets related
+pairs' logits to -inf (one compare and one select per logit); without it
+the ids are never read (``common.group_ptrs``), so the kernel without
 groups is the same program as it would be on its own.
 """
 from __future__ import annotations
@@ -32,20 +32,21 @@ from infcl_jax.kernels.triton import common
 from infcl_jax.kernels.triton import launch
 from infcl_jax.kernels.triton.common import LN2
 from infcl_jax.kernels.triton.common import MIN_SUM
+from infcl_jax.kernels.triton.common import group_ptrs
 
 F32 = jnp.float32
 
 
 @triton.jit
-def _logits(x_ptr, y_ptr, gx, gy_ptr, rb, j, scale2, bias2, N: tl.constexpr,
+def _logits(params_ptr, x_ptr, y_ptr, gx, gy_ptr, rb, j, N: tl.constexpr,
             M: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
             BK: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr,
             GROUPS: tl.constexpr):
   """The (BQ, BK) base-2 logit tile of row block rb, column block j; -inf
   on padding and (``GROUPS``: ``gx`` the row block's group ids) on related
   pairs."""
-  s = common.tile_dot(x_ptr, y_ptr, rb * BQ, j * BK, D_PAD, BQ, BK, BD, PREC)
-  s = s * scale2 + bias2
+  s, _ = common.logit_tile(params_ptr, x_ptr, y_ptr, rb * BQ, j * BK, D_PAD,
+                           BQ, BK, BD, PREC)
   if GROUPS:
     gy = tl.load(gy_ptr + j * BK + tl.arange(0, BK))
     s = tl.where(gx[:, None] == gy[None, :], -float("inf"), s)
@@ -103,42 +104,13 @@ def _shared_update(big, lr, lc, m_i, l_i, cm_ptr, cl_ptr, ws, j,
 
 
 @triton.jit
-def _kernel(params_ptr, x_ptr, y_ptr, row_ptr, cm_ptr, cl_ptr,
+def _kernel(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
             N: tl.constexpr, M: tl.constexpr, N_PAD: tl.constexpr,
             M_PAD: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
             BK: tl.constexpr, BD: tl.constexpr, NPROG: tl.constexpr,
-            ROWS: tl.constexpr, COLS: tl.constexpr,
-            SINGLE_EXP: tl.constexpr, BARRIER: tl.constexpr,
-            PREC: tl.constexpr):
-  # No group ids: x_ptr stands in for them, never read.
-  _sweep(params_ptr, x_ptr, y_ptr, x_ptr, x_ptr, row_ptr, cm_ptr, cl_ptr, N,
-         M, N_PAD, M_PAD, D_PAD, BQ, BK, BD, NPROG, ROWS, COLS, SINGLE_EXP,
-         BARRIER, PREC, False)
-
-
-@triton.jit
-def _kernel_groups(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr,
-                   cl_ptr, N: tl.constexpr, M: tl.constexpr,
-                   N_PAD: tl.constexpr, M_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-                   BD: tl.constexpr, NPROG: tl.constexpr, ROWS: tl.constexpr,
-                   COLS: tl.constexpr, SINGLE_EXP: tl.constexpr,
-                   BARRIER: tl.constexpr, PREC: tl.constexpr):
-  _sweep(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
-         N, M, N_PAD, M_PAD, D_PAD, BQ, BK, BD, NPROG, ROWS, COLS, SINGLE_EXP,
-         BARRIER, PREC, True)
-
-
-@triton.jit
-def _sweep(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
-           N: tl.constexpr, M: tl.constexpr, N_PAD: tl.constexpr,
-           M_PAD: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
-           BK: tl.constexpr, BD: tl.constexpr, NPROG: tl.constexpr,
-           ROWS: tl.constexpr, COLS: tl.constexpr, SINGLE_EXP: tl.constexpr,
-           BARRIER: tl.constexpr, PREC: tl.constexpr, GROUPS: tl.constexpr):
+            ROWS: tl.constexpr, COLS: tl.constexpr, SINGLE_EXP: tl.constexpr,
+            BARRIER: tl.constexpr, PREC: tl.constexpr, GROUPS: tl.constexpr):
   pid = tl.program_id(0)
-  scale2 = tl.load(params_ptr)      # scale * log2(e)
-  bias2 = tl.load(params_ptr + 1)   # bias * log2(e)
   NRB: tl.constexpr = N_PAD // BQ
   NKB: tl.constexpr = M_PAD // BK
   ws = pid * M_PAD  # this program's row of the column workspace
@@ -157,7 +129,7 @@ def _sweep(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
     else:
       gx = 0
     for j in range(0, NKB):
-      s = _logits(x_ptr, y_ptr, gx, gy_ptr, rb, j, scale2, bias2, N, M,
+      s = _logits(params_ptr, x_ptr, y_ptr, gx, gy_ptr, rb, j, N, M,
                   D_PAD, BQ, BK, BD, PREC, GROUPS)
       if SINGLE_EXP and ROWS and COLS:
         big = tl.max(s)
@@ -171,7 +143,7 @@ def _sweep(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, row_ptr, cm_ptr, cl_ptr,
         else:
           # Recomputed rather than kept: holding s across the shared form
           # would double the tile's registers.
-          s2 = _logits(x_ptr, y_ptr, gx, gy_ptr, rb, j, scale2, bias2, N, M,
+          s2 = _logits(params_ptr, x_ptr, y_ptr, gx, gy_ptr, rb, j, N, M,
                        D_PAD, BQ, BK, BD, PREC, GROUPS)
           m_i, l_i = _exact_update(s2, m_i, l_i, cm_ptr, cl_ptr, ws, j, BK,
                                    ROWS, COLS, BARRIER)
@@ -200,16 +172,14 @@ def lse_fwd(x, y, scale, bias, *, n, m, rows, cols, block_q, block_k,
   out_shape = [jax.ShapeDtypeStruct((n_pad if rows else 1,), F32),
                jax.ShapeDtypeStruct((ws,), F32),
                jax.ShapeDtypeStruct((ws,), F32)]
-  kernel, ins = _kernel, (params, x, y)
-  if groups is not None:
-    kernel, ins = _kernel_groups, ins + tuple(groups)
   row, cm, cl = launch.call(
-      kernel, *ins, out_shape=out_shape, grid=(nprog,),
-      num_warps=num_warps, num_stages=num_stages, name="infcl_triton_lse_fwd",
+      _kernel, params, x, y, *group_ptrs(groups, x), out_shape=out_shape,
+      grid=(nprog,), num_warps=num_warps, num_stages=num_stages,
+      name="infcl_triton_lse_fwd",
       N=n, M=m, N_PAD=n_pad, M_PAD=m_pad, D_PAD=d_pad, BQ=block_q,
       BK=block_k, BD=block_d, NPROG=nprog, ROWS=rows, COLS=cols,
       SINGLE_EXP=single_exp, BARRIER=cols and not launch.interpreting(),
-      PREC=common.dot_precision(precision))
+      PREC=common.dot_precision(precision), GROUPS=groups is not None)
   row_lse = row[:n] if rows else None
   col_lse = None
   if cols:

@@ -9,11 +9,11 @@ recompute and writes only the tile's largest |G| (the float16 pre-pass of
 indices: ``rid`` holds each panel row's global index (-1 on padding),
 columns are ``j * BK + lane``, valid below M.
 
-Groups (``backends.base``): the ``*_groups`` entry points also read the
-panel rows' and the columns' int32 group ids; related pairs get G = 0
-("mask": the diagonal stays a positive) or the label z = +1
-(``POSITIVES``). The entry points share one tile (``_g_tile``, ``GROUPS``
-a compile-time switch).
+Groups (``backends.base``): with ``GROUPS`` (a compile-time switch) both
+kernels also read the panel rows' and the columns' int32 group ids;
+related pairs get G = 0 ("mask": the diagonal stays a positive) or the
+label z = +1 (``POSITIVES``). Without it the ids are never read
+(``common.group_ptrs``). Both kernels share one tile (``_g_tile``).
 """
 from __future__ import annotations
 
@@ -24,9 +24,18 @@ import triton.language as tl
 
 from infcl_jax.kernels.triton import common
 from infcl_jax.kernels.triton import launch
+from infcl_jax.kernels.triton.common import group_ptrs
 
 F32 = jnp.float32
 MODES = ("g", "max")
+
+
+@triton.jit
+def _positive_g(pos, s, u):
+  """G with the label z = +1 where ``pos``: -sigmoid(-s) there, sigmoid(u)
+  elsewhere (u: the logit, -inf on dropped pairs)."""
+  sg = common.sigmoid(tl.where(pos, -s, u))
+  return tl.where(pos, -sg, sg)
 
 
 @triton.jit
@@ -36,81 +45,45 @@ def _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j,
             HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
             GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
   """(G, s0): the tile's float32 gradient and its raw dot products."""
-  scale = tl.load(params_ptr)
-  bias = tl.load(params_ptr + 1)
-  s0 = common.tile_dot(x_ptr, y_ptr, i * BQ, j * BK, D_PAD, BQ, BK, BD, PREC)
-  s = s0 * scale + bias
+  s, s0 = common.logit_tile(params_ptr, x_ptr, y_ptr, i * BQ, j * BK, D_PAD,
+                            BQ, BK, BD, PREC)
   rid = tl.load(rid_ptr + i * BQ + tl.arange(0, BQ))
   cid = j * BK + tl.arange(0, BK)
+  u = s
   if GROUPS:
     gx = tl.load(gx_ptr + i * BQ + tl.arange(0, BQ))
     rel = gx[:, None] == tl.load(gy_ptr + cid)[None, :]
-    if POSITIVES:
-      pos = rel
-      if HAS_DIAG:
-        pos = pos | (rid[:, None] == cid[None, :])
-      sg = common.sigmoid(tl.where(pos, -s, s))
-      g = tl.where(pos, -sg, sg)
-    else:
+    if not POSITIVES:
       # sigmoid(-inf) = 0 is a dropped pair's G; the diagonal's select
       # overrides it (as the forward).
       u = tl.where(rel, -float("inf"), s)
-      if HAS_DIAG:
-        pos = rid[:, None] == cid[None, :]
-        sg = common.sigmoid(tl.where(pos, -s, u))
-        g = tl.where(pos, -sg, sg)
-      else:
-        g = common.sigmoid(u)
-  elif HAS_DIAG:
+  # POSITIVES implies GROUPS (``g_panel``).
+  if HAS_DIAG:
     pos = rid[:, None] == cid[None, :]
-    sg = common.sigmoid(tl.where(pos, -s, s))
-    g = tl.where(pos, -sg, sg)
+    if POSITIVES:
+      pos = pos | rel
+    g = _positive_g(pos, s, u)
+  elif POSITIVES:
+    g = _positive_g(rel, s, u)
   else:
-    g = common.sigmoid(s)
+    g = common.sigmoid(u)
   if MASK:
     g = tl.where((rid >= 0)[:, None] & (cid < M)[None, :], g, 0.0)
   return g, s0
 
 
 @triton.jit
-def _kernel(params_ptr, x_ptr, y_ptr, rid_ptr, g_ptr, dsc_ptr, dbi_ptr,
-            M: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
+def _kernel(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr, dsc_ptr,
+            dbi_ptr, M: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
             MASK: tl.constexpr, HAS_DIAG: tl.constexpr, SCALED: tl.constexpr,
-            PREC: tl.constexpr):
-  # No group ids: rid_ptr stands in for them, never read.
-  _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, rid_ptr, rid_ptr, g_ptr,
-           dsc_ptr, dbi_ptr, M, M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG,
-           SCALED, PREC, False, False)
-
-
-@triton.jit
-def _kernel_groups(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr,
-                   dsc_ptr, dbi_ptr, M: tl.constexpr, M_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-                   BD: tl.constexpr, MASK: tl.constexpr,
-                   HAS_DIAG: tl.constexpr, SCALED: tl.constexpr,
-                   PREC: tl.constexpr, POSITIVES: tl.constexpr):
-  _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr, dsc_ptr,
-           dbi_ptr, M, M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG, SCALED, PREC,
-           True, POSITIVES)
-
-
-@triton.jit
-def _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr,
-             dsc_ptr, dbi_ptr, M: tl.constexpr, M_PAD: tl.constexpr,
-             D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-             BD: tl.constexpr, MASK: tl.constexpr, HAS_DIAG: tl.constexpr,
-             SCALED: tl.constexpr, PREC: tl.constexpr, GROUPS: tl.constexpr,
-             POSITIVES: tl.constexpr):
+            PREC: tl.constexpr, GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
   i = tl.program_id(0)
   j = tl.program_id(1)
-  NJ: tl.constexpr = M_PAD // BK
   g, s0 = _g_tile(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, i, j, M,
                   D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, GROUPS, POSITIVES)
   # The scalar partials come from the unscaled float32 G.
-  tl.store(dsc_ptr + i * NJ + j, tl.sum(g * s0))
-  tl.store(dbi_ptr + i * NJ + j, tl.sum(g))
+  common.store_tile_sums(dsc_ptr, dbi_ptr, g, s0, i, j, M_PAD, BK)
   if SCALED:
     g = g * tl.load(params_ptr + 2)
   rows = (i * BQ + tl.arange(0, BQ)).to(tl.int64)
@@ -120,31 +93,11 @@ def _write_g(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, g_ptr,
 
 
 @triton.jit
-def _max_kernel(params_ptr, x_ptr, y_ptr, rid_ptr, max_ptr, M: tl.constexpr,
-                M_PAD: tl.constexpr, D_PAD: tl.constexpr, BQ: tl.constexpr,
-                BK: tl.constexpr, BD: tl.constexpr, MASK: tl.constexpr,
-                HAS_DIAG: tl.constexpr, PREC: tl.constexpr):
-  _write_max(params_ptr, x_ptr, y_ptr, rid_ptr, rid_ptr, rid_ptr, max_ptr, M,
-             M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, False, False)
-
-
-@triton.jit
-def _max_kernel_groups(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr,
-                       max_ptr, M: tl.constexpr, M_PAD: tl.constexpr,
-                       D_PAD: tl.constexpr, BQ: tl.constexpr,
-                       BK: tl.constexpr, BD: tl.constexpr, MASK: tl.constexpr,
-                       HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
-                       POSITIVES: tl.constexpr):
-  _write_max(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, max_ptr, M,
-             M_PAD, D_PAD, BQ, BK, BD, MASK, HAS_DIAG, PREC, True, POSITIVES)
-
-
-@triton.jit
-def _write_max(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, max_ptr,
-               M: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
-               BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-               MASK: tl.constexpr, HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
-               GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
+def _max_kernel(params_ptr, x_ptr, y_ptr, rid_ptr, gx_ptr, gy_ptr, max_ptr,
+                M: tl.constexpr, M_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                MASK: tl.constexpr, HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
+                GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
   i = tl.program_id(0)
   j = tl.program_id(1)
   NJ: tl.constexpr = M_PAD // BK
@@ -168,19 +121,16 @@ def g_panel(x, y, row_ids, params, *, m, mask, has_diagonal, mode, g_dtype,
   common_kw = dict(
       grid=(ni, nj), num_warps=num_warps, num_stages=num_stages, M=m,
       M_PAD=m_pad, D_PAD=d_pad, BQ=block_q, BK=block_k, BD=block_d,
-      MASK=mask, HAS_DIAG=has_diagonal, PREC=common.dot_precision(precision))
-  ins = (params, x, y, row_ids)
-  g_kernel, max_kernel = _kernel, _max_kernel
-  if groups is not None:
-    ins += tuple(groups)
-    g_kernel, max_kernel = _kernel_groups, _max_kernel_groups
-    common_kw["POSITIVES"] = group_mode == "positives"
+      MASK=mask, HAS_DIAG=has_diagonal, PREC=common.dot_precision(precision),
+      GROUPS=groups is not None,
+      POSITIVES=groups is not None and group_mode == "positives")
+  ins = (params, x, y, row_ids, *group_ptrs(groups, x))
   if mode == "max":
-    (mx,) = launch.call(max_kernel, *ins, out_shape=[scalar],
+    (mx,) = launch.call(_max_kernel, *ins, out_shape=[scalar],
                         name="infcl_triton_sigmoid_bwd_max", **common_kw)
     return jnp.max(mx)
   g, dsc, dbi = launch.call(
-      g_kernel, *ins,
+      _kernel, *ins,
       out_shape=[jax.ShapeDtypeStruct((r_rows, m_pad), g_dtype), scalar,
                  scalar],
       name="infcl_triton_sigmoid_bwd_g", SCALED=scaled, **common_kw)

@@ -7,10 +7,10 @@ adds the tile's softplus row sums to a (BQ,) register accumulator and
 writes it once. Programs share nothing. Each term is computed on its own
 (``common.softplus``), so that a tiny loss keeps its relative accuracy.
 
-Groups (``backends.base``): ``_kernel_groups`` also reads the rows' and
-columns' int32 group ids; related pairs are dropped ("mask": the diagonal
-stays a positive) or labelled z = +1 (``POSITIVES``). One body (``_sums``,
-``GROUPS`` a compile-time switch) serves both entry points.
+Groups (``backends.base``): with ``GROUPS`` (a compile-time switch) the
+kernel also reads the rows' and columns' int32 group ids; related pairs
+are dropped ("mask": the diagonal stays a positive) or labelled z = +1
+(``POSITIVES``). Without it the ids are never read (``common.group_ptrs``).
 """
 from __future__ import annotations
 
@@ -22,43 +22,19 @@ import triton.language as tl
 from infcl_jax.kernels.grid import column_splits
 from infcl_jax.kernels.triton import common
 from infcl_jax.kernels.triton import launch
+from infcl_jax.kernels.triton.common import group_ptrs
 
 F32 = jnp.float32
 
 
 @triton.jit
-def _kernel(params_ptr, x_ptr, y_ptr, out_ptr, N: tl.constexpr,
+def _kernel(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, out_ptr, N: tl.constexpr,
             M: tl.constexpr, N_PAD: tl.constexpr, D_PAD: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
             NKB: tl.constexpr, PER: tl.constexpr, HAS_DIAG: tl.constexpr,
-            PREC: tl.constexpr):
-  # No group ids: x_ptr stands in for them, never read.
-  _sums(params_ptr, x_ptr, y_ptr, x_ptr, x_ptr, out_ptr, N, M, N_PAD, D_PAD,
-        BQ, BK, BD, NKB, PER, HAS_DIAG, PREC, False, False)
-
-
-@triton.jit
-def _kernel_groups(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, out_ptr,
-                   N: tl.constexpr, M: tl.constexpr, N_PAD: tl.constexpr,
-                   D_PAD: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-                   BD: tl.constexpr, NKB: tl.constexpr, PER: tl.constexpr,
-                   HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
-                   POSITIVES: tl.constexpr):
-  _sums(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, out_ptr, N, M, N_PAD, D_PAD,
-        BQ, BK, BD, NKB, PER, HAS_DIAG, PREC, True, POSITIVES)
-
-
-@triton.jit
-def _sums(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, out_ptr, N: tl.constexpr,
-          M: tl.constexpr, N_PAD: tl.constexpr, D_PAD: tl.constexpr,
-          BQ: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-          NKB: tl.constexpr, PER: tl.constexpr, HAS_DIAG: tl.constexpr,
-          PREC: tl.constexpr, GROUPS: tl.constexpr,
-          POSITIVES: tl.constexpr):
+            PREC: tl.constexpr, GROUPS: tl.constexpr, POSITIVES: tl.constexpr):
   i = tl.program_id(0)
   c = tl.program_id(1)
-  scale = tl.load(params_ptr)
-  bias = tl.load(params_ptr + 1)
   rows = i * BQ + tl.arange(0, BQ)
   j0 = c * PER
   j1 = tl.minimum(j0 + PER, NKB)
@@ -68,8 +44,8 @@ def _sums(params_ptr, x_ptr, y_ptr, gx_ptr, gy_ptr, out_ptr, N: tl.constexpr,
   else:
     gx = 0
   for j in range(j0, j1):
-    s = common.tile_dot(x_ptr, y_ptr, i * BQ, j * BK, D_PAD, BQ, BK, BD, PREC)
-    s = s * scale + bias
+    s, _ = common.logit_tile(params_ptr, x_ptr, y_ptr, i * BQ, j * BK, D_PAD,
+                             BQ, BK, BD, PREC)
     cols = j * BK + tl.arange(0, BK)
     # -z * s: softplus(-s) on the positives, softplus(s) on the negatives.
     if GROUPS:
@@ -108,17 +84,15 @@ def sigmoid_row_sums(x, y, scale, bias, *, n, m, has_diagonal, block_q,
   nrb, nkb = n_pad // block_q, m_pad // block_k
   splits, per = column_splits(nrb, nkb, target_programs)
   params = jnp.stack([scale, bias]).astype(F32)
-  kernel, ins, kw = _kernel, (params, x, y), {}
-  if groups is not None:
-    kernel, ins = _kernel_groups, ins + tuple(groups)
-    kw = dict(POSITIVES=group_mode == "positives")
   (out,) = launch.call(
-      kernel, *ins,
+      _kernel, params, x, y, *group_ptrs(groups, x),
       out_shape=[jax.ShapeDtypeStruct((splits * n_pad,), F32)],
       # Axis 0 (row blocks) varies fastest: concurrently running programs
       # walk the same column blocks of y, which then stay in L2.
       grid=(nrb, splits), num_warps=num_warps, num_stages=num_stages,
       name="infcl_triton_sigmoid_fwd", N=n, M=m, N_PAD=n_pad, D_PAD=d_pad,
       BQ=block_q, BK=block_k, BD=block_d, NKB=nkb, PER=per,
-      HAS_DIAG=has_diagonal, PREC=common.dot_precision(precision), **kw)
+      HAS_DIAG=has_diagonal, PREC=common.dot_precision(precision),
+      GROUPS=groups is not None,
+      POSITIVES=groups is not None and group_mode == "positives")
   return out.reshape(splits, n_pad)
