@@ -1,0 +1,115 @@
+"""Bad examples are counted once each, by reason, on real tar shards with
+planted bad members: a corrupt JPEG, an HTML page saved as .jpg, an empty
+caption and a caption without its image.
+
+The stream meets the undecodable ones again every epoch; the counts stay
+what was planted, from the images or from their precomputed embeddings,
+resumed or not; the bad-fraction check starts at min(1000, corpus size).
+"""
+import sys
+
+import pytest
+
+from tests import lit_fixtures
+from train import data as D
+from train.data.source import TooMuchBadData
+
+sys.path.insert(0, lit_fixtures.ROOT)
+
+PLANTED = ("corrupt_jpeg", "not_a_jpeg", "empty_caption", "orphan")
+WANT = {"undecodable image": 2, "empty caption": 1, "orphan member": 1}
+NUM_GOOD = 28                       # 32 members' examples in 2 shards
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+  return lit_fixtures.shards(tmp_path_factory.mktemp("bad"), "train",
+                             num=NUM_GOOD, planted=PLANTED)
+
+
+def _config(shards, **data):
+  from configs import lit_pretrained  # pylint: disable=g-import-not-at-top
+  c = lit_pretrained.get_config("user_small")
+  c.model.image.init = lit_fixtures.checkpoint(lit_fixtures.os.path.dirname(
+      shards.pattern))
+  c.data.name = "webdataset:" + shards.pattern
+  c.data.eval_split = ""
+  c.data.max_bad_fraction = 0.5
+  for k, v in data.items():
+    c.data[k] = v
+  return c
+
+
+def _run(it, n):
+  for _ in range(n):
+    next(it)
+  return it
+
+
+# 3 epochs of the 28 good examples in micro-batches of 8.
+EPOCHS_3 = -(-3 * NUM_GOOD // 8)
+
+
+def test_planted_bad_members_are_counted_once_each_by_reason(shards):
+  assert sorted(shards.bad.values()) == sorted(
+      k for k, n in WANT.items() for _ in range(n))
+  it = _run(D.make_train_iterator(_config(shards), batch_size=8, seed=0),
+            EPOCHS_3)
+  assert it.bad == len(PLANTED), it.ledger.by_reason
+  assert dict(it.ledger.by_reason) == WANT
+  assert it.seen == NUM_GOOD + len(PLANTED)  # Each example once.
+  assert it.ledger.fraction == len(PLANTED) / (NUM_GOOD + len(PLANTED))
+
+
+def test_a_resumed_stream_counts_the_same(shards):
+  config = _config(shards)
+  first = _run(D.make_train_iterator(config, batch_size=8, seed=0), 4)
+  state = first.get_state()
+  resumed = D.make_train_iterator(config, batch_size=8, seed=0)
+  resumed.set_state(state)
+  _run(resumed, EPOCHS_3 - 4)
+  whole = _run(D.make_train_iterator(config, batch_size=8, seed=0), EPOCHS_3)
+  assert resumed.ledger.state() == whole.ledger.state()
+  assert resumed.bad == len(PLANTED)
+
+
+def test_precomputed_embeddings_count_the_same(shards, tmp_path):
+  """LiT precomputes the locked tower's embeddings (bad rows recorded
+  there); training on them counts each bad example once too."""
+  from train import model as model_lib  # pylint: disable=g-import-not-at-top
+  from train import precompute  # pylint: disable=g-import-not-at-top
+  config = _config(shards)
+  tok = D.make_tokenizer(config)
+  tower = model_lib.make_locked_tower(config, tok)
+  out = precompute.precompute(config, str(tmp_path / "emb"), tower,
+                              log=lambda *_: None)
+  source = D.open_source(config.data.copy_and_resolve_references(),
+                         config.data.split)
+  emb = D.sources.open_source(_embeddings(config, out), "train")
+  assert len(emb) == len(source)
+  it = _run(D.make_train_iterator(config, batch_size=8, seed=0, source=emb),
+            EPOCHS_3)
+  assert it.bad == len(PLANTED) and dict(it.ledger.by_reason) == WANT
+
+
+def _embeddings(config, out):
+  data = config.data.copy_and_resolve_references()
+  with data.unlocked():
+    data.name = "embeddings:" + out
+  return data
+
+
+def test_the_check_starts_at_the_whole_of_a_small_corpus(shards):
+  """12.5% bad > 10%: the run stops once the whole corpus (32 < 1000) has
+  been seen, not before, with the start in its line; 20% lets it run."""
+  corpus = NUM_GOOD + len(PLANTED)
+  it = D.make_train_iterator(_config(shards, max_bad_fraction=0.1),
+                             batch_size=8, seed=0)
+  assert it.ledger.min_seen == corpus
+  with pytest.raises(TooMuchBadData, match=(
+      rf"^4 of {corpus} examples of the training data were bad \(12.50% > "
+      rf"config.data.max_bad_fraction=0.1; checked from min\(1000, corpus "
+      rf"size\) = {corpus} examples seen on\)")):
+    _run(it, EPOCHS_3)
+  _run(D.make_train_iterator(_config(shards, max_bad_fraction=0.2),
+                             batch_size=8, seed=0), EPOCHS_3)
