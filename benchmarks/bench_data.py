@@ -26,6 +26,15 @@ measures:
   the main process's own CPU time per image (all its threads, and the
   calling thread alone): the cores it needs beside the workers.
 
+With ``--decoders`` it measures the decoders alone instead (the JPEGs in
+memory): per core, the host libraries (Pillow, simplejpeg, PyTurboJPEG and
+OpenCV where they load), decode only at 256 px and decode + resize/crop to
+``--image_size``; and on the GPU (the gpu-decode extra) nvImageCodec per
+backend (auto, hw, cuda) at batches ``--gpu_batches``: the raw batch
+decode, and the whole ``GpuBatchDecoder.decode`` (decode, DLPack, device
+resize/crop, uint8 [n, S, S, 3] ready on the device), with the pixels'
+distance to the host path's.
+
 Rows go to bench_data.jsonl as they finish (a cut-off run keeps them), the
 summary to bench_data.json; a table is printed.
 """
@@ -108,6 +117,108 @@ def per_core_rates(jpgs, image_size, decode_size, reps):
   return out
 
 
+def host_library_rates(jpgs, image_size, reps) -> list:
+  """img/s on one thread per host JPEG library: decode at full size (the
+  256 px JPEGs of decode_size=256) and decode + resize/crop to image_size
+  (each library at its own DCT scale, then pipeline.resize_crop)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from train.data import decode  # pylint: disable=import-outside-toplevel
+  from train.data import pipeline  # pylint: disable=import-outside-toplevel
+  libs = {}
+  libs["pillow"] = lambda j, s: decode.decode_host(j, "", s, "pillow")
+  try:
+    import simplejpeg  # pylint: disable=import-outside-toplevel,unused-import
+    libs["simplejpeg"] = lambda j, s: decode.decode_host(j, "", s,
+                                                         "simplejpeg")
+  except ImportError as e:
+    libs["simplejpeg"] = e
+  try:
+    import turbojpeg  # pylint: disable=import-outside-toplevel
+    tj = turbojpeg.TurboJPEG()
+    libs["pyturbojpeg"] = lambda j, s: tj.decode(
+        j, pixel_format=turbojpeg.TJPF_RGB)
+  except Exception as e:  # pylint: disable=broad-except
+    libs["pyturbojpeg"] = e  # no libturbojpeg.so on the machine, often
+  try:
+    import cv2  # pylint: disable=import-outside-toplevel
+    cv2.setNumThreads(1)
+    libs["opencv"] = lambda j, s: cv2.cvtColor(cv2.imdecode(
+        np.frombuffer(j, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+  except Exception as e:  # pylint: disable=broad-except
+    libs["opencv"] = e
+  rows = []
+  ref = [pipeline.resize_crop(decode.decode_host(j, "", image_size,
+                                                 "pillow"), image_size)
+         for j in jpgs[:64]]
+  for name, fn in libs.items():
+    if isinstance(fn, Exception):
+      rows.append({"kind": "host_library", "library": name,
+                   "status": f"unavailable: {type(fn).__name__}: {fn}"[:200]})
+      continue
+    decode_only = lambda fn=fn: [fn(j, 0) for j in jpgs]
+    decode_resize = lambda fn=fn: [pipeline.resize_crop(fn(j, image_size),
+                                                        image_size)
+                                   for j in jpgs]
+    row = {"kind": "host_library", "library": name, "status": "ok"}
+    for label, f in (("decode_only", decode_only),
+                     ("decode_resize", decode_resize)):
+      t = harness.timeit(f, reps=reps, warmup=1)
+      row[f"{label}_img_s_per_core"] = len(jpgs) / t.median
+    got = [pipeline.resize_crop(fn(j, image_size), image_size)
+           for j in jpgs[:64]]
+    diff = np.abs(np.stack(got).astype(np.int16) - np.stack(ref))
+    row["max_abs_diff_vs_pillow"] = int(diff.max())
+    rows.append(row)
+  return rows
+
+
+def gpu_decoder_rates(jpgs, image_size, batches, reps) -> list:
+  """img/s of nvImageCodec per backend and batch (see the module doc)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from train.data import decode  # pylint: disable=import-outside-toplevel
+  why = decode.gpu_unavailable()
+  if why:
+    return [{"kind": "gpu_decoder", "status": f"unavailable: {why}"}]
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  host = np.stack([decode.HostBatchDecoder().decode(
+      jpgs[:256], [""] * 256, image_size)[0]])[0]
+  rows = []
+  for backend in ("auto", "hw", "cuda"):
+    try:
+      dec = gpu_decode.GpuBatchDecoder(backend)
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append({"kind": "gpu_decoder", "backend": backend,
+                   "status": f"error: {type(e).__name__}: {e}"[:300]})
+      continue
+    images, ok, bad = dec.decode(jpgs[:256], [""] * 256, image_size)
+    row0 = {"kind": "gpu_decoder", "backend": backend, "status": "ok",
+            "device": str(dec.device), "decoded": int(ok.sum()),
+            "bad": len(bad)}
+    if ok.all():
+      diff = np.abs(np.asarray(images).astype(np.int16) - host)
+      row0.update(max_abs_diff_vs_host=int(diff.max()),
+                  mean_abs_diff_vs_host=float(diff.mean()),
+                  frac_pixels_differing=float((diff > 0).mean()))
+    for b in batches:
+      batch = [jpgs[i % len(jpgs)] for i in range(b)]
+      row = dict(row0, batch=b)
+      raw = lambda batch=batch: [
+          jax.dlpack.from_dlpack(x) for x in dec._decoder.decode(  # pylint: disable=protected-access
+              batch, params=dec._params)]  # pylint: disable=protected-access
+      whole = lambda batch=batch: dec.decode(batch, [""] * len(batch),
+                                             image_size)[0]
+      for label, f in (("raw_decode", raw), ("decode_resize", whole)):
+        try:
+          t = harness.timeit(f, reps=reps, warmup=2)
+          row[f"{label}_img_s"] = b / t.median
+        except Exception as e:  # pylint: disable=broad-except
+          row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+      rows.append(row)
+      print("[bench_data] " + json.dumps(row), flush=True)
+  return rows
+
+
 # ----------------------------------------------------------------- child
 
 
@@ -182,6 +293,11 @@ def main():
                   "quick: 1)")
   ap.add_argument("--timeout_s", type=int, default=120,
                   help="deadline of one pipeline case")
+  ap.add_argument("--decoders", action="store_true",
+                  help="measure the decoders alone (host libraries per "
+                  "core, nvImageCodec per backend and batch), no pipeline")
+  ap.add_argument("--gpu_batches", default="256,1024,4096",
+                  help="--decoders: GPU batch sizes")
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   if args.child:
@@ -215,6 +331,37 @@ def main():
     with open(rows_path, "a") as f:
       f.write(json.dumps(r) + "\n")
     print("[bench_data] " + json.dumps(r), flush=True)
+
+  if args.decoders:
+    from train.data import synthetic  # pylint: disable=import-outside-toplevel
+    pool = synthetic.JpegPool(num, size=256, pool=min(num, 512))
+    jpgs = [pool[i]["image"] for i in range(min(num, 512))]
+    res["mean_jpeg_kb"] = sum(map(len, jpgs)) / len(jpgs) / 1024
+    res["host"] = host_library_rates(jpgs, args.image_size,
+                                     reps=2 if quick else 3)
+    for r in res["host"]:
+      row(r)
+    res["gpu"] = gpu_decoder_rates(jpgs, args.image_size,
+                                   ints(args.gpu_batches, ""),
+                                   reps=2 if quick else 5)
+    for r in res["gpu"]:
+      with open(rows_path, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    with open(os.path.join(args.out, "bench_data_decoders.json"), "w") as f:
+      json.dump(res, f, indent=1)
+    print(f"\n{len(jpgs)} JPEGs 256 px, {res['mean_jpeg_kb']:.1f} KB mean; "
+          f"img/s per core (decode | + resize to {args.image_size}):")
+    for r in res["host"]:
+      print(f"  {r['library']:>12}: " + (
+          f"{r['decode_only_img_s_per_core']:7.0f} | "
+          f"{r['decode_resize_img_s_per_core']:7.0f}  (max |diff| vs Pillow "
+          f"{r['max_abs_diff_vs_pillow']})" if r["status"] == "ok"
+          else r["status"]))
+    for r in res["gpu"]:
+      print("  gpu " + " ".join(f"{k}={v:.0f}" if isinstance(v, float) and
+                                v > 10 else f"{k}={v}" for k, v in r.items()
+                                if k != "kind"))
+    return
 
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()

@@ -253,3 +253,100 @@ def test_decoder_config_errors_are_one_line(corpus):
   config = _config("synthetic_shapes", decoder="gpu")
   with pytest.raises(ValueError, match=r"is a tfds source"):
     decode.check_decoder(config.data)
+
+
+# ------------------------------------------------------------------- GPU
+
+GPU_WHY = decode.gpu_unavailable()
+# Measured on an H200 (nvImageCodec 0.9.0.20, fancy upsampling): see
+# test_gpu_pixels_are_the_host_paths_within_the_measured_bound's output.
+PIXEL_MAX, PIXEL_MEAN = 4, 0.25
+
+
+def _pool(n=256, size=256):
+  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  pool = synthetic.JpegPool(n, size=size, pool=n)
+  return [pool[i]["image"] for i in range(n)]
+
+
+def _gpu_vs_host(jpgs, size, **kw):
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  where = [f"k{i}" for i in range(len(jpgs))]
+  g, gok, gbad = gpu_decode.GpuBatchDecoder(**kw).decode(jpgs, where, size)
+  h, hok, hbad = decode.HostBatchDecoder().decode(jpgs, where, size)
+  assert np.array_equal(gok, hok) and [b[:2] for b in gbad] == [
+      b[:2] for b in hbad]
+  assert g.dtype == np.uint8 and g.shape == h.shape
+  return np.abs(np.asarray(g).astype(np.int16) - h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(bool(GPU_WHY), reason=f"GPU decoder: {GPU_WHY}")
+class TestGpuDecoder:
+
+  def test_gpu_pixels_are_the_host_paths_within_the_measured_bound(self):
+    jpgs = _pool()
+    for size in (256, 224):  # decode_size=256 (no resize), and 256 -> 224
+      for backend in ("auto", "cuda"):
+        d = _gpu_vs_host(jpgs, size, backend=backend)
+        print(f"256 px JPEGs -> {size}, backend {backend}: max |diff| "
+              f"{d.max()}, mean {d.mean():.4f}, pixels differing "
+              f"{(d > 0).mean():.4f}")
+        assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
+    # The kinds of JPEG of _images (4:4:4, progressive, grayscale,
+    # non-square; one the host decodes at a DCT scale): reported, bounded
+    # loosely (the host's draft decode is not the GPU's full one).
+    for size in (16, 40):
+      d = _gpu_vs_host(_images(), size)
+      print(f"mixed JPEGs -> {size}: max |diff| {d.max()}, mean "
+            f"{d.mean():.4f}")
+      assert d.mean() <= 4
+
+  def test_gpu_path_gives_the_host_stream_with_every_kind_of_bad_member(
+      self, corpus, tmp_path):
+    import tarfile  # pylint: disable=import-outside-toplevel
+    # Beside the corpus's (a JPEG cut to a third, empty and blank captions,
+    # orphans, a cut shard): a file that is no image, a JPEG whose header
+    # is garbage, a JPEG cut just before its end marker, and a PNG (the
+    # host decodes it; the GPU answers None and hands it back).
+    good = _images()[0]
+    png = io.BytesIO()
+    Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(png, "PNG")
+    extra = {"html": b"<html>404</html>", "hdr": b"\xff\xd8\xff\xe0garbage",
+             "noeoi": good[:-2], "png": png.getvalue(), "fine": good}
+    path = tmp_path / "extra-000.tar"
+    with tarfile.open(path, "w") as tar:
+      for key, data in extra.items():
+        for ext, blob in (("jpg", data), ("txt", f"a {key}".encode()),
+                          ("json", b'{"label": 1}')):
+          info = tarfile.TarInfo(f"{key}.{ext}")
+          info.size = len(blob)
+          tar.addfile(info, io.BytesIO(blob))
+    name = "webdataset:" + corpus.pattern + "::" + str(path)
+    host = D.make_train_iterator(_config(name), batch_size=8, seed=5)
+    gpu = D.make_train_iterator(_config(name, decoder="gpu"), batch_size=8,
+                                seed=5)
+    assert isinstance(gpu, decode.Prefetch)
+    a, b = _take(host, 12), _take(gpu, 12)
+    for x, y in zip(a, b):
+      assert np.array_equal(x["text"], y["text"])
+      assert np.array_equal(x["label"], y["label"])
+      d = np.abs(np.asarray(y["image"]).astype(np.int16) - x["image"])
+      assert d.mean() <= 4, d.mean()
+    assert gpu.bad == host.bad and gpu.seen == host.seen
+    assert gpu.ledger.by_reason == host.ledger.by_reason
+    assert gpu.get_state() == host.get_state()
+    gpu.close()
+
+  def test_gpu_path_resumes_bitwise(self, corpus):
+    config = _config("webdataset:" + corpus.pattern, decoder="gpu")
+    it = D.make_train_iterator(config, batch_size=8, seed=2)
+    _take(it, 5)
+    state = json.loads(json.dumps(it.get_state()))
+    expected, bad_then = _take(it, 6), it.bad
+    it.close()
+    resumed = D.make_train_iterator(config, batch_size=8, seed=2)
+    resumed.set_state(state)
+    assert _same(expected, _take(resumed, 6))
+    assert resumed.bad == bad_then
+    resumed.close()
