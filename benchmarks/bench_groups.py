@@ -12,54 +12,19 @@ The target: <= 5% over the same backend without groups.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import infcl_jax
-from benchmarks import harness
-from infcl_jax.backends import registry
-from benchmarks.harness import bench, inputs, record, rel, summary  # pylint: disable=wrong-import-position
+from benchmarks.harness import bench, inputs, record, rel, summary
 
 
 def pairs(b):
   """Group ids with every id used twice, shuffled (two captions per image,
   anywhere in the batch)."""
   return jnp.asarray(np.random.default_rng(0).permutation(b) // 2, jnp.int32)
-
-
-def variant(mode):
-  """(group_mode or None, the backend class's GROUP_DIAGONAL_OUTSIDE for
-  this variant or None to keep it) of a mode name: "none", "mask",
-  "positives", "none again", or "<mode> outside" / "<mode> inside" (the
-  grouped sigmoid tiles of the diagonal block pair without / with their
-  diagonal's test, whatever the backend's default)."""
-  name, _, where = mode.partition(" ")
-  if name == "none":
-    return None, None
-  if where not in ("", "outside", "inside"):
-    raise ValueError(f"unknown mode {mode!r}")
-  return name, None if not where else where == "outside"
-
-
-@contextlib.contextmanager
-def diagonal_outside(backend, family, outside):
-  """The backend class's GROUP_DIAGONAL_OUTSIDE set to ``outside`` (None:
-  as it is) while a variant is traced. JAX caches the traces of the loss's
-  inner functions by function, so the caches are cleared first."""
-  cls = type(registry.get(backend, family))
-  old = getattr(cls, "GROUP_DIAGONAL_OUTSIDE", None)
-  if outside is not None:
-    cls.GROUP_DIAGONAL_OUTSIDE = outside
-  jax.clear_caches()
-  try:
-    yield
-  finally:
-    if outside is not None:
-      cls.GROUP_DIAGONAL_OUTSIDE = old
 
 
 def loss_fn(family, backend, mode):
@@ -80,18 +45,8 @@ def check(family, backend, mode):
   return f"loss rel {abs(float(v) - float(rv)) / abs(float(rv)):.1e} dx rel {rel(gx, rgx):.1e}"
 
 
-def write_profile(path, fn, *args):
-  """Per XLA op (on a GPU: per kernel) the ms per call of ``fn``, longest
-  first: where a variant's extra time goes."""
-  rows = harness.kernel_profile(fn, *args)
-  with open(path, "w", encoding="utf-8") as f:
-    for op, ms, n in rows:
-      f.write(f"{op[:80]:80s} {ms:10.3f} {n:7.1f}\n")
-    f.write(f"{'total':80s} {sum(r[1] for r in rows):10.3f}\n")
-
-
 def cost(b, backends, rounds, families=("softmax", "sigmoid"),
-         modes=("none", "mask", "positives", "none again"), profile=None):
+         modes=("none", "mask", "positives", "none again")):
   """Per (family, backend): the variants compiled, then timed in
   ``rounds`` interleaved rounds (none, mask, positives, none again, ...),
   so a drift of the clocks during the job lands on all alike; each row is
@@ -106,14 +61,14 @@ def cost(b, backends, rounds, families=("softmax", "sigmoid"),
   for family, backend in rows:
     fns = {}
     for mode in modes:
-      group_mode, outside = variant(mode)
-      with diagonal_outside(backend, family, outside):
-        # Compiled ahead of time: later cache clears leave it as it is.
-        fns[mode] = loss_fn(family, backend, group_mode).lower(
-            x, y, g).compile()
-        if group_mode:
-          record(f"check {family} {backend} {mode}",
-                 lambda: check(family, backend, group_mode))
+      group_mode = None if mode.startswith("none") else mode
+      # A fresh trace and compile per variant ("none again" is the plain
+      # loss compiled twice): JAX caches the loss's inner traces.
+      jax.clear_caches()
+      fns[mode] = loss_fn(family, backend, group_mode).lower(x, y, g).compile()
+      if group_mode:
+        record(f"check {family} {backend} {mode}",
+               lambda: check(family, backend, group_mode))
     times = {m: [] for m in modes}
     for _ in range(rounds):
       for mode in modes:
@@ -126,12 +81,6 @@ def cost(b, backends, rounds, families=("softmax", "sigmoid"),
     for mode in modes[1:]:
       record(f"cost {family} {backend} {mode} %",
              lambda m=mode: round(100 * (med[m] / med["none"] - 1), 1))
-    for mode in modes if profile else ():
-      path = os.path.join(profile, f"{family}_{backend}_"
-                          f"{mode.replace(' ', '_')}.txt")
-      record(f"profile {family} {backend} {mode}",
-             lambda pth=path, m=mode: write_profile(pth, fns[m], x, y, g)
-             or pth)
 
 
 def main():
@@ -142,19 +91,10 @@ def main():
   p.add_argument("--families", default="softmax,sigmoid")
   p.add_argument("--modes", default="none,mask,positives,none again",
                  help="'none' first; 'none again' is the noise floor")
-  p.add_argument("--profile", default="",
-                 help="folder: each variant's per-kernel times go there "
-                 "(XLA's command buffers are turned off for the run: a "
-                 "profile of them names no kernel)")
   a = p.parse_args()
-  if a.profile:
-    os.makedirs(a.profile, exist_ok=True)
-    # Read when the backend starts (below), not at import.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_enable_command_buffer=")
   print("jax", jax.__version__, jax.devices(), flush=True)
   cost(a.b, a.backends.split(","), a.rounds, a.families.split(","),
-       tuple(a.modes.split(",")), a.profile or None)
+       tuple(a.modes.split(",")))
   summary(50)
 
 

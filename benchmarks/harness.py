@@ -65,56 +65,6 @@ def timeit(fn, *args, reps=7, inner=1, warmup=2, budget_s=None):
   return Timing(statistics.median(ts), min(ts), max(ts), reps)
 
 
-def kernel_profile(fn, *args, steps=3, top=None):
-  """Where ``fn(*args)``'s time goes, per XLA op: [(op, ms per call, launches
-  per call)], longest first (``top`` of them), from a ``jax.profiler``
-  trace of ``steps`` calls after a warm-up. On a GPU these are the
-  device's kernels (their ``hlo_op``; cuBLAS / cuDNN calls under their
-  custom-call's name), elsewhere the host's XLA thunks."""
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(steps):
-        jax.block_until_ready(fn(*args))
-    events = traced_kernels(d)
-  total = collections.defaultdict(float)
-  count = collections.Counter()
-  for t0, t1, op in events:
-    total[op] += (t1 - t0) / 1e3
-    count[op] += 1
-  rows = sorted(((op, ms / steps, count[op] / steps)
-                 for op, ms in total.items()), key=lambda r: -r[1])
-  return rows[:top] if top else rows
-
-
-def traced_kernels(trace_dir):
-  """The kernels of a ``jax.profiler`` trace in ``trace_dir``: [(start_us,
-  end_us, XLA op)], sorted by start; on a GPU the device's, elsewhere the
-  host's XLA thunks."""
-  import glob  # pylint: disable=import-outside-toplevel
-  import gzip  # pylint: disable=import-outside-toplevel
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"),
-                    recursive=True)
-  if not paths:
-    raise RuntimeError(f"the profiler wrote no trace in {trace_dir}")
-  with gzip.open(paths[0]) as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  procs = {e["pid"]: e["args"]["name"] for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  on_device = any(n.startswith("/device:") for n in procs.values())
-  out = []
-  for e in events:
-    op = (e.get("args") or {}).get("hlo_op")
-    if e.get("ph") != "X" or not op:
-      continue
-    if on_device and not procs.get(e.get("pid"), "").startswith("/device:"):
-      continue
-    out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), op))
-  return sorted(out)
-
-
 def report(name, flops, t):
   """One line: median ms, [min-max], TFLOP/s of ``flops`` at the median."""
   print(f"{name:44s} {t.median * 1e3:8.3f} ms  [{t.min * 1e3:.3f}-"

@@ -152,8 +152,8 @@ loss_table() {
     --backends mosaic --dtypes bfloat16 --batches 1048576
 }
 loss_stages() {
-  bench loss-stages-bf16 $(($1 / 2)) benchmarks/bench_mosaic.py --full 0 --b 65536 --r_list 4096
-  bench loss-stages-f32 $(($1 / 2)) benchmarks/bench_mosaic.py --full 0 --b 65536 --dtype float32 \
+  bench loss-stages-bf16 $(($1 / 2)) benchmarks/bench_mosaic.py --b 65536 --r_list 4096
+  bench loss-stages-f32 $(($1 / 2)) benchmarks/bench_mosaic.py --b 65536 --dtype float32 \
     --r_list 4096
 }
 loss_groups() {

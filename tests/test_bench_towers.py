@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import pytest
 
 from benchmarks import bench_towers as bt
@@ -50,17 +49,3 @@ def test_quick_run_writes_rows_and_keeps_the_budget(tmp_path):
     rows = [json.loads(line) for line in f]
   assert [r["case"] for r in rows] == ["vit", "text_jax_eos"]
   assert all(r["status"].startswith("skipped: ") for r in rows), rows
-
-
-def test_kernel_profile_times_each_op_of_a_jitted_call():
-  """harness.kernel_profile: the XLA ops of the call (the sort among them),
-  each with its time per call, longest first (here the host's thunks; on a
-  GPU its kernels)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from benchmarks import harness  # pylint: disable=import-outside-toplevel
-  f = jax.jit(lambda x: (jnp.tanh(x @ x.T), jnp.sort(x, axis=1)))
-  rows = harness.kernel_profile(f, jnp.ones((256, 256)), steps=2)
-  assert len(rows) >= 2, rows
-  assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
-  assert all(ms > 0 and n >= 1 for _, ms, n in rows), rows
-  assert any("sort" in op for op, _, _ in rows), rows
