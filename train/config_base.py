@@ -3,7 +3,8 @@
 A config file (``configs/*.py``) starts from ``base_config()`` and changes
 values; ``check_config`` rejects keys that are not here (typos) with one
 clear line, so a misspelled key never silently falls back to a default.
-``config.data`` and ``config.tokenizer`` belong to ``train.data`` and are
+``config.data`` and ``config.tokenizer`` belong to ``train.data``: their
+keys, each with what it means, are in ``train/data/config.py``, and are
 checked there.
 """
 from __future__ import annotations
