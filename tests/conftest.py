@@ -23,25 +23,39 @@ _xla_flags = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_xla_flags)
 os.environ["XLA_FLAGS"] = _xla_flags.recommended(os.environ["XLA_FLAGS"])
 
-# Quick mode (`-m "not slow"`): the tests listed in slow_tests.txt (measured
-# at 1.5 s or more each) are marked slow here, beside those that carry
-# @pytest.mark.slow in their files. CI runs everything.
+# Quick mode (`-m "not slow"`): the tests listed in slow_tests.txt are marked
+# slow here, beside those that carry @pytest.mark.slow in their files. CI runs
+# everything that is not `interpret`.
+#
+# `interpret`: the interpreter cases (Mosaic GPU interpreter, Pallas
+# interpret) listed in interpret_tests.txt beyond one case per kernel and
+# shape class, which the CPU run keeps. They are deselected unless the -m
+# expression names them: the GPU job runs `-m "gpu or interpret"`, and
+# `-m interpret` runs them anywhere.
 import pytest  # pylint: disable=wrong-import-position
 
-_SLOW_LIST = pathlib.Path(__file__).with_name("slow_tests.txt")
+_HERE = pathlib.Path(__file__).parent
 
 
-def _listed_slow():
-  lines = _SLOW_LIST.read_text().splitlines()
+def _listed(name):
+  lines = (_HERE / name).read_text().splitlines()
   return {l.strip() for l in lines if l.strip() and not l.startswith("#")}
 
 
 def pytest_collection_modifyitems(config, items):
-  del config
-  listed = _listed_slow()
+  slow, interpret = _listed("slow_tests.txt"), _listed("interpret_tests.txt")
   for item in items:
-    if item.nodeid in listed:
+    if item.nodeid in slow:
       item.add_marker(pytest.mark.slow)
+    if item.nodeid in interpret:
+      item.add_marker(pytest.mark.interpret)
+  if "interpret" in (config.getoption("markexpr") or ""):
+    return
+  keep = [i for i in items if i.get_closest_marker("interpret") is None]
+  if len(keep) < len(items):
+    config.hook.pytest_deselected(
+        items=[i for i in items if i.get_closest_marker("interpret")])
+    items[:] = keep
 
 
 @pytest.fixture
