@@ -1,80 +1,39 @@
 """Multi-device benchmark of the ring loss: weak scaling, baselines, overlap.
 
-One command on a machine with any number of GPUs (8 H200s in the plan):
-
-  python benchmarks/bench_ring.py --out benchmarks/results
-
-and a smoke test of every code path on 8 simulated CPU devices:
-
+  python benchmarks/bench_ring.py --out OUT          # every visible GPU
   python benchmarks/bench_ring.py --cpu-devices 8 --quick --b-local 256 \
-      --dims 64 --block-q 32 --block-k 64 --out /tmp/ring
+      --dims 64 --block-q 32 --block-k 64 --out /tmp/ring   # CPU smoke
 
-If a run stops early (``--time-budget-s``, or a limit on the command's
-time), the same command with ``--resume`` keeps the finished cases of
---out and runs the rest.
+fwd+bwd steps (the loss and the gradients of both embeddings and the
+scale), D = 768, bfloat16 unless told otherwise, by section:
 
-Sections, all fwd+bwd steps (the loss value and the gradients of both
-embeddings and the scale), D=768, bfloat16 unless told otherwise:
-
-* scaling: for each local batch b (``--b-local``, default 65536 and 8192),
-  each strategy -- the library's ``ring`` and ``gather`` and the plain
-  all-gather + full local rows loss (``plain``, see ``ring_steps.py``) --
-  and each N in 1, 2, 4, ... (the first N devices), the global batch N * b:
-  median device-synchronized time after a warm-up, peak memory per device,
-  weak-scaling efficiency t(1, b) * N / t(N, N * b) (per-device work grows
-  N-fold, so 100% means the time grows exactly N-fold), and each
-  strategy's time over the ring's. 16384 is there for the "ring <= gather
-  from b = 16384 on" target, 8192 because the plain loss's b x N b float32
-  logits do not fit at b = 65536 beyond one or two GPUs. On GPUs the ring's
-  1-GPU step also runs on every other GPU (section ``single_gpu``): a
-  synchronous multi-GPU step goes at the pace of the slowest GPU, so the
-  efficiency is also given against the slowest GPU's 1-GPU time.
+* scaling: each local batch b (``--b-local``), strategy (the library's
+  ``ring`` and ``gather``, and ``plain``: all-gather + full local rows, see
+  ``ring_steps.py``) and N in 1, 2, 4, ... (the first N devices), global
+  batch N * b: time, peak memory per device, weak-scaling efficiency
+  t(1, b) * N / t(N, N * b), and the time over the ring's. On GPUs the 1-GPU
+  ring step also runs on every other GPU (``single_gpu``): a synchronous
+  step goes at the slowest GPU's pace, so the efficiency is also given
+  against it.
 * overlap: at the largest N, the ring against its compute alone and its
-  transfers alone (``ring_steps.overlap_steps``), reported as the ring's
-  overhead over compute-only (ms), the transfer-only time, the fraction of
-  the transfer hidden (1 - overhead / transfer-only), and, when the
-  overhead exceeds the whole transfer time, by how much (a cost that is not
-  the transfer: merges, launches, copies, NCCL kernels taking SMs; see
-  ``ring_diagnose.py``); plus the scheduled HLO's collective-permute
-  start/done pairs and the compute between them (``ring_hlo.report``; the
-  report and the full listing go to ``ring_hlo.txt``).
-* maxbatch: the ring at the largest N with b doubled until it runs out of
-  memory. A case whose XLA memory plan exceeds the device's memory limit
-  is recorded as "oom (plan ...)" without running. Steps that would take
-  longer than ``--max-step-s`` (the step time grows 4x per doubling) run
-  once (one synchronized call, no warm-up) if estimated below
-  ``--max-once-s``, and are otherwise compiled but not run, and reported as
-  fitting or not by XLA's memory plan against the device's memory limit.
-  ``--max-b-start`` starts the doubling at a given b (one large case).
+  transfers alone (``ring_steps.overlap_steps``): the overhead over
+  compute-only and the fraction of the transfer time hidden.
+* hlo: the scheduled HLO's collective-permute start/done pairs and the
+  compute between them (``ring_hlo.report``; with the listing in
+  ``ring_hlo.txt``).
+* maxbatch: the ring at the largest N, b doubled until out of memory; a
+  step estimated over ``--max-step-s`` runs once if under ``--max-once-s``,
+  else is compiled only and judged by XLA's plan against the device limit.
 
-The plain baseline keeps two b x N b float32 logits from its forward to its
-backward; a plain case whose lower bound (``plain_min_bytes``) exceeds XLA's
-memory limit (~80% x 95% of the device, ``xla_memory_limit_gb``) is skipped
-with that reason, uncompiled: XLA could only rematerialize it (a compile of
-minutes) or run out of memory. Isolated cases have a compile deadline
-(``--compile-timeout-s``) besides ``--timeout-s``, and a timed-out case says
-in which phase it stopped, with its compile time and XLA plan once
-compiled.
-
-Memory: on GPUs each case runs in a fresh process that sees only its N
-devices (``--isolate``, the default there), and the peak is the device
-allocator's ``peak_bytes_in_use`` beyond the bytes in use once the inputs
-exist, the largest over the N devices. XLA's compile-time plan per device
-(``memory_analysis``: ``xla_temp_gb`` temporaries, ``xla_plan_gb`` outputs
-+ temporaries, i.e. beyond the inputs like the peak, ``xla_total_gb`` with
-the inputs) is reported for every case; on CPUs, which keep no device
-memory statistics, ``xla_plan_gb`` is the memory figure of the table, the
-targets and the plot.
-
-XLA flags: the ring's recommended GPU flags (``infcl_jax.xla_flags``: the
-latency-hiding scheduler, two asynchronous collectives in flight) are added
-to XLA_FLAGS where XLA_FLAGS does not set them already (the ring's overlap
-depends on them); the flags in force are recorded in the output.
-
-Writes ``bench_ring.csv``, ``bench_ring_meta.json``, ``bench_ring.png``
-(scaling plot) and ``ring_hlo.txt`` into --out (the CSV after every case,
-so an interrupted run keeps what it measured), then prints a short table
-and the targets last.
+On GPUs each case runs in a fresh process that sees only its N devices
+(``--isolate``), its peak the allocator's ``peak_bytes_in_use`` beyond the
+inputs; XLA's plan (``memory_analysis``) is recorded for every case and is
+the memory figure on CPUs. A plain case whose lower bound
+(``plain_min_bytes``) exceeds XLA's memory limit is skipped uncompiled. The
+ring's recommended XLA flags (``infcl_jax.xla_flags``) are added where
+XLA_FLAGS does not set them. ``--resume`` keeps the finished cases of
+--out. Writes ``bench_ring.csv`` (after every case), ``bench_ring_meta.json``
+and ``ring_hlo.txt``, and prints a table.
 """
 from __future__ import annotations
 
@@ -103,61 +62,13 @@ FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "backend", "first_device", "status", "ms", "reps", "timing", "loss",
           "efficiency", "efficiency_slowest_gpu", "time_over_ring", "peak_gb", "xla_temp_gb", "xla_plan_gb", "xla_total_gb",
           "mem_source", "wall_s"]
-# Targets of the issue, checked in ``targets``.
-PLAIN_SPEEDUP_TARGET, MEM_FLAT_TOL = 1.3, 1.10
-# Ring weak-scaling efficiency targets by local batch: >= 97% from 65,536 on,
-# >= 93% below (issue 14); ring <= gather from 16,384 on.
-EFF_TARGETS = ((65536, 0.97), (0, 0.93))
-GATHER_FROM_B = 16384
-
-
-def eff_target(b):
-  return next(t for lo, t in EFF_TARGETS if b >= lo)
-
-HIDDEN_TARGET = 0.80  # Ring <= compute-only + 20% of transfer-only.
-
-
 # ------------------------------------------------------------- one case
-
-def add_case_args(ap, *, b_local, b_local_help, devices, devices_help,
-                  backend, budget_s, time_budget_s, time_budget_help):
-  """The options that name the cases, shared with ``ring_diagnose``: local
-  batches, device counts, D, dtype, backend and tiles, plus the repetition
-  and wall-clock budgets and the simulated CPU devices; each script gives
-  its own defaults."""
-  ap.add_argument("--b-local", default=b_local, help=b_local_help)
-  ap.add_argument("--devices", default=devices, help=devices_help)
-  ap.add_argument("--dims", type=int, default=768, help="embedding dim D")
-  ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--backend", default=backend)
-  add_tile_args(ap)
-  ap.add_argument("--budget-s", type=float, default=budget_s,
-                  help="time for repetitions per timed case (median of "
-                  "<= 7)")
-  ap.add_argument("--time-budget-s", type=float, default=time_budget_s,
-                  help=time_budget_help)
-  ap.add_argument("--cpu-devices", type=int, default=0,
-                  help="force this many host CPU devices (smoke test)")
-
-
-def add_tile_args(ap):
-  """--block-q / --block-k / --num-programs (read by ``block_sizes_of``)."""
-  ap.add_argument("--block-q", type=int, default=0)
-  ap.add_argument("--block-k", type=int, default=0)
-  ap.add_argument("--num-programs", type=int, default=0,
-                  help="BlockSizes.num_programs (persistent CTAs); 0: default")
-
 
 def block_sizes_of(spec):
   from infcl_jax import BlockSizes  # pylint: disable=import-outside-toplevel
-  if not (spec.get("block_q") and spec.get("block_k")
-          or spec.get("num_programs")):
+  if not (spec.get("block_q") and spec.get("block_k")):
     return None
-  # Only num_programs given: the default tile shape (what "auto" picks on
-  # an H100 / H200 and maps one to one onto the Mosaic kernels).
-  return BlockSizes(block_q=spec.get("block_q") or 128,
-                    block_k=spec.get("block_k") or 256,
-                    num_programs=spec.get("num_programs") or None)
+  return BlockSizes(block_q=spec["block_q"], block_k=spec["block_k"])
 
 
 def mem_plan(compiled):
@@ -189,8 +100,7 @@ def run_case(spec):
   """Runs one case in this process on the first spec["n"] devices.
 
   spec keys: kind ("step", "compute_only", "transfer_only" or "hlo"),
-  strategy, n, b_local, d, dtype, backend, block_q, block_k, num_programs,
-  budget_s,
+  strategy, n, b_local, d, dtype, backend, block_q, block_k, budget_s,
   run (False: compile only), fresh (this process holds nothing else, so
   the allocator's peak counter belongs to this case), hlo_path.
   """
@@ -425,13 +335,23 @@ def _powers_of_two_upto(n):
 def parse_args(argv):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default="benchmarks/results")
-  add_case_args(
-      ap, b_local="65536,16384,8192", b_local_help="comma list of local "
-      "batches; the first is the headline (overlap, max batch, targets)",
-      devices="", devices_help="comma list of device counts (default 1, 2, "
-      "4, ... up to all visible)", backend="auto", budget_s=4.0,
-      time_budget_s=540.0, time_budget_help="cases starting after this "
-      "many seconds are skipped (and say so); 0 = no limit")
+  ap.add_argument("--b-local", default="65536,16384,8192",
+                  help="comma list of local batches; the first is the "
+                  "headline (overlap, max batch)")
+  ap.add_argument("--devices", default="", help="comma list of device "
+                  "counts (default 1, 2, 4, ... up to all visible)")
+  ap.add_argument("--dims", type=int, default=768, help="embedding dim D")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--backend", default="auto")
+  ap.add_argument("--block-q", type=int, default=0)
+  ap.add_argument("--block-k", type=int, default=0)
+  ap.add_argument("--budget-s", type=float, default=4.0,
+                  help="time for repetitions per timed case (median of <= 7)")
+  ap.add_argument("--time-budget-s", type=float, default=540.0,
+                  help="cases starting after this many seconds are skipped "
+                  "(and say so); 0 = no limit")
+  ap.add_argument("--cpu-devices", type=int, default=0,
+                  help="force this many host CPU devices (smoke test)")
   ap.add_argument("--strategies", default="ring,gather,plain")
   ap.add_argument("--sections", default="scaling,overlap,hlo,maxbatch")
   ap.add_argument("--max-step-s", type=float, default=20.0,
@@ -454,8 +374,6 @@ def parse_args(argv):
   ap.add_argument("--resume", action="store_true",
                   help="keep the finished cases of a previous run in --out "
                   "(a timeout is a result: kept)")
-  ap.add_argument("--retry-timeouts", action="store_true",
-                  help="with --resume: run the timed-out cases again")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                   help="a fresh process per case (auto: on GPUs)")
   ap.add_argument("--quick", action="store_true",
@@ -477,9 +395,7 @@ class Job:
       with open(self.jsonl) as fh:
         for line in fh:
           r = json.loads(line)
-          redo = ("skipped", "timeout") if args.retry_timeouts else (
-              "skipped",)
-          if not r.get("status", "").startswith(redo):
+          if not r.get("status", "").startswith("skipped"):
             self.done[self.key(r)] = r
     with open(self.jsonl, "w") as fh:
       for r in self.done.values():
@@ -494,8 +410,7 @@ class Job:
     a = self.args
     return dict(kind=kind, strategy=strategy, n=n, b_local=b, d=a.dims,
                 dtype=a.dtype, backend=a.backend, block_q=a.block_q,
-                block_k=a.block_k, num_programs=a.num_programs,
-                budget_s=a.budget_s, fresh=self.isolate, **kw)
+                block_k=a.block_k, budget_s=a.budget_s, fresh=self.isolate, **kw)
 
   def run(self, section, spec):
     row = dict(section=section, strategy=spec["strategy"]
@@ -592,132 +507,7 @@ def mem_of(r):
   return r.get("xla_plan_gb")
 
 
-def targets(rows, b0, n_max, overlap=None):
-  """[(target, measured, verdict)] for the issue's targets."""
-  out = []
-  b_all = sorted({r["b_local"] for r in _ok(rows, section="scaling")} | {b0},
-                 reverse=True)
-  for b in b_all:
-    rb = {r["n_dev"]: r for r in _ok(rows, section="scaling", strategy="ring",
-                                     b_local=b)}
-    effs = {n: r for n, r in rb.items() if n > 1 and "efficiency" in r}
-    want = eff_target(b)
-    out.append((f"ring weak-scaling efficiency >= {want:.0%} at b_local={b}",
-                ", ".join(
-                    f"N={n}: {r['efficiency']:.0%}"
-                    + (f" ({r['efficiency_slowest_gpu']:.0%} against the "
-                       f"slowest GPU's N=1)"
-                       if "efficiency_slowest_gpu" in r else "")
-                    for n, r in sorted(effs.items())) or "not measured",
-                "n/a" if not effs else
-                ("PASS" if min(r["efficiency"] for r in effs.values()) >= want
-                 else "FAIL")))
-  ring = {r["n_dev"]: r for r in _ok(rows, section="scaling", strategy="ring",
-                                     b_local=b0)}
-  pairs = []
-  for b in (b for b in b_all if b >= GATHER_FROM_B):
-    for r in _ok(rows, section="scaling", strategy="gather", b_local=b):
-      rr = _ok(rows, section="scaling", strategy="ring", b_local=b,
-               n_dev=r["n_dev"])
-      if r["n_dev"] > 1 and rr:
-        pairs.append((b, r["n_dev"], r["ms"] / rr[0]["ms"]))
-  out.append((f"ring at least as fast as gather at b_local >= {GATHER_FROM_B}",
-              ", ".join(f"b={b} N={n}: gather/ring {v:.3f}x"
-                        for b, n, v in pairs) or "not measured",
-              "n/a" if not pairs else
-              ("PASS" if all(v >= 1.0 for _, _, v in pairs) else "FAIL")))
-  cmp_ = []
-  for r in rows:
-    if (r.get("section") == "scaling" and r.get("strategy") == "plain"
-        and r.get("n_dev") == n_max):
-      rr = _ok(rows, section="scaling", strategy="ring", n_dev=n_max,
-               b_local=r["b_local"])
-      if r.get("status") == "ok" and rr:
-        cmp_.append((r["b_local"], r["ms"] / rr[0]["ms"]))
-      elif rr:
-        cmp_.append((r["b_local"], r.get("status")))
-  ratios = [v for _, v in cmp_ if isinstance(v, float)]
-  out.append((f"ring >= {PLAIN_SPEEDUP_TARGET}x faster than plain all-gather "
-              f"at N={n_max}",
-              ", ".join(f"b={b}: " + (f"{v:.2f}x" if isinstance(v, float)
-                                      else f"plain {v}") for b, v in cmp_)
-              or "not measured",
-              "n/a" if not ratios else
-              ("PASS" if min(ratios) >= PLAIN_SPEEDUP_TARGET else "FAIL")))
-  # N = 1 runs no transfers (no receive buffers), so flatness is judged
-  # from N = 2 on; N = 1 is listed for reference.
-  mems = {n: mem_of(r) for n, r in ring.items() if mem_of(r) is not None}
-  ring_mems = {n: m for n, m in mems.items() if n > 1}
-  flat = None
-  if len(ring_mems) > 1:
-    flat = max(ring_mems.values()) / max(min(ring_mems.values()), 1e-12)
-  src = ("runtime peak" if any(r.get("peak_gb") is not None
-                               for r in ring.values()) else "XLA plan")
-  out.append((f"ring per-device memory flat in N >= 2 (max/min <= "
-              f"{MEM_FLAT_TOL}) at b_local={b0}, {src}",
-              ", ".join(f"N={n}: {m:.3g} GB" for n, m in sorted(mems.items()))
-              or "not measured",
-              "n/a" if flat is None else
-              ("PASS" if flat <= MEM_FLAT_TOL else f"FAIL ({flat:.2f}x)")))
-  out.append((f"transfer hidden >= {HIDDEN_TARGET:.0%} (ring <= compute-only "
-               f"+ {1 - HIDDEN_TARGET:.0%} of transfer-only)"
-               + (f" at N={overlap['n']}, b_local={overlap['b_local']}"
-                  if overlap else ""),
-               (f"{overlap['hidden']:.0%}: overhead {overlap['overhead_ms']:.2f}"
-                f" ms, transfer-only {overlap['transfer_ms']:.2f} ms"
-                + (f", {overlap['excess_ms']:.2f} ms beyond the transfer"
-                   if overlap["excess_ms"] > 0 else ""))
-               if overlap else "not measured",
-               "n/a" if not overlap else
-               ("PASS" if overlap["hidden"] >= HIDDEN_TARGET else "FAIL")))
-  return out
-
-
-def plot(rows, path, title):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  import matplotlib.ticker  # pylint: disable=import-outside-toplevel,unused-import
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-  colors = {"ring": "C0", "gather": "C1", "plain": "C2"}
-  scaling = _ok(rows, section="scaling")
-  bs = sorted({r["b_local"] for r in scaling}, reverse=True)
-  styles = ["-", "--", ":", "-."]
-  for s in ("ring", "gather", "plain"):
-    for i, b in enumerate(bs):
-      pts = sorted((r["n_dev"], r) for r in scaling
-                   if r["strategy"] == s and r["b_local"] == b)
-      if not pts:
-        continue
-      ns = [p[0] for p in pts]
-      kw = dict(color=colors[s], linestyle=styles[i % 4], marker="o",
-                label=f"{s} b={b}")
-      axes[0].plot(ns, [p[1]["ms"] for p in pts], **kw)
-      axes[1].plot(ns, [p[1].get("efficiency", float("nan")) for p in pts],
-                   **kw)
-      axes[2].plot(ns, [mem_of(p[1]) or float("nan") for p in pts], **kw)
-  for _, t in EFF_TARGETS:
-    axes[1].axhline(t, color="gray", linewidth=0.8)
-  labels = (("fwd+bwd time", "ms"),
-            ("weak-scaling efficiency t(1)N/t(N)", "efficiency"),
-            ("memory per device", "GB"))
-  for ax, (t, unit) in zip(axes, labels):
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_xlabel("devices N (global batch N * b)")
-    ax.set_ylabel(unit)
-    ax.set_title(t)
-    ax.grid(True, which="both", alpha=0.3)
-  axes[0].set_yscale("log")
-  axes[2].set_yscale("log")
-  axes[0].legend(fontsize=7)
-  fig.suptitle(title, fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def print_table(rows, meta, tgt):
+def print_table(rows, meta):
   print(f"\n{meta['date']}  {meta['n_devices']} x {meta['device_kind']} "
         f"({meta['platform']})  jax {meta['jax']}  backend {meta['backend']}"
         f"  D={meta['D']} {meta['dtype']}")
@@ -755,11 +545,8 @@ def print_table(rows, meta, tgt):
   if meta.get("maxbatch"):
     print(f"max batch (ring, N={meta['maxbatch']['n']}): "
           f"{meta['maxbatch']['summary']}")
-  note = (" (CPU devices: sanity numbers, not GPU performance)"
-          if meta["platform"] == "cpu" else "")
-  print(f"\ntargets{note}:")
-  for name, val, verdict in tgt:
-    print(f"  [{verdict}] {name}: {val}")
+  if meta["platform"] == "cpu":
+    print("(CPU devices: sanity numbers, not GPU performance)")
 
 
 def overlap_numbers(ring_ms, compute_ms, transfer_ms):
@@ -930,7 +717,7 @@ def main(argv=None):
       n_devices=n_all, jax=info["jax"], jaxlib=info["jaxlib"], backend=info["backend"], D=args.dims,
       dtype=args.dtype, xla_flags=info["xla_flags"], isolate=isolate,
       devices=ns, b_local=b_locals, block_q=args.block_q,
-      block_k=args.block_k, num_programs=args.num_programs)
+      block_k=args.block_k)
   meta["mem_note"] = (
       "peak_bytes_in_use beyond inputs, max over devices, fresh process per "
       "case" if job.fresh_runtime_peak else
@@ -975,21 +762,10 @@ def main(argv=None):
                                  args.max_step_s, args.max_once_s)
   derive(job.rows)
   job.write_csv()
-  tgt = targets(job.rows, b0, n_max, meta.get("overlap"))
-  meta["targets"] = [dict(target=t, measured=v, verdict=k) for t, v, k in tgt]
   meta["elapsed_s"] = round(time.time() - job.t0, 1)
   with open(os.path.join(args.out, "bench_ring_meta.json"), "w") as fh:
     json.dump(meta, fh, indent=1)
-  try:
-    plot(job.rows, os.path.join(args.out, "bench_ring.png"),
-         f"infcl-jax ring, {n_all} x {info['device_kind']} "
-         f"({info['platform']}), D={args.dims} {args.dtype}, "
-         f"backend {info['backend']}, jax {info['jax']}, {meta['date']}"
-         + (" -- CPU sanity run, not GPU performance"
-            if info["platform"] == "cpu" else ""))
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"plot failed: {e}")
-  print_table(job.rows, meta, tgt)
+  print_table(job.rows, meta)
   return job.rows, meta
 
 

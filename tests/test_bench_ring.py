@@ -62,7 +62,7 @@ def test_main_all_sections(tmp_path):
   header, csv_rows = _read_csv(out)
   assert header == bench_ring.FIELDS
   assert len(csv_rows) == len(rows)
-  for name in ("bench_ring.png", "bench_ring_meta.json", "ring_hlo.txt"):
+  for name in ("bench_ring_meta.json", "ring_hlo.txt"):
     assert os.path.getsize(os.path.join(out, name)) > 0, name
 
   scaling = [r for r in csv_rows if r["section"] == "scaling"]
@@ -108,7 +108,6 @@ def test_main_all_sections(tmp_path):
   assert [int(r["b_local"]) for r in maxb] == [40, 80, 160]  # cap 4 x b.
   assert all(r["status"] == "ok" for r in maxb)
   assert meta["maxbatch"]["run_b_local"] == 160
-  assert len(meta["targets"]) == 5
   assert meta["overlap"]["text"].startswith("ring ")
   with open(os.path.join(out, "ring_hlo.txt")) as fh:  # Report + listing.
     assert "==== optimized, scheduled HLO ====" in fh.read()
@@ -179,10 +178,6 @@ def test_overlap_numbers():
   assert ov["hidden"] == 1.0 and "faster than its compute" in (
       bench_ring.overlap_text(ov))
   assert bench_ring.overlap_numbers(1.0, 1.0, 0.0)["hidden"] == 1.0
-  tgt = bench_ring.targets([], 40, 2, dict(
-      bench_ring.overlap_numbers(113.7, 108.5, 2.5), n=2, b_local=40))
-  assert tgt[-1][2] == "FAIL" and "2.70 ms beyond the transfer" in tgt[-1][1]
-  assert bench_ring.targets([], 40, 2)[-1][2] == "n/a"
 
 
 def test_plain_min_bytes():
@@ -250,10 +245,10 @@ def _scaling(strategy, n, b, ms, **kw):
               n_dev=n, b_local=b, status="ok", ms=ms, **kw)
 
 
-def test_targets_per_batch_and_slowest_gpu():
-  """Efficiency targets by local batch (97% from 65,536, 93% below), the
-  efficiency against the slowest GPU's 1-GPU step, ring <= gather from
-  16,384 on."""
+def test_efficiency_against_the_slowest_gpu():
+  """Weak-scaling efficiency t(1) N / t(N), also against the slowest GPU's
+  own 1-GPU step where other GPUs ran it; each strategy's time over the
+  ring's."""
   rows = [_scaling("ring", 1, 65536, 50.0),
           _scaling("ring", 1, 65536, 52.0, section="single_gpu",
                    first_device=1),
@@ -261,26 +256,14 @@ def test_targets_per_batch_and_slowest_gpu():
           _scaling("gather", 1, 65536, 50.0),
           _scaling("gather", 2, 65536, 103.0),
           _scaling("ring", 1, 8192, 1.3),
-          _scaling("ring", 2, 8192, 2.7),
-          _scaling("gather", 1, 8192, 1.3),
-          _scaling("gather", 2, 8192, 2.6)]
+          _scaling("ring", 2, 8192, 2.7)]
   bench_ring.derive(rows)
   ring2 = rows[2]
   assert ring2["efficiency"] == pytest.approx(100 / 104)
   assert ring2["efficiency_slowest_gpu"] == pytest.approx(104 / 104)
+  assert rows[4]["time_over_ring"] == pytest.approx(103 / 104)
   assert "efficiency_slowest_gpu" not in rows[6]  # No other GPU measured.
-  tgt = {t: (v, k) for t, v, k in bench_ring.targets(rows, 65536, 2)}
-  v, k = tgt["ring weak-scaling efficiency >= 97% at b_local=65536"]
-  assert k == "FAIL" and "96%" in v and "100% against the slowest" in v
-  v, k = tgt["ring weak-scaling efficiency >= 93% at b_local=8192"]
-  assert k == "PASS" and "96%" in v
-  # gather is faster at 65,536 (counted) and at 8,192 (below 16,384: not).
-  v, k = tgt["ring at least as fast as gather at b_local >= 16384"]
-  assert k == "FAIL" and "b=65536 N=2" in v and "8192" not in v
-  rows[4]["ms"] = 105.0
-  bench_ring.derive(rows)
-  tgt = {t: k for t, _, k in bench_ring.targets(rows, 65536, 2)}
-  assert tgt["ring at least as fast as gather at b_local >= 16384"] == "PASS"
+  assert rows[6]["efficiency"] == pytest.approx(2.6 / 2.7)
 
 
 def test_max_batch_runs_once_between_limits():
