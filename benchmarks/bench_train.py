@@ -268,6 +268,11 @@ def stream_child(spec) -> dict:
   # leaving 4 cores to this process (train/data/config.py num_workers).
   config.data.num_workers = spec.get("workers") or default_workers()
   config.data.num_threads = 1
+  config.data.decoder = spec.get("decoder", "host")
+  if config.data.decoder == "gpu":
+    # The host only reads bytes (and checks each JPEG's markers): threads
+    # of this process do, the device decodes (train/data/gpu_decode.py).
+    config.data.num_workers, config.data.num_threads = 0, 4
   config.data.prefetch_batches = 2
   config.data.cache_max_mb = 0
   data_config.check_data_config(config)
@@ -404,6 +409,9 @@ def main():
                   help="stream cases: config.data.decode_size (the host "
                   "decodes the 256 px JPEGs only, the device resizes; 0 = "
                   "the host resizes to 224; default 256, quick: 48)")
+  ap.add_argument("--decoders", default="host",
+                  help="stream cases: config.data.decoder of each, "
+                  "comma-separated (host,gpu)")
   ap.add_argument("--image_model", default="b16", choices=["b16", "l14"],
                   help="ViT-B/16 or ViT-L/14 image tower")
   ap.add_argument("--modes", default="precomputed,image_tower",
@@ -442,11 +450,12 @@ def main():
                         microbatch=min(micro, b), measure_loss=True, reps=reps))
   decode_size = (args.decode_size if args.decode_size is not None
                  else 48 if quick else 256)
-  for b in ints(args.stream_batches, ""):
+  for b, decoder in [(b, d) for b in ints(args.stream_batches, "")
+                     for d in args.decoders.split(",")]:
     cases.append(dict(kind="stream", batch=b, mode="stream",
                       microbatch=min(micro, b), measure_loss=False, reps=1,
                       steps=args.stream_steps, workers=args.workers,
-                      decode_size=decode_size,
+                      decode_size=decode_size, decoder=decoder,
                       jpeg_size=decode_size or (64 if quick else 256),
                       embed_reps=1 if quick else 2))
   for b in ladder:
@@ -514,7 +523,8 @@ def main():
     if case["kind"] == "max_batch" and r["status"] != "ok":
       break  # Larger batches will not fit either.
     if r.get("pipeline_img_s"):
-      print(f"[bench_train]   stream: {r['pipeline_img_s']:.0f} img/s through "
+      print(f"[bench_train]   stream ({r.get('decoder', 'host')} decoder): "
+            f"{r['pipeline_img_s']:.0f} img/s through "
             f"the input path, device alone {r['device_embed_img_s']:.0f} "
             f"img/s, host wait {r['host_wait_s']:.1f}s, device_put "
             f"{r['host_put_s']:.1f}s, device wait {r['device_wait_s']:.1f}s"

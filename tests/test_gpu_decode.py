@@ -250,9 +250,16 @@ def test_decoder_config_errors_are_one_line(corpus):
     config.data.decoder = "auto"
     it = D.make_train_iterator(config, batch_size=8)
     assert isinstance(it, pipeline.TrainIterator)
-  config = _config("synthetic_shapes", decoder="gpu")
-  with pytest.raises(ValueError, match=r"is a tfds source"):
-    decode.check_decoder(config.data)
+  # A source of decoded images: "gpu" is refused in one line, "auto" and
+  # "host" decode on the host.
+  class Decoded:
+    spec, bad_at_open = "decoded:0", []
+  config = _config("webdataset:" + corpus.pattern, decoder="gpu")
+  if not why:
+    with pytest.raises(ValueError, match=r"decoded:0 delivers decoded ones"):
+      decode.make_batch_decoder(config.data, Decoded())
+  config.data.decoder = "auto"
+  assert decode.make_batch_decoder(config.data, Decoded()) is None
 
 
 # ------------------------------------------------------------------- GPU

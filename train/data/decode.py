@@ -219,44 +219,44 @@ def gpu_unavailable() -> str:
 
 def check_decoder(data) -> None:
   """One-line ValueError for a config.data.decoder that cannot run (the
-  early config check; "gpu" is checked for its extra and device here)."""
+  early config check: "gpu" needs its extra and a GPU; the source's kind
+  is checked when it is open, ``make_batch_decoder``)."""
+  decoder = data.get("decoder", "host")
+  if decoder not in DECODERS:
+    raise ValueError(f"config.data.decoder={decoder!r} must be one of "
+                     f"{', '.join(DECODERS)}")
+  if decoder == "gpu":
+    why = gpu_unavailable()
+    if why:
+      raise ValueError(f"config.data.decoder='gpu' cannot run: {why} (use "
+                       "decoder='host' or 'auto')")
+
+
+def has_encoded_images(source) -> bool:
+  """Whether ``source``'s examples carry encoded image bytes: webdataset
+  shards and tables do, and any source that says so (``encoded_images``);
+  TFDS datasets arrive decoded."""
   from train.data import sources  # pylint: disable=import-outside-toplevel
-  decoder = data.get("decoder", "host")
-  if decoder not in DECODERS:
-    raise ValueError(f"config.data.decoder={decoder!r} must be one of "
-                     f"{', '.join(DECODERS)}")
-  if decoder != "gpu":
-    return
-  kind = sources.kind_of(data.name)
-  if kind not in SOURCE_KINDS:
-    raise ValueError(
-        f"config.data.decoder='gpu' decodes the encoded images of "
-        f"webdataset:, csv:, tsv: and jsonl: sources; config.data.name="
-        f"{data.name!r} is a {kind} source (use decoder='host' or 'auto')")
-  why = gpu_unavailable()
-  if why:
-    raise ValueError(f"config.data.decoder='gpu' cannot run: {why} (use "
-                     "decoder='host' or 'auto')")
+  return bool(getattr(source, "encoded_images", sources.kind_of(
+      source.spec) in SOURCE_KINDS))
 
 
-def make_batch_decoder(data, source_kind: str):
-  """The batch decoder of config.data.decoder for a source of
-  ``source_kind`` (sources.kind_of), or None: decode on the host, per
-  example, where it is read."""
+def make_batch_decoder(data, source):
+  """The batch decoder of config.data.decoder for ``source``, or None:
+  decode on the host, per example, where it is read."""
+  check_decoder(data)
   decoder = data.get("decoder", "host")
-  if decoder not in DECODERS:
-    raise ValueError(f"config.data.decoder={decoder!r} must be one of "
-                     f"{', '.join(DECODERS)}")
-  if decoder == "host" or source_kind not in SOURCE_KINDS:
-    if decoder == "gpu":
-      check_decoder(data)  # raises: names the source kind
+  if decoder == "host":
     return None
-  why = gpu_unavailable()
-  if why:
+  if not has_encoded_images(source):
     if decoder == "auto":
       return None
-    raise ValueError(f"config.data.decoder='gpu' cannot run: {why} (use "
-                     "decoder='host' or 'auto')")
+    raise ValueError(
+        f"config.data.decoder='gpu' decodes encoded images (webdataset:, "
+        f"csv:, tsv:, jsonl: sources); {source.spec} delivers decoded ones "
+        "(use decoder='host' or 'auto')")
+  if gpu_unavailable():
+    return None  # "auto" (check_decoder raised for "gpu")
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   return gpu_decode.GpuBatchDecoder()
 

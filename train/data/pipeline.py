@@ -529,8 +529,7 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if not (isinstance(k, int) and k >= 1):
     raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   if batch_decoder is None:
-    batch_decoder = decode_lib.make_batch_decoder(
-        data, sources.kind_of(source.spec))
+    batch_decoder = decode_lib.make_batch_decoder(data, source)
   compact = Compact(source, host_size(data), decode=batch_decoder is None)
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"

@@ -472,6 +472,8 @@ class JpegPool:
   word strings. Meets the source contract (train/data/source.py).
   """
 
+  encoded_images = True  # JPEG bytes: config.data.decoder="gpu" takes them
+
   def __init__(self, num: int, *, size: int = 256, pool: int = 256,
                seed: int = 0):
     from PIL import Image  # pylint: disable=import-outside-toplevel
