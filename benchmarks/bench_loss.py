@@ -21,8 +21,8 @@ counter starts from zero:
   matmul ceiling measured in the same run.
 
 A case that runs out of memory is recorded as "oom". It writes
-``bench_loss.csv`` and ``bench_loss.png`` (time and memory vs B, log-log)
-into --out and prints a short table last. ``--loss softmax,sigmoid`` adds
+``bench_loss.csv`` and ``bench_loss_meta.json`` into --out and prints a
+short table last. ``--loss softmax,sigmoid`` adds
 the SigLIP loss (``infcl_jax.sigmoid_loss``) where it exists.
 
 The CSV is rewritten after every case and ``--resume`` keeps the finished
@@ -177,40 +177,6 @@ def _fits_reference(b, dtype):
   return 4 * 4 * b * b < 130e9
 
 
-def plot(rows, path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
-  keys = sorted({(r["loss"], r["backend"], r["dtype"]) for r in rows})
-  colors = {"reference": "C0", "xla": "C1", "pallas": "C2"}
-  for key in keys:
-    pts = sorted((r["B"], r) for r in rows
-                 if (r["loss"], r["backend"], r["dtype"]) == key
-                 and r["status"] == "ok")
-    if not pts:
-      continue
-    bs = [p[0] for p in pts]
-    # Colour: backend; line: dtype; marker: loss.
-    kw = dict(color=colors.get(key[1], "C4"),
-              linestyle="-" if key[2] == "bfloat16" else "--",
-              marker="o" if key[0] == "softmax" else "s",
-              label=f"{key[0]} {key[1]} {key[2]}")
-    ax_t.plot(bs, [p[1]["ms"] for p in pts], **kw)
-    ax_m.plot(bs, [max(p[1]["peak_extra_gb"], 1e-3) for p in pts], **kw)
-  for ax, title, unit in ((ax_t, "fwd+bwd time", "ms"),
-                          (ax_m, "peak device memory beyond inputs", "GB")):
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size B (D=768)")
-    ax.set_ylabel(unit)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-  ax_t.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out", default="benchmarks/results")
@@ -302,10 +268,6 @@ def main():
           _write_csv(csv_path, rows + list(done.values()))
   rows += list(done.values())  # Earlier cases outside this selection.
 
-  try:
-    plot(rows, os.path.join(args.out, "bench_loss.png"))
-  except Exception as e:  # pylint: disable=broad-except
-    print(f"plot failed: {e}")
 
   print(f"\n{meta['date']}  {ceiling.get('device')}  jax {ceiling.get('jax')}"
         f"  bf16 matmul ceiling {peak and round(peak)} TFLOP/s  D={args.d}")

@@ -16,14 +16,11 @@ repetitions after compilation and a warm-up (``harness.timeit``).
    float input) eager and ``torch.compile``d.
 2. Text tower forward + backward, CLIP size (width 512, depth 12, 8 heads,
    vocabulary 49,408), batch 1024, 16 and 77 tokens (sequences/s): ours
-   (causal + EOS pooling; ``text_jax`` also bidirectional + mean pooling
-   over per-row lengths) beside HF ``CLIPTextModelWithProjection`` (SDPA)
+   (causal + EOS pooling) beside HF ``CLIPTextModelWithProjection`` (SDPA)
    eager and compiled.
-3. The LiT train step (``train.step``) at B = 65,536 with a ViT-B/16 image
-   tower, locked, two towers (a ViT-B/16 HF-CLIP-layout checkpoint, random
-   weights written by ``save_pretrained`` and read by
-   ``train.pretrained.load_image_tower``; our own from-scratch ViT) in two
-   modes: precomputed embeddings (the tower's rate on 16 batches of 1024
+3. The LiT train step (``train.step``) at B = 65,536 with a ViT-B/16
+   HF-CLIP-layout checkpoint (random weights written by ``save_pretrained``,
+   read by ``train.pretrained.load_image_tower``), locked, in two modes: precomputed embeddings (the tower's rate on 16 batches of 1024
    uint8 images, its embeddings tiled to 65,536) and on the fly (65,536
    uint8 images made on the device, the tower run inside the step in the
    GradCache micro-batches, as ``bench_train.py``'s image_tower mode).
@@ -80,11 +77,8 @@ PLAN = (
     ("vit_torch", "vit_torch", 40, 180),
     ("text_jax_eos", "text_jax", 60, 180),
     ("text_torch", "text_torch", 110, 150),
-    ("text_jax", "text_jax", 100, 280),
     ("lit_hf_precomputed", "lit", 60, 200),
-    ("lit_own_precomputed", "lit", 45, 200),
     ("lit_hf_on_the_fly", "lit", 130, 240),
-    ("lit_own_on_the_fly", "lit", 65, 240),
 )
 PARTS_ORDER = ("vit_b16_fwd", "text_fwd_bwd_L16", "text_fwd_bwd_L77",
                "lit_step")
@@ -221,19 +215,16 @@ def _text_tokens(jax, jnp, batch, length, vocab, eos):
 
 
 def child_text_jax(spec, rows):
-  """Ours, forward + backward, each length (the longest first), each
-  pooling of the case: causal + EOS (CLIP's, the one HF is compared with)
-  and bidirectional + mean over per-row lengths (``text_jax`` only)."""
+  """Ours, causal + EOS pooling (CLIP's), forward + backward, each length
+  (the longest first)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from train.towers import text as text_lib  # pylint: disable=import-outside-toplevel
   t = spec["sizes"]["text"]
   b = t["batch"]
-  acts = {"eos": "quick_gelu", "mean": "gelu_tanh"}
   for length in sorted(t["lengths"], reverse=True):
     tokens = _text_tokens(jax, jnp, b, length, t["vocab"], 1)
-    for pool in spec["case"]["pools"]:
-      act = acts[pool]
+    for pool, act in (("eos", "quick_gelu"),):
       impl, part = f"ours ({pool} pool, {act})", f"text_fwd_bwd_L{length}"
       try:
         m = text_lib.TextTransformer(
@@ -307,34 +298,18 @@ def _hf_clip_b16(path):
 
 
 def _lit_tower(spec):
-  """(Tower, load seconds): the HF-CLIP-layout checkpoint or our own ViT."""
-  from types import SimpleNamespace as NS  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
+  """(Tower, load seconds): the HF-CLIP-layout checkpoint, loaded."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from train import pretrained  # pylint: disable=import-outside-toplevel
-  from train.towers import own  # pylint: disable=import-outside-toplevel
-  from train.towers import tower as tower_lib  # pylint: disable=import-outside-toplevel
-  c, v = spec["case"], spec["sizes"]["vit"]
-  if c["tower"] == "hf":
-    path = FIXTURE_HF if spec["quick"] else _hf_clip_b16(spec["hf_dir"])
-    t0 = time.perf_counter()
-    tower = pretrained.load_image_tower(path, dtype=jnp.bfloat16)
-    return tower, time.perf_counter() - t0
-  d = spec["sizes"]["lit"]["embed_dim"]
-  module = own.make_module(
-      NS(kind="vit", patch_size=v["patch_size"], width=v["width"],
-         depth=v["depth"], num_heads=v["num_heads"], mlp_dim=v["mlp_dim"]),
-      d, jnp.bfloat16)
-  s = v["image"]
-  params = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, s, s, 3)))[
-      "params"]
-  return tower_lib.Tower(module, params, s, tower_lib.SYMMETRIC, d,
-                         jnp.bfloat16, source="random"), None
+  path = FIXTURE_HF if spec["quick"] else _hf_clip_b16(spec["hf_dir"])
+  t0 = time.perf_counter()
+  tower = pretrained.load_image_tower(path, dtype=jnp.bfloat16)
+  return tower, time.perf_counter() - t0
 
 
 def child_lit(spec, rows):
-  """One LiT train step case: a tower (hf/own) in a mode (precomputed/on the
-  fly); step time, the precomputed mode's embedding rate, peak memory."""
+  """One LiT train step case: the loaded tower in a mode (precomputed / on
+  the fly); step time, the precomputed mode's embedding rate, peak memory."""
   from types import SimpleNamespace as NS  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -411,9 +386,8 @@ def child_lit(spec, rows):
     return holder["loss"]
   reps = z["reps"] if precomputed else z["reps_on_the_fly"]
   t = harness.timeit(one, reps=reps, warmup=1)
-  name = {"hf": "HF-CLIP checkpoint (quick-GELU, cls)",
-          "own": "own ViT (tanh-GELU, GAP)"}[c["tower"]]
-  rows.add(part="lit_step", impl=f"{name}, {c['mode'].replace('_', ' ')}",
+  rows.add(part="lit_step", impl="HF-CLIP checkpoint (quick-GELU, cls), "
+           + c["mode"].replace("_", " "),
            batch=b, micro=micro, median_s=t.median, min_s=t.min,
            max_s=t.max, reps=t.reps, compile_s=compile_s, load_s=load_s,
            peak_gib=_peak_gib(), loss=float(holder["loss"]), **extra)
@@ -437,9 +411,6 @@ def case_spec(name, kind):
   """The label and the per-kind fields of a case of ``PLAN``."""
   if kind == "vit":
     return "ours (default)", {}
-  if kind == "text_jax":
-    return name, dict(pools=("eos",) if name == "text_jax_eos"
-                      else ("eos", "mean"))
   if kind == "lit":
     _, tower, *mode = name.split("_")
     return name, dict(tower=tower, mode="_".join(mode))

@@ -20,7 +20,6 @@ def test_bench_loss_smoke_and_resume(tmp_path):
   assert [(r["backend"], r["status"]) for r in rows] == [
       ("reference", "ok"), ("pallas", "ok")], rows
   assert all(float(r["ms"]) > 0 for r in rows)
-  assert (tmp_path / "bench_loss.png").stat().st_size > 0
   assert "pallas" in p.stdout.splitlines()[-1]
   # --resume keeps both finished cases and runs only the new batch size.
   p = subprocess.run(cmd + ["--batches", "40,48", "--resume"],
