@@ -1,8 +1,8 @@
 """Float32 inputs, how exact and how fast each way of running them is.
 
-For issue 25's float32 rules: the loss must stay within 3e-5 of float64 at
-B = 8192 and get under 1e-3 in the worst cases found so far (scale 30-50,
-small D), while the step should come within 2x of bf16. Variants:
+What the float32 rules ask of a backend: the loss within 3e-5 of float64
+at B = 8192 and under 1e-3 in the hard cases (scale 30-50, small D), the
+step within 2x of bf16. Variants:
 
 * ``tf32``: the kernel backends' default (TF32 tensor cores, one pass);
 * ``highest``: ``BlockSizes(f32_precision="highest")``;

@@ -229,7 +229,7 @@ def _child_env(n, platform, first=0, strategy=None):
   (XLA_PYTHON_CLIENT_PREALLOCATE=true): its N = 2, b_local = 65,536 step
   plans 104-138 GB per GPU, and growing the allocator on demand that close
   to the limit did not finish a step in 120 s on 2 H200s, where the
-  preallocated arena runs it in 379 ms (2026-11-30). peak_bytes_in_use
+  preallocated arena runs it in 379 ms (BENCHMARKS.md "Ring"). peak_bytes_in_use
   still counts the bytes in use, not the arena.
   """
   env = harness.child_env()
