@@ -357,3 +357,44 @@ class TestGpuDecoder:
     assert _same(expected, _take(resumed, 6))
     assert resumed.bad == bad_then
     resumed.close()
+
+  def test_step_one_loss_is_the_host_paths_within_bf16(self, tmp_path):
+    host = _step_one_loss(tmp_path / "host", "host")
+    gpu = _step_one_loss(tmp_path / "gpu", "gpu")
+    print(f"step-1 loss: host {host!r}, gpu {gpu!r}")
+    assert abs(gpu - host) <= 2**-8 * abs(host)
+
+
+def _step_one_loss(tmp_path, decoder):
+  """The trainer end to end (the tiny LiT demo, the locked tower streamed
+  per micro-batch of 8) for one step on the corpus: its loss."""
+  from tests import test_stream  # pylint: disable=import-outside-toplevel
+  from train import train as train_lib  # pylint: disable=import-outside-toplevel
+  train = corpus_lib.make_corpus(tmp_path / "c", num=96)
+  config = test_stream._tiny(  # pylint: disable=protected-access
+      "webdataset:" + train.pattern, "", tmp_path / "tfds",
+      precompute_image_embeddings=False, microbatch_size=8, total_steps=1)
+  config.data.decoder = decoder
+  train_lib.train_and_evaluate(config, str(tmp_path / "w"))
+  rows = [r for r in test_stream._rows(tmp_path / "w") if "loss" in r]  # pylint: disable=protected-access
+  return rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
+    tmp_path, monkeypatch):
+  # The GPU call swapped for the host decoder: the trainer takes the batch
+  # path's Prefetch iterator (state, ledger) and gets the same loss, bitwise.
+  host = _step_one_loss(tmp_path / "host", "host")
+  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  import train.data.gpu_decode as gpu_decode  # pylint: disable=import-outside-toplevel
+  calls = []
+
+  class Counted(decode.HostBatchDecoder):
+    def decode(self, encoded, wheres, size):
+      calls.append(len(encoded))
+      return super().decode(encoded, wheres, size)
+  monkeypatch.setattr(gpu_decode, "GpuBatchDecoder", Counted)
+  batch = _step_one_loss(tmp_path / "batch", "gpu")
+  assert calls and set(calls) == {8}
+  assert batch == host
