@@ -204,7 +204,7 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps) -> list:
       batch = [jpgs[i % len(jpgs)] for i in range(b)]
       row = dict(row0, batch=b)
       raw = lambda batch=batch: [
-          jax.dlpack.from_dlpack(x) for x in dec._decoder.decode(  # pylint: disable=protected-access
+          dec._to_jax(x) for x in dec._decoder.decode(  # pylint: disable=protected-access
               batch, params=dec._params)]  # pylint: disable=protected-access
       whole = lambda batch=batch: dec.decode(batch, [""] * len(batch),
                                              image_size)[0]
@@ -214,6 +214,7 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps) -> list:
           row[f"{label}_img_s"] = b / t.median
         except Exception as e:  # pylint: disable=broad-except
           row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
+      row["zero_copy"] = dec.zero_copy
       rows.append(row)
       print("[bench_data] " + json.dumps(row), flush=True)
   return rows

@@ -98,6 +98,7 @@ class GpuBatchDecoder:
     self._decoder = nvimgcodec.Decoder(**kwargs)
     # The host path does not apply EXIF orientation (Pillow's Image.open
     # leaves it), so neither does this one.
+    self.zero_copy = True
     self._params = nvimgcodec.DecodeParams(
         apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
         allow_any_depth=False)
@@ -119,6 +120,16 @@ class GpuBatchDecoder:
           out.append(None)
       return out
 
+  def _to_jax(self, img):
+    if self.zero_copy:
+      try:
+        return jax.dlpack.from_dlpack(img)
+      except Exception:  # pylint: disable=broad-except
+        # A DLPack mismatch between the two builds: through the host
+        # instead (slower; ``zero_copy`` says which path ran).
+        self.zero_copy = False
+    return jax.device_put(np.asarray(img.cpu()), self.device)
+
   def decode(self, encoded: list, wheres: list, size: int):
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
@@ -130,7 +141,7 @@ class GpuBatchDecoder:
     host = []  # (i, uint8 [size, size, 3]) decoded on the host
     for i, img in enumerate(self._decode_all(encoded)):
       if img is not None:
-        a = jax.dlpack.from_dlpack(img)
+        a = self._to_jax(img)
         if a.ndim == 3 and a.shape[-1] == 3 and a.dtype == jnp.uint8:
           groups.setdefault(tuple(a.shape), []).append((i, a))
           ok[i] = True
