@@ -75,6 +75,7 @@ QUICK = dict(
 PLAN = (
     ("vit", "vit", 30, 120),
     ("vit_torch", "vit_torch", 40, 180),
+    ("vit_p16", "vit", 30, 120),
     ("text_jax_eos", "text_jax", 60, 180),
     ("text_torch", "text_torch", 110, 150),
     ("lit_hf_precomputed", "lit", 60, 200),
@@ -114,9 +115,11 @@ def _timing_row(t, batch):
               per_s=batch / t.median)
 
 
-def _compiled_vit(v, images):
+def _compiled_vit(v, images, params_in_dtype=False):
   """(compiled embed, params, compile seconds) of the benchmark's ViT-B/16
-  (class token, tok pooling, the trainer's defaults otherwise)."""
+  (class token, tok pooling, the trainer's defaults otherwise);
+  ``params_in_dtype``: the trainer's ``model.image.params_in_dtype``
+  (``Tower.with_params_in_dtype``: no per-call f32 -> bf16 weight casts)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from train.towers import vit as vit_lib  # pylint: disable=import-outside-toplevel
@@ -131,6 +134,8 @@ def _compiled_vit(v, images):
                                 jnp.zeros((1, s, s, 3)))["params"]
   tower = Tower(module, params, s, Normalization((0.5,) * 3, (0.25,) * 3),
                 v["width"], jnp.bfloat16)
+  if params_in_dtype:
+    tower = tower.with_params_in_dtype()
   t0 = time.perf_counter()
   compiled = jax.jit(tower.embed).lower(tower.params, images).compile()
   return compiled, tower.params, time.perf_counter() - t0
@@ -148,7 +153,8 @@ def child_vit(spec, rows):
   """Ours: forward of a batch of uint8 images."""
   v = spec["sizes"]["vit"]
   images = _vit_images(v)
-  compiled, params, compile_s = _compiled_vit(v, images)
+  compiled, params, compile_s = _compiled_vit(
+      v, images, spec["case"].get("params_in_dtype", False))
   t = harness.timeit(compiled, params, images, reps=spec["reps"], warmup=2)
   b = v["batch"]
   rows.add(part="vit_b16_fwd", impl=spec["label"], batch=b,
@@ -410,7 +416,8 @@ def run_as_child(spec):
 def case_spec(name, kind):
   """The label and the per-kind fields of a case of ``PLAN``."""
   if kind == "vit":
-    return "ours (default)", {}
+    return (("ours, params stored bf16", dict(params_in_dtype=True))
+            if name == "vit_p16" else ("ours (default)", {}))
   if kind == "lit":
     _, tower, *mode = name.split("_")
     return name, dict(tower=tower, mode="_".join(mode))

@@ -178,7 +178,7 @@ loss_sweep() {
 }
 
 towers_vit() {
-  bench towers-vit "$1" benchmarks/bench_towers.py --out "$out/towers" --cases vit,vit_torch \
+  bench towers-vit "$1" benchmarks/bench_towers.py --out "$out/towers" --cases vit,vit_torch,vit_p16 \
     --budget_s $(($1 - 10))
 }
 towers_text() {
