@@ -203,6 +203,7 @@ def main(argv) -> None:
   config = FLAGS.config
   try:
     config_base.check_config(config)
+    model_lib.check_checkpoints(config)
     data_lib.check_data_config(config)
     if not FLAGS.out:
       raise ValueError("--out DIR is required")

@@ -275,7 +275,8 @@ def check_tokenizer_config(tok_config) -> None:
                        "config.tokenizer.bpe_path (a local tokenizer.json, or "
                        "a directory with vocab.json + merges.txt)")
     what = (f"config.tokenizer.bpe_path is unset and {src}={path!r} has no "
-            "CLIP tokenizer files (set config.tokenizer.bpe_path)"
+            "CLIP tokenizer files (set config.tokenizer.bpe_path, or "
+            "config.tokenizer.kind='bytes')"
             if src else "")
     _clip_bpe_files(os.path.expanduser(path), what)
     _import_tokenizers()
