@@ -208,3 +208,48 @@ def test_zero_shot_metrics_on_webdataset_eval(files):
   for k in ("zeroshot_top1", "zeroshot_top5", "i2t_r1", "t2i_r1"):
     assert 0.0 <= m[k] <= 1.0, (k, m)
   assert m["retrieval_num_images"] == 16.0
+
+
+def test_zero_shot_on_a_table_label_column(files, tmp_path):
+  """A CSV held-out set with a label column, class names keyed by the
+  integer labels ("label<TAB>name", any order)."""
+  from train import data as data_lib  # pylint: disable=g-import-not-at-top
+  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  rows = ["image,caption,label"]
+  for i in range(6):
+    image, attrs, _ = synthetic.render_example(2, "test", i, 16)
+    name = f"img{i}.jpg"
+    (tmp_path / name).write_bytes(synthetic._encode(image, "jpg", 95))  # pylint: disable=protected-access
+    rows.append(f"{name},a {attrs['shape']},{attrs['shape_id']}")
+  (tmp_path / "val.csv").write_text("\n".join(rows) + "\n")
+  names = list(synthetic.SHAPES)
+  (tmp_path / "names.tsv").write_text("".join(
+      f"{i}\t{n}\n" for i, n in reversed(list(enumerate(names)))))
+  sets = data_lib.eval_sets_of(_config(files, **{
+      "data.eval_split": f"csv:{tmp_path / 'val.csv'}",
+      "data.table_label_column": "label",
+      "data.zeroshot_classnames_file": str(tmp_path / "names.tsv")}))
+  assert sets.zeroshot is not None, sets.zeroshot_skipped
+  assert sets.zeroshot.classnames == names
+  want = [synthetic.render_example(2, "test", i, 16)[1]["shape_id"]
+          for i in range(6)]
+  assert sets.zeroshot.labels.tolist() == want
+  no_column = data_lib.eval_sets_of(_config(files, **{
+      "data.eval_split": f"csv:{tmp_path / 'val.csv'}"}))
+  assert no_column.zeroshot_skipped.startswith(
+      "config.data.table_label_column is empty")
+
+
+def test_training_shards_need_no_labels(files, tmp_path):
+  """The label field serves the held-out shards: training shards without a
+  .json read every example, none counted bad."""
+  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  from train import data as data_lib  # pylint: disable=g-import-not-at-top
+  bare = lit_fixtures.shards(tmp_path, "bare", num=16, labels=False)
+  c = _config(files, **{"data.name": "webdataset:" + bare.pattern})
+  assert c.data.wds_label_field == "label"
+  source = train_lib._training_source(c, str(tmp_path), None, True)  # pylint: disable=protected-access
+  it = data_lib.make_train_iterator(c, batch_size=8, source=source)
+  for _ in range(4):
+    next(it)
+  assert it.bad == 0 and it.seen == 16
