@@ -96,7 +96,7 @@ summary() {
   local name=$1 rc=$2 secs=$3 box=$4 log=$out/$1.log note=""
   [ "$rc" -eq 124 ] && note=" (cut by its box)"
   echo "== $name: exit $rc$note, $secs of $box s, log $log"
-  if grep -qE "^=+ .*(passed|failed|error|no tests ran).* in [0-9.]+s" "$log"; then
+  if grep -qE "^=+ .* in [0-9.]+s( \(.*\))? =+$" "$log"; then
     echo "   $(grep -c ' PASSED' "$log") passed, $(grep -c ' FAILED' "$log") failed," \
       "$(grep -c ' SKIPPED' "$log") skipped: $(tail -1 "$log")"
     grep -E "^(FAILED|ERROR) " "$log" | cut -c1-200 | head -15 | sed 's/^/   /'
