@@ -33,12 +33,13 @@ Arguments (default ``hf``):
 - ``user_small``: the same path sized for a CPU smoke run of about a
   minute (a few steps on 32 px images, embedded on the fly; the first 64
   held-out examples): check a recipe before it takes the GPU.
-
 - ``hf``: a Hugging Face CLIP directory (``config.json`` +
   ``model.safetensors``), its ``vocab.json``/``merges.txt`` or
   ``tokenizer.json`` as the CLIP BPE tokenizer; softmax loss.
 - ``hf_text``: the same, with the text tower initialised from the
-  checkpoint's CLIP text tower (77 positions).
+  checkpoint's CLIP text tower (77 positions); ``model.text.init`` is a key
+  of its own, so another checkpoint wants both ``--config.model.image.init``
+  and ``--config.model.text.init`` (the tokenizer follows the text tower's).
 - ``siglip``: a Hugging Face SigLIP directory; its ``spiece.model`` as the
   SentencePiece tokenizer; sigmoid loss.
 - ``timm``: a timm hub directory (``config.json`` + ``model.safetensors``);
