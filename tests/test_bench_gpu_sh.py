@@ -60,6 +60,12 @@ def test_dry_run_plan_names_existing_files_under_each_box(suite):
     assert name.startswith(suite + "-"), line
     for path in re.findall(r"\b((?:benchmarks|tests)/[\w/]+\.py)\b", line):
       assert os.path.exists(os.path.join(ROOT, path)), line
+    script = re.search(r"\b(benchmarks/\w+\.py)\b", line)
+    if script:  # Every option the plan passes is one the script takes.
+      with open(os.path.join(ROOT, script[1]), encoding="utf-8") as f:
+        known = set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", f.read()))
+      used = set(re.findall(r"\s(--[a-z][\w-]*)", line.split(script[1], 1)[1]))
+      assert used <= known, (line, sorted(used - known))
     # Results go under $OUT, where the device call returns them from.
     for out in re.findall(r"--out (\S+)", line):
       assert out.startswith("/tmp/gpu_sh_plan/"), line
