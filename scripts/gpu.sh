@@ -9,7 +9,7 @@
 # SUITE is tests, loss, towers, train, data, ring or all; PART picks some of a
 # suite's parts (all of them by default). Every part runs under its own time
 # box (timeout -s INT, so that pytest and the benchmarks still write what
-# they have), writes its log to $OUT/SUITE-PART.log, and ends with a
+# they have), writes its logs to $OUT/SUITE-PART*.log, and ends with a
 # one-paragraph summary of that log. A device call is limited to 10 minutes:
 # --list gives each part's box, so that a call takes the parts that fit
 # (e.g. `loss table stages`, then `loss groups`). ring needs two GPUs.
