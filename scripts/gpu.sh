@@ -30,7 +30,7 @@ py=${PYTHON:-python3}
 suite_parts() {
   local parts
   case "$1" in
-  tests) parts="kernels:420 large:120" ;;
+  tests) parts="kernels:420 large:120 interpret:420" ;;
   loss) parts="table:420 stages:130 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
   train) parts="step:420 ladder:560 stream:430 l14:150" ;;
@@ -104,12 +104,13 @@ summary() {
     tail -n "${SUMMARY_LINES:-25}" "$log" | cut -c1-200 | sed 's/^/   /'
   fi
 }
-# pytest -m gpu, every test's line kept (-v) and its failures summarised.
-gpu_pytest() {  # gpu_pytest NAME BOX WORKERS PYTEST_ARGS...
+# pytest -m "${mark:-gpu}", every test's line kept (-v) and its failures
+# summarised.
+gpu_pytest() {  # [mark=MARKER] gpu_pytest NAME BOX WORKERS PYTEST_ARGS...
   local name=$1 box=$2 workers=$3
   shift 3
-  XLA_PYTHON_CLIENT_PREALLOCATE=false job "$name" "$box" "$py" -m pytest -m gpu -v -rfE \
-    -p no:cacheprovider --tb=short -n "$workers" "$@"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false job "$name" "$box" "$py" -m pytest -m "${mark:-gpu}" \
+    -v -rfE -p no:cacheprovider --tb=short -n "$workers" "$@"
 }
 bench() { job "$1" "$2" env PYTHONUNBUFFERED=1 "$py" "${@:3}"; }
 
@@ -134,6 +135,12 @@ tests_kernels() {
 tests_large() {
   gpu_pytest tests-large "$1" 0 -k past_2_to_the_31 tests/test_mosaic_backend.py \
     tests/test_native_triton.py tests/test_pallas.py tests/test_pallas_sigmoid.py
+}
+tests_interpret() {
+  # The interpreter cases that CPU runs deselect (tests/interpret_tests.txt:
+  # beyond one per kernel and shape class); CPU-bound, so many workers.
+  mark=interpret gpu_pytest tests-interpret "$1" 12 \
+    $(grep -v '^#' tests/interpret_tests.txt | cut -d: -f1 | sort -u)
 }
 
 loss_table() {
