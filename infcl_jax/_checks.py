@@ -142,6 +142,26 @@ def check_block_sizes(block_sizes):
         f"{type(block_sizes).__name__}{hint}")
 
 
+def with_precision(block_sizes, precision):
+  """``block_sizes`` carrying the loss's ``precision=`` (float32 inputs:
+  "default", "high" or "highest"; ``backends.precision``) as its
+  ``f32_precision``; None when neither is given. Two different settings
+  are one line."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import precision as precision_lib  # pylint: disable=import-outside-toplevel
+  from infcl_jax.block_sizes import BlockSizes  # pylint: disable=import-outside-toplevel
+  precision = precision_lib.canonical(precision)
+  if precision is None:
+    return block_sizes
+  if block_sizes is None:
+    return BlockSizes(f32_precision=precision)
+  if block_sizes.f32_precision not in (None, precision):
+    raise ValueError(
+        f"precision={precision!r} and block_sizes.f32_precision="
+        f"{block_sizes.f32_precision!r} disagree; give one of them")
+  return dataclasses.replace(block_sizes, f32_precision=precision)
+
+
 def check_strategy(strategy):
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

@@ -91,17 +91,19 @@ def _n_queries_keys(direction, image_emb, text_emb):
 
 
 def _checked(family, image_emb, text_emb, logit_scale, logit_bias, *,
-             bias_required, backend, block_sizes):
-  """The checks both families share; returns (scale, bias, backend name)."""
+             bias_required, backend, block_sizes, precision):
+  """The checks both families share; returns (scale, bias, backend name,
+  the block sizes with ``precision`` in them)."""
   _checks.check_embeddings(image_emb, text_emb)
   _checks.check_backend(backend)
   _checks.check_block_sizes(block_sizes)
+  block_sizes = _checks.with_precision(block_sizes, precision)
   scale = _checks.check_scalar("logit_scale", logit_scale)
   bias = _checks.check_scalar("logit_bias", logit_bias,
                               allow_none=not bias_required)
   name = backend if backend == "reference" else registry.resolve(backend,
                                                                  family)
-  return scale, bias, name
+  return scale, bias, name, block_sizes
 
 
 def _checked_axes(axis_name):
@@ -119,7 +121,7 @@ def _cast(image_emb, text_emb):
 def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
                      direction="both", labels=None, axis_name=None,
                      strategy="auto", backend="auto", block_sizes=None,
-                     groups=None, group_mode="mask"):
+                     groups=None, group_mode="mask", precision=None):
   """Exact CLIP (softmax / InfoNCE) loss without the B x B logit matrix.
 
   Logits are ``s_ij = logit_scale * <image_emb_i, text_emb_j> + logit_bias``.
@@ -159,14 +161,16 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     backend: "auto", "reference" (full matrix, O(B^2)) or a registered tiled
       backend ("xla", "pallas", "mosaic").
     block_sizes: optional ``BlockSizes`` for the tiled backends.
+    PRECISION
 
   Returns:
     The scalar float32 loss. Gradients flow to the embeddings, the scale and
     the bias.
   """
-  scale, bias, name = _checked(
+  scale, bias, name, block_sizes = _checked(
       softmax_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
-      bias_required=False, backend=backend, block_sizes=block_sizes)
+      bias_required=False, backend=backend, block_sizes=block_sizes,
+      precision=precision)
   _checks.check_strategy(strategy)
   _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0],
                           labels=labels is not None)
@@ -211,8 +215,7 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
   tiles = registry.get(backend, softmax_lib.FAMILY)
-  if (groups is None and q.dtype == jnp.float32 and tiles.GROUPS
-      and tiles.F32_DEFAULT == "tf32"):
+  if groups is None and tiles.GROUPS and tiles.tf32(block_sizes, q.dtype):
     # TF32 tiles: the positive is left out of them and put back exactly
     # (``groups_lib.exact_positive_ids``).
     groups = groups_lib.exact_positive_ids(q.shape[0], k.shape[0], labels,
@@ -229,7 +232,7 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
 
 def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
                  axis_name=None, backend="auto", block_sizes=None,
-                 groups=None, group_mode="mask"):
+                 groups=None, group_mode="mask", precision=None):
   """Exact SigLIP sigmoid loss without the B x B logit matrix.
 
   ``L = -(1/B) sum_ij log sigmoid(z_ij * s_ij)`` with
@@ -253,15 +256,17 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
     backend: "auto", "reference" (full matrix, O(B^2) memory) or a
       registered tiled backend ("xla", "pallas", "mosaic").
     block_sizes: optional ``BlockSizes`` for the tiled backends.
+    PRECISION
 
   Returns:
     The scalar float32 loss. Gradients flow to the embeddings, the scale and
     the bias; each term is computed per element with the stable identity
     ``-log sigmoid(u) = max(-u, 0) + log1p(exp(-|u|))``.
   """
-  scale, bias, name = _checked(
+  scale, bias, name, block_sizes = _checked(
       sigmoid_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
-      bias_required=True, backend=backend, block_sizes=block_sizes)
+      bias_required=True, backend=backend, block_sizes=block_sizes,
+      precision=precision)
   # Sigmoid only: one positive per row and column, so equal batches.
   _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
   axes = _checked_axes(axis_name)
@@ -299,9 +304,19 @@ def _gathered_ids(ids, axes):
   return tuple(map(gather, ids)) if isinstance(ids, tuple) else gather(ids)
 
 
+_PRECISION_DOC = """precision: float32 inputs only, the precision of the matmuls
+      (as ``jax.lax.dot``'s): "default" (TF32 tensor cores; the positives
+      put back in float32: the fastest, within 1e-3 of float64 on most
+      inputs but not on a very confident model at small D and large
+      scale), "high" (3-pass TF32: float32-accurate logits) or "highest"
+      (IEEE float32, several times slower). None (the default): the
+      backend's exact default, "high" on the kernel backends, "highest"
+      on xla (``infcl_jax.backends.precision``). The same as
+      ``BlockSizes(f32_precision=...)``; no effect on 16-bit inputs."""
+
 for _f in (contrastive_loss, sigmoid_loss):  # pylint: disable=invalid-name
   _f.__doc__ = _f.__doc__.replace("AXIS_NAME", _AXIS_NAME_DOC).replace(
-      "GROUPS", _GROUPS_DOC)
+      "GROUPS", _GROUPS_DOC).replace("PRECISION", _PRECISION_DOC)
 
 
 # ------------------------------------------------ globally sharded arrays
@@ -336,7 +351,7 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
                              axis_name="data", logit_bias=None,
                              direction="both", labels=None, strategy="auto",
                              backend="auto", block_sizes=None, groups=None,
-                             group_mode="mask"):
+                             group_mode="mask", precision=None):
   """``contrastive_loss`` on globally sharded arrays, across the mesh.
 
   Shards the batch dimension of both embedding arrays over ``axis_name``
@@ -352,7 +367,8 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     logit_scale: scalar multiplier of the logits.
     mesh: the ``jax.sharding.Mesh``.
     axis_name: mesh axis name, or tuple of names, to shard the batch over.
-    logit_bias, direction, backend, block_sizes: as in ``contrastive_loss``.
+    logit_bias, direction, backend, block_sizes, precision: as in
+      ``contrastive_loss``.
     labels: as in ``contrastive_loss``: one global key index per global
       query, sharded like the queries.
     groups, group_mode: as in ``contrastive_loss``, the global ids
@@ -367,9 +383,10 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
     ValueError: an axis name not in the mesh, or a global batch that the
       number of devices on the axis does not divide.
   """
-  scale, bias, name = _checked(
+  scale, bias, name, block_sizes = _checked(
       softmax_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
-      bias_required=False, backend=backend, block_sizes=block_sizes)
+      bias_required=False, backend=backend, block_sizes=block_sizes,
+      precision=precision)
   _checks.check_strategy(strategy)
   axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
   _checks.check_direction(direction, image_emb.shape[0], text_emb.shape[0],
@@ -402,16 +419,17 @@ def _sharded_softmax(image_emb, text_emb, scale, bias, labels, groups, *,
 
 def sharded_sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *, mesh,
                          axis_name="data", backend="auto", block_sizes=None,
-                         groups=None, group_mode="mask"):
+                         groups=None, group_mode="mask", precision=None):
   """``sigmoid_loss`` on globally sharded arrays: the SigLIP ring for you.
 
   The value equals ``sigmoid_loss`` on the whole arrays; ``jax.grad`` of it
   gives the ordinary gradients of the global arrays. Arguments as in
   ``sharded_contrastive_loss`` and ``sigmoid_loss``.
   """
-  scale, bias, name = _checked(
+  scale, bias, name, block_sizes = _checked(
       sigmoid_lib.FAMILY, image_emb, text_emb, logit_scale, logit_bias,
-      bias_required=True, backend=backend, block_sizes=block_sizes)
+      bias_required=True, backend=backend, block_sizes=block_sizes,
+      precision=precision)
   _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
   axes = _checks.check_mesh_batch(mesh, axis_name, image_emb, text_emb)
   groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],

@@ -22,7 +22,8 @@ import dataclasses
 
 import numpy as np
 
-F32_PRECISIONS = ("tf32", "highest")  # See infcl_jax.backends.precision.
+# See infcl_jax.backends.precision; "tf32" is accepted for "default".
+F32_PRECISIONS = ("default", "high", "highest")
 
 BWD_IMPLS = ("pallas", "xla")
 
@@ -35,8 +36,14 @@ def _is_pow2(v: int) -> bool:
 class BlockSizes:
   """Tile shape and kernel tuning of a tiled backend.
 
+  ``BlockSizes(f32_precision=...)`` alone (no ``block_q`` / ``block_k``)
+  keeps the backend's own tiles and tuning and sets only the float32
+  precision; any other field needs the tile shape (``block_q`` and
+  ``block_k``) beside it.
+
   Attributes:
-    block_q: rows of x per tile.
+    block_q: rows of x per tile (None, with ``block_k`` None: the backend's
+      tiles).
     block_k: rows of y per tile.
     block_d: Pallas: feature-dimension step of the tile matmul (the K-step).
     num_warps: Pallas: warps per program of the forward kernel.
@@ -55,19 +62,22 @@ class BlockSizes:
     bwd_impl: Pallas backward: "pallas" (a fused kernel recomputes the
       logits and writes G) or "xla" (XLA's GEMM recomputes the logits of the
       panel in float32, then an elementwise fusion forms G; more memory).
-    f32_precision: float32 inputs only: "tf32" runs the matmuls on the
-      tensor cores in TF32 (10-bit mantissa: logits carry ~1e-3 relative
-      error); "highest" keeps full float32 (CUDA cores, several times
-      slower). ``None`` (the default): "highest" if JAX's own float32 switch
+    f32_precision: float32 inputs only, the precision of the matmuls:
+      "default" (TF32 tensor cores, operands rounded to TF32; logits carry
+      ~4e-4 * scale / sqrt(D) of error, the loss puts each positive back in
+      float32), "high" (3-pass TF32: float32-accurate logits, ~3 TF32
+      passes) or "highest" (IEEE float32, several times slower); "tf32" is
+      "default". ``None``: "highest" if JAX's own float32 switch
       (``jax.default_matmul_precision``) says "highest" or "float32", else
-      the backend's default: "highest" for xla, "tf32" for the kernel
-      backends (the one policy: ``infcl_jax.backends.precision``).
+      the backend's default: "highest" for xla, "high" for the kernel
+      backends (the one policy: ``infcl_jax.backends.precision``). The
+      losses' ``precision=`` sets this field.
     single_exp: Pallas: one exponential per logit where a tile's range
       allows (a shared shift for row and column terms; the kernels check
       this per tile and fall back to the exact two-exponential form).
   """
-  block_q: int
-  block_k: int
+  block_q: int | None = None
+  block_k: int | None = None
   block_d: int = 64
   num_warps: int = 8
   num_stages: int = 3
@@ -82,10 +92,26 @@ class BlockSizes:
   single_exp: bool = True
 
   def __post_init__(self):
+    if (self.block_q is None) != (self.block_k is None):
+      raise ValueError(
+          f"BlockSizes needs block_q and block_k together (the tile shape), "
+          f"or neither (the backend's tiles), got block_q={self.block_q!r}, "
+          f"block_k={self.block_k!r}")
+    if self.block_q is None:
+      tuned = [f.name for f in dataclasses.fields(self)
+               if f.name not in ("block_q", "block_k", "f32_precision")
+               and getattr(self, f.name) != f.default]
+      if tuned:
+        raise ValueError(
+            f"BlockSizes.{tuned[0]} needs block_q and block_k beside it (a "
+            f"BlockSizes without them sets only f32_precision and keeps the "
+            f"backend's tiles)")
     for name in ("block_q", "block_k", "block_d", "num_warps", "num_stages",
                  "bwd_block_q", "bwd_block_k", "bwd_num_warps",
                  "bwd_num_stages", "panel_rows"):
       v = getattr(self, name)
+      if v is None and name in ("block_q", "block_k"):
+        continue
       if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
         raise ValueError(f"BlockSizes.{name} must be a positive int, got {v!r}")
     n = self.num_programs
@@ -99,9 +125,27 @@ class BlockSizes:
     if self.bwd_impl not in BWD_IMPLS:
       raise ValueError(
           f"BlockSizes.bwd_impl must be one of {BWD_IMPLS}, got {self.bwd_impl!r}")
-    if self.f32_precision is not None and self.f32_precision not in F32_PRECISIONS:
-      raise ValueError(f"BlockSizes.f32_precision must be one of "
-                       f"{F32_PRECISIONS}, got {self.f32_precision!r}")
+    f32 = self.f32_precision
+    if f32 is not None:
+      f32 = {"tf32": "default"}.get(f32, f32) if isinstance(f32, str) else f32
+      if f32 not in F32_PRECISIONS:
+        raise ValueError(f"BlockSizes.f32_precision must be one of "
+                         f"{F32_PRECISIONS} (or \"tf32\", the same as "
+                         f"\"default\"), got {self.f32_precision!r}")
+      # One spelling, so that equal settings are one jit cache entry.
+      object.__setattr__(self, "f32_precision", f32)
+
+  @property
+  def tiles(self) -> bool:
+    """Whether this sets the tiles (else only the float32 precision)."""
+    return self.block_q is not None
+
+  def over(self, default: "BlockSizes") -> "BlockSizes":
+    """What a backend runs: ``self``, or without tiles ``default`` (the
+    backend's own) with this float32 precision."""
+    if self.tiles:
+      return self
+    return dataclasses.replace(default, f32_precision=self.f32_precision)
 
   def check_pallas(self):
     """Raises ValueError unless the Pallas kernels can use these sizes."""

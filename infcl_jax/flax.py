@@ -69,6 +69,8 @@ class ContrastiveLoss(nn.Module):
       "gather"; see ``contrastive_loss``.
     backend: tile backend name, "auto" by default.
     block_sizes: optional ``BlockSizes`` of the tiled backends.
+    precision: float32 inputs: "default", "high", "highest" or None (the
+      backend's exact default); see ``contrastive_loss``.
     group_mode: "mask" (default) or "positives": what related pairs of the
       ``groups`` given to ``__call__`` are; see ``contrastive_loss`` and
       ``sigmoid_loss``.
@@ -86,6 +88,7 @@ class ContrastiveLoss(nn.Module):
   backend: str = "auto"
   block_sizes: BlockSizes | None = None
   group_mode: str = "mask"
+  precision: str | None = None
 
   def _check(self):
     if self.loss not in LOSSES:
@@ -141,14 +144,15 @@ class ContrastiveLoss(nn.Module):
                               axis_name=self.axis_name, strategy=self.strategy,
                               backend=self.backend,
                               block_sizes=self.block_sizes, groups=groups,
-                              group_mode=self.group_mode)
+                              group_mode=self.group_mode,
+                              precision=self.precision)
     if bias is None:
       # SigLIP without a learnable bias: a fixed zero bias.
       bias = jnp.zeros((), jnp.float32)
     return sigmoid_loss(image_emb, text_emb, scale, bias,
                         axis_name=self.axis_name, backend=self.backend,
                         block_sizes=self.block_sizes, groups=groups,
-                        group_mode=self.group_mode)
+                        group_mode=self.group_mode, precision=self.precision)
 
   def scale_and_bias(self):
     """The clamped scale ``t`` and the bias (0 when there is none).

@@ -300,7 +300,8 @@ def test_f32_precision_follows_jax_matmul_precision_switch():
   xla = registry.get("xla", "softmax")
   f32, bf16 = jnp.float32, jnp.bfloat16
   # backend, block sizes, dtype -> precision (outside / inside the switch).
-  cases = [(pallas, bs, f32, dflt, hi), (pallas, tf32, f32, dflt, dflt),
+  cases = [(pallas, bs, f32, lax.Precision.HIGH, hi),
+           (pallas, tf32, f32, dflt, dflt),
            (pallas, full, f32, hi, hi), (pallas, full, bf16, dflt, dflt),
            (xla, bs, f32, hi, hi), (xla, tf32, f32, dflt, dflt),
            (xla, bs, bf16, dflt, dflt)]

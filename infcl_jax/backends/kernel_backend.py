@@ -17,7 +17,8 @@ class KernelBackend(base.TileBackend):
   """
 
   name = "kernel"
-  F32_DEFAULT = "tf32"  # Speed, as XLA's own GEMMs (backends.precision).
+  # Exact float32 by default: 3-pass TF32 (``backends.precision``).
+  F32_DEFAULT = "high"
 
   def __init__(self, platform: str | None = None):
     super().__init__(platform)

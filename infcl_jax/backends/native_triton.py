@@ -36,11 +36,14 @@ non-Hopper GPU it supports where the extra is installed
 for sm80, sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``:
 shared memory within each GPU's limit, no register spills).
 
-Precision: bf16 / f16 on the tensor cores with float32 accumulation;
-float32 inputs as TF32 by default (``tl.dot(input_precision="tf32")``, like
-XLA's own float32 GEMMs), full IEEE float32 with
-``BlockSizes(f32_precision="highest")`` or
-``jax.default_matmul_precision("highest")`` (``backends.precision``).
+Precision (``backends.precision``): bf16 / f16 on the tensor cores with
+float32 accumulation. float32 inputs: 3-pass TF32 by default
+(``tl.dot(input_precision="tf32x3")``, float32-accurate logits);
+``precision="default"`` runs TF32 on operands rounded to nearest TF32
+first (Triton's TF32 dot truncates them: products ~1e-3 small on average,
+which put the loss 3.2e-3 to 1.1e-2 off float64 on trained-looking inputs
+on the H200; rounded, a float64 model of TF32 gives ~2e-4 on the same
+cases), ``precision="highest"`` IEEE float32.
 
 Requirements: the ``triton`` extra (``pip install "infcl-jax[triton]"``:
 ``triton`` and ``jax-triton``); without it this module does not import and

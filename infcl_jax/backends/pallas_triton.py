@@ -26,13 +26,17 @@ Precision: bf16 / f16 inputs run on the tensor cores with float32
 accumulation. Softmax G is normalised so that its largest coefficient is 1;
 a float16 sigmoid panel (|G| can be far below float16's range when the loss
 is tiny) is first scanned for its largest |G| (a second recompute, float16
-only) and stored divided by it. float32 inputs use TF32 matmuls by default,
-like XLA's own float32 GEMMs on the GPU (~1e-3 relative on the logits);
-``BlockSizes(f32_precision="highest")`` or
-``jax.default_matmul_precision("highest")`` keeps full float32. Off the GPU
-the kernels run with ``interpret=True`` (exact float32; slow, for tests).
+only) and stored divided by it. float32 inputs (``backends.precision``): 3-pass TF32 by
+default (``DotAlgorithmPreset.TF32_TF32_F32_X3``: float32-accurate
+logits), TF32 with ``precision="default"`` (operands rounded to TF32, the
+positives put back in float32 by the loss), IEEE float32 with
+``precision="highest"`` or ``jax.default_matmul_precision("highest")``.
+Off the GPU the kernels run with ``interpret=True`` (exact float32; slow,
+for tests).
 """
 from __future__ import annotations
+
+from jax import lax
 
 from infcl_jax.backends import capability
 from infcl_jax.backends import triton_configs
@@ -58,6 +62,15 @@ class PallasTritonBackend(triton_tiles.TritonTilesBackend):
 
   def _kernel_kw(self):
     return {"interpret": self.interpret}
+
+  def _kernel_precision(self, prec):
+    # Pallas' Triton lowering reads Precision.HIGH as plain TF32; the
+    # 3-pass TF32 dot is an algorithm preset there. The interpreter's dot
+    # is exact float32 (and XLA's CPU dot takes no TF32 preset).
+    if prec == lax.Precision.HIGH:
+      return (lax.Precision.HIGHEST if self.interpret
+              else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    return prec
 
 
 BACKEND = PallasTritonBackend

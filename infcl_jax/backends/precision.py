@@ -1,41 +1,103 @@
 """The float32 matmul precision of every tiled backend: one policy.
 
 bfloat16 / float16 inputs always run at ``lax.Precision.DEFAULT``: tensor
-cores with float32 accumulation. float32 inputs run at, in this order:
+cores with float32 accumulation. float32 inputs run at one of three
+precisions, named as ``jax.lax.Precision`` names them:
 
-1. ``BlockSizes.f32_precision`` when it is set ("tf32" or "highest");
+* "default": TF32 tensor cores (a 10-bit mantissa). Each operand is
+  rounded to nearest TF32 first: Triton 3.6's TF32 dot truncates, which
+  shrinks every product by ~1e-3 on average, a bias that the loss does not
+  average away. The loss takes each query's positive out of the tiles and
+  puts it back with its float32 logit (``groups.exact_positive_ids``), so a
+  confident model's small loss is not the difference of two TF32-rounded
+  numbers. What is left is the negatives' own TF32 error, ~4e-4 * scale /
+  sqrt(D) per logit: within 1e-3 of float64 on the loss where the few
+  negatives that carry it are not all near the positive; beyond it for a
+  very confident model at small D and large scale (1.4e-3 to 4.6e-3 at
+  D = 16 to 96, scale 50 to 100, loss below 1e-5, in a float64 model of
+  TF32's rounding).
+* "high": 3-pass TF32 (x ~ big + small, the small x small product
+  dropped): float32-accurate logits (~1e-6) at about three TF32 passes.
+  The Triton-language kernels run Triton's "tf32x3" dot, the Pallas-Triton
+  kernels ``DotAlgorithmPreset.TF32_TF32_F32_X3``, XLA its own
+  ``Precision.HIGH``.
+* "highest": full IEEE float32 (CUDA cores, several times slower).
+
+Which one, in this order:
+
+1. ``precision=`` of the loss, or ``BlockSizes.f32_precision`` (the loss
+   puts its ``precision=`` there; ``BlockSizes(f32_precision=...)`` needs no
+   block sizes);
 2. "highest" when JAX's own float32 switch asks for it
    (``jax.default_matmul_precision`` / ``jax_default_matmul_precision``
    "highest" or "float32"), read when the loss is traced, so a ``with``
    block around the call takes effect (it is part of jit's cache key);
-3. the backend's own default, ``F32_DEFAULT`` on its class. The portable
-   ``xla`` backend keeps "highest": it is the exactness baseline, held to
-   ~1e-5 in float32, where TF32 (a 10-bit mantissa) would give ~1e-3 on
-   the logits. The kernel backends take "tf32": they exist for speed, and
-   that is what XLA's own float32 GEMMs do on a GPU.
+3. the backend's own default, ``F32_DEFAULT`` on its class: "high" for the
+   kernel backends (exact float32 by default, ``precision="default"`` for
+   TF32 speed), "highest" for the portable ``xla`` backend (the exactness
+   baseline, held to ~1e-5).
+
+Off the GPU every precision is exact float32 (the interpreters and XLA's
+CPU dot ignore TF32), so the rounding above happens only in compiled
+kernels.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+PRECISIONS = ("default", "high", "highest")
+# BlockSizes' earlier name for "default".
+ALIASES = {"tf32": "default"}
 _JAX_HIGHEST = ("highest", "float32", "fastest_float32_off")
+_LAX = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH,
+        "highest": lax.Precision.HIGHEST}
+
+
+def canonical(value, what="precision"):
+  """``value`` as one of ``PRECISIONS`` (None stays None), or a one-line
+  ValueError naming ``what``."""
+  if value is None:
+    return None
+  value = ALIASES.get(value, value) if isinstance(value, str) else value
+  if value not in PRECISIONS:
+    raise ValueError(f"{what} must be one of {PRECISIONS} (or None: the "
+                     f"backend's default), got {value!r}")
+  return value
 
 
 def f32_mode(f32_precision: str | None, default: str) -> str:
-  """"tf32" or "highest" for float32 inputs (the order above)."""
+  """The precision of float32 inputs (the order above)."""
   if f32_precision is not None:
-    return f32_precision
+    return canonical(f32_precision)
   if jax.config.jax_default_matmul_precision in _JAX_HIGHEST:
     return "highest"
   return default
 
 
+def tf32_tiles(dtype, f32_precision: str | None, default: str) -> bool:
+  """Whether inputs of ``dtype`` run on TF32 tiles (float32 at "default"):
+  where the loss puts the positive back in float32 and the Triton kernels
+  round their operands to TF32."""
+  return (jnp.dtype(dtype) == jnp.float32
+          and f32_mode(f32_precision, default) == "default")
+
+
 def matmul_precision(dtype, f32_precision: str | None,
                      default: str) -> lax.Precision:
   """The ``lax.Precision`` of a backend's matmuls on inputs of ``dtype``."""
-  if (jnp.dtype(dtype) == jnp.float32
-      and f32_mode(f32_precision, default) == "highest"):
-    return lax.Precision.HIGHEST
-  # DEFAULT: bf16 / f16 tensor cores; TF32 for float32 on the GPU.
-  return lax.Precision.DEFAULT
+  if jnp.dtype(dtype) != jnp.float32:
+    return lax.Precision.DEFAULT  # bf16 / f16 tensor cores.
+  return _LAX[f32_mode(f32_precision, default)]
+
+
+def round_tf32(x):
+  """float32 ``x`` rounded to nearest TF32 (10 mantissa bits, ties to
+  even); inf and NaN stay as they are, a value past TF32's largest finite
+  one becomes inf (as any rounding to a narrower format)."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  keep = bits + jnp.uint32(0xFFF) + ((bits >> 13) & jnp.uint32(1))
+  rounded = lax.bitcast_convert_type(keep & jnp.uint32(0xFFFFE000),
+                                     jnp.float32)
+  return jnp.where(jnp.isfinite(x), rounded, x)

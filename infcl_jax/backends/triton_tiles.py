@@ -31,6 +31,7 @@ from infcl_jax import _device
 from infcl_jax.backends import capability
 from infcl_jax.backends import kernel_backend
 from infcl_jax.backends import panel_backward as pb
+from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends.padding import check_int32
 from infcl_jax.backends.padding import pad1
 from infcl_jax.backends.padding import pad_inputs
@@ -93,6 +94,20 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
   def _kernel_kw(self) -> dict:
     return {}
 
+  def _kernel_precision(self, prec):
+    """What the kernels take for ``prec`` (a ``lax.Precision``; the
+    Triton-language kernels map it to ``tl.dot``'s input precision)."""
+    return prec
+
+  def _operands(self, x, y, bs):
+    """x and y as the kernels take them: on TF32 tiles, compiled, rounded
+    to nearest TF32 (``backends.precision``: Triton's TF32 dot truncates);
+    the interpreters' dots are exact float32, so there as they are."""
+    if self.interpret or not precision_lib.tf32_tiles(
+        x.dtype, bs.f32_precision, self.F32_DEFAULT):
+      return x, y
+    return precision_lib.round_tf32(x), precision_lib.round_tf32(y)
+
   @staticmethod
   def _groups_kw(groups, xp, yp, group_mode=None):
     """A forward kernel's group keywords: none without groups, so that the
@@ -108,6 +123,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
 
   def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
     n, m = x.shape[0], y.shape[0]
+    x, y = self._operands(x, y, bs)
     xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     nprog = bs.num_programs or _device.num_sms()
     check_int32(self.name, column_workspace=min(
@@ -116,18 +132,21 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
-        num_stages=bs.num_stages, precision=self.precision(bs, x.dtype),
+        num_stages=bs.num_stages,
+        precision=self._kernel_precision(self.precision(bs, x.dtype)),
         single_exp=bs.single_exp, **self._groups_kw(groups, xp, yp),
         **self._kernel_kw())
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
                 col_coef, *, bs, groups=None):
     prec = self.precision(bs, x.dtype)
+    x, y = self._operands(x, y, bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         self.kernels().lse_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
         block_k=bs.bwd_block_k, block_d=bs.block_d,
         num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
-        precision=prec, single_exp=bs.single_exp, **self._kernel_kw())
+        precision=self._kernel_precision(prec), single_exp=bs.single_exp,
+        **self._kernel_kw())
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=layout(bs, x, y), precision=prec, panel=panel,
@@ -138,19 +157,22 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
   def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
                    groups=None, group_mode="mask"):
     n, m = x.shape[0], y.shape[0]
+    x, y = self._operands(x, y, bs)
     xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     rows = self.kernels().sigmoid_rows(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, target_programs=bs.num_programs or _device.num_sms(),
         num_warps=bs.num_warps, num_stages=bs.num_stages,
-        precision=self.precision(bs, x.dtype),
+        precision=self._kernel_precision(self.precision(bs, x.dtype)),
         **self._groups_kw(groups, xp, yp, group_mode), **self._kernel_kw())
     return jnp.sum(rows)
 
   def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
                     groups=None, group_mode="mask"):
     prec = self.precision(bs, x.dtype)
+    kprec = self._kernel_precision(prec)
+    x, y = self._operands(x, y, bs)
     kernel, kernel_kw = self.kernels().sigmoid_panel, self._kernel_kw()
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
@@ -158,7 +180,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
           x_p, yp, rid_p, params, mode=mode, g_dtype=x.dtype,
           block_q=bs.bwd_block_q, block_k=bs.bwd_block_k, block_d=bs.block_d,
           num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
-          precision=prec, **kernel_kw, **kw)
+          precision=kprec, **kernel_kw, **kw)
 
     return pb.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,

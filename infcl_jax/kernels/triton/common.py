@@ -34,8 +34,9 @@ MAX_SPREAD = tl.constexpr(64.0)
 INTERPRETED = tl.constexpr(launch.interpreting())
 
 # lax.Precision -> tl.dot's input_precision. bf16 / f16 ignore it (tensor
-# cores, float32 accumulation); float32 takes TF32 or full IEEE float32.
-PRECISIONS = {"DEFAULT": "tf32", "HIGH": "tf32", "HIGHEST": "ieee"}
+# cores, float32 accumulation); float32 takes TF32, 3-pass TF32 or full
+# IEEE float32 (``backends.precision``).
+PRECISIONS = {"DEFAULT": "tf32", "HIGH": "tf32x3", "HIGHEST": "ieee"}
 
 
 def group_ptrs(groups, stand_in):
