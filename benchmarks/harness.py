@@ -1,25 +1,30 @@
-"""What every benchmark script shares: one timer, one child runner, one OOM
-test.
+"""What every benchmark script shares, one home each.
 
-* ``timeit``: device-synchronized wall time of a jitted call, median of
-  repetitions after a warm-up; with ``budget_s`` the repetitions adapt to
-  the step's length (long steps get fewer).
-* ``run_child``: runs a case in a fresh Python process (so that the
-  device's peak-memory counter and the allocator start from zero, and a
-  crash or a hang costs one case, not the sweep), under a deadline and,
-  optionally, a shorter one until the child reports its compiled phase.
-  The child prints one ``result_tag`` + JSON line; a timeout, a crash or an
-  out-of-memory end becomes a status row instead.
-* ``is_oom``: whether an exception or a child's output says the device ran
-  out of memory.
-* ``HostMemory``: the peak host memory of a process and all its
-  descendants (e.g. an input pipeline's worker processes), sampled.
+* timing: ``timeit`` (device-synchronized, median after a warm-up, the
+  repetitions fitted to a time budget), ``report``;
+* the device and the run: ``device_meta``, ``now``, ``set_xla_flags``,
+  ``mem_plan`` (XLA's memory plan of a compiled program);
+* inputs and steps: ``host_inputs`` / ``inputs`` (unit-norm embeddings),
+  ``loss_step`` (fwd+bwd of the softmax or sigmoid loss), ``rel``;
+* the run's options: ``parser`` (``--out``, ``--resume``, ``--budget-s``,
+  ``--timeout-s``: one spelling and meaning in every script);
+* rows: ``Rows`` (a results file written after every case, resumable),
+  ``write_csv``, ``read_jsonl``; ``Budget``: the time a whole run may take;
+* children: ``run_child`` (a case in a fresh process: the device's peak
+  counter and the allocator start from zero, and a crash or a hang costs one
+  case), ``child_env``, ``is_oom``, ``failure``; ``HostMemory``: the peak
+  host memory of a process tree;
+* probes (``record`` / ``summary``): items that run on their own, a failure
+  printed and the run going on.
 
 Scripts import it as ``from benchmarks import harness``.
 """
 from __future__ import annotations
 
+import argparse
 import collections
+import csv
+import datetime
 import json
 import os
 import queue
@@ -72,6 +77,272 @@ def report(name, flops, t):
         flush=True)
 
 
+# ------------------------------------------------------ device and run
+
+def now():
+  """UTC, to the second (the date of a row)."""
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+
+
+def device_meta():
+  """What a row's figures ran on: date, device, platform, count, jax."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  devs = jax.devices()
+  limit = (devs[0].memory_stats() or {}).get("bytes_limit", 0) / 1e9
+  return dict(date=now(), device_kind=devs[0].device_kind,
+              platform=devs[0].platform, n_devices=len(devs),
+              jax=jax.__version__, jaxlib=jaxlib.__version__,
+              bytes_limit_gb=limit or None,
+              xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def print_device():
+  """The first line of a probe's log: jax and the devices."""
+  import jax  # pylint: disable=import-outside-toplevel
+  print("jax", jax.__version__, jax.devices(), flush=True)
+
+
+def set_xla_flags(cpu_devices=0):
+  """Sets XLA_FLAGS before JAX starts its backend (XLA reads them once):
+  ``cpu_devices`` simulated CPU devices, or else the ring's recommended GPU
+  flags (``infcl_jax.xla_flags``) added to the user's."""
+  os.environ.update(xla_env(cpu_devices))
+
+
+def xla_env(cpu_devices=0, env=None):
+  """The XLA_FLAGS (and, for CPU devices, JAX_PLATFORMS) of ``set_xla_flags``
+  for the environment ``env`` (default: this process's)."""
+  flags = (env or os.environ).get("XLA_FLAGS", "").split()
+  if cpu_devices:
+    flags = [f for f in flags
+             if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
+    return dict(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+  from infcl_jax import xla_flags  # pylint: disable=import-outside-toplevel
+  return dict(XLA_FLAGS=xla_flags.recommended(" ".join(flags)))
+
+
+def mem_plan(compiled):
+  """XLA's per-device memory plan of a compiled program, in GB: temporaries
+  (``xla_temp_gb``), outputs + temporaries, i.e. beyond the inputs
+  (``xla_plan_gb``, comparable with a runtime peak beyond the inputs), and
+  with the inputs (``xla_total_gb``, what must fit). {} where XLA has none."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return {}
+  if m is None:
+    return {}
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes
+           + m.temp_size_in_bytes - m.alias_size_in_bytes)
+  return dict(xla_temp_gb=m.temp_size_in_bytes / 1e9,
+              xla_plan_gb=(total - m.argument_size_in_bytes) / 1e9,
+              xla_total_gb=total / 1e9)
+
+
+# ------------------------------------------------------ inputs and steps
+
+def host_inputs(b, d, dtype, seed=0):
+  """Unit-norm (b, d) images and texts of ``dtype``, drawn on the host and
+  put on the device: no device temporaries raise the peak counter."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+
+  def make():
+    v = rng.standard_normal((b, d), dtype=np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    return jax.block_until_ready(jax.device_put(v.astype(dtype)))
+  return make(), make()
+
+
+def inputs(b, d, dtype, seed=0, m=None):
+  """Unit-norm random (b, d) images and (m or b, d) texts of ``dtype``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(k1, (b, d), jnp.float32)
+  y = jax.random.normal(k2, (m or b, d), jnp.float32)
+  x = x / jnp.linalg.norm(x, axis=1, keepdims=True)
+  y = y / jnp.linalg.norm(y, axis=1, keepdims=True)
+  return x.astype(dtype), y.astype(dtype)
+
+
+# Logit scale and bias of a timed step: CLIP-like for softmax, SigLIP's
+# initialisation for sigmoid.
+LOSS_SCALE_BIAS = {"softmax": (20.0, 0.0), "sigmoid": (10.0, -10.0)}
+
+
+def loss_step(loss, backend, **kw):
+  """(jit of fwd+bwd, its scale and bias): the value and the gradients of
+  both embeddings, the scale and the bias of ``contrastive_loss``
+  ("softmax") or ``sigmoid_loss``; ``kw`` goes to the loss."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import infcl_jax  # pylint: disable=import-outside-toplevel
+  if loss == "softmax":
+    f = lambda x, y, t, b: infcl_jax.contrastive_loss(  # noqa: E731
+        x, y, t, logit_bias=b, backend=backend, **kw)
+  elif loss == "sigmoid":
+    f = lambda x, y, t, b: infcl_jax.sigmoid_loss(  # noqa: E731
+        x, y, t, b, backend=backend, **kw)
+  else:
+    raise ValueError(f"loss must be softmax or sigmoid, got {loss!r}")
+  t, b = LOSS_SCALE_BIAS[loss]
+  return (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3))),
+          (jnp.float32(t), jnp.float32(b)))
+
+
+def rel(a, b):
+  """Relative norm error of ``a`` against ``b``, in float64."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---------------------------------------------------------- options
+
+# The options that mean the same in every script (the default is the
+# script's): the folder of its rows, resuming there, the seconds of timed
+# repetitions per case, a case's deadline.
+SHARED = {
+    "out": ("--out", dict(help="folder for the rows (required)")),
+    "resume": ("--resume", dict(
+        action="store_true", help="keep the finished cases of an earlier "
+        "run in --out (the rows are written after every case), run the "
+        "rest")),
+    "budget_s": ("--budget-s", dict(
+        type=float, help="seconds of timed repetitions per case")),
+    "timeout_s": ("--timeout-s", dict(
+        type=int, help="deadline of a case, in seconds")),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+  """--out is required, except in a child (``--case``: its parent writes)."""
+
+  def parse_args(self, args=None, namespace=None):  # pylint: disable=arguments-differ
+    a = super().parse_args(args, namespace)
+    if "out" in vars(a) and not (a.out or a.case):
+      self.error("--out is required (the folder for the rows)")
+    return a
+
+
+def parser(doc, **defaults):
+  """An ArgumentParser described by ``doc``'s first paragraph, with the
+  ``SHARED`` options named in ``defaults`` (the value: the default) and the
+  hidden ``--case`` of a child process."""
+  ap = _Parser(description=doc.split("\n\n")[0])
+  for name, default in defaults.items():
+    flag, kw = SHARED[name]
+    if kw.get("action") != "store_true":
+      kw = dict(kw, default=default)
+    ap.add_argument(flag, **kw)
+  ap.add_argument("--case", help=argparse.SUPPRESS)
+  return ap
+
+
+# ------------------------------------------------------------- rows
+
+def write_csv(path, rows, fields=None):
+  """``rows`` (dicts) as a CSV: ``fields`` or every key, in first-seen
+  order; floats to 7 significant digits."""
+  fields = fields or list(dict.fromkeys(k for r in rows for k in r))
+  with open(path, "w", newline="") as fh:
+    w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+      w.writerow({k: (f"{v:.7g}" if isinstance(v, float) else v)
+                  for k, v in r.items()})
+
+
+def read_jsonl(path):
+  if not os.path.exists(path):
+    return []
+  with open(path) as fh:
+    return [json.loads(line) for line in fh if line.strip()]
+
+
+def append_jsonl(path, row):
+  with open(path, "a") as fh:
+    fh.write(json.dumps(row) + "\n")
+
+
+class Rows:
+  """A run's rows, on disk after every row: ``NAME.jsonl`` (the log, and
+  what ``resume`` reads back) and, with ``fields``, ``NAME.csv`` (the table:
+  this run's rows, then the earlier ones it did not reach).
+
+  With ``resume``, the earlier run's rows whose status ``keep`` accepts are
+  offered back by ``earlier(row)`` (by ``key``); the rest run again.
+  """
+
+  def __init__(self, out, name, *, key, resume=False, keep=None,
+               fields=None):
+    os.makedirs(out, exist_ok=True)
+    self.jsonl = os.path.join(out, name + ".jsonl")
+    self.csv = os.path.join(out, name + ".csv") if fields else None
+    self.key, self.fields, self.rows, self.done = key, fields, [], {}
+    if resume:
+      for r in read_jsonl(self.jsonl):
+        if keep is None or keep(r.get("status", "")):
+          self.done[key(r)] = r
+    with open(self.jsonl, "w") as fh:
+      fh.writelines(json.dumps(r) + "\n" for r in self.done.values())
+
+  def earlier(self, row):
+    """The earlier run's row of ``row``'s case, taken as this run's; or
+    None."""
+    r = self.done.pop(self.key(row), None)
+    if r is not None:
+      self.rows.append(r)
+      print(json.dumps(r), flush=True)
+    return r
+
+  def add(self, row):
+    self.rows.append(row)
+    print(json.dumps(row), flush=True)
+    append_jsonl(self.jsonl, row)
+    self.write()
+    return row
+
+  def write(self):
+    if self.csv:
+      write_csv(self.csv, self.rows + list(self.done.values()), self.fields)
+
+
+class Budget:
+  """The seconds a whole run may take (None: no limit), from now."""
+
+  def __init__(self, seconds):
+    self.seconds, self.t0 = seconds, time.time()
+
+  def elapsed(self):
+    return time.time() - self.t0
+
+  def left(self):
+    return float("inf") if self.seconds is None else (
+        self.seconds - self.elapsed())
+
+  def skip(self, need_s=0.0):
+    """Why a case that needs ``need_s`` does not start, or None."""
+    left = self.left()
+    if self.seconds is None or (left > 0 and left >= need_s):
+      return None
+    return (f"skipped: {max(left, 0):.0f} s of the {self.seconds:.0f} s "
+            f"budget left, needs ~{need_s:.0f} s")
+
+  def deadline(self, cap_s, grace_s=0.0, floor_s=1.0):
+    """A case's deadline: its own ``cap_s``, within what is left (plus
+    ``grace_s``), at least ``floor_s``."""
+    return max(floor_s, min(cap_s, self.left() + grace_s))
+
+
+# ------------------------------------------------------------- children
+
 def is_oom(e) -> bool:
   """Whether an exception (or a child's output text) is out of memory."""
   s = str(e)
@@ -83,22 +354,6 @@ def failure(e):
   if is_oom(e):
     return "oom"
   return f"error: {type(e).__name__}: {str(e)[:300]}"
-
-
-def set_xla_flags(cpu_devices=0):
-  """Sets XLA_FLAGS before JAX starts its backend (XLA reads them once):
-  ``cpu_devices`` simulated CPU devices, or else the ring's recommended GPU
-  flags (``infcl_jax.xla_flags``) added to the user's."""
-  flags = os.environ.get("XLA_FLAGS", "").split()
-  if cpu_devices:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flags = [f for f in flags
-             if "xla_force_host_platform_device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={cpu_devices}")
-  else:
-    from infcl_jax import xla_flags  # pylint: disable=import-outside-toplevel
-    flags = xla_flags.recommended(" ".join(flags)).split()
-  os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def child_env(**extra):
@@ -307,26 +562,6 @@ def record(name, fn):
     traceback.print_exc(limit=3)
   RESULTS.append((name, out))
   print(f"{name}: {out}", flush=True)
-
-
-def inputs(b, d, dtype, seed=0, m=None):
-  """Unit-norm random (b, d) images and (m or b, d) texts of ``dtype``."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(k1, (b, d), jnp.float32)
-  y = jax.random.normal(k2, (m or b, d), jnp.float32)
-  x = x / jnp.linalg.norm(x, axis=1, keepdims=True)
-  y = y / jnp.linalg.norm(y, axis=1, keepdims=True)
-  return x.astype(dtype), y.astype(dtype)
-
-
-def rel(a, b):
-  """Relative norm error of ``a`` against ``b``, in float64."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def summary(width=45):

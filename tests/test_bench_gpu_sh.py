@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from benchmarks import harness
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu.sh")
 SUITES = ("tests", "loss", "towers", "train", "data", "ring")
@@ -63,7 +65,11 @@ def test_dry_run_plan_names_existing_files_under_each_box(suite):
     script = re.search(r"\b(benchmarks/\w+\.py)\b", line)
     if script:  # Every option the plan passes is one the script takes.
       with open(os.path.join(ROOT, script[1]), encoding="utf-8") as f:
-        known = set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", f.read()))
+        src = f.read()
+      known = set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", src))
+      # The shared options a script asks harness.parser for, by name.
+      for call in re.findall(r"harness\.parser\(([^)]*)\)", src):
+        known |= {harness.SHARED[n][0] for n in re.findall(r"(\w+)=", call)}
       used = set(re.findall(r"\s(--[a-z][\w-]*)", line.split(script[1], 1)[1]))
       assert used <= known, (line, sorted(used - known))
     # Results go under $OUT, where the device call returns them from.
