@@ -27,10 +27,7 @@ into ``--out`` and prints a table last.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import dataclasses
-import datetime
 import json
 import os
 import re
@@ -100,38 +97,17 @@ def smem_columns(bs: BlockSizes, dtype, tier: str) -> dict:
 
 # ------------------------------------------------------------------ timing
 
-def _median_ms(fn, args, reps):
-  return harness.timeit(fn, *args, reps=reps, warmup=1).median * 1e3
-
-
 def time_case(loss, bs, b, d, dtype, reps, backend="pallas"):
-  """ms per fwd+bwd step of ``loss`` with block sizes ``bs``."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import infcl_jax  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(0)
-
-  def make():
-    v = rng.standard_normal((b, d), dtype=np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    return jax.device_put(jnp.asarray(v, dtype))
-
-  x, y = make(), make()
-  if loss == "softmax":
-    t, bias = jnp.float32(20.0), jnp.float32(0.0)
-    f = lambda x, y, t, bias: infcl_jax.contrastive_loss(
-        x, y, t, logit_bias=bias, backend=backend, block_sizes=bs)
-  else:
-    t, bias = jnp.float32(10.0), jnp.float32(-10.0)
-    f = lambda x, y, t, bias: infcl_jax.sigmoid_loss(
-        x, y, t, bias, backend=backend, block_sizes=bs)
-  step = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
-  args = (x, y, t, bias)
+  """(ms per fwd+bwd step, compile seconds, loss) with block sizes ``bs``."""
+  x, y = harness.host_inputs(b, d, dtype)
+  step, scalars = harness.loss_step(loss, backend, block_sizes=bs)
+  args = (x, y, *scalars)
   t0 = time.perf_counter()
   compiled = step.lower(*args).compile()
   compile_s = time.perf_counter() - t0
   val = float(compiled(*args)[0])
-  return _median_ms(compiled, args, reps), compile_s, val
+  t = harness.timeit(compiled, *args, reps=reps, warmup=1)
+  return t.median * 1e3, compile_s, val
 
 
 # ------------------------------------------------------------- smem probe
@@ -148,32 +124,27 @@ def probe_child(dtype_names, b, d):
     for name, (tier, bs) in configs(dtype).items():
       for family in ("softmax", "sigmoid"):
         be = registry.get("pallas", family)
-        if family == "softmax":
-          fns = {"fwd": (lambda x, bs=bs: be.lse(
-                     x, x, 1.0, 0.0, rows=True, cols=True, block_sizes=bs),
-                         (x,)),
-                 "bwd": (lambda x, r, bs=bs: be.lse_grad(
-                     x, x, 1.0, 0.0, r, r, 0.5, 0.5, block_sizes=bs), (x, r))}
-        else:
-          fns = {"fwd": (lambda x, bs=bs: be.sigmoid_sum(
-                     x, x, 1.0, 0.0, has_diagonal=True, block_sizes=bs),
-                         (x,)),
-                 "bwd": (lambda x, bs=bs: be.sigmoid_grad(
-                     x, x, 1.0, 0.0, 1.0, has_diagonal=True, block_sizes=bs),
-                         (x,))}
+        fns = ({"fwd": (lambda x, bs=bs: be.lse(
+                    x, x, 1.0, 0.0, rows=True, cols=True, block_sizes=bs), (x,)),
+                "bwd": (lambda x, r, bs=bs: be.lse_grad(
+                    x, x, 1.0, 0.0, r, r, 0.5, 0.5, block_sizes=bs), (x, r))}
+               if family == "softmax" else
+               {"fwd": (lambda x, bs=bs: be.sigmoid_sum(
+                   x, x, 1.0, 0.0, has_diagonal=True, block_sizes=bs), (x,)),
+                "bwd": (lambda x, bs=bs: be.sigmoid_grad(
+                    x, x, 1.0, 0.0, 1.0, has_diagonal=True, block_sizes=bs),
+                        (x,))})
         for kernel, (fn, args) in fns.items():
           case = dict(config=name, tier=tier, dtype=dname, family=family,
                       kernel=kernel)
-          sys.stderr.write(RESULT_TAG + json.dumps(case) + "\n")
-          sys.stderr.flush()
+          print(RESULT_TAG + json.dumps(case), file=sys.stderr, flush=True)
           try:
             jax.jit(fn).lower(*args).compile()
             status = "ok"
           except Exception as e:  # pylint: disable=broad-except
-            status = f"error: {type(e).__name__}: {str(e)[:200]}"
-          sys.stderr.write(RESULT_TAG + json.dumps(
-              dict(case, status=status, end=True)) + "\n")
-          sys.stderr.flush()
+            status = harness.failure(e)
+          print(RESULT_TAG + json.dumps(dict(case, status=status, end=True)),
+                file=sys.stderr, flush=True)
 
 
 def parse_probe_log(text):
@@ -209,7 +180,7 @@ def run_probe(out_dir, dtype_names, timeout_s):
   """Runs ``probe_child`` with XLA's VLOG level 2; returns rows."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_MAX_VLOG_LEVEL="2")
   cmd = [sys.executable, "-W", "ignore::DeprecationWarning", __file__,
-         "--_probe_child", "--dtypes", ",".join(dtype_names)]
+         "--case", ",".join(dtype_names)]
   try:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
@@ -219,7 +190,8 @@ def run_probe(out_dir, dtype_names, timeout_s):
     if isinstance(text, bytes):
       text = text.decode(errors="replace")
   rows = parse_probe_log(text)
-  write_csv(os.path.join(out_dir, "smem_probe.csv"), rows)
+  if rows:
+    harness.write_csv(os.path.join(out_dir, "smem_probe.csv"), rows)
   print(f"smem probe: {len(rows)} kernels compiled, "
         f"{len(text.splitlines())} log lines read")
   return rows
@@ -227,35 +199,19 @@ def run_probe(out_dir, dtype_names, timeout_s):
 
 # ------------------------------------------------------------------- main
 
-def write_csv(path, rows):
-  if not rows:
-    return
-  keys = list(rows[0])
-  for r in rows[1:]:
-    keys += [k for k in r if k not in keys]
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=keys)
-    w.writeheader()
-    w.writerows(rows)
-
-
 def print_table(rows):
   print(f"{'config':15} {'for':28} {'loss':8} {'smem fwd/bwd KB (peak|total)':31}"
         f" {'ms':>8} {'TFLOP/s':>8} {'vs default':>10}")
   for r in rows:
     sm = (f"{r['smem_fwd_peak'] / 1024:.0f}|{r['smem_fwd_total'] / 1024:.0f} / "
           f"{r['smem_bwd_peak'] / 1024:.0f}|{r['smem_bwd_total'] / 1024:.0f}")
-    if r["status"] != "ok":
-      print(f"{r['config']:15} {r['capabilities']:28} {r['loss']:8} {sm:31} "
-            f"{r['status'][:60]}")
-      continue
     print(f"{r['config']:15} {r['capabilities']:28} {r['loss']:8} {sm:31} "
-          f"{r['ms']:8.2f} {r['tflops']:8.1f} {r['vs_default']:10.3f}")
+          + (f"{r['ms']:8.2f} {r['tflops']:8.1f} {r['vs_default']:10.3f}"
+             if r["status"] == "ok" else r["status"][:60]))
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default="benchmarks/results/configs")
+  ap = harness.parser(__doc__, out=None)
   ap.add_argument("--b", type=int, default=65536)
   ap.add_argument("--d", type=int, default=768)
   ap.add_argument("--dtype", default="bfloat16")
@@ -266,26 +222,17 @@ def main(argv=None):
   ap.add_argument("--smem_probe", action="store_true")
   ap.add_argument("--probe_dtypes", default="bfloat16,float32")
   ap.add_argument("--probe_timeout_s", type=float, default=120.0)
-  ap.add_argument("--_probe_child", action="store_true", help=argparse.SUPPRESS)
-  ap.add_argument("--dtypes", default="bfloat16", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  if args._probe_child:  # pylint: disable=protected-access
-    probe_child(args.dtypes.split(","), 512, 256)
+  if args.case:  # The shared-memory probe's child: its dtypes.
+    probe_child(args.case.split(","), 512, 256)
     return []
 
-  import jax  # pylint: disable=import-outside-toplevel
   os.makedirs(args.out, exist_ok=True)
-  dev = jax.devices()[0]
-  from infcl_jax.backends import capability  # pylint: disable=import-outside-toplevel
   info = capability.device_info()
-  meta = dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      jax=jax.__version__, device=str(getattr(dev, "device_kind", "")),
-      platform=dev.platform,
-      compute_capability_attr=str(getattr(dev, "compute_capability", None)),
-      capability=None if info is None else info.capability,
-      B=args.b, D=args.d, dtype=args.dtype, reps=args.reps,
-      flops_per_step="8 * B^2 * D")
+  meta = dict(harness.device_meta(),
+              capability=None if info is None else info.capability,
+              B=args.b, D=args.d, dtype=args.dtype, reps=args.reps,
+              flops_per_step="8 * B^2 * D")
   with open(os.path.join(args.out, "bench_configs_meta.json"), "w") as f:
     json.dump(meta, f, indent=1)
   print(json.dumps(meta))
@@ -312,10 +259,10 @@ def main(argv=None):
                    vs_default=round(ms / ref, 3) if ref else float("nan"),
                    compile_s=round(compile_s, 1), loss_value=val)
       except Exception as e:  # pylint: disable=broad-except
-        row.update(status=f"error: {type(e).__name__}: {str(e)[:300]}")
+        row.update(status=harness.failure(e))
       rows.append(row)
       print(json.dumps(row), flush=True)
-      write_csv(os.path.join(args.out, "bench_configs.csv"), rows)
+      harness.write_csv(os.path.join(args.out, "bench_configs.csv"), rows)
   print_table(rows)
   if args.smem_probe:
     probe = run_probe(args.out, args.probe_dtypes.split(","),
