@@ -181,13 +181,15 @@ def check_across_devices(ns, out, code):
 
 
 def check_precision(ns, out, code):
-  """Full float32 products, asked either way, give the float64 loss (on the
-  CPU every backend's float32 is full float32 already: this pins the API)."""
+  """Each precision the block asks for gives the float64 loss (on the CPU
+  every one is full float32: this pins the API and the printed numbers)."""
   del code
-  loss, same = map(float, out.split())
   ref = np_reference.clip_loss_and_grads(ns["img"], ns["txt"], 50.0)[0]
-  assert loss == pytest.approx(ref, rel=1e-5)
-  assert same == pytest.approx(ref, rel=1e-5)
+  assert ref > 1e-2   # a loss the roundings below are small against
+  # float32 log-sum-exps of about 50 (the scale) round at a few 1e-6.
+  for got in map(float, out.split()):
+    assert got == pytest.approx(ref, rel=1e-4)
+  assert len(out.split()) == 3
 
 
 def check_pretrained_tower(ns, out, code):
@@ -214,7 +216,7 @@ CHECKS = {
     "sigmoid_loss(img, txt, jnp.exp(t_prime), b)": check_sigmoid,
     "one_device = contrastive_loss(": check_sharded,
     "def per_device(img_shard, txt_shard):": check_across_devices,
-    'contrastive_loss(img, txt, 50.0, precision="highest")': check_precision,
+    'contrastive_loss(img, txt, 50.0, precision="default")': check_precision,
     "pretrained.load_image_tower(": check_pretrained_tower,
 }
 
