@@ -194,6 +194,7 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps) -> list:
     images, ok, bad = dec.decode(jpgs[:256], [""] * 256, image_size)
     row0 = {"kind": "gpu_decoder", "backend": backend, "status": "ok",
             "device": str(dec.device), "decoded": int(ok.sum()),
+            "fancy_upsampling": dec.fancy_upsampling,
             "bad": len(bad)}
     if ok.all():
       diff = np.abs(np.asarray(images).astype(np.int16) - host)

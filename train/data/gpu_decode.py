@@ -93,18 +93,28 @@ class GpuBatchDecoder:
     if backend in kinds:
       kwargs["backends"] = [nvimgcodec.Backend(
           getattr(nvimgcodec.BackendKind, kinds[backend]))]
-    if fancy_upsampling:
-      kwargs["options"] = ":fancy_upsampling=1"
-    self._decoder = nvimgcodec.Decoder(**kwargs)
+    self.fancy_upsampling = fancy_upsampling
+    try:
+      self._decoder = nvimgcodec.Decoder(
+          **kwargs, **({"options": ":fancy_upsampling=1"}
+                       if fancy_upsampling else {}))
+    except RuntimeError:
+      if not fancy_upsampling:
+        raise
+      # A backend that does not take the option: its own upsampling (the
+      # pixels' bound to the host path is then looser).
+      self.fancy_upsampling = False
+      self._decoder = nvimgcodec.Decoder(**kwargs)
     # The host path does not apply EXIF orientation (Pillow's Image.open
     # leaves it), so neither does this one.
     self.zero_copy = True
     self._params = nvimgcodec.DecodeParams(
-        apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
+        apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
         allow_any_depth=False)
 
   def describe(self) -> str:
-    return f"gpu (nvImageCodec, backend {self.backend}, {self.device})"
+    return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
+            f"{'' if self.fancy_upsampling else ', no fancy upsampling'})")
 
   def _decode_all(self, encoded: list) -> list:
     try:
