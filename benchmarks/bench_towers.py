@@ -36,7 +36,6 @@ summary table is printed last.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -51,26 +50,27 @@ from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-posit
 RESULT_TAG = "BENCH_TOWERS_RESULT "
 FIXTURE_HF = os.path.join(harness.ROOT, "tests", "fixtures", "towers",
                           "hf_clip_vision")
-# Sizes of the GPU run and of the CPU smoke run (--quick).
-FULL = dict(
-    vit=dict(patch_size=16, width=768, depth=12, num_heads=12, mlp_dim=3072,
-             image=224, batch=1024),
-    text=dict(vocab=49408, width=512, depth=12, heads=8, mlp=2048, embed=512,
-              batch=1024, lengths=(16, 77)),
-    lit=dict(batch=65536, micro=8192, img_batch=1024, embed_batches=16,
-             embed_dim=512, text_width=768, text_depth=12, text_heads=12,
-             text_mlp=3072, text_len=16, vocab=32000, reps=3,
-             reps_on_the_fly=1))
-QUICK = dict(
-    vit=dict(patch_size=8, width=32, depth=2, num_heads=2, mlp_dim=64,
-             image=32, batch=4),
-    text=dict(vocab=300, width=32, depth=1, heads=2, mlp=64, embed=32,
-              batch=4, lengths=(16, 77)),
-    lit=dict(batch=32, micro=16, img_batch=16, embed_batches=1,
-             embed_dim=24, text_width=32, text_depth=1, text_heads=2,
-             text_mlp=64, text_len=16, vocab=300, reps=1, reps_on_the_fly=1))
+# Sizes, each key (the GPU run's, the CPU smoke run's (--quick)).
+SIZES = dict(
+    vit=dict(patch_size=(16, 8), width=(768, 32), depth=(12, 2),
+             num_heads=(12, 2), mlp_dim=(3072, 64), image=(224, 32),
+             batch=(1024, 4)),
+    text=dict(vocab=(49408, 300), width=(512, 32), depth=(12, 1),
+              heads=(8, 2), mlp=(2048, 64), embed=(512, 32),
+              batch=(1024, 4), lengths=((16, 77), (16, 77))),
+    lit=dict(batch=(65536, 32), micro=(8192, 16), img_batch=(1024, 16),
+             embed_batches=(16, 1), embed_dim=(512, 24),
+             text_width=(768, 32), text_depth=(12, 1), text_heads=(12, 2),
+             text_mlp=(3072, 64), text_len=(16, 16), vocab=(32000, 300),
+             reps=(3, 1), reps_on_the_fly=(1, 1)))
 
-# (name, part, estimated seconds on one H200 incl. the child's start,
+
+def sizes(quick):
+  return {part: {k: v[quick] for k, v in keys.items()}
+          for part, keys in SIZES.items()}
+
+
+# (name, kind, estimated seconds on one H200 incl. the child's start,
 # deadline seconds), in priority order: what a short budget cuts is last.
 PLAN = (
     ("vit", "vit", 30, 120),
@@ -81,6 +81,8 @@ PLAN = (
     ("lit_hf_precomputed", "lit", 60, 200),
     ("lit_hf_on_the_fly", "lit", 130, 240),
 )
+PART = {"vit": "vit_b16_fwd", "vit_torch": "vit_b16_fwd", "lit": "lit_step",
+        "text_jax": "text_fwd_bwd", "text_torch": "text_fwd_bwd"}
 PARTS_ORDER = ("vit_b16_fwd", "text_fwd_bwd_L16", "text_fwd_bwd_L77",
                "lit_step")
 
@@ -89,7 +91,8 @@ PARTS_ORDER = ("vit_b16_fwd", "text_fwd_bwd_L16", "text_fwd_bwd_L77",
 
 
 class Emitter:
-  """Appends each measured row to the jsonl at once and keeps it."""
+  """Appends each measured row to the jsonl at once (a child cut by its
+  deadline keeps what it measured) and keeps it for the parent."""
 
   def __init__(self, spec):
     self.spec, self.rows = spec, []
@@ -98,8 +101,7 @@ class Emitter:
     row = dict(case=self.spec["name"], status=row.pop("status", "ok"), **row)
     row["elapsed_s"] = round(time.time() - self.spec["t0"], 1)
     self.rows.append(row)
-    with open(self.spec["jsonl"], "a") as f:
-      f.write(json.dumps(row) + "\n")
+    harness.append_jsonl(self.spec["jsonl"], row)
     print("ROW", json.dumps(row), flush=True)
 
 
@@ -141,22 +143,17 @@ def _compiled_vit(v, images, params_in_dtype=False):
   return compiled, tower.params, time.perf_counter() - t0
 
 
-def _vit_images(v):
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  s, b = v["image"], v["batch"]
-  return jax.device_put(np.random.default_rng(0).integers(
-      0, 256, (b, s, s, 3), dtype=np.uint8))
-
-
 def child_vit(spec, rows):
   """Ours: forward of a batch of uint8 images."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
   v = spec["sizes"]["vit"]
-  images = _vit_images(v)
+  b, s = v["batch"], v["image"]
+  images = jax.device_put(np.random.default_rng(0).integers(
+      0, 256, (b, s, s, 3), dtype=np.uint8))
   compiled, params, compile_s = _compiled_vit(
       v, images, spec["case"].get("params_in_dtype", False))
   t = harness.timeit(compiled, params, images, reps=spec["reps"], warmup=2)
-  b = v["batch"]
   rows.add(part="vit_b16_fwd", impl=spec["label"], batch=b,
            compile_s=compile_s, peak_gib=_peak_gib(), **_timing_row(t, b))
 
@@ -230,25 +227,25 @@ def child_text_jax(spec, rows):
   b = t["batch"]
   for length in sorted(t["lengths"], reverse=True):
     tokens = _text_tokens(jax, jnp, b, length, t["vocab"], 1)
-    for pool, act in (("eos", "quick_gelu"),):
-      impl, part = f"ours ({pool} pool, {act})", f"text_fwd_bwd_L{length}"
-      try:
-        m = text_lib.TextTransformer(
-            vocab_size=t["vocab"], max_len=77, width=t["width"],
-            depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
-            embed_dim=t["embed"], pool=pool, act=act, dtype=jnp.bfloat16)
-        p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
-        grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
-            m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
-        t0 = time.perf_counter()
-        compiled = grad.lower(p, tokens).compile()
-        compile_s = time.perf_counter() - t0
-        tm = harness.timeit(compiled, p, tokens, reps=spec["reps"], warmup=2)
-      except Exception as e:  # pylint: disable=broad-except
-        rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
-        continue
-      rows.add(part=part, impl=impl, batch=b, compile_s=compile_s,
-               **_timing_row(tm, b))
+    impl, part = "ours (eos pool, quick_gelu)", f"text_fwd_bwd_L{length}"
+    try:
+      m = text_lib.TextTransformer(
+          vocab_size=t["vocab"], max_len=77, width=t["width"],
+          depth=t["depth"], num_heads=t["heads"], mlp_dim=t["mlp"],
+          embed_dim=t["embed"], pool="eos", act="quick_gelu",
+          dtype=jnp.bfloat16)
+      p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
+      grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
+          m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
+      t0 = time.perf_counter()
+      compiled = grad.lower(p, tokens).compile()
+      compile_s = time.perf_counter() - t0
+      tm = harness.timeit(compiled, p, tokens, reps=spec["reps"], warmup=2)
+    except Exception as e:  # pylint: disable=broad-except
+      rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
+      continue
+    rows.add(part=part, impl=impl, batch=b, compile_s=compile_s,
+             **_timing_row(tm, b))
 
 
 def child_text_torch(spec, rows):
@@ -404,12 +401,6 @@ CHILDREN = {"vit": child_vit, "vit_torch": child_vit_torch,
             "lit": child_lit}
 
 
-def run_as_child(spec):
-  rows = Emitter(spec)
-  CHILDREN[spec["kind"]](spec, rows)
-  print(RESULT_TAG + json.dumps({"rows": rows.rows}), flush=True)
-
-
 # ----------------------------------------------------------------- parent
 
 
@@ -432,19 +423,12 @@ def child_env(kind):
       "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))
 
 
-def read_rows(path):
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def _fmt(v, f):
   return "-" if v is None else f.format(v)
 
 
 def summary(rows):
-  """The table, by part in a fixed order, and the comparisons that matter."""
+  """The table, by part in a fixed order, and ours over torch.compile."""
   lines = [f"\n{'part':<18}{'implementation':<50}{'per s':>10}"
            f"{'ms':>10}{'peak GiB':>10}  status"]
   key = {p: i for i, p in enumerate(PARTS_ORDER)}
@@ -458,28 +442,17 @@ def summary(rows):
       lines.append(f"{'':<18}  the tower alone, {r['embedded']:,} images in "
                    f"batches of {r['embed_batch']}: {r['embed_per_s']:,.0f} img/s")
   ok = [r for r in rows if r["status"] == "ok" and r.get("per_s")]
-
-  def best(part, prefix):
-    c = [r for r in ok if r["part"] == part and r["impl"].startswith(prefix)]
-    return max(c, key=lambda r: r["per_s"]) if c else None
-  ref = best("vit_b16_fwd", "timm torch.compile")
-  for r in ok if ref else ():
-    if r["part"] == "vit_b16_fwd" and r["impl"].startswith("ours"):
-      lines.append(f"vit_b16_fwd: {r['impl']} / {ref['impl']} = "
-                   f"{r['per_s'] / ref['per_s']:.3f}")
-  for part, ours, ref in (
-      ("text_fwd_bwd_L16", "ours (eos", "HF CLIP text torch.compile"),
-      ("text_fwd_bwd_L77", "ours (eos", "HF CLIP text torch.compile")):
-    a, b = best(part, ours), best(part, ref)
-    if a and b:
-      lines.append(f"{part}: {a['impl']} / {b['impl']} = "
-                   f"{a['per_s'] / b['per_s']:.3f}")
+  for part in PARTS_ORDER[:3]:
+    ref = [r for r in ok if r["part"] == part and "torch.compile" in r["impl"]]
+    for r in ok if ref else ():
+      if r["part"] == part and r["impl"].startswith("ours"):
+        lines.append(f"{part}: {r['impl']} / {ref[0]['impl']} = "
+                     f"{r['per_s'] / ref[0]['per_s']:.3f}")
   return "\n".join(lines)
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", help="folder for the rows (required)")
+  ap = harness.parser(__doc__, out=None)
   ap.add_argument("--budget_s", type=float, default=495,
                   help="seconds for all cases together (children's starts "
                   "included); what does not fit is skipped")
@@ -489,75 +462,59 @@ def main():
                   help="comma-separated case names (default: all of PLAN)")
   ap.add_argument("--quick", action="store_true",
                   help="tiny sizes: a CPU smoke run (torch cases need torch)")
-  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
-  if args.child:
-    run_as_child(json.loads(args.child))
+  if args.case:
+    spec = json.loads(args.case)
+    rows = Emitter(spec)
+    CHILDREN[spec["kind"]](spec, rows)
+    print(RESULT_TAG + json.dumps({"rows": rows.rows}), flush=True)
     return 0
-  if not args.out:
-    ap.error("--out is required")
-
-  t0 = time.time()
-  os.makedirs(args.out, exist_ok=True)
-  jsonl = os.path.join(args.out, "bench_towers.jsonl")
-  open(jsonl, "w").close()
   wanted = [x for x in args.cases.split(",") if x]
   unknown = sorted(set(wanted) - {p[0] for p in PLAN})
   if unknown:
     ap.error(f"unknown --cases {unknown}; known: {[p[0] for p in PLAN]}")
+
+  budget = harness.Budget(args.budget_s)
+  os.makedirs(args.out, exist_ok=True)
+  jsonl = os.path.join(args.out, "bench_towers.jsonl")
+  open(jsonl, "w").close()
   plan = [p for p in PLAN if not wanted or p[0] in wanted]
   hf_dir = tempfile.mkdtemp(prefix="bench_towers_hf_")
-  sizes = QUICK if args.quick else FULL
   print(f"bench_towers: {len(plan)} cases, budget {args.budget_s:.0f} s, "
         f"rows -> {jsonl}", flush=True)
   try:
     for name, kind, est_s, cap_s in plan:
       label, case = case_spec(name, kind)
-      left = args.budget_s - (time.time() - t0)
-      if args.quick:
-        est_s = 0
       needs_torch = kind in ("vit_torch", "text_torch") or (
-          kind == "lit" and case["tower"] == "hf" and not args.quick)
-      status = None
+          kind == "lit" and not args.quick)
+      status = budget.skip(0 if args.quick else est_s)
       if needs_torch and importlib.util.find_spec("torch") is None:
         status = "skipped: torch is not installed"
-      elif left < est_s:
-        status = f"skipped: {left:.0f} s left, needs ~{est_s} s"
       if status is None:
         spec = dict(name=name, kind=kind, label=label, case=case,
-                    sizes=sizes, reps=2 if args.quick else args.reps,
-                    quick=args.quick, out=args.out, jsonl=jsonl, t0=t0,
+                    sizes=sizes(args.quick), reps=2 if args.quick else args.reps,
+                    quick=args.quick, jsonl=jsonl, t0=budget.t0,
                     hf_dir=hf_dir)
-        print(f"[{time.time() - t0:5.0f} s] {name} ...", flush=True)
+        print(f"[{budget.elapsed():5.0f} s] {name} ...", flush=True)
         r = harness.run_child(
-            [os.path.abspath(__file__), "--child", json.dumps(spec)],
-            result_tag=RESULT_TAG, timeout_s=max(1, min(cap_s, left)),
+            [os.path.abspath(__file__), "--case", json.dumps(spec)],
+            result_tag=RESULT_TAG, timeout_s=budget.deadline(cap_s),
             env=child_env(kind))
-        if "rows" not in r:
-          status = r.get("status", "no result")
+        status = None if "rows" in r else r.get("status", "no result")
         for row in r.get("rows", ()):
           print(f"        {row['impl']}: {row['status']}"
                 + (f", {row['median_s'] * 1e3:.1f} ms" if row.get("median_s")
                    else ""), flush=True)
       if status is not None:
-        row = dict(case=name, part=_part_of(kind, name), impl=label,
-                   status=status, elapsed_s=round(time.time() - t0, 1))
-        with open(jsonl, "a") as f:
-          f.write(json.dumps(row) + "\n")
+        harness.append_jsonl(jsonl, dict(
+            case=name, part=PART[kind], impl=label, status=status,
+            elapsed_s=round(budget.elapsed(), 1)))
         print(f"        {name}: {status[:300]}", flush=True)
   finally:
     shutil.rmtree(hf_dir, ignore_errors=True)
-  print(summary(read_rows(jsonl)))
-  print(f"\nwhole run {time.time() - t0:.0f} s; rows: {jsonl}")
+  print(summary(harness.read_jsonl(jsonl)))
+  print(f"\nwhole run {budget.elapsed():.0f} s; rows: {jsonl}")
   return 0
-
-
-def _part_of(kind, name):
-  if kind in ("vit", "vit_torch"):
-    return "vit_b16_fwd"
-  if kind == "lit":
-    return "lit_step"
-  return "text_fwd_bwd"
 
 
 if __name__ == "__main__":
