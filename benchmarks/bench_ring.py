@@ -32,29 +32,22 @@ the memory figure on CPUs. A plain case whose lower bound
 (``plain_min_bytes``) exceeds XLA's memory limit is skipped uncompiled. The
 ring's recommended XLA flags (``infcl_jax.xla_flags``) are added where
 XLA_FLAGS does not set them. ``--resume`` keeps the finished cases of
---out. Writes ``bench_ring.csv`` (after every case), ``bench_ring_meta.json``
-and ``ring_hlo.txt``, and prints a table.
+--out. Writes ``bench_ring.csv`` and ``bench_ring.jsonl`` (after every case),
+``bench_ring_meta.json`` and ``ring_hlo.txt``, and prints a table.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
-import datetime
 import io
 import json
 import os
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import harness  # pylint: disable=wrong-import-position
-from benchmarks import ring_hlo  # pylint: disable=wrong-import-position
-from infcl_jax import xla_flags  # pylint: disable=wrong-import-position
+from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks import ring_hlo  # noqa: E402  pylint: disable=wrong-import-position
 
 RESULT_TAG = "BENCH_RING "
 PHASE_TAG = "BENCH_RING_PHASE "
@@ -69,26 +62,6 @@ def block_sizes_of(spec):
   if not (spec.get("block_q") and spec.get("block_k")):
     return None
   return BlockSizes(block_q=spec["block_q"], block_k=spec["block_k"])
-
-
-def mem_plan(compiled):
-  """XLA's per-device memory plan of a compiled SPMD program, in GB.
-
-  xla_temp_gb: temporaries; xla_plan_gb: outputs + temporaries, i.e. the
-  plan's bytes beyond the inputs (comparable with peak_gb); xla_total_gb:
-  inputs too (what must fit in the device's memory).
-  """
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except
-    return {}
-  if m is None:
-    return {}
-  total = (m.argument_size_in_bytes + m.output_size_in_bytes
-           + m.temp_size_in_bytes - m.alias_size_in_bytes)
-  return dict(xla_temp_gb=m.temp_size_in_bytes / 1e9,
-              xla_plan_gb=(total - m.argument_size_in_bytes) / 1e9,
-              xla_total_gb=total / 1e9)
 
 
 def _device_bytes(devices, key):
@@ -133,7 +106,7 @@ def run_case(spec):
   except Exception as e:  # pylint: disable=broad-except
     return dict(status=harness.failure(e))
   res["compile_s"] = round(time.time() - t0, 2)
-  res.update(mem_plan(compiled))
+  res.update(harness.mem_plan(compiled))
   limits = _device_bytes(devices, "bytes_limit")
   if limits:
     res["bytes_limit_gb"] = min(limits) / 1e9
@@ -175,8 +148,9 @@ def run_case(spec):
       out = jax.block_until_ready(compiled(x, y, t))
       sec, reps = time.perf_counter() - t1, 1
     else:
-      sec, reps = _median_time(compiled, (x, y, t), spec["budget_s"])
-      out = compiled(x, y, t)
+      tm = harness.timeit(compiled, x, y, t, reps=7, warmup=1,
+                          budget_s=spec["budget_s"])
+      sec, reps, out = tm.median, tm.reps, compiled(x, y, t)
   except Exception as e:  # pylint: disable=broad-except
     return dict(res, status=harness.failure(e))
   res.update(status="ok", ms=sec * 1e3, reps=reps)
@@ -190,34 +164,14 @@ def run_case(spec):
   return res
 
 
-def _median_time(fn, args, budget_s):
-  """(median seconds, repetitions) after one warm-up call (``harness``)."""
-  t = harness.timeit(fn, *args, reps=7, warmup=1, budget_s=budget_s)
-  return t.median, t.reps
-
-
-def _jaxlib_version():
-  try:
-    import jaxlib  # pylint: disable=import-outside-toplevel
-    return jaxlib.__version__
-  except Exception:  # pylint: disable=broad-except
-    return ""
-
-
 def probe(backend):
-  """What the backend sees: platform, device kind and count, versions, and
-  the tile backend that ``backend`` resolves to there."""
-  import jax  # pylint: disable=import-outside-toplevel
+  """What the backend sees (``harness.device_meta``), XLA's memory limit
+  there and the tile backend that ``backend`` resolves to."""
   from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
-  devs = jax.devices()
-  stats = devs[0].memory_stats() or {}
-  limit = stats.get("bytes_limit", 0) / 1e9 or None
-  return dict(status="ok", platform=devs[0].platform,
-              device_kind=devs[0].device_kind, n_devices=len(devs),
-              jax=jax.__version__, jaxlib=_jaxlib_version(),
-              bytes_limit_gb=limit, xla_limit_gb=xla_memory_limit_gb(limit),
-              xla_flags=os.environ.get("XLA_FLAGS", ""),
-              backend=registry.resolve(backend, "softmax", devs[0].platform))
+  info = harness.device_meta()
+  return dict(info, status="ok",
+              xla_limit_gb=xla_memory_limit_gb(info["bytes_limit_gb"]),
+              backend=registry.resolve(backend, "softmax", info["platform"]))
 
 
 # ----------------------------------------------------- case isolation
@@ -236,11 +190,7 @@ def _child_env(n, platform, first=0, strategy=None):
   if strategy == "plain" and platform == "gpu":
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
   if platform == "cpu":
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(
-        flags + [f"--xla_force_host_platform_device_count={n}"])
-    env["JAX_PLATFORMS"] = "cpu"
+    env.update(harness.xla_env(n, env))
   elif platform == "gpu":
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = (visible.split(",") if visible
@@ -333,8 +283,8 @@ def _powers_of_two_upto(n):
 
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--out", default="benchmarks/results")
+  ap = harness.parser(__doc__, out=None, resume=True, budget_s=4.0,
+                      timeout_s=300)
   ap.add_argument("--b-local", default="65536,16384,8192",
                   help="comma list of local batches; the first is the "
                   "headline (overlap, max batch)")
@@ -345,8 +295,6 @@ def parse_args(argv):
   ap.add_argument("--backend", default="auto")
   ap.add_argument("--block-q", type=int, default=0)
   ap.add_argument("--block-k", type=int, default=0)
-  ap.add_argument("--budget-s", type=float, default=4.0,
-                  help="time for repetitions per timed case (median of <= 7)")
   ap.add_argument("--time-budget-s", type=float, default=540.0,
                   help="cases starting after this many seconds are skipped "
                   "(and say so); 0 = no limit")
@@ -366,45 +314,31 @@ def parse_args(argv):
   ap.add_argument("--max-b-local", type=int, default=0,
                   help="max batch: largest b to try (default 2^24 on GPU, "
                   "4x the headline b elsewhere)")
-  ap.add_argument("--timeout-s", type=int, default=300,
-                  help="per case (isolated runs)")
   ap.add_argument("--compile-timeout-s", type=int, default=150,
                   help="per case, until the child has compiled (isolated "
                   "runs; 0 = only --timeout-s)")
-  ap.add_argument("--resume", action="store_true",
-                  help="keep the finished cases of a previous run in --out "
-                  "(a timeout is a result: kept)")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                   help="a fresh process per case (auto: on GPUs)")
   ap.add_argument("--quick", action="store_true",
                   help="one local batch (the first), fewer reps")
-  ap.add_argument("--case", help=argparse.SUPPRESS)
   return ap.parse_args(argv)
 
 
 class Job:
-  """Runs cases in order, in or out of process, and keeps the rows."""
+  """Runs cases in order, in or out of process, and keeps the rows (a
+  resumed run keeps an earlier timeout: it is a result)."""
 
   def __init__(self, args, info, isolate):
     self.args, self.info, self.isolate = args, info, isolate
-    self.rows, self.t0 = [], time.time()
     self.fresh_runtime_peak = isolate and info["platform"] != "cpu"
-    self.jsonl = os.path.join(args.out, "bench_ring_rows.jsonl")
-    self.done = {}
-    if args.resume and os.path.exists(self.jsonl):
-      with open(self.jsonl) as fh:
-        for line in fh:
-          r = json.loads(line)
-          if not r.get("status", "").startswith("skipped"):
-            self.done[self.key(r)] = r
-    with open(self.jsonl, "w") as fh:
-      for r in self.done.values():
-        fh.write(json.dumps(r) + "\n")
-
-  @staticmethod
-  def key(row):
-    return (row["section"], row["strategy"], row["n_dev"], row["b_local"],
-            row["D"], row["dtype"], row["backend"], row.get("first_device", 0))
+    self.budget = harness.Budget(args.time_budget_s or None)
+    self.table = harness.Rows(
+        args.out, "bench_ring", fields=FIELDS, resume=args.resume,
+        keep=lambda s: not s.startswith("skipped"),
+        key=lambda r: (r["section"], r["strategy"], r["n_dev"], r["b_local"],
+                       r["D"], r["dtype"], r["backend"],
+                       r.get("first_device", 0)))
+    self.rows, self.done = self.table.rows, self.table.done
 
   def spec(self, kind, strategy, n, b, **kw):
     a = self.args
@@ -420,24 +354,17 @@ class Job:
                dtype=spec["dtype"], backend=self.info["backend"])
     if spec.get("first_device"):
       row["first_device"] = spec["first_device"]
-    budget = self.args.time_budget_s
-    if self.key(row) in self.done:  # --resume: measured by an earlier run.
-      row = self.done.pop(self.key(row))
-      self.rows.append(row)
-      print(json.dumps(row), flush=True)
-      return row
-    too_big = self.plain_too_big(spec)
-    if budget and time.time() - self.t0 > budget:
-      row["status"] = f"skipped (time budget {budget:.0f}s spent)"
-    elif too_big:
-      row["status"] = too_big
+    earlier = self.table.earlier(row)
+    if earlier:
+      return earlier
+    skip = self.budget.skip() or self.plain_too_big(spec)
+    if skip:
+      row["status"] = skip
     else:
       t = time.time()
-      if self.isolate:
-        timeout = self.args.timeout_s
-        if budget:  # Leave time to write the summary and the plot.
-          timeout = int(max(30, min(timeout, budget + 45 - (t - self.t0))))
-        r = spawn(spec, self.info["platform"], timeout,
+      if self.isolate:  # Leave time to write the summary.
+        r = spawn(spec, self.info["platform"],
+                  int(self.budget.deadline(self.args.timeout_s, 45, 30)),
                   self.args.compile_timeout_s)
       else:
         r = run_case(spec)
@@ -445,12 +372,7 @@ class Job:
     row["mem_source"] = ("peak_bytes_in_use (fresh process)"
                          if row.get("peak_gb") is not None
                          else "xla memory_analysis only")
-    self.rows.append(row)
-    print(json.dumps(row), flush=True)
-    with open(self.jsonl, "a") as fh:
-      fh.write(json.dumps(row) + "\n")
-    self.write_csv()
-    return row
+    return self.table.add(row)
 
   def plain_too_big(self, spec):
     """A skip reason when the plain loss cannot fit in the device memory,
@@ -463,18 +385,11 @@ class Job:
     if need <= limit:
       return None
     return (f"skipped (plain needs >= {need:.3g} GB/dev: two b x N*b f32 "
-            f"logits + inputs > XLA's memory limit ~{limit:.3g} GB (80% x 95% "
-            f"of the device): XLA could only rematerialize (a compile of "
-            f"minutes) or run out of memory; not compiled)")
+            f"logits + inputs > XLA's memory limit ~{limit:.3g} GB; XLA "
+            f"could only rematerialize (minutes) or run out; not compiled)")
 
   def write_csv(self):
-    path = os.path.join(self.args.out, "bench_ring.csv")
-    with open(path, "w", newline="") as fh:
-      w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
-      w.writeheader()
-      for r in self.rows:
-        w.writerow({k: (f"{v:.7g}" if isinstance(v, float) else v)
-                    for k, v in r.items()})
+    self.table.write()
 
 
 def _ok(rows, **match):
@@ -709,15 +624,14 @@ def main(argv=None):
   b0 = b_locals[0]
   strategies = args.strategies.split(",")
   sections = args.sections.split(",")
-  meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds"), command=" ".join(["python", "benchmarks/bench_ring.py"]
-                                           + list(argv if argv is not None
-                                                  else sys.argv[1:])),
-      platform=info["platform"], device_kind=info["device_kind"],
-      n_devices=n_all, jax=info["jax"], jaxlib=info["jaxlib"], backend=info["backend"], D=args.dims,
-      dtype=args.dtype, xla_flags=info["xla_flags"], isolate=isolate,
-      devices=ns, b_local=b_locals, block_q=args.block_q,
-      block_k=args.block_k)
+  meta = dict(
+      {k: info[k] for k in ("platform", "device_kind", "n_devices", "jax",
+                            "jaxlib", "backend", "xla_flags")},
+      date=harness.now(), command=" ".join(
+          ["python", "benchmarks/bench_ring.py"]
+          + list(argv if argv is not None else sys.argv[1:])),
+      D=args.dims, dtype=args.dtype, isolate=isolate, devices=ns,
+      b_local=b_locals, block_q=args.block_q, block_k=args.block_k)
   meta["mem_note"] = (
       "peak_bytes_in_use beyond inputs, max over devices, fresh process per "
       "case" if job.fresh_runtime_peak else
@@ -762,7 +676,7 @@ def main(argv=None):
                                  args.max_step_s, args.max_once_s)
   derive(job.rows)
   job.write_csv()
-  meta["elapsed_s"] = round(time.time() - job.t0, 1)
+  meta["elapsed_s"] = round(job.budget.elapsed(), 1)
   with open(os.path.join(args.out, "bench_ring_meta.json"), "w") as fh:
     json.dump(meta, fh, indent=1)
   print_table(job.rows, meta)
