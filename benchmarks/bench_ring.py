@@ -53,8 +53,10 @@ RESULT_TAG = "BENCH_RING "
 PHASE_TAG = "BENCH_RING_PHASE "
 FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "backend", "first_device", "status", "ms", "reps", "timing", "loss",
-          "efficiency", "efficiency_slowest_gpu", "time_over_ring", "peak_gb", "xla_temp_gb", "xla_plan_gb", "xla_total_gb",
-          "mem_source", "wall_s"]
+          "efficiency", "efficiency_slowest_gpu", "time_over_ring", "peak_gb",
+          "xla_temp_gb", "xla_plan_gb", "xla_total_gb", "mem_source", "wall_s"]
+
+
 # ------------------------------------------------------------- one case
 
 def block_sizes_of(spec):
@@ -118,24 +120,21 @@ def run_case(spec):
     # Running it would only end in RESOURCE_EXHAUSTED; the plan says so.
     return dict(res, status=f"oom (XLA plan {res['xla_total_gb']:.3g} GB "
                 f"> limit {res['bytes_limit_gb']:.3g} GB; not run)")
-  if kind == "hlo":
-    hlo, buf = compiled.as_text(), io.StringIO()
+  if kind == "hlo":  # The schedule is written even if the report fails.
+    hlo, buf, counts = compiled.as_text(), io.StringIO(), None
     try:
       with contextlib.redirect_stdout(buf):
-        n_async, n_overlapped, n_sync = ring_hlo.report(hlo)
+        counts = ring_hlo.report(hlo)
+      head = f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n{buf.getvalue()}"
     except Exception as e:  # pylint: disable=broad-except
-      # Keep the schedule for reading by hand rather than lose it.
-      if spec.get("hlo_path"):
-        with open(spec["hlo_path"], "w") as fh:
-          fh.write(f"ring_hlo.report failed: {e!r}\n\n{hlo}")
-      return dict(res, status=f"error: ring_hlo.report: {e!r}"[:300])
+      head = f"ring_hlo.report failed: {e!r}"
     if spec.get("hlo_path"):
       with open(spec["hlo_path"], "w") as fh:
-        fh.write(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n"
-                 + buf.getvalue() + "\n\n==== optimized, scheduled HLO "
-                 "====\n" + hlo)
-    return dict(res, status="ok", n_async=n_async, n_overlapped=n_overlapped,
-                n_sync=n_sync)
+        fh.write(head + "\n\n==== optimized, scheduled HLO ====\n" + hlo)
+    if counts is None:
+      return dict(res, status=f"error: {head}"[:300])
+    return dict(res, status="ok", **dict(zip(
+        ("n_async", "n_overlapped", "n_sync"), counts)))
   if not spec.get("run", True):
     return dict(res, status="compiled")
   try:
@@ -417,9 +416,7 @@ def derive(rows):
 
 def mem_of(r):
   """Memory per device: runtime peak where measured, else XLA's plan."""
-  if r.get("peak_gb") is not None:
-    return r["peak_gb"]
-  return r.get("xla_plan_gb")
+  return r["peak_gb"] if r.get("peak_gb") is not None else r.get("xla_plan_gb")
 
 
 def print_table(rows, meta):
@@ -436,17 +433,14 @@ def print_table(rows, meta):
                           else "")
     head = (f"{sec:9s} {r['strategy']:13s} {r['n_dev']:3d} "
             f"{r['b_local']:8d} ")
+    mem = mem_of(r)
     if r.get("status") == "ok":
-      eff = r.get("efficiency")
-      rel = r.get("time_over_ring")
-      mem = mem_of(r)
-      print(head + f"{r['ms']:10.2f} "
-            + (f"{eff:6.0%} " if eff is not None else f"{'':6s} ")
-            + (f"{rel:6.2f} " if rel is not None else f"{'':6s} ")
-            + (f"{mem:8.3g} " if mem is not None else f"{'':8s} ")
+      print(head + f"{r['ms']:10.2f} " + "".join(
+          " " * (w + 1) if v is None else f"{v:{w}{spec}} " for v, w, spec in (
+              (r.get("efficiency"), 6, ".0%"),
+              (r.get("time_over_ring"), 6, ".2f"), (mem, 8, ".3g")))
             + (f"{r['loss']:9.5f}" if "loss" in r else ""))
     else:
-      mem = mem_of(r)
       print(head + f"  {r.get('status', '')[:70]}"
             + (f"  (XLA plan {mem:.3g} GB/dev)" if mem is not None else ""))
   ov = meta.get("overlap")
