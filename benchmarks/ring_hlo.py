@@ -354,46 +354,30 @@ def report(hlo, out=print):
   return n_async, n_overlapped, n_sync
 
 
-def parse_args():
+def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cpu-devices", type=int, default=0,
                  help="force this many host CPU devices (sets XLA_FLAGS)")
   p.add_argument("--batch-per-device", type=int, default=256)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--dtype", default="float32")
-  p.add_argument("--direction", default="both")
   p.add_argument("--backend", default="auto")
   p.add_argument("--block-q", type=int, default=0)
   p.add_argument("--block-k", type=int, default=0)
   p.add_argument("--dump", default="", help="write the optimized HLO here")
-  return p.parse_args()
-
-
-def main():
-  args = parse_args()
+  args = p.parse_args()
   harness.set_xla_flags(args.cpu_devices)
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
-  from infcl_jax import BlockSizes, sharded_contrastive_loss  # pylint: disable=import-outside-toplevel
-
-  devices = jax.devices()
-  n = len(devices)
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  bs = (BlockSizes(block_q=args.block_q, block_k=args.block_k)
-        if args.block_q and args.block_k else None)
-  grad = jax.jit(jax.grad(
-      lambda x, y, t: sharded_contrastive_loss(
-          x, y, t, mesh=mesh, direction=args.direction, backend=args.backend,
-          block_sizes=bs), argnums=(0, 1, 2)))
-  emb = jax.ShapeDtypeStruct((n * args.batch_per_device, args.dim),
-                             jnp.dtype(args.dtype))
-  compiled = grad.lower(emb, emb, jax.ShapeDtypeStruct((), jnp.float32)).compile()
-  hlo = compiled.as_text()
-  print(f"jax {jax.__version__}, {n} x {devices[0].platform} "
-        f"({devices[0].device_kind}), b={args.batch_per_device}, "
-        f"D={args.dim}, {args.dtype}, XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}\n")
+  from benchmarks import bench_ring, ring_steps  # pylint: disable=import-outside-toplevel,g-multiple-import
+  n = len(jax.devices())
+  step = ring_steps.train_step("ring", ring_steps.make_mesh(n), args.backend,
+                               bench_ring.block_sizes_of(vars(args)))
+  emb = jax.ShapeDtypeStruct((n * args.batch_per_device, args.dim), args.dtype)
+  hlo = step.lower(emb, emb, jax.ShapeDtypeStruct((), "float32")).compile(
+      ).as_text()
+  print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
+        f"b={args.batch_per_device}, D={args.dim}, {args.dtype}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}\n")
   if args.dump:
     with open(args.dump, "w") as f:
       f.write(hlo)
