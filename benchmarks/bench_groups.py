@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import infcl_jax
-from benchmarks.harness import bench, inputs, record, rel, summary
+from benchmarks.harness import bench, inputs, print_device, record, rel, summary
 
 
 def pairs(b):
@@ -92,7 +92,7 @@ def main():
   p.add_argument("--modes", default="none,mask,positives,none again",
                  help="'none' first; 'none again' is the noise floor")
   a = p.parse_args()
-  print("jax", jax.__version__, jax.devices(), flush=True)
+  print_device()
   cost(a.b, a.backends.split(","), a.rounds, a.families.split(","),
        tuple(a.modes.split(",")))
   summary(50)

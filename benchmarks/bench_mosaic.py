@@ -11,13 +11,11 @@ stage's time goes and what would close it: BENCHMARKS.md "Loss".
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import report
-from benchmarks.harness import timeit
+from benchmarks.harness import inputs, report, timeit
 from infcl_jax._math import LOG2E
 from infcl_jax.kernels.mosaic import g_panel as mg
 
@@ -30,13 +28,7 @@ def bench_stages(b, d, dtype, reps, r_list=(4096, 8192)):
   from infcl_jax.kernels import sigmoid_bwd as tsb
   from infcl_jax.kernels.mosaic import sigmoid as ms
   # pylint: enable=import-outside-toplevel
-  kx, ky = jax.random.split(jax.random.key(0))
-  x = (jax.random.normal(kx, (b, d), jnp.float32) / math.sqrt(d)).astype(dtype)
-  y = (jax.random.normal(ky, (b, d), jnp.float32) / math.sqrt(d)).astype(dtype)
-  x = x / jnp.linalg.norm(x.astype(jnp.float32), axis=1,
-                          keepdims=True).astype(dtype)
-  y = y / jnp.linalg.norm(y.astype(jnp.float32), axis=1,
-                          keepdims=True).astype(dtype)
+  x, y = inputs(b, d, dtype)
   fwd_flops = 2.0 * b * b * d
   be = mb.MosaicBackend()
   tri = registry.get("pallas", "softmax")
