@@ -4,10 +4,13 @@
 # oldest 3.12+ (3.12 is what CI tests), then python3.13 or python3 if 3.12+.
 #
 # Usage: bash scripts/setup_env.sh            # .venv: jax 0.11.2, [train,dev]
-#        bash scripts/setup_env.sh jax012     # .venv-jax012: jax 0.12.x, the
-#                                             # library and its tests only
+#        bash scripts/setup_env.sh jax012     # .venv-jax012: jax 0.12.x and
+#                                             # what the library tests import
 # The second environment is what CI runs the fast library tests in, so the
-# supported range (pyproject: jax>=0.11.2,<0.13) is tested at both ends.
+# supported range (pyproject: jax>=0.11.2,<0.13) is tested at both ends. It
+# holds no install of this project (the tests import it from the checkout,
+# scripts/test.sh sets PYTHONPATH), so one such venv serves every clone:
+# $INFCL_JAX012_VENV puts it elsewhere (.ci/run keeps it in ~/.cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,11 +21,12 @@ case "${1:-}" in
     install=(-e ".[train,dev]")
     ;;
   jax012)
-    venv=.venv-jax012
+    venv=${INFCL_JAX012_VENV:-.venv-jax012}
     constraints=scripts/constraints-jax012.txt
-    # The library, plus what the library tests import (flax: infcl_jax.flax and
-    # the README's Flax snippet). The trainer's packages are not needed.
-    install=(-e . pytest pytest-xdist flax)
+    # The library's dependencies, plus what the library tests import (flax:
+    # infcl_jax.flax and the README's Flax snippet). The trainer's packages
+    # are not needed.
+    install=(jax jaxlib numpy pytest pytest-xdist flax)
     ;;
   *)
     echo "usage: bash scripts/setup_env.sh [jax012]" >&2
