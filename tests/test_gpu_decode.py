@@ -265,9 +265,12 @@ def test_decoder_config_errors_are_one_line(corpus):
 # ------------------------------------------------------------------- GPU
 
 GPU_WHY = decode.gpu_unavailable()
-# Measured on an H200 (nvImageCodec 0.9.0.20, fancy upsampling): see
-# test_gpu_pixels_are_the_host_paths_within_the_measured_bound's output.
-PIXEL_MAX, PIXEL_MEAN = 4, 0.25
+# Measured on an H200 (nvImageCodec 0.9.0.20 with nvJPEG 13.2, fancy
+# upsampling, 256 px JPEGs at quality 90): the GPU's pixels against the
+# host path's (libjpeg-turbo): max |diff| 1 level and 0.01% of the pixels
+# at 256 px (decode only), max 2 and 0.2% (mean 0.002) after the resize to
+# 224. The bound: that max, a mean of 0.01.
+PIXEL_MAX, PIXEL_MEAN = 2, 0.01
 
 
 def _pool(n=256, size=256):
@@ -294,15 +297,19 @@ class TestGpuDecoder:
   def test_gpu_pixels_are_the_host_paths_within_the_measured_bound(self):
     jpgs = _pool()
     for size in (256, 224):  # decode_size=256 (no resize), and 256 -> 224
-      for backend in ("auto", "cuda"):
+      # ("cuda", nvJPEG's CUDA-only backend, cannot be created by this
+      # build here: "Could not create decoder. Code: 7".)
+      for backend in ("auto", "hw"):
         d = _gpu_vs_host(jpgs, size, backend=backend)
         print(f"256 px JPEGs -> {size}, backend {backend}: max |diff| "
               f"{d.max()}, mean {d.mean():.4f}, pixels differing "
               f"{(d > 0).mean():.4f}")
         assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
     # The kinds of JPEG of _images (4:4:4, progressive, grayscale,
-    # non-square; one the host decodes at a DCT scale): reported, bounded
-    # loosely (the host's draft decode is not the GPU's full one).
+    # non-square; one the host decodes at a DCT scale, and downscales past
+    # Pillow's reducing gap): reported, with a loose sanity bound, not a
+    # measured one (the host's draft decode and box reduction are not the
+    # GPU's full decode and antialiased resize).
     for size in (16, 40):
       d = _gpu_vs_host(_images(), size)
       print(f"mixed JPEGs -> {size}: max |diff| {d.max()}, mean "

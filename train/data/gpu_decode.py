@@ -71,6 +71,10 @@ class GpuBatchDecoder:
     backend: "auto" (nvImageCodec's order: the hardware JPEG engines where
       the GPU has them, then CUDA, then the CPU), "hw" (hardware only),
       "cuda" (CUDA kernels only) or "hybrid" (CPU Huffman + GPU IDCT).
+      On the H200 with nvImageCodec 0.9.0.20 and nvJPEG 13.2, "auto"
+      decodes 256 px JPEGs at 9.3k-11.3k img/s and "hw" at 7.3k-7.9k
+      (batches of 256-4096, benchmarks/bench_data.py --decoders); "cuda"
+      cannot be created there.
     device: the jax device (default: the first local one).
     fancy_upsampling: chroma upsampled as libjpeg-turbo's default does it
       (the host path's), rather than nvJPEG's nearest neighbour.
@@ -104,7 +108,12 @@ class GpuBatchDecoder:
       # A backend that does not take the option: its own upsampling (the
       # pixels' bound to the host path is then looser).
       self.fancy_upsampling = False
-      self._decoder = nvimgcodec.Decoder(**kwargs)
+      try:
+        self._decoder = nvimgcodec.Decoder(**kwargs)
+      except RuntimeError as e:
+        raise ValueError(f"nvImageCodec cannot create a decoder for "
+                         f"backend {backend!r} on {self.device}: {e}"
+                         ) from None
     # The host path does not apply EXIF orientation (Pillow's Image.open
     # leaves it), so neither does this one.
     self.zero_copy = True
