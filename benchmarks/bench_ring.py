@@ -301,18 +301,15 @@ def parse_args(argv):
                   help="force this many host CPU devices (smoke test)")
   ap.add_argument("--strategies", default="ring,gather,plain")
   ap.add_argument("--sections", default="scaling,overlap,hlo,maxbatch")
-  ap.add_argument("--max-step-s", type=float, default=20.0,
-                  help="max batch: run a step only if its estimated time is "
-                  "below this; larger ones are compiled, not run")
-  ap.add_argument("--max-once-s", type=float, default=0.0,
-                  help="max batch: a step estimated above --max-step-s but "
-                  "below this runs once (one synchronized call, no warm-up) "
-                  "instead of compile-only")
-  ap.add_argument("--max-b-start", type=int, default=0,
-                  help="max batch: first b to try (default: the headline b)")
-  ap.add_argument("--max-b-local", type=int, default=0,
-                  help="max batch: largest b to try (default 2^24 on GPU, "
-                  "4x the headline b elsewhere)")
+  mb = ap.add_argument_group(
+      "max batch", "b doubles from --max-b-start (default: the headline b) "
+      "to --max-b-local (default 2^24 on GPUs, 4x the headline b elsewhere); "
+      "a step estimated over --max-step-s runs once if under --max-once-s "
+      "(one synchronized call, no warm-up), else is compiled only")
+  mb.add_argument("--max-step-s", type=float, default=20.0)
+  mb.add_argument("--max-once-s", type=float, default=0.0)
+  mb.add_argument("--max-b-start", type=int, default=0)
+  mb.add_argument("--max-b-local", type=int, default=0)
   ap.add_argument("--compile-timeout-s", type=int, default=150,
                   help="per case, until the child has compiled (isolated "
                   "runs; 0 = only --timeout-s)")
