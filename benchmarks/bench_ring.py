@@ -1,7 +1,7 @@
 """Multi-device benchmark of the ring loss: weak scaling, baselines, overlap.
 
   python benchmarks/bench_ring.py --out OUT          # every visible GPU
-  python benchmarks/bench_ring.py --cpu-devices 8 --quick --b-local 256 \
+  python benchmarks/bench_ring.py --cpu-devices 8 --b-local 256 \
       --dims 64 --block-q 32 --block-k 64 --out /tmp/ring   # CPU smoke
 
 fwd+bwd steps (the loss and the gradients of both embeddings and the
@@ -199,16 +199,10 @@ def _child_env(n, platform, first=0, strategy=None):
 
 
 def spawn(spec, platform, timeout_s, compile_timeout_s=0):
-  """Runs ``run_case(spec)`` in a fresh process (``harness.run_child``).
-
-  Two deadlines: the whole case gets ``timeout_s``; compilation (until the
-  child reports its compiled plan) gets ``compile_timeout_s`` (0: none). A
-  timed-out case says in which phase it stopped, and after compilation it
-  carries the compile time and XLA's memory plan, so that a hang at run time
-  (e.g. one device out of memory while the other waits in a collective) is
-  told apart from a compile that does not end (e.g. rematerialization of a
-  plan over XLA's memory limit).
-  """
+  """Runs ``run_case(spec)`` in a fresh process (``harness.run_child``)
+  with a compile deadline, so that a hang at run time (one device out of
+  memory while the other waits in a collective) is told apart from a
+  compile that does not end (rematerialization over XLA's limit)."""
   spec = dict(spec, report_phases=True)
   return harness.run_child(
       [os.path.abspath(__file__), "--case", json.dumps(spec)],
@@ -315,8 +309,6 @@ def parse_args(argv):
                   "runs; 0 = only --timeout-s)")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                   help="a fresh process per case (auto: on GPUs)")
-  ap.add_argument("--quick", action="store_true",
-                  help="one local batch (the first), fewer reps")
   return ap.parse_args(argv)
 
 
@@ -610,8 +602,6 @@ def main(argv=None):
   ns = [n for n in ns if n <= n_all]
   n_max = max(ns)
   b_locals = [int(v) for v in args.b_local.split(",")]
-  if args.quick:
-    b_locals, args.budget_s = b_locals[:1], min(args.budget_s, 2.0)
   b0 = b_locals[0]
   strategies = args.strategies.split(",")
   sections = args.sections.split(",")
