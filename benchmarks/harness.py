@@ -1,21 +1,9 @@
-"""What every benchmark script shares, one home each.
-
-* timing: ``timeit`` (device-synchronized, median after a warm-up, the
-  repetitions fitted to a time budget), ``report``;
-* the device and the run: ``device_meta``, ``now``, ``set_xla_flags``,
-  ``mem_plan`` (XLA's memory plan of a compiled program);
-* inputs and steps: ``host_inputs`` / ``inputs`` (unit-norm embeddings),
-  ``loss_step`` (fwd+bwd of the softmax or sigmoid loss), ``rel``;
-* the run's options: ``parser`` (``--out``, ``--resume``, ``--budget-s``,
-  ``--timeout-s``: one spelling and meaning in every script);
-* rows: ``Rows`` (a results file written after every case, resumable),
-  ``write_csv``, ``read_jsonl``; ``Budget``: the time a whole run may take;
-* children: ``run_child`` (a case in a fresh process: the device's peak
-  counter and the allocator start from zero, and a crash or a hang costs one
-  case), ``child_env``, ``is_oom``, ``failure``; ``HostMemory``: the peak
-  host memory of a process tree;
-* probes (``record`` / ``summary``): items that run on their own, a failure
-  printed and the run going on.
+"""What every benchmark script shares, one home each: timing, the device
+and run meta, inputs and the loss step, the shared options (``parser``),
+rows on disk with resume (``Rows``), the run's time budget (``Budget``),
+cases in child processes (``run_child``: the device's peak counter and the
+allocator start from zero, a crash or a hang costs one case), the host
+memory of a process tree, and probe items (``record`` / ``summary``).
 
 Scripts import it as ``from benchmarks import harness``.
 """
@@ -99,21 +87,20 @@ def device_meta():
 
 
 def print_device():
-  """The first line of a probe's log: jax and the devices."""
+  """A probe log's first line: jax and the devices."""
   import jax  # pylint: disable=import-outside-toplevel
   print("jax", jax.__version__, jax.devices(), flush=True)
 
 
 def set_xla_flags(cpu_devices=0):
-  """Sets XLA_FLAGS before JAX starts its backend (XLA reads them once):
-  ``cpu_devices`` simulated CPU devices, or else the ring's recommended GPU
-  flags (``infcl_jax.xla_flags``) added to the user's."""
+  """Sets ``xla_env`` before JAX starts its backend (XLA reads it once)."""
   os.environ.update(xla_env(cpu_devices))
 
 
 def xla_env(cpu_devices=0, env=None):
-  """The XLA_FLAGS (and, for CPU devices, JAX_PLATFORMS) of ``set_xla_flags``
-  for the environment ``env`` (default: this process's)."""
+  """XLA_FLAGS for ``cpu_devices`` simulated CPU devices (and JAX_PLATFORMS),
+  or else with the ring's recommended GPU flags (``infcl_jax.xla_flags``)
+  added to those of ``env`` (default: this process's environment)."""
   flags = (env or os.environ).get("XLA_FLAGS", "").split()
   if cpu_devices:
     flags = [f for f in flags
