@@ -405,3 +405,20 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   batch = _step_one_loss(tmp_path / "batch", "gpu")
   assert calls and set(calls) == {8}
   assert batch == host
+
+
+def test_prefetch_closed_midway_continues_where_the_consumer_was(corpus):
+  # The thread runs ahead; closing (as set_state and a checkpoint restore
+  # do) must not lose or repeat the micro-batches it held.
+  config = _config("webdataset:" + corpus.pattern)
+  whole = _take(D.make_train_iterator(config, batch_size=8, seed=4,
+                                      batch_decoder=_Failing()), 9)
+  it = D.make_train_iterator(config, batch_size=8, seed=4,
+                             batch_decoder=_Failing())
+  got = _take(it, 3)
+  it.close()
+  got += _take(it, 3)
+  it.close()
+  got += _take(it, 3)
+  assert _same(whole, got)
+  it.close()

@@ -33,8 +33,12 @@ from train import step as step_lib
 
 def device_major(parts: list[np.ndarray], num_local_devices: int) -> np.ndarray:
   """Host micro-batches [k x (m, ...)] -> (k*m, ...) in the order where each
-  local device's block is its rows of micro-batch 0, then 1, ..."""
-  x = np.stack(parts)
+  local device's block is its rows of micro-batch 0, then 1, ...
+
+  Micro-batches already on a device (config.data.decoder="gpu") are
+  reordered there, not through the host."""
+  xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+  x = xp.stack(parts)
   k, m = x.shape[:2]
   n = num_local_devices
   if m % n:
