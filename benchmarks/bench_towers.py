@@ -158,22 +158,31 @@ def child_vit(spec, rows):
            compile_s=compile_s, peak_gib=_peak_gib(), **_timing_row(t, b))
 
 
-def _torch_timer(torch, dev):
-  """``timed(fn)``: harness.timeit of ``fn`` with a device sync inside (the
-  harness syncs JAX arrays; a torch call returns before the GPU is done)."""
-  def timed(fn, reps, warmup=2):
-    def call():
-      fn()
-      if dev == "cuda":
-        torch.cuda.synchronize()
-    return harness.timeit(call, reps=reps, warmup=warmup)
-  return timed
-
-
-def _torch_variants(torch, m):
-  # dynamic=False: a second input shape recompiles a static graph instead of
-  # switching the model to dynamic shapes.
-  return [("eager", m), ("torch.compile", torch.compile(m, dynamic=False))]
+def torch_rows(rows, torch, m, cases, reps, impl):
+  """A row per case and variant of the torch model ``m``: eager and
+  ``torch.compile``d (dynamic=False: a second input shape recompiles a
+  static graph instead of switching the model to dynamic shapes). A case is
+  (part, batch, call(f)), timed with a device sync inside (the harness syncs
+  JAX arrays; a torch call returns before the GPU is done)."""
+  cuda = torch.cuda.is_available()
+  variants = (("eager", m), ("torch.compile", torch.compile(m, dynamic=False)))
+  for part, b, call in cases:
+    for name, f in variants:
+      def run(f=f, call=call):
+        call(f)
+        if cuda:
+          torch.cuda.synchronize()
+      t0 = time.perf_counter()
+      try:
+        t = harness.timeit(run, reps=reps, warmup=2)
+      except Exception as e:  # pylint: disable=broad-except
+        rows.add(part=part, impl=impl.format(name), batch=b,
+                 status=harness.failure(e))
+        continue
+      rows.add(part=part, impl=impl.format(name), batch=b,
+               first_calls_s=time.perf_counter() - t0,
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda
+               else None, **_timing_row(t, b))
 
 
 def child_vit_torch(spec, rows):
@@ -187,26 +196,14 @@ def child_vit_torch(spec, rows):
       depth=v["depth"], num_heads=v["num_heads"])
   m = timm.create_model("vit_base_patch16_224", pretrained=False,
                         num_classes=0, **kw).to(dev, torch.bfloat16).eval()
-  b = v["batch"]
-  x = torch.randn(b, 3, v["image"], v["image"], device=dev,
+  x = torch.randn(v["batch"], 3, v["image"], v["image"], device=dev,
                   dtype=torch.bfloat16)
-  timed = _torch_timer(torch, dev)
-  for name, f in _torch_variants(torch, m):
-    t0 = time.perf_counter()
-    try:
-      with torch.inference_mode():
-        t = timed(lambda f=f: f(x), spec["reps"])
-    except Exception as e:  # pylint: disable=broad-except
-      rows.add(part="vit_b16_fwd", impl=f"timm {name} (SDPA)", batch=b,
-               status=harness.failure(e))
-      continue
-    rows.add(part="vit_b16_fwd", impl=f"timm {name} (SDPA)", batch=b,
-             first_calls_s=time.perf_counter() - t0,
-             peak_gib=_torch_peak(torch, dev), **_timing_row(t, b))
 
-
-def _torch_peak(torch, dev):
-  return torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None
+  def forward(f):
+    with torch.inference_mode():
+      f(x)
+  torch_rows(rows, torch, m, [("vit_b16_fwd", v["batch"], forward)],
+             spec["reps"], "timm {} (SDPA)")
 
 
 def _text_tokens(jax, jnp, batch, length, vocab, eos):
@@ -266,26 +263,16 @@ def child_text_torch(spec, rows):
                        eos_token_id=t["vocab"] - 1)
   m = CLIPTextModelWithProjection._from_config(  # pylint: disable=protected-access
       cfg, attn_implementation="sdpa").to(dev, torch.bfloat16)
-  timed = _torch_timer(torch, dev)
-  b = t["batch"]
-  variants = _torch_variants(torch, m)
+  cases = []
   for length in sorted(t["lengths"], reverse=True):
-    ids = torch.randint(2, t["vocab"] - 1, (b, length), device=dev)
+    ids = torch.randint(2, t["vocab"] - 1, (t["batch"], length), device=dev)
     ids[:, -1] = cfg.eos_token_id
-    for name, f in variants:
-      def step(f=f, ids=ids):
-        m.zero_grad(set_to_none=True)
-        f(input_ids=ids).text_embeds.float().pow(2).sum().backward()
-      impl, part = f"HF CLIP text {name} (SDPA)", f"text_fwd_bwd_L{length}"
-      t0 = time.perf_counter()
-      try:
-        tm = timed(step, spec["reps"])
-      except Exception as e:  # pylint: disable=broad-except
-        rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
-        continue
-      rows.add(part=part, impl=impl, batch=b,
-               first_calls_s=time.perf_counter() - t0,
-               peak_gib=_torch_peak(torch, dev), **_timing_row(tm, b))
+
+    def step(f, ids=ids):
+      m.zero_grad(set_to_none=True)
+      f(input_ids=ids).text_embeds.float().pow(2).sum().backward()
+    cases.append((f"text_fwd_bwd_L{length}", t["batch"], step))
+  torch_rows(rows, torch, m, cases, spec["reps"], "HF CLIP text {} (SDPA)")
 
 
 def _hf_clip_b16(path):

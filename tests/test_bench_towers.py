@@ -23,6 +23,47 @@ def test_every_planned_case_has_a_spec():
       assert case["mode"] in ("precomputed", "on_the_fly")
 
 
+class _Rows:
+  def __init__(self):
+    self.rows = []
+
+  def add(self, **row):
+    self.rows.append(row)
+
+
+def test_torch_rows_time_both_variants_per_case_and_keep_failures():
+  """The torch cases' loop, with a stand-in for torch (no torch on the CPU
+  VM): every case runs eager then compiled, synced after each call; a
+  variant that raises is a status row and the rest still run."""
+  calls, syncs = [], []
+
+  class FakeTorch:
+    class cuda:  # pylint: disable=invalid-name
+      is_available = staticmethod(lambda: True)
+      synchronize = staticmethod(lambda: syncs.append(1))
+      max_memory_allocated = staticmethod(lambda: 2**30)
+
+    @staticmethod
+    def compile(m, dynamic):
+      assert dynamic is False
+
+      def compiled(x):
+        raise RuntimeError("out of memory")
+      return compiled
+
+  def call(x):
+    return lambda f: calls.append((x, f(x)))
+  rows = _Rows()
+  bt.torch_rows(rows, FakeTorch, lambda x: x * 2,
+                [("p16", 8, call(16)), ("p77", 4, call(77))], 3, "m {}")
+  got = [(r["part"], r["impl"], r["status"] if "status" in r else r["reps"])
+         for r in rows.rows]
+  assert got == [("p16", "m eager", 3), ("p16", "m torch.compile", "oom"),
+                 ("p77", "m eager", 3), ("p77", "m torch.compile", "oom")]
+  assert calls[:5] == [(16, 32)] * 5 and len(syncs) == 10  # 2 warm-up + 3.
+  assert rows.rows[0]["peak_gib"] == 1.0 and rows.rows[0]["per_s"] > 0
+
+
 @pytest.mark.slow
 def test_quick_run_writes_rows_and_keeps_the_budget(tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_towers.py"),
