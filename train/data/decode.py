@@ -25,6 +25,8 @@ micro-batch is decoded while the previous one's tower step runs.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import queue
 import threading
 
@@ -348,6 +350,11 @@ class _Raised:
     self.error = error
 
 
+def _stop_thread(stop, thread):
+  stop.set()
+  thread.join(timeout=10)
+
+
 class Prefetch:
   """An iterator run ``depth`` micro-batches ahead on a thread.
 
@@ -375,6 +382,10 @@ class Prefetch:
     self._thread = threading.Thread(target=self._run, args=(
         self._queue, self._stop), daemon=True, name="decode-prefetch")
     self._thread.start()
+    # A run that ends without closing the iterator (the trainer's does)
+    # stops the thread before the interpreter abandons it mid-decode.
+    self._at_exit = functools.partial(_stop_thread, self._stop, self._thread)
+    atexit.register(self._at_exit)
 
   def _run(self, q, stop):
     while not stop.is_set():
@@ -446,6 +457,7 @@ class Prefetch:
     if self._thread is not None:
       self._stop.set()
       self._thread.join()
+      atexit.unregister(self._at_exit)
       self._thread = None
       # The thread ran ahead: continue from the consumer's position.
       self.iterator.set_state(self._state)
