@@ -122,6 +122,28 @@ def test_host_decoders_agree_bitwise_with_pillow_and_name_bad_images():
     assert e.value.reason.startswith("undecodable image")
 
 
+def test_device_resize_crop_is_the_hosts_within_one_level():
+  # The GPU decoder's resize/crop (jax, here on the CPU) against the host's
+  # pipeline.resize_crop on the same pixels, at sizes where Pillow resizes
+  # in one step (shrinking by less than 4x: past that Pillow box-reduces
+  # first, its reducing_gap, and the two differ by a few levels).
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  cases = [(16, 16, 16), (24, 16, 16), (16, 30, 16), (50, 70, 40),
+           (60, 33, 32), (256, 256, 224), (256, 340, 224), (300, 256, 224)]
+  for h, w, size in cases:
+    low = rng.integers(0, 255, (6, 6, 3), dtype=np.uint8)
+    im = np.asarray(Image.fromarray(low).resize((w, h), Image.BICUBIC))
+    im = np.clip(im + rng.normal(0, 10, im.shape), 0, 255).astype(np.uint8)
+    dev = np.asarray(gpu_decode.resize_crop_device(jnp.asarray(im[None]),
+                                                   size))[0]
+    host = pipeline.resize_crop(im, size)
+    assert dev.shape == host.shape == (size, size, 3)
+    d = np.abs(dev.astype(np.int16) - host)
+    assert d.max() <= 1 and (d > 0).mean() <= 0.005, (h, w, size)
+
+
 # ----------------------------------------- the batch path, on the host decoder
 
 class _Failing(decode.HostBatchDecoder):
