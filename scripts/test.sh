@@ -52,21 +52,5 @@ print(f"test: jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.ve
 if not (jax.__version__.startswith(want) and jaxlib.__version__.startswith(want)):
   sys.exit(f"error: expected jax/jaxlib {want}*, found {jax.__version__}/{jaxlib.__version__}")
 PY
-# XLA's CPU code at LLVM's optimisation level 0: the tests' programs are
-# small and compiling them is most of the suite's time; at level 0 a test
-# file took 22-33% less CPU time (interpreter kernels, ring, trainer runs).
-# XLA's own passes are unchanged. INFCL_XLA_OPT_LEVEL picks another level.
-export XLA_FLAGS="--xla_backend_optimization_level=${INFCL_XLA_OPT_LEVEL:-0}${XLA_FLAGS:+ $XLA_FLAGS}"
-# XLA's compiled programs go to a persistent cache in .pytest_cache/jax
-# (git-ignored; a fresh clone starts without it): the trainer tests start
-# train.main many times on the same programs and both workers compile many of
-# the same ones. jax keys an entry by its version, the XLA flags and the
-# program, so a hit is the program a compile would have made.
-# INFCL_JAX_CACHE picks the folder; set empty, no cache.
-cache=${INFCL_JAX_CACHE-$PWD/.pytest_cache/jax}
-if [ -n "$cache" ]; then
-  mkdir -p "$cache"
-  export JAX_COMPILATION_CACHE_DIR="$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 JAX_COMPILATION_CACHE_MAX_SIZE=$((2 << 30))
-fi
+. scripts/cpu_test_env.sh
 exec "$py" -m pytest -q -n 2 --dist loadfile --durations=20 "${select[@]}" "$@"
