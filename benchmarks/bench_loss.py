@@ -38,18 +38,16 @@ FIELDS = ["loss", "backend", "dtype", "B", "D", "status", "ms", "reps",
 
 def run_case(loss, backend, dtype_name, b, d, budget_s):
   """One case in this (fresh) process; returns its result fields."""
-  import jax  # pylint: disable=import-outside-toplevel
-  dev = jax.devices()[0]
   x, y = harness.host_inputs(b, d, dtype_name)
   step, scalars = harness.loss_step(loss, backend)
   args = (x, y, *scalars)
   try:
     compiled = step.lower(*args).compile()
-    base = (dev.memory_stats() or {}).get("bytes_in_use", 0)
+    base = (harness.device_bytes("bytes_in_use") or [0])[0]
     t = harness.timeit(compiled, *args, reps=7, warmup=1, budget_s=budget_s)
   except Exception as e:  # pylint: disable=broad-except
     return dict(status=harness.failure(e))
-  peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
+  peak = (harness.device_bytes("peak_bytes_in_use") or [0])[0]
   return dict(status="ok", ms=t.median * 1e3, reps=t.reps,
               peak_extra_gb=(peak - base) / 1e9,
               tflops=8.0 * b * b * d / t.median / 1e12)

@@ -66,11 +66,6 @@ def block_sizes_of(spec):
   return BlockSizes(block_q=spec["block_q"], block_k=spec["block_k"])
 
 
-def _device_bytes(devices, key):
-  vals = [(dev.memory_stats() or {}).get(key) for dev in devices]
-  return None if any(v is None for v in vals) else vals
-
-
 def run_case(spec):
   """Runs one case in this process on the first spec["n"] devices.
 
@@ -109,7 +104,7 @@ def run_case(spec):
     return dict(status=harness.failure(e))
   res["compile_s"] = round(time.time() - t0, 2)
   res.update(harness.mem_plan(compiled))
-  limits = _device_bytes(devices, "bytes_limit")
+  limits = harness.device_bytes("bytes_limit", devices)
   if limits:
     res["bytes_limit_gb"] = min(limits) / 1e9
   if spec.get("report_phases"):  # The parent's compile deadline ends here.
@@ -141,7 +136,7 @@ def run_case(spec):
     x, y = ring_steps.make_inputs(mesh, b, d, dtype)
     t = jax.device_put(jnp.float32(ring_steps.LOGIT_SCALE),
                        NamedSharding(mesh, P()))
-    base = _device_bytes(devices, "bytes_in_use")
+    base = harness.device_bytes("bytes_in_use", devices)
     if spec.get("once"):  # One synchronized call, no warm-up (compiled AOT).
       t1 = time.perf_counter()
       out = jax.block_until_ready(compiled(x, y, t))
@@ -157,7 +152,7 @@ def run_case(spec):
     res["timing"] = "one call, no warm-up"
   if kind == "step":
     res["loss"] = float(out[0])
-  peak = _device_bytes(devices, "peak_bytes_in_use")
+  peak = harness.device_bytes("peak_bytes_in_use", devices)
   if base and peak and spec.get("fresh"):
     res["peak_gb"] = max(p - q for p, q in zip(peak, base)) / 1e9
   return res

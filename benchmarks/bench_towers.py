@@ -106,10 +106,8 @@ class Emitter:
 
 
 def _peak_gib():
-  import jax  # pylint: disable=import-outside-toplevel
-  stats = [d.memory_stats() or {} for d in jax.local_devices()]
-  peak = max(int(s.get("peak_bytes_in_use", 0)) for s in stats)
-  return peak / 2**30 if peak else None
+  peak = harness.device_bytes("peak_bytes_in_use")
+  return max(peak) / 2**30 if peak and max(peak) else None
 
 
 def _timing_row(t, batch):

@@ -78,12 +78,21 @@ def device_meta():
   import jax  # pylint: disable=import-outside-toplevel
   import jaxlib  # pylint: disable=import-outside-toplevel
   devs = jax.devices()
-  limit = (devs[0].memory_stats() or {}).get("bytes_limit", 0) / 1e9
+  limit = (device_bytes("bytes_limit", devs[:1]) or [0])[0] / 1e9
   return dict(date=now(), device_kind=devs[0].device_kind,
               platform=devs[0].platform, n_devices=len(devs),
               jax=jax.__version__, jaxlib=jaxlib.__version__,
               bytes_limit_gb=limit or None,
               xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def device_bytes(key, devices=None):
+  """``memory_stats()[key]`` of each device (default: the local ones), or
+  None where a device keeps no such figure (CPU devices keep none)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  vals = [(d.memory_stats() or {}).get(key)
+          for d in devices or jax.local_devices()]
+  return None if any(v is None for v in vals) else vals
 
 
 def print_device():
@@ -553,8 +562,7 @@ def record(name, fn):
 
 def summary(width=45):
   import jax  # pylint: disable=import-outside-toplevel
-  stats = jax.devices()[0].memory_stats() or {}
-  print("peak_bytes_in_use", stats.get("peak_bytes_in_use"))
+  print("peak_bytes_in_use", device_bytes("peak_bytes_in_use"))
   print("\n==== SUMMARY ====")
   for name, out in RESULTS:
     print(f"{name:{width}s} {out}")

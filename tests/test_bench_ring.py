@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_ring
+from benchmarks import harness
 from benchmarks import ring_steps
 from tests import np_reference
 
@@ -138,11 +139,11 @@ def test_memory_limit_paths(tmp_path, monkeypatch):
   a case whose XLA plan exceeds it is not run, and max batch compiles the
   steps it would not run and stops at the first plan over the limit."""
   _need(4)
-  real = bench_ring._device_bytes  # pylint: disable=protected-access
+  real = harness.device_bytes
 
-  def fake(devices, key):
-    return [100e3] * len(devices) if key == "bytes_limit" else real(devices, key)
-  monkeypatch.setattr(bench_ring, "_device_bytes", fake)
+  def fake(key, devices=None):
+    return [100e3] * len(devices) if key == "bytes_limit" else real(key, devices)
+  monkeypatch.setattr(harness, "device_bytes", fake)
   rows, meta = bench_ring.main(
       TINY + ["--devices", "2,4", "--strategies", "ring,plain", "--sections",
               "scaling,maxbatch", "--max-step-s", "0", "--isolate", "no",
