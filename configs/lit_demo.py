@@ -14,7 +14,7 @@ combinations with held-out prompt templates (chance 1/8).
 
 ``--config.captions_per_image=3 --config.loss.groups=image`` trains with the
 3 captions of each training image in one batch and tells the loss they are
-one image's (README, "Related pairs"; ``--config.loss.group_mode=positives``
+one image's (docs/groups.md; ``--config.loss.group_mode=positives``
 for multi-positive InfoNCE).
 """
 import os

@@ -5,7 +5,7 @@ The image tower is read by ``train.pretrained`` from a local checkpoint
 locked, and run at ``config.data.image_size``; the text tower is trained
 from scratch (or started from the CLIP text tower, ``:hf_text``) with the
 checkpoint's own tokenizer. Nothing is downloaded: fetch the checkpoint
-beforehand (README, "Pretrained towers").
+beforehand (docs/towers.md, "Getting a checkpoint onto the machine").
 
     python -m train.main --config configs/lit_pretrained.py:hf \
         --workdir /tmp/lit_hf --config.model.image.init=/path/to/clip-vit-base-patch16

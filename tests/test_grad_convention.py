@@ -21,7 +21,7 @@ False      outside         every gradient divided by N (JAX divides the
 
 Each case is checked against the float64 numpy reference, including the 1/N
 of the last row, so a JAX release that changes any of them fails here
-(README "Gradient convention" must then change with it).
+(docs/losses.md, "Gradient convention", must then change with it).
 """
 import jax
 import numpy as np

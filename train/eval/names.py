@@ -17,7 +17,7 @@ A source with plain integer labels (webdataset ``.json``, a table column)
 has no label names: its class names must come from the config (name i for
 label i; ``resolve_integer_labels``).
 
-README ("Zero-shot class names and prompts") gives each shipped file's source.
+docs/evaluation.md ("Zero-shot class names and prompts") gives each shipped file's source.
 
 File formats (UTF-8, one entry per line, blank lines and lines starting with
 "#" ignored): a class-name file has either one name per line in label order,
