@@ -116,7 +116,7 @@ def _timing_row(t, batch):
 
 
 def _compiled_vit(v, images, params_in_dtype=False):
-  """(compiled embed, params, compile seconds) of the benchmark's ViT-B/16
+  """(compiled embed, compile seconds, params) of the benchmark's ViT-B/16
   (class token, tok pooling, the trainer's defaults otherwise);
   ``params_in_dtype``: the trainer's ``model.image.params_in_dtype``
   (``Tower.with_params_in_dtype``: no per-call f32 -> bf16 weight casts)."""
@@ -136,9 +136,8 @@ def _compiled_vit(v, images, params_in_dtype=False):
                 v["width"], jnp.bfloat16)
   if params_in_dtype:
     tower = tower.with_params_in_dtype()
-  t0 = time.perf_counter()
-  compiled = jax.jit(tower.embed).lower(tower.params, images).compile()
-  return compiled, tower.params, time.perf_counter() - t0
+  return (*harness.aot(jax.jit(tower.embed), tower.params, images),
+          tower.params)
 
 
 def child_vit(spec, rows):
@@ -149,7 +148,7 @@ def child_vit(spec, rows):
   b, s = v["batch"], v["image"]
   images = jax.device_put(np.random.default_rng(0).integers(
       0, 256, (b, s, s, 3), dtype=np.uint8))
-  compiled, params, compile_s = _compiled_vit(
+  compiled, compile_s, params = _compiled_vit(
       v, images, spec["case"].get("params_in_dtype", False))
   t = harness.timeit(compiled, params, images, reps=spec["reps"], warmup=2)
   rows.add(part="vit_b16_fwd", impl=spec["label"], batch=b,
@@ -232,9 +231,7 @@ def child_text_jax(spec, rows):
       p = jax.jit(m.init)(jax.random.key(0), tokens[:1])["params"]
       grad = jax.jit(jax.grad(lambda p, x, m=m: jnp.sum(
           m.apply({"params": p}, x).astype(jnp.float32) ** 2)))
-      t0 = time.perf_counter()
-      compiled = grad.lower(p, tokens).compile()
-      compile_s = time.perf_counter() - t0
+      compiled, compile_s = harness.aot(grad, p, tokens)
       tm = harness.timeit(compiled, p, tokens, reps=spec["reps"], warmup=2)
     except Exception as e:  # pylint: disable=broad-except
       rows.add(part=part, impl=impl, batch=b, status=harness.failure(e))
@@ -363,9 +360,7 @@ def child_lit(spec, rows):
   state = step_lib.init_state(mesh, params, opt)
   inputs["text"] = jax.device_put(
       _text_tokens(jax, jnp, b, L, vocab, 1), sh)
-  t0 = time.perf_counter()
-  compiled = train_step.lower(state, inputs).compile()
-  compile_s = time.perf_counter() - t0
+  compiled, compile_s = harness.aot(train_step, state, inputs)
   holder = {"s": state}
 
   def one():

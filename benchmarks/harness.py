@@ -58,6 +58,14 @@ def timeit(fn, *args, reps=7, inner=1, warmup=2, budget_s=None):
   return Timing(statistics.median(ts), min(ts), max(ts), reps)
 
 
+def aot(fn, *args):
+  """(``fn`` (jitted) compiled ahead of time for ``args``, the seconds the
+  lowering and compilation took)."""
+  t0 = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
 def report(name, flops, t):
   """One line: median ms, [min-max], TFLOP/s of ``flops`` at the median."""
   print(f"{name:44s} {t.median * 1e3:8.3f} ms  [{t.min * 1e3:.3f}-"
