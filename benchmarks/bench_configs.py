@@ -58,7 +58,7 @@ CANDIDATES = {
         bsm.TRITON_CONFIGS["smem99k"][1], num_warps=8, bwd_num_warps=8)),
 }
 
-RESULT_TAG = "SMEM_CASE "
+CASE_MARK = "SMEM_CASE "
 _SMEM_LINE = re.compile(r"Shared memory usage: (\d+) B")
 _SMEM_ERROR = re.compile(r"Shared memory size limit exceeded[^\n]*")
 
@@ -134,13 +134,13 @@ def probe_child(dtype_names, b, d):
         for kernel, (fn, args) in fns.items():
           case = dict(config=name, tier=tier, dtype=dname, family=family,
                       kernel=kernel)
-          print(RESULT_TAG + json.dumps(case), file=sys.stderr, flush=True)
+          print(CASE_MARK + json.dumps(case), file=sys.stderr, flush=True)
           try:
             jax.jit(fn).lower(*args).compile()
             status = "ok"
           except Exception as e:  # pylint: disable=broad-except
             status = harness.failure(e)
-          print(RESULT_TAG + json.dumps(dict(case, status=status, end=True)),
+          print(CASE_MARK + json.dumps(dict(case, status=status, end=True)),
                 file=sys.stderr, flush=True)
 
 
@@ -148,8 +148,8 @@ def parse_probe_log(text):
   """Rows of (case, status, what XLA reported) from a probe child's stderr."""
   rows, cur, seen = [], None, []
   for line in text.splitlines():
-    if line.startswith(RESULT_TAG):
-      info = json.loads(line[len(RESULT_TAG):])
+    if line.startswith(CASE_MARK):
+      info = json.loads(line[len(CASE_MARK):])
       if info.get("end"):
         if cur is not None:
           bs = configs(info["dtype"])[info["config"]][1]

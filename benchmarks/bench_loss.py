@@ -31,7 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
 
-RESULT_TAG = "BENCH_RESULT "
 FIELDS = ["loss", "backend", "dtype", "B", "D", "status", "ms", "reps",
           "peak_extra_gb", "tflops", "frac_ceiling", "wall_s"]
 
@@ -71,8 +70,7 @@ def run_ceiling():
 
 def _spawn(argv, timeout_s):
   return harness.run_child(
-      [os.path.abspath(__file__), *argv], result_tag=RESULT_TAG,
-      timeout_s=timeout_s,
+      [os.path.abspath(__file__), *argv], timeout_s=timeout_s,
       env=harness.child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"))
 
 
@@ -101,12 +99,12 @@ def main():
                   help="B in {16k, 64k}, bf16 only")
   args = ap.parse_args()
   if args.case == "ceiling":
-    print(RESULT_TAG + json.dumps(run_ceiling()), flush=True)
+    harness.print_result(run_ceiling())
     return
   if args.case:
     loss, backend, dt, b = args.case.split(",")
-    print(RESULT_TAG + json.dumps(
-        run_case(loss, backend, dt, int(b), args.d, args.budget_s)), flush=True)
+    harness.print_result(
+        run_case(loss, backend, dt, int(b), args.d, args.budget_s))
     return
   if args.quick:
     args.batches, args.dtypes = "16384,65536", "bfloat16"

@@ -49,7 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
 from benchmarks import ring_hlo  # noqa: E402  pylint: disable=wrong-import-position
 
-RESULT_TAG = "BENCH_RING "
 PHASE_TAG = "BENCH_RING_PHASE "
 FIELDS = ["section", "strategy", "n_dev", "b_local", "B_global", "D", "dtype",
           "backend", "first_device", "status", "ms", "reps", "timing", "loss",
@@ -200,7 +199,7 @@ def spawn(spec, platform, timeout_s, compile_timeout_s=0):
   spec = dict(spec, report_phases=True)
   return harness.run_child(
       [os.path.abspath(__file__), "--case", json.dumps(spec)],
-      result_tag=RESULT_TAG, phase_tag=PHASE_TAG, timeout_s=timeout_s,
+      phase_tag=PHASE_TAG, timeout_s=timeout_s,
       compile_timeout_s=compile_timeout_s,
       env=_child_env(spec.get("n", 0), platform, spec.get("first_device", 0),
                      spec.get("strategy")))
@@ -563,7 +562,7 @@ def main(argv=None):
     spec = json.loads(args.case)
     r = (probe(spec["backend"]) if spec.get("kind") == "probe"
          else run_case(spec))
-    print(RESULT_TAG + json.dumps(r), flush=True)
+    harness.print_result(r)
     return None
   started = backend_started()
   if not started:

@@ -47,7 +47,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # noqa: E402  pylint: disable=wrong-import-position
 
-RESULT_TAG = "BENCH_TOWERS_RESULT "
 FIXTURE_HF = os.path.join(harness.ROOT, "tests", "fixtures", "towers",
                           "hf_clip_vision")
 # Sizes, each key (the GPU run's, the CPU smoke run's (--quick)).
@@ -447,7 +446,7 @@ def main():
     spec = json.loads(args.case)
     rows = Emitter(spec)
     CHILDREN[spec["kind"]](spec, rows)
-    print(RESULT_TAG + json.dumps({"rows": rows.rows}), flush=True)
+    harness.print_result({"rows": rows.rows})
     return 0
   wanted = [x for x in args.cases.split(",") if x]
   unknown = sorted(set(wanted) - {p[0] for p in PLAN})
@@ -478,7 +477,7 @@ def main():
         print(f"[{budget.elapsed():5.0f} s] {name} ...", flush=True)
         r = harness.run_child(
             [os.path.abspath(__file__), "--case", json.dumps(spec)],
-            result_tag=RESULT_TAG, timeout_s=budget.deadline(cap_s),
+            timeout_s=budget.deadline(cap_s),
             env=child_env(kind))
         status = None if "rows" in r else r.get("status", "no result")
         for row in r.get("rows", ()):

@@ -373,8 +373,16 @@ def child_env(**extra):
   return env
 
 
-def run_child(argv, *, result_tag, timeout_s, env=None, phase_tag=None,
-              compile_timeout_s=0):
+RESULT_TAG = "BENCH_RESULT "
+
+
+def print_result(result):
+  """A child's last word: its result, for ``run_child``."""
+  print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def run_child(argv, *, timeout_s, result_tag=RESULT_TAG, env=None,
+              phase_tag=None, compile_timeout_s=0):
   """Runs ``python argv...`` in a fresh process; returns its result dict.
 
   The child prints ``result_tag`` + a JSON object (its result) and, when

@@ -42,7 +42,7 @@ def test_every_config_and_candidate_fits_its_tier():
 
 
 def test_probe_log_parser():
-  tag = bench_configs.RESULT_TAG
+  tag = bench_configs.CASE_MARK
   case = ('{"config": "smem99k", "tier": "smem99k", "dtype": "bfloat16", '
           '"family": "softmax", "kernel": "fwd"')
   text = "\n".join([
