@@ -24,9 +24,10 @@ case "${1:-}" in
     venv=${INFCL_JAX012_VENV:-.venv-jax012}
     constraints=scripts/constraints-jax012.txt
     # The library's dependencies, plus what the library tests import (flax:
-    # infcl_jax.flax and the README's Flax snippet). The trainer's packages
-    # are not needed.
-    install=(jax jaxlib numpy pytest pytest-xdist flax)
+    # infcl_jax.flax and the README's Flax snippet) and filelock (jax locks
+    # its compile cache with it: scripts/cpu_test_env.sh). The trainer's
+    # packages are not needed.
+    install=(jax jaxlib numpy pytest pytest-xdist flax filelock)
     ;;
   *)
     echo "usage: bash scripts/setup_env.sh [jax012]" >&2

@@ -56,5 +56,5 @@ print(f"test: jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.ve
 if not (jax.__version__.startswith(want) and jaxlib.__version__.startswith(want)):
   sys.exit(f"error: expected jax/jaxlib {want}*, found {jax.__version__}/{jaxlib.__version__}")
 PY
-. scripts/cpu_test_env.sh
+. scripts/cpu_test_env.sh "$py"
 exec "$py" -m pytest -q -n 2 --dist loadfile --durations=20 "${select[@]}" "$@"

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 venv=${INFCL_TRITON_VENV:-$HOME/.cache/infcl_jax/triton-venv}
 cached_venv "triton leg (set INFCL_TRITON_PYTHON)" 3.12 scripts/triton-requirements.txt "$venv" "${INFCL_TRITON_PYTHON:-}" "triton, jax"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-. scripts/cpu_test_env.sh
+. scripts/cpu_test_env.sh "$venv/bin/python"
 run() {
   "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     -W ignore::DeprecationWarning -m "not gpu" "$@"
