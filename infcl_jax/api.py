@@ -215,9 +215,12 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
   tiles = registry.get(backend, softmax_lib.FAMILY)
-  if groups is None and tiles.GROUPS and tiles.tf32(block_sizes, q.dtype):
-    # TF32 tiles: the positive is left out of them and put back exactly
-    # (``groups_lib.exact_positive_ids``).
+  if groups is None and tiles.GROUPS and q.dtype == jnp.float32:
+    # float32: the positive is left out of the tiles and put back exactly
+    # (``groups_lib.exact_positive_ids``): a confident model's loss is then
+    # log1p of the negatives' share, not LSE - s_pos, whose float32
+    # cancellation (~eps * |s|) swamps a loss below ~1e-4 at any matmul
+    # precision; on TF32 tiles it also keeps the positive's logit exact.
     groups = groups_lib.exact_positive_ids(q.shape[0], k.shape[0], labels,
                                            axes)
     group_mode = "mask"

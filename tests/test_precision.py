@@ -82,13 +82,13 @@ def test_precision_names_and_order():
     assert be.precision(bs, dt) == outside, (be.name, f32p, dt)
     with jax.default_matmul_precision("highest"):
       assert be.precision(bs, dt) == inside, (be.name, f32p, dt)
-  # TF32 tiles (the positive put back, the Triton operands rounded):
-  # float32 at "default" only.
-  assert pallas.tf32(None, f32) is False
-  assert pallas.tf32(BlockSizes(f32_precision="default"), f32) is True
-  assert pallas.tf32(BlockSizes(f32_precision="default"), bf16) is False
-  assert xla.tf32(None, f32) is False
-  assert xla.tf32(BlockSizes(f32_precision="default"), f32) is True
+  # TF32 tiles (the Triton operands rounded): float32 at "default" only.
+  tf32 = precision_lib.tf32_tiles
+  assert tf32(f32, None, pallas.F32_DEFAULT) is False
+  assert tf32(f32, "default", pallas.F32_DEFAULT) is True
+  assert tf32(bf16, "default", pallas.F32_DEFAULT) is False
+  assert tf32(f32, None, xla.F32_DEFAULT) is False
+  assert tf32(f32, "tf32", xla.F32_DEFAULT) is True
 
 
 def test_block_sizes_without_tiles_keep_each_backends_tiles():
@@ -301,9 +301,11 @@ HARD = [(1500, 1500, 16, 100.0, "both", 0.3),
 TF32_OK = [(2500, 1000, 96, 50.0, "text_to_image", 1.0),
            (1000, 2500, 96, 50.0, "image_to_text", 1.0),
            (3001, 3001, 200, 30.0, "both", 1.0),
-           (2048, 2048, 16, 100.0, "both", 1.0),
-           (1024, 1024, 3, 100.0, "both", 1.0),
            (2048, 2048, 768, 50.0, "both", 3.0)]
+# Small D at scale 100, less confident: TF32's logits err by ~1e-2 there,
+# which its gradients carry; the default path holds them to 1e-3.
+SMALL_D = [(2048, 2048, 16, 100.0, "both", 1.0),
+           (1024, 1024, 3, 100.0, "both", 1.0)]
 SIGMOID = [(2048, 16, 100.0, -10.0, 0.3), (3001, 200, 30.0, -10.0, 1.0),
            (2048, 768, 100.0, -15.0, 1.0)]
 
@@ -323,7 +325,7 @@ def _softmax_case(case, backend, precision):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: off it every "
                     "precision is exact float32")
-@pytest.mark.parametrize("case", HARD + TF32_OK, ids=_case_id)
+@pytest.mark.parametrize("case", HARD + SMALL_D + TF32_OK, ids=_case_id)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_float32_within_1e3_of_float64(backend, case):
   """Every backend's default float32 path, every direction, D from 3."""

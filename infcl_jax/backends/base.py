@@ -87,12 +87,6 @@ class TileBackend:
     return precision_lib.matmul_precision(dtype, bs.f32_precision,
                                           self.F32_DEFAULT)
 
-  def tf32(self, block_sizes, dtype):
-    """Whether inputs of ``dtype`` run on TF32 tiles here (float32 at
-    "default"), ``block_sizes`` as the loss was given it (or None)."""
-    f32 = None if block_sizes is None else block_sizes.f32_precision
-    return precision_lib.tf32_tiles(dtype, f32, self.F32_DEFAULT)
-
   def _group_kw(self, x, y, groups, group_mode=None):
     """The keywords that pass ``groups`` on, after the guards."""
     if groups is None:

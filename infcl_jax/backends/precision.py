@@ -7,10 +7,10 @@ precisions, named as ``jax.lax.Precision`` names them:
 * "default": TF32 tensor cores (a 10-bit mantissa). Each operand is
   rounded to nearest TF32 first: Triton 3.6's TF32 dot truncates, which
   shrinks every product by ~1e-3 on average, a bias that the loss does not
-  average away. The loss takes each query's positive out of the tiles and
-  puts it back with its float32 logit (``groups.exact_positive_ids``), so a
-  confident model's small loss is not the difference of two TF32-rounded
-  numbers. What is left is the negatives' own TF32 error, ~4e-4 * scale /
+  average away. (At every precision the loss takes each float32 query's
+  positive out of the tiles and puts it back with its float32 logit,
+  ``groups.exact_positive_ids``, so that a confident model's small loss is
+  not the difference of two large rounded numbers.) What is left is the negatives' own TF32 error, ~4e-4 * scale /
   sqrt(D) per logit: within 1e-3 of float64 on the loss where the few
   negatives that carry it are not all near the positive; beyond it for a
   very confident model at small D and large scale (1.4e-3 to 4.6e-3 at
@@ -78,8 +78,7 @@ def f32_mode(f32_precision: str | None, default: str) -> str:
 
 def tf32_tiles(dtype, f32_precision: str | None, default: str) -> bool:
   """Whether inputs of ``dtype`` run on TF32 tiles (float32 at "default"):
-  where the loss puts the positive back in float32 and the Triton kernels
-  round their operands to TF32."""
+  where the Triton kernels round their operands to TF32."""
   return (jnp.dtype(dtype) == jnp.float32
           and f32_mode(f32_precision, default) == "default")
 
