@@ -1,0 +1,52 @@
+"""benchmarks/harness.py's shared pieces without a device: the options, the
+rows on disk and their resume, the run's time budget."""
+import json
+
+import pytest
+
+from benchmarks import harness
+
+
+def test_parser_shared_options_and_out_required_outside_a_child(capsys):
+  ap = harness.parser("One line.\n\nMore.", out=None, resume=True,
+                      budget_s=2.5, timeout_s=30)
+  a = ap.parse_args(["--out", "/tmp/x", "--resume"])
+  assert (a.out, a.resume, a.budget_s, a.timeout_s) == ("/tmp/x", True, 2.5, 30)
+  assert ap.parse_args(["--case", "{}"]).case == "{}"  # A child: no --out.
+  with pytest.raises(SystemExit):
+    ap.parse_args([])
+  assert "--out is required" in capsys.readouterr().err
+  assert ap.description == "One line."
+
+
+def test_rows_resume_keeps_what_keep_accepts(tmp_path):
+  key = lambda r: r["case"]  # noqa: E731
+  rows = harness.Rows(str(tmp_path), "r", key=key, fields=["case", "status"])
+  rows.add(dict(case="a", status="ok", ms=1.0))
+  rows.add(dict(case="b", status="timeout>5s"))
+  rows.add(dict(case="c", status="ok"))
+  again = harness.Rows(str(tmp_path), "r", key=key, resume=True,
+                       keep=lambda s: not s.startswith("timeout"),
+                       fields=["case", "status"])
+  assert again.earlier(dict(case="a"))["ms"] == 1.0
+  assert again.earlier(dict(case="b")) is None  # Runs again.
+  again.add(dict(case="b", status="ok"))
+  # The table: this run's rows, then the earlier ones it did not reach.
+  with open(tmp_path / "r.csv") as fh:
+    assert fh.read().split() == ["case,status", "a,ok", "b,ok", "c,ok"]
+  with open(tmp_path / "r.jsonl") as fh:  # The log: what a resume reads.
+    assert sorted(json.loads(l)["case"] for l in fh) == ["a", "b", "c"]
+  fresh = harness.Rows(str(tmp_path), "r", key=key)  # No resume: empty.
+  assert fresh.earlier(dict(case="a")) is None
+  assert harness.read_jsonl(fresh.jsonl) == []
+
+
+def test_budget_skips_and_deadlines():
+  none = harness.Budget(None)
+  assert none.skip(1e9) is None and none.deadline(90, 45, 30) == 90
+  spent = harness.Budget(0)
+  assert spent.skip().startswith("skipped: 0 s of the 0 s budget left")
+  assert spent.deadline(90, 45, 30) == pytest.approx(45, abs=1)
+  some = harness.Budget(100)
+  assert some.skip(50) is None and some.skip(200).endswith("needs ~200 s")
+  assert some.deadline(30) == 30 and some.deadline(500) == pytest.approx(100, abs=1)
