@@ -296,7 +296,6 @@ def _need(backend, family="softmax"):
 # 1.4e-3 to 4.6e-3 in a float64 model of TF32's rounding); the default
 # float32 path must.
 HARD = [(1500, 1500, 16, 100.0, "both", 0.3),
-        (1500, 1500, 32, 100.0, "both", 0.1),
         (1500, 1500, 96, 50.0, "both", 0.3)]
 TF32_OK = [(2500, 1000, 96, 50.0, "text_to_image", 1.0),
            (1000, 2500, 96, 50.0, "image_to_text", 1.0),
@@ -350,7 +349,7 @@ def test_tf32_within_1e3_where_its_logits_allow(backend, case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: off it every "
                     "precision is exact float32")
-@pytest.mark.parametrize("precision", [None, "default"])
+@pytest.mark.parametrize("precision", [None])
 @pytest.mark.parametrize("case", SIGMOID,
                          ids=lambda c: f"{c[0]}x{c[1]}-t{c[2]:g}-n{c[4]:g}")
 @pytest.mark.parametrize("backend", BACKENDS)
