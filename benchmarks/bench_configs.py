@@ -217,8 +217,6 @@ def main(argv=None):
                   help="comma-separated subset of the config names")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--smem_probe", action="store_true")
-  ap.add_argument("--probe_dtypes", default="bfloat16,float32")
-  ap.add_argument("--probe_timeout_s", type=float, default=120.0)
   args = ap.parse_args(argv)
   if args.case:  # The shared-memory probe's child: its dtypes.
     probe_child(args.case.split(","), 512, 256)
@@ -262,8 +260,7 @@ def main(argv=None):
       harness.write_csv(os.path.join(args.out, "bench_configs.csv"), rows)
   print_table(rows)
   if args.smem_probe:
-    probe = run_probe(args.out, args.probe_dtypes.split(","),
-                      args.probe_timeout_s)
+    probe = run_probe(args.out, ("bfloat16", "float32"), timeout_s=120)
     for r in probe:
       print(f"  {r['config']:15} {r['dtype']:9} {r['family']:8} {r['kernel']} "
             f"est peak {r['est_peak']:7d} total {r['est_total']:7d} "

@@ -95,8 +95,6 @@ def main():
   ap.add_argument("--d", type=int, default=768)
   ap.add_argument("--xla-max-b", type=int, default=262144,
                   help="largest B for the xla backend (1M takes minutes)")
-  ap.add_argument("--quick", action="store_true",
-                  help="B in {16k, 64k}, bf16 only")
   args = ap.parse_args()
   if args.case == "ceiling":
     harness.print_result(run_ceiling())
@@ -106,8 +104,6 @@ def main():
     harness.print_result(
         run_case(loss, backend, dt, int(b), args.d, args.budget_s))
     return
-  if args.quick:
-    args.batches, args.dtypes = "16384,65536", "bfloat16"
 
   # A resumed run keeps the earlier finished cases and retries the ones that
   # timed out, crashed or errored.
