@@ -51,10 +51,18 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.interpret)
   if "interpret" in (config.getoption("markexpr") or ""):
     return
-  keep = [i for i in items if i.get_closest_marker("interpret") is None]
+  # A test (or class) named on the command line by its id runs whatever
+  # its marks: rerunning a failure from its id needs no -m.
+  named = [a for a in config.args if "::" in a]
+
+  def wanted(item):
+    return item.get_closest_marker("interpret") is None or any(
+        item.nodeid == a or item.nodeid.startswith((a + "[", a + "::"))
+        for a in named)
+
+  keep = [i for i in items if wanted(i)]
   if len(keep) < len(items):
-    config.hook.pytest_deselected(
-        items=[i for i in items if i.get_closest_marker("interpret")])
+    config.hook.pytest_deselected(items=[i for i in items if not wanted(i)])
     items[:] = keep
 
 
