@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from infcl_jax import _axes
 from infcl_jax import _checks
 from infcl_jax import reference
+from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends import registry
 from infcl_jax.losses import gather
 from infcl_jax.losses import groups as groups_lib
@@ -215,12 +216,11 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
   tiles = registry.get(backend, softmax_lib.FAMILY)
-  if groups is None and tiles.GROUPS and q.dtype == jnp.float32:
-    # float32: the positive is left out of the tiles and put back exactly
-    # (``groups_lib.exact_positive_ids``): a confident model's loss is then
-    # log1p of the negatives' share, not LSE - s_pos, whose float32
-    # cancellation (~eps * |s|) swamps a loss below ~1e-4 at any matmul
-    # precision; on TF32 tiles it also keeps the positive's logit exact.
+  f32 = None if block_sizes is None else block_sizes.f32_precision
+  if groups is None and tiles.GROUPS and precision_lib.tf32_tiles(
+      q.dtype, f32, tiles.F32_DEFAULT):
+    # TF32 tiles: the positive is left out of them and put back with its
+    # float32 logit (``groups_lib.exact_positive_ids``).
     groups = groups_lib.exact_positive_ids(q.shape[0], k.shape[0], labels,
                                            axes)
     group_mode = "mask"

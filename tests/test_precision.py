@@ -291,19 +291,21 @@ def _need(backend, family="softmax"):
 
 
 # (images, texts, D, scale, direction, noise): trained-looking inputs, from
-# a few hundred to several thousand rows, D from 3 to 768, scale to 100.
-# The first ones TF32 cannot hold to 1e-3 (a confident model at small D:
-# 1.4e-3 to 4.6e-3 in a float64 model of TF32's rounding); the default
-# float32 path must.
-HARD = [(1500, 1500, 16, 100.0, "both", 0.3),
-        (1500, 1500, 96, 50.0, "both", 0.3)]
-TF32_OK = [(2500, 1000, 96, 50.0, "text_to_image", 1.0),
-           (1000, 2500, 96, 50.0, "image_to_text", 1.0),
-           (3001, 3001, 200, 30.0, "both", 1.0),
+# a thousand to several thousand rows, D from 3 to 768, scale to 100, with
+# losses of 5e-3 to 30. A smaller loss is not a float32 question: the loss
+# is mean(LSE) - mean(s_pos) in float32, whose rounding (~4 eps |s|max
+# absolute, ``helpers.loss_floor``) is then beyond 1e-3 of it on every
+# backend and precision (measured: 0.0 for a float64 loss of 3.7e-6 at
+# scale 50 on all four backends, "highest" included).
+TF32_OK = [(2500, 1000, 96, 50.0, "text_to_image", 2.0),
+           (1000, 2500, 96, 50.0, "image_to_text", 2.0),
+           (3001, 3001, 200, 30.0, "both", 2.0),
+           (3001, 3001, 200, 50.0, "both", 3.0),
            (2048, 2048, 768, 50.0, "both", 3.0)]
-# Small D at scale 100, less confident: TF32's logits err by ~1e-2 there,
-# which its gradients carry; the default path holds them to 1e-3.
-SMALL_D = [(2048, 2048, 16, 100.0, "both", 1.0),
+# Small D at scale 100: TF32's logits err by ~4e-4 * scale / sqrt(D) (~2e-2
+# at D = 3), which the gradients carry; the default path holds them to 1e-3.
+SMALL_D = [(2048, 2048, 32, 100.0, "both", 2.0),
+           (2048, 2048, 16, 100.0, "both", 1.0),
            (1024, 1024, 3, 100.0, "both", 1.0)]
 SIGMOID = [(2048, 16, 100.0, -10.0, 0.3), (3001, 200, 30.0, -10.0, 1.0),
            (2048, 768, 100.0, -15.0, 1.0)]
@@ -324,7 +326,7 @@ def _softmax_case(case, backend, precision):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: off it every "
                     "precision is exact float32")
-@pytest.mark.parametrize("case", HARD + SMALL_D + TF32_OK, ids=_case_id)
+@pytest.mark.parametrize("case", SMALL_D + TF32_OK, ids=_case_id)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_float32_within_1e3_of_float64(backend, case):
   """Every backend's default float32 path, every direction, D from 3."""
@@ -340,8 +342,8 @@ def test_default_float32_within_1e3_of_float64(backend, case):
 def test_tf32_within_1e3_where_its_logits_allow(backend, case):
   """precision="default" (TF32, positives put back in float32) on every
   backend, the Triton-language kernels included: with their TF32 dot's
-  truncation these cases were 1.5e-3 to 1.3e-2 off (a float64 model;
-  3.2e-3 measured on the H200 at 3001 x 3001 x 200)."""
+  truncation such cases were 1.5e-3 to 4.4e-3 off (a float64 model of the
+  truncation; 3.2e-3 measured on the H200 at 3001 x 3001 x 200)."""
   _need(backend)
   _softmax_case(case, backend, "default")
 

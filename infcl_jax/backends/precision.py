@@ -7,15 +7,15 @@ precisions, named as ``jax.lax.Precision`` names them:
 * "default": TF32 tensor cores (a 10-bit mantissa). Each operand is
   rounded to nearest TF32 first: Triton 3.6's TF32 dot truncates, which
   shrinks every product by ~1e-3 on average, a bias that the loss does not
-  average away. (At every precision the loss takes each float32 query's
-  positive out of the tiles and puts it back with its float32 logit,
-  ``groups.exact_positive_ids``, so that a confident model's small loss is
-  not the difference of two large rounded numbers.) What is left is the negatives' own TF32 error, ~4e-4 * scale /
-  sqrt(D) per logit: within 1e-3 of float64 on the loss where the few
-  negatives that carry it are not all near the positive; beyond it for a
-  very confident model at small D and large scale (1.4e-3 to 4.6e-3 at
-  D = 16 to 96, scale 50 to 100, loss below 1e-5, in a float64 model of
-  TF32's rounding).
+  average away. The loss takes each query's positive out of the tiles and
+  puts it back with its float32 logit (``groups.exact_positive_ids``), so
+  that a confident model's small loss is not the difference of two
+  TF32-rounded numbers. What is left is the
+  negatives' own TF32 error, ~4e-4 * scale / sqrt(D) per logit: the loss
+  within 1e-3 of float64 on trained-looking inputs wherever float32 itself
+  is (a loss above ~4 eps |s|max * 1e3: float32 forms it as mean LSE minus
+  mean positive logit), and the gradients carry that logit error (~2e-2
+  at D = 3, scale 100).
 * "high": 3-pass TF32 (x ~ big + small, the small x small product
   dropped): float32-accurate logits (~1e-6) at about three TF32 passes.
   The Triton-language kernels run Triton's "tf32x3" dot, the Pallas-Triton
@@ -78,7 +78,8 @@ def f32_mode(f32_precision: str | None, default: str) -> str:
 
 def tf32_tiles(dtype, f32_precision: str | None, default: str) -> bool:
   """Whether inputs of ``dtype`` run on TF32 tiles (float32 at "default"):
-  where the Triton kernels round their operands to TF32."""
+  where the loss puts the positive back in float32 and the Triton kernels
+  round their operands to TF32."""
   return (jnp.dtype(dtype) == jnp.float32
           and f32_mode(f32_precision, default) == "default")
 

@@ -153,11 +153,10 @@ def positives_term_grads(q, k, scale, bias, g_q, g_k, w_q, w_k, coef):
 def exact_positive_ids(b_q, b_k, labels, axes):
   """Group ids under which each query's positive is its only related key.
 
-  For float32 inputs: "mask" then takes the positive out of the tiles and
-  puts it back with its float32 logit, so the loss of a confident model
-  (positive far above the rest, loss near 0) is log1p of the negatives'
-  share rather than the difference of two large float32 (or, on TF32
-  tiles, TF32-rounded) numbers. Ids are global indices: query
+  For float32 inputs on TF32 tiles: "mask" then takes the positive out of
+  the tiles and puts it back with its float32 logit, so the loss of a
+  confident model (positive far above the rest, loss near 0) is no longer
+  the difference of two TF32-rounded numbers. Ids are global indices: query
   i gets its positive's key index, key j gets j.
   """
   me = lax.axis_index(axes) if axes else 0
