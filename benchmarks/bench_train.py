@@ -1,6 +1,6 @@
 """Benchmark of the LiT train step: step time, loss share, largest batch.
 
-    python benchmarks/bench_train.py --out benchmarks/results        # GPU
+    python benchmarks/bench_train.py --out OUT                       # GPU
     python benchmarks/bench_train.py --quick --out /tmp/bench_train  # CPU smoke
 
 It builds the trainer's own step (``train.step``: GradCache over the text
@@ -10,7 +10,7 @@ image tower) and synthetic inputs, and runs each case in a fresh process
 (``harness.run_child``) so that peak memory starts from zero, an
 out-of-memory case cannot take the others down, and a case past its
 deadline (``--timeout_s``, and what is left of ``--budget_s``) is cut off
-alone:
+alone (its row then says so: ``oom``, ``timeout...``, ``error: ...``):
 
 * ``step`` cases (default B = 65536): median time of a full train step
   (``harness.timeit``, after compilation and a warm-up step), and the time
@@ -31,26 +31,24 @@ alone:
   marks those that do not fit).
 
 Rows go to ``bench_train.jsonl`` as each case ends (a cut-off run keeps what
-it measured); ``bench_train.csv`` and ``bench_train.json`` are rewritten
-after each; a table is printed at the end. Text: 16 tokens (as in LiT),
-vocabulary 32000, towers in bfloat16.
+it measured; ``--resume`` runs only what it lacks), each with the device,
+jax and the date; ``bench_train.csv`` and ``bench_train.json`` are
+rewritten after each; a table is printed at the end. Text: 16 tokens (as in
+LiT), vocabulary 32000, towers in bfloat16.
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import datetime
 import json
 import os
 import sys
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import harness  # pylint: disable=wrong-import-position
 
-RESULT_TAG = "BENCH_TRAIN_RESULT "
 PHASE_TAG = "BENCH_TRAIN_PHASE "
 
 # ViT-B/16-size towers; embed_dim 768.
@@ -158,47 +156,59 @@ def head_img_copy(params):
   return jax.tree.map(jnp.copy, params["img"])
 
 
-def _peak_bytes():
-  import jax  # pylint: disable=g-import-not-at-top
-  try:
-    return max(int(dev.memory_stats().get("peak_bytes_in_use", 0))
-               for dev in jax.local_devices())
-  except Exception:  # pylint: disable=broad-except
-    return 0  # CPU: no memory stats.
+def _row(spec) -> dict:
+  """A case's row: its spec less the model's sizes (the run's summary has
+  them)."""
+  return {k: v for k, v in spec.items() if k != "model"}
 
 
-def _compiled(compiled, compile_s):
-  """Tells the parent the step compiled (a later timeout row then carries
-  the compile time and XLA's memory plan) and returns the plan's fields."""
-  phase = {"phase": "compiled", "compile_s": compile_s}
+def _peak_gib() -> float:
+  peak = harness.device_bytes("peak_bytes_in_use")
+  return max(peak) / 2**30 if peak else 0.0  # CPU devices keep no counter.
+
+
+def _compile(train_step, state, batch, out):
+  """The step compiled ahead for ``batch``; tells the parent it compiled (a
+  later timeout row then carries the compile time and XLA's memory plan)
+  and adds those to ``out``."""
+  compiled, compile_s = harness.aot(train_step, state, batch)
+  phase = dict(compile_s=compile_s, bytes_limit_gb=out.get("bytes_limit_gb"),
+               **harness.mem_plan(compiled))
+  print(PHASE_TAG + json.dumps(dict(phase, phase="compiled")), flush=True)
+  out.update(phase)
+  return compiled
+
+
+def _finish(out, host, t0) -> dict:
+  out.update(host_peak_gib=host.peak_gib, total_s=time.perf_counter() - t0,
+             status="ok")
+  return out
+
+
+def case_result(spec) -> dict:
+  """A child's result: its case's row, or a status row for an exception
+  (``harness.failure``: "oom", or the error in one line)."""
   try:
-    m = compiled.memory_analysis()
-    phase["xla_total_gb"] = (m.argument_size_in_bytes + m.output_size_in_bytes
-                             + m.temp_size_in_bytes
-                             - m.alias_size_in_bytes) / 1e9
-  except Exception:  # pylint: disable=broad-except
-    pass  # No plan on this backend.
-  print(PHASE_TAG + json.dumps(phase), flush=True)
-  return {k: v for k, v in phase.items() if k != "phase"}
+    return (stream_child if spec["mode"] == "stream" else child)(spec)
+  except Exception as e:  # pylint: disable=broad-except
+    traceback.print_exc()
+    return dict(_row(spec), status=harness.failure(e))
 
 
 def child(spec) -> dict:
+  """A step or max_batch case (see the module doc)."""
   import jax  # pylint: disable=g-import-not-at-top
-  out = dict(spec, model=None)
   t0 = time.perf_counter()
-  if spec["mode"] == "stream":
-    return stream_child(spec)
   host = harness.HostMemory().__enter__()
   train_step, state, make_batch, loss_only, _ = _build(spec)
+  out = dict(_row(spec), **harness.device_meta())
   # Two batches alternate in the step cases; one in the ladder (one step; 4M
   # bf16 embeddings are 6 GiB) and for raw 224 px images (19 GiB at 64k).
   batches = [make_batch(jax.random.key(i))
              for i in range(2 if spec["kind"] == "step"
                             and spec["mode"] == "precomputed" else 1)]
   jax.block_until_ready(batches)
-  t1 = time.perf_counter()
-  compiled = train_step.lower(state, batches[0]).compile()
-  out.update(_compiled(compiled, time.perf_counter() - t1))
+  compiled = _compile(train_step, state, batches[0], out)
   holder = {"state": state, "loss": None}
 
   def one_step(i=[0]):  # pylint: disable=dangerous-default-value
@@ -212,20 +222,14 @@ def child(spec) -> dict:
                      warmup=spec.get("warmup", 1))
   out["step_s"], out["step_min_s"], out["step_max_s"] = t.median, t.min, t.max
   out["loss_value"] = float(holder["loss"])
-  out["peak_gib"] = _peak_bytes() / 2**30
+  out["peak_gib"] = _peak_gib()
   if spec.get("measure_loss"):
     fn, args = loss_only()
     out["loss_s"] = harness.timeit(fn, *args, reps=spec["reps"],
                                    warmup=1).median
     out["loss_share"] = out["loss_s"] / out["step_s"]
   host.__exit__()
-  out["host_peak_gib"] = host.peak_gib
-  out["device"] = jax.devices()[0].device_kind
-  out["num_devices"] = jax.device_count()
-  out["jax"] = jax.__version__
-  out["total_s"] = time.perf_counter() - t0
-  out["status"] = "ok"
-  return out
+  return _finish(out, host, t0)
 
 
 def default_workers() -> int:
@@ -250,10 +254,10 @@ def stream_child(spec) -> dict:
   from train.data import config as data_config  # pylint: disable=g-import-not-at-top
   from train.data import pipeline  # pylint: disable=g-import-not-at-top
   from train.data import synthetic  # pylint: disable=g-import-not-at-top
-  out = dict(spec, model=None)
   t0 = time.perf_counter()
   host = harness.HostMemory().__enter__()
   train_step, state, _, _, parts = _build(spec)
+  out = dict(_row(spec), **harness.device_meta())
   mesh, tower = parts["mesh"], parts["tower"]
   b, mb = spec["batch"], spec["microbatch"]
   jax_params = jax.device_put(parts["params_img"])
@@ -314,9 +318,7 @@ def stream_child(spec) -> dict:
                                                 np.float32, sharding=sh),
               "text": jax.ShapeDtypeStruct((b, parts["text_len"]), np.int32,
                                            sharding=sh)}
-  t1 = time.perf_counter()
-  compiled = train_step.lower(state, abstract).compile()
-  out.update(_compiled(compiled, time.perf_counter() - t1))
+  compiled = _compile(train_step, state, abstract, out)
   # The device alone: the embedding rate on a fixed uint8 micro-batch at
   # the host's size (resized on the device when decode_size is set).
   c = pipeline.host_size(config.data)
@@ -347,55 +349,118 @@ def stream_child(spec) -> dict:
   out["pipeline_img_s"] = b / times[-1]
   out["input_bound"] = waited[0] > 0.2 * times[-1]
   out["loss_value"] = loss
-  out["peak_gib"] = _peak_bytes() / 2**30
-  out["host_peak_gib"] = host.peak_gib
+  out["peak_gib"] = _peak_gib()
   out["workers"] = config.data.num_workers
   out["host_image_size"] = c
   out["bad_examples"] = it.bad
   it.close()
-  out["device"] = jax.devices()[0].device_kind
-  out["num_devices"] = jax.device_count()
-  out["jax"] = jax.__version__
-  out["total_s"] = time.perf_counter() - t0
-  out["status"] = "ok"
-  return out
+  return _finish(out, host, t0)
 
 
 # ----------------------------------------------------------------- parent
 
+# The CSV's columns (the JSONL rows hold every field).
+COLS = ["kind", "mode", "batch", "microbatch", "decoder", "status", "step_s",
+        "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
+        "xla_total_gb", "host_wait_s", "host_put_s", "device_wait_s",
+        "pipeline_img_s", "device_embed_img_s", "input_bound", "workers",
+        "decode_size", "loss_value", "device_kind", "n_devices", "jax", "date"]
+# A case's identity, for --resume.
+KEY = ("kind", "mode", "batch", "microbatch", "decoder", "decode_size",
+       "workers", "steps", "image_model", "loss", "backend")
+# What a resumed run keeps: measured rows and the batches that do not fit;
+# a timeout, a crash or a skipped case runs again.
+KEPT = ("ok", "oom")
+# The least time a case starts with (a child's start and compilation).
+MIN_CASE_S = 60
 
-def run_case(spec, timeout_s) -> dict:
-  """One case in a fresh process under its deadline; a timeout, a crash or
-  an out-of-memory end is a status row (``harness.run_child``)."""
+
+def run_case(spec, budget, timeout_s) -> dict:
+  """One case in a fresh process under its deadline (``timeout_s``, within
+  what is left of ``budget``); a skip, a timeout, a crash or an
+  out-of-memory end is a status row (``harness.run_child``)."""
+  why = budget.skip(MIN_CASE_S)
+  if why:
+    return dict(_row(spec), status=why)
+  timeout_s = int(budget.deadline(timeout_s))
+  print(f"[bench_train] {spec['kind']} B={spec['batch']} mode={spec['mode']}"
+        f" microbatch={spec['microbatch']} (deadline {timeout_s}s) ...",
+        flush=True)
   # Let one case use (nearly) the whole GPU, not JAX's default 75 %.
   env = harness.child_env(XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get(
       "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"))
   t0 = time.time()
-  r = harness.run_child([os.path.abspath(__file__), "--child",
-                         json.dumps(spec)], result_tag=RESULT_TAG,
-                        timeout_s=timeout_s, env=env, phase_tag=PHASE_TAG)
+  r = harness.run_child([os.path.abspath(__file__), "--case",
+                         json.dumps(spec)], timeout_s=timeout_s, env=env,
+                        phase_tag=PHASE_TAG)
   if r.get("status") == "ok":
     return r
-  return dict(spec, model=None, total_s=time.time() - t0, **r)
+  return dict(_row(spec), total_s=time.time() - t0, **r)
+
+
+def ints(text):
+  """Comma-separated ints ("" means none)."""
+  return [int(x) for x in text.split(",") if x.strip()]
+
+
+def plan(args, model) -> list:
+  """The cases of a run: step cases, stream cases, the max_batch ladder."""
+  cases = []
+  for b in ints(args.step_batches):
+    for mode in args.modes.split(","):
+      cases.append(dict(kind="step", batch=b, mode=mode,
+                        microbatch=min(args.microbatch, b), measure_loss=True,
+                        reps=args.reps))
+  for b in ints(args.stream_batches):
+    for decoder in args.decoders.split(","):
+      cases.append(dict(
+          kind="stream", batch=b, mode="stream",
+          microbatch=min(args.microbatch, b), measure_loss=False, reps=1,
+          steps=args.stream_steps, workers=args.workers,
+          decode_size=args.decode_size, decoder=decoder,
+          jpeg_size=args.decode_size or (64 if args.quick else 256),
+          embed_reps=1 if args.quick else 2))
+  for b in ints(args.ladder):
+    # One step, compiled ahead: fitting is the result, and a 4M step takes
+    # minutes on an H200.
+    cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
+                      microbatch=min(args.microbatch, b), measure_loss=False,
+                      reps=1, warmup=0))
+  return [dict(c, model=model, loss=args.loss, backend=args.backend,
+               image_model="quick" if args.quick else args.image_model)
+          for c in cases]
 
 
 def _fmt(v, f="{:.3f}"):
   return "-" if v is None else f.format(v)
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-  ap.add_argument("--quick", action="store_true",
-                  help="tiny towers and batches: a CPU smoke test")
-  ap.add_argument("--step_batches", default=None,
-                  help="comma-separated global batches for the step cases "
-                  "(default 65536; quick: 256)")
-  ap.add_argument("--ladder", default=None,
+def _progress(r):
+  print(f"[bench_train]   -> {r['status'][:40]} in {r.get('total_s', 0):.0f}s"
+        + (f" step {r['step_s']:.3f}s" if r.get("step_s") else "")
+        + (f", loss share {100 * r['loss_share']:.1f}%"
+           if r.get("loss_share") is not None else "")
+        + (f" ({r['status']})" if r["status"] != "ok" else ""), flush=True)
+  if r.get("pipeline_img_s"):
+    print(f"[bench_train]   stream ({r.get('decoder', 'host')} decoder): "
+          f"{r['pipeline_img_s']:.0f} img/s through "
+          f"the input path, device alone {r['device_embed_img_s']:.0f} "
+          f"img/s, host wait {r['host_wait_s']:.1f}s, device_put "
+          f"{r['host_put_s']:.1f}s, device wait {r['device_wait_s']:.1f}s"
+          + (" (input-bound)" if r["input_bound"] else "")
+          + f", peak GPU {r['peak_gib']:.1f} GiB, host "
+          f"{r['host_peak_gib']:.1f} GiB", flush=True)
+
+
+def main(argv=None):
+  ap = harness.parser(__doc__, out=None, resume=True)
+  ap.add_argument("--step_batches", default="65536",
+                  help="comma-separated global batches for the step cases")
+  ap.add_argument("--ladder", default="262144,1048576,4194304",
                   help="comma-separated global batches for the largest-batch "
-                  "search (default 262144,1048576,4194304; quick: 512,1024)")
-  ap.add_argument("--microbatch", type=int, default=None,
-                  help="GradCache micro-batch (default 8192; quick: 64)")
+                  "search")
+  ap.add_argument("--microbatch", type=int, default=8192,
+                  help="GradCache micro-batch")
   ap.add_argument("--stream_batches", default="",
                   help="comma-separated global batches through the trainer's "
                   "real input path (JPEG bytes decoded on the host's cores, "
@@ -405,10 +470,10 @@ def main():
   ap.add_argument("--workers", type=int, default=0,
                   help="stream cases: decode worker processes (0 = the "
                   "cores less 4)")
-  ap.add_argument("--decode_size", type=int, default=None,
+  ap.add_argument("--decode_size", type=int, default=256,
                   help="stream cases: config.data.decode_size (the host "
                   "decodes the 256 px JPEGs only, the device resizes; 0 = "
-                  "the host resizes to 224; default 256, quick: 48)")
+                  "the host resizes to 224)")
   ap.add_argument("--decoders", default="host",
                   help="stream cases: config.data.decoder of each, "
                   "comma-separated (host,gpu)")
@@ -418,127 +483,57 @@ def main():
                   help="step-case modes: precomputed, image_tower")
   ap.add_argument("--loss", default="softmax", help="softmax or sigmoid")
   ap.add_argument("--backend", default="auto")
-  ap.add_argument("--reps", type=int, default=None)
+  ap.add_argument("--reps", type=int, default=3,
+                  help="timed steps of a step case")
   ap.add_argument("--timeout_s", type=int, default=900,
                   help="deadline of one case")
   ap.add_argument("--budget_s", type=int, default=0,
                   help="deadline of the whole run (0 = none): each case gets "
                   "at most what is left of it, and none starts with less "
-                  "than a minute left")
-  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-  args = ap.parse_args()
-
-  if args.child:
-    spec = json.loads(args.child)
-    print(RESULT_TAG + json.dumps(child(spec)), flush=True)
+                  f"than {MIN_CASE_S} s left")
+  args = harness.parse_quick(ap, dict(
+      step_batches="256", ladder="512,1024", microbatch=64, reps=2,
+      decode_size=48), argv)
+  if args.case:
+    harness.print_result(case_result(json.loads(args.case)))
     return
 
-  quick = args.quick
-  model = QUICK if quick else (LARGE if args.image_model == "l14" else FULL)
-  def ints(arg, default):  # "" means none.
-    text = default if arg is None else arg
-    return [int(x) for x in text.split(",") if x.strip()]
-  step_batches = ints(args.step_batches, "256" if quick else "65536")
-  ladder = ints(args.ladder,
-                "512,1024" if quick else "262144,1048576,4194304")
-  micro = args.microbatch or (64 if quick else 8192)
-  reps = args.reps or (2 if quick else 3)
-  cases = []
-  for b in step_batches:
-    for mode in args.modes.split(","):
-      cases.append(dict(kind="step", batch=b, mode=mode,
-                        microbatch=min(micro, b), measure_loss=True, reps=reps))
-  decode_size = (args.decode_size if args.decode_size is not None
-                 else 48 if quick else 256)
-  for b, decoder in [(b, d) for b in ints(args.stream_batches, "")
-                     for d in args.decoders.split(",")]:
-    cases.append(dict(kind="stream", batch=b, mode="stream",
-                      microbatch=min(micro, b), measure_loss=False, reps=1,
-                      steps=args.stream_steps, workers=args.workers,
-                      decode_size=decode_size, decoder=decoder,
-                      jpeg_size=decode_size or (64 if quick else 256),
-                      embed_reps=1 if quick else 2))
-  for b in ladder:
-    # One step, compiled ahead: fitting is the result, and a 4M step takes
-    # minutes on an H200.
-    cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
-                      microbatch=min(micro, b), measure_loss=False, reps=1,
-                      warmup=0))
-  os.makedirs(args.out, exist_ok=True)
-  results = []
-  cols = ["kind", "mode", "batch", "microbatch", "status", "step_s",
-          "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
-          "xla_total_gb",
-          "host_wait_s", "host_put_s", "device_wait_s", "pipeline_img_s",
-          "device_embed_img_s",
-          "input_bound", "workers", "decode_size", "loss_value", "device",
-          "num_devices", "jax"]
-  rows_path = os.path.join(args.out, "bench_train.jsonl")
-  t_start = time.time()
+  model = QUICK if args.quick else (
+      LARGE if args.image_model == "l14" else FULL)
+  budget = harness.Budget(args.budget_s or None)
+  rows = harness.Rows(args.out, "bench_train",
+                      key=lambda r: tuple(r.get(k) for k in KEY),
+                      resume=args.resume, keep=lambda s: s in KEPT,
+                      fields=COLS)
 
-  def write():
-    """CSV + JSON after every case, so a cut-off run keeps what it measured."""
-    fits = [r["batch"] for r in results
+  def summary():
+    """The run's JSON after every case, so a cut-off run keeps it."""
+    fits = [r["batch"] for r in rows.rows
             if r["kind"] == "max_batch" and r["status"] == "ok"]
-    summary = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "model": model, "loss": args.loss, "backend": args.backend,
-        "microbatch": micro, "largest_batch_ok": max(fits) if fits else None,
-        "results": results}
-    with open(os.path.join(args.out, "bench_train.csv"), "w", newline="") as f:
-      w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-      w.writeheader()
-      for r in results:
-        w.writerow(r)
+    out = dict(date=harness.now(), model=model, loss=args.loss,
+               backend=args.backend, microbatch=args.microbatch,
+               largest_batch_ok=max(fits) if fits else None,
+               results=rows.rows)
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:
-      json.dump(summary, f, indent=1)
-    return summary
+      json.dump(out, f, indent=1)
+    return out
 
-  for case in cases:
-    spec = dict(case, model=model, loss=args.loss, backend=args.backend,
-                image_model="quick" if quick else args.image_model)
-    timeout = args.timeout_s
-    if args.budget_s:
-      timeout = min(timeout, int(args.budget_s - (time.time() - t_start)))
-      if timeout < 60:
-        print(f"[bench_train] {case['kind']} B={case['batch']}: skipped, "
-              f"{timeout}s of --budget_s left", flush=True)
-        continue
-    print(f"[bench_train] {case['kind']} B={case['batch']} mode={case['mode']}"
-          f" microbatch={case['microbatch']} (deadline {timeout}s) ...",
-          flush=True)
-    r = run_case(spec, timeout)
-    r.pop("model", None)
-    results.append(r)
-    write()
-    with open(rows_path, "a") as f:
-      f.write(json.dumps(r) + "\n")
-    print("[bench_train] row " + json.dumps(r), flush=True)
-    print(f"[bench_train]   -> {r['status'][:40]} in {r.get('total_s', 0):.0f}s"
-          + (f" step {r['step_s']:.3f}s" if r.get("step_s") else "")
-          + (f", loss share {100 * r['loss_share']:.1f}%"
-             if r.get("loss_share") is not None else "")
-          + (f" ({r['status']})" if r["status"] != "ok" else ""),
-          flush=True)
-    if case["kind"] == "max_batch" and r["status"] != "ok":
+  for spec in plan(args, model):
+    r = rows.earlier(spec)
+    if r is None:
+      r = rows.add(run_case(spec, budget, args.timeout_s))
+      _progress(r)
+    out = summary()
+    if (spec["kind"] == "max_batch" and r["status"] != "ok"
+        and not r["status"].startswith("skipped")):
       break  # Larger batches will not fit either.
-    if r.get("pipeline_img_s"):
-      print(f"[bench_train]   stream ({r.get('decoder', 'host')} decoder): "
-            f"{r['pipeline_img_s']:.0f} img/s through "
-            f"the input path, device alone {r['device_embed_img_s']:.0f} "
-            f"img/s, host wait {r['host_wait_s']:.1f}s, device_put "
-            f"{r['host_put_s']:.1f}s, device wait {r['device_wait_s']:.1f}s"
-            + (" (input-bound)" if r["input_bound"] else "")
-            + f", peak GPU {r['peak_gib']:.1f} GiB, host "
-            f"{r['host_peak_gib']:.1f} GiB",
-            flush=True)
 
-  summary = write()
+  out = summary()
   print()
   print(f"{'kind':<10}{'mode':<13}{'B':>9}{'micro':>7}{'status':>8}"
         f"{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}"
         f"{'host GiB':>10}")
-  for r in results:
+  for r in rows.rows:
     share = r.get("loss_share")
     print(f"{r['kind']:<10}{r['mode']:<13}{r['batch']:>9}{r['microbatch']:>7}"
           f"{r['status'][:8]:>8}{_fmt(r.get('step_s')):>9}"
@@ -546,11 +541,12 @@ def main():
           f"{_fmt(None if share is None else 100 * share, '{:.1f}'):>8}"
           f"{_fmt(r.get('peak_gib'), '{:.1f}'):>10}"
           f"{_fmt(r.get('host_peak_gib'), '{:.1f}'):>10}")
-  dev = next((r["device"] for r in results if r.get("device")), "?")
+  dev = next((r["device_kind"] for r in rows.rows if r.get("device_kind")),
+             "?")
   print(f"\nlargest global batch that trains here ({dev}, precomputed image "
-        f"embeddings, GradCache micro-batch {micro}): "
-        f"{summary['largest_batch_ok']}")
-  print(f"results: {os.path.join(args.out, 'bench_train.csv')}")
+        f"embeddings, GradCache micro-batch {args.microbatch}): "
+        f"{out['largest_batch_ok']}")
+  print(f"results: {rows.csv}")
 
 
 if __name__ == "__main__":

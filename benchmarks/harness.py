@@ -249,6 +249,18 @@ def parser(doc, **defaults):
   return ap
 
 
+def parse_quick(ap, quick, args=None):
+  """``ap.parse_args(args)`` with a ``--quick`` option added: a CPU smoke
+  run, where ``quick`` (dest: value) replaces the defaults of the options
+  not given on the command line (explicit ones still win)."""
+  sizes = ", ".join(f"{k}={v!r}" for k, v in quick.items())
+  ap.add_argument("--quick", action="store_true",
+                  help="a CPU smoke run: " + sizes.replace("%", "%%"))
+  if ap.parse_known_args(args)[0].quick:
+    ap.set_defaults(**quick)
+  return ap.parse_args(args)
+
+
 # ------------------------------------------------------------- rows
 
 def write_csv(path, rows, fields=None):

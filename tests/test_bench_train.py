@@ -1,0 +1,112 @@
+"""benchmarks/bench_train.py's parent without a device: the options (--out
+required, --quick's sizes), the plan, rows and --resume, the ladder's stop,
+the run's budget; and a child's failure as a status row. The children
+themselves run in tests/test_train.py's quick smoke runs (slow)."""
+import json
+
+import pytest
+
+from benchmarks import bench_train
+from benchmarks import harness
+
+
+def _fake_children(monkeypatch, results):
+  """harness.run_child answers from ``results`` ((kind, batch) -> result);
+  returns the list of the cases it was asked to run."""
+  ran = []
+
+  def run_child(argv, *, timeout_s, env=None, phase_tag=None):
+    assert argv[1] == "--case" and timeout_s > 0 and phase_tag
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"]
+    spec = json.loads(argv[2])
+    ran.append((spec["kind"], spec["batch"]))
+    r = results[(spec["kind"], spec["batch"])]
+    return dict(bench_train._row(spec), **r) if r["status"] == "ok" else r
+  monkeypatch.setattr(harness, "run_child", run_child)
+  return ran
+
+
+def _rows(out):
+  with open(out / "bench_train.json") as f:
+    return {(r["kind"], r["batch"]): r for r in json.load(f)["results"]}
+
+
+def test_out_is_required_and_quick_sizes_yield_to_given_ones(capsys):
+  with pytest.raises(SystemExit):
+    bench_train.main(["--quick"])
+  assert "--out is required" in capsys.readouterr().err
+  ap = harness.parser("Doc.", out=None)
+  ap.add_argument("--microbatch", type=int, default=8192)
+  ap.add_argument("--ladder", default="262144")
+  a = harness.parse_quick(ap, dict(microbatch=64, ladder="512"),
+                          ["--out", "x"])
+  assert (a.quick, a.microbatch, a.ladder) == (False, 8192, "262144")
+  ap = harness.parser("Doc.", out=None)
+  ap.add_argument("--microbatch", type=int, default=8192)
+  ap.add_argument("--ladder", default="262144")
+  a = harness.parse_quick(ap, dict(microbatch=64, ladder="512"),
+                          ["--out", "x", "--quick", "--ladder", ""])
+  assert (a.quick, a.microbatch, a.ladder) == (True, 64, "")
+
+
+def test_ladder_stops_at_the_first_batch_that_does_not_fit_and_resumes(
+    tmp_path, monkeypatch, capsys):
+  results = {("step", 256): {"status": "timeout>5s while running"},
+             ("stream", 512): {"status": "ok", "step_s": 2.0,
+                               "pipeline_img_s": 256.0,
+                               "device_embed_img_s": 300.0,
+                               "host_wait_s": 1.0, "host_put_s": 0.1,
+                               "device_wait_s": 0.2, "input_bound": True,
+                               "peak_gib": 0.0, "host_peak_gib": 0.5},
+             ("max_batch", 512): {"status": "ok", "step_s": 1.0},
+             ("max_batch", 1024): {"status": "oom"},
+             ("max_batch", 2048): {"status": "ok"}}
+  ran = _fake_children(monkeypatch, results)
+  argv = ["--quick", "--modes", "precomputed", "--stream_batches", "512",
+          "--ladder", "512,1024,2048", "--out", str(tmp_path)]
+  bench_train.main(argv)
+  assert ran == [("step", 256), ("stream", 512), ("max_batch", 512),
+                 ("max_batch", 1024)]
+  rows = _rows(tmp_path)
+  assert rows[("step", 256)]["status"].startswith("timeout")
+  assert rows[("step", 256)]["total_s"] >= 0
+  assert rows[("stream", 512)]["decode_size"] == 48  # --quick's
+  assert rows[("stream", 512)]["decoder"] == "host"
+  assert rows[("max_batch", 1024)]["status"] == "oom"
+  assert "model" not in rows[("max_batch", 512)]
+  out = capsys.readouterr().out
+  assert "(input-bound)" in out
+  assert "micro-batch 64): 512" in out  # The largest that fits.
+  with open(tmp_path / "bench_train.json") as f:
+    assert json.load(f)["model"] == bench_train.QUICK
+  # Again with --resume: only the timed-out case runs; the ok and oom rows
+  # come back, and the ladder still stops at 1024.
+  ran.clear()
+  results[("step", 256)] = {"status": "ok", "step_s": 0.5}
+  bench_train.main(argv + ["--resume"])
+  assert ran == [("step", 256)]
+  assert _rows(tmp_path)[("step", 256)]["step_s"] == 0.5
+  with open(tmp_path / "bench_train.csv") as f:
+    lines = f.read().splitlines()
+  assert lines[0].startswith("kind,mode,batch,microbatch,decoder,status")
+  assert len(lines) == 1 + 4
+
+
+def test_a_spent_budget_skips_every_case_as_a_row(tmp_path, monkeypatch):
+  ran = _fake_children(monkeypatch, {})
+  bench_train.main(["--quick", "--modes", "precomputed", "--ladder",
+                    "512,1024", "--budget_s", "30", "--out", str(tmp_path)])
+  assert not ran
+  rows = _rows(tmp_path)
+  assert sorted(rows) == [("max_batch", 512), ("max_batch", 1024),
+                          ("step", 256)]
+  for r in rows.values():  # 30 s left is less than a case needs.
+    assert r["status"].startswith("skipped: 30 s of the 30 s budget"), r
+
+
+def test_a_child_that_raises_returns_one_status_row(capsys):
+  r = bench_train.case_result(dict(kind="step", mode="precomputed",
+                                   batch=8, model={}))
+  assert r["status"].startswith("error: KeyError"), r
+  assert r["batch"] == 8 and "model" not in r
+  assert "Traceback" in capsys.readouterr().err
