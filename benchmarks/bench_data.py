@@ -35,13 +35,14 @@ decode, and the whole ``GpuBatchDecoder.decode`` (decode, DLPack, device
 resize/crop, uint8 [n, S, S, 3] ready on the device), with the pixels'
 distance to the host path's.
 
-Rows go to bench_data.jsonl as they finish (a cut-off run keeps them), the
-summary to bench_data.json; a table is printed.
+Rows go to bench_data.jsonl as they finish (a cut-off run keeps them), each
+with the date and jax (the decoders' with the device), the summary to
+bench_data.json (``--decoders``: bench_data_decoders.json); a table is
+printed.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
+import importlib.metadata
 import io
 import json
 import os
@@ -54,8 +55,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import harness  # pylint: disable=wrong-import-position
-
-RESULT_TAG = "BENCH_DATA_RESULT "
 
 
 def write_shards(directory, num, per_shard=1024):
@@ -117,10 +116,11 @@ def per_core_rates(jpgs, image_size, decode_size, reps):
   return out
 
 
-def host_library_rates(jpgs, image_size, reps) -> list:
-  """img/s on one thread per host JPEG library: decode at full size (the
-  256 px JPEGs of decode_size=256) and decode + resize/crop to image_size
-  (each library at its own DCT scale, then pipeline.resize_crop)."""
+def host_library_rates(jpgs, image_size, reps):
+  """img/s on one thread per host JPEG library, a row each as it finishes:
+  decode at full size (the 256 px JPEGs of decode_size=256) and decode +
+  resize/crop to image_size (each library at its own DCT scale, then
+  pipeline.resize_crop)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from train.data import decode  # pylint: disable=import-outside-toplevel
   from train.data import pipeline  # pylint: disable=import-outside-toplevel
@@ -146,14 +146,13 @@ def host_library_rates(jpgs, image_size, reps) -> list:
         np.frombuffer(j, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
   except Exception as e:  # pylint: disable=broad-except
     libs["opencv"] = e
-  rows = []
   ref = [pipeline.resize_crop(decode.decode_host(j, "", image_size,
                                                  "pillow"), image_size)
          for j in jpgs[:64]]
   for name, fn in libs.items():
     if isinstance(fn, Exception):
-      rows.append({"kind": "host_library", "library": name,
-                   "status": f"unavailable: {type(fn).__name__}: {fn}"[:200]})
+      yield {"kind": "host_library", "library": name,
+             "status": f"unavailable: {type(fn).__name__}: {fn}"[:200]}
       continue
     decode_only = lambda fn=fn: [fn(j, 0) for j in jpgs]
     decode_resize = lambda fn=fn: [pipeline.resize_crop(fn(j, image_size),
@@ -168,28 +167,28 @@ def host_library_rates(jpgs, image_size, reps) -> list:
            for j in jpgs[:64]]
     diff = np.abs(np.stack(got).astype(np.int16) - np.stack(ref))
     row["max_abs_diff_vs_pillow"] = int(diff.max())
-    rows.append(row)
-  return rows
+    yield row
 
 
-def gpu_decoder_rates(jpgs, image_size, batches, reps) -> list:
-  """img/s of nvImageCodec per backend and batch (see the module doc)."""
+def gpu_decoder_rates(jpgs, image_size, batches, reps):
+  """img/s of nvImageCodec per backend and batch (see the module doc), a
+  row each as it finishes."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from train.data import decode  # pylint: disable=import-outside-toplevel
   why = decode.gpu_unavailable()
   if why:
-    return [{"kind": "gpu_decoder", "status": f"unavailable: {why}"}]
+    yield {"kind": "gpu_decoder", "status": f"unavailable: {why}"}
+    return
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   host = np.stack([decode.HostBatchDecoder().decode(
       jpgs[:256], [""] * 256, image_size)[0]])[0]
-  rows = []
   for backend in ("auto", "hw", "cuda"):
     try:
       dec = gpu_decode.GpuBatchDecoder(backend)
     except Exception as e:  # pylint: disable=broad-except
-      rows.append({"kind": "gpu_decoder", "backend": backend,
-                   "status": f"error: {type(e).__name__}: {e}"[:300]})
+      yield {"kind": "gpu_decoder", "backend": backend,
+             "status": f"error: {type(e).__name__}: {e}"[:300]}
       continue
     images, ok, bad = dec.decode(jpgs[:256], [""] * 256, image_size)
     row0 = {"kind": "gpu_decoder", "backend": backend, "status": "ok",
@@ -216,9 +215,7 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps) -> list:
         except Exception as e:  # pylint: disable=broad-except
           row[f"{label}_error"] = f"{type(e).__name__}: {e}"[:300]
       row["zero_copy"] = dec.zero_copy
-      rows.append(row)
-      print("[bench_data] " + json.dumps(row), flush=True)
-  return rows
+      yield row
 
 
 # ----------------------------------------------------------------- child
@@ -270,104 +267,55 @@ def pipeline_child(spec) -> dict:
 # ----------------------------------------------------------------- parent
 
 
-def main():
-  # (Worker processes are spawned: this module must not run on import.)
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--out", default=None, help="results directory")
-  ap.add_argument("--quick", action="store_true",
-                  help="a CPU smoke test: few images, small micro-batches")
-  ap.add_argument("--num", type=int, default=None,
-                  help="JPEGs in the shards (default 16384; quick: 512)")
-  ap.add_argument("--image_size", type=int, default=224)
-  ap.add_argument("--decode_size", type=int, default=256,
-                  help="config.data.decode_size of the pipeline cases")
-  ap.add_argument("--threads", default=None,
-                  help="reader-thread counts without workers (default "
-                  "1,2,4,... up to the cores; quick: 1,2; '' = none)")
-  ap.add_argument("--workers", default=None,
-                  help="worker-process counts, 1 thread each (default "
-                  "8,12,16; quick: 2)")
-  ap.add_argument("--microbatch", type=int, default=None,
-                  help="images per micro-batch (default 8192, the trainer's "
-                  "GradCache micro-batch; quick: 64)")
-  ap.add_argument("--measure_s", type=float, default=None,
-                  help="seconds measured per pipeline case (default 10; "
-                  "quick: 1)")
-  ap.add_argument("--timeout_s", type=int, default=120,
-                  help="deadline of one pipeline case")
-  ap.add_argument("--decoders", action="store_true",
-                  help="measure the decoders alone (host libraries per "
-                  "core, nvImageCodec per backend and batch), no pipeline")
-  ap.add_argument("--gpu_batches", default="256,1024,4096",
-                  help="--decoders: GPU batch sizes")
-  ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-  args = ap.parse_args()
-  if args.child:
-    print(RESULT_TAG + json.dumps(pipeline_child(json.loads(args.child))),
-          flush=True)
-    return
-  if not args.out:
-    ap.error("--out is required")
+def ints(text):
+  """Comma-separated ints ("" means none)."""
+  return [int(x) for x in text.split(",") if x.strip()]
 
+
+def _key(r):
+  """A row's case (rows of one run only: bench_data does not resume)."""
+  return tuple(r.get(k) for k in ("kind", "library", "backend", "batch",
+                                  "workers", "threads", "decode_size"))
+
+
+def decoders(args, rows, res):
+  """--decoders: the host libraries per core, nvImageCodec on the GPU."""
+  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  res.update(harness.device_meta())
+  pool = synthetic.JpegPool(args.num, size=256, pool=min(args.num, 512))
+  jpgs = [pool[i]["image"] for i in range(min(args.num, 512))]
+  res["mean_jpeg_kb"] = sum(map(len, jpgs)) / len(jpgs) / 1024
+  meta = dict(date=res["date"], device_kind=res["device_kind"],
+              jax=res["jax"])
+  res["host"] = [rows.add(dict(r, **meta)) for r in host_library_rates(
+      jpgs, args.image_size, reps=2 if args.quick else 3)]
+  res["gpu"] = [rows.add(dict(r, **meta)) for r in gpu_decoder_rates(
+      jpgs, args.image_size, ints(args.gpu_batches),
+      reps=2 if args.quick else 5)]
+  with open(os.path.join(args.out, "bench_data_decoders.json"), "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"\n{len(jpgs)} JPEGs 256 px, {res['mean_jpeg_kb']:.1f} KB mean; "
+        f"img/s per core (decode | + resize to {args.image_size}):")
+  for r in res["host"]:
+    print(f"  {r['library']:>12}: " + (
+        f"{r['decode_only_img_s_per_core']:7.0f} | "
+        f"{r['decode_resize_img_s_per_core']:7.0f}  (max |diff| vs Pillow "
+        f"{r['max_abs_diff_vs_pillow']})" if r["status"] == "ok"
+        else r["status"]))
+  for r in res["gpu"]:
+    print("  gpu " + " ".join(f"{k}={v:.0f}" if isinstance(v, float) and
+                              v > 10 else f"{k}={v}" for k, v in r.items()
+                              if k not in ("kind", *meta)))
+
+
+def reading_and_pipeline(args, rows, res, threads, workers):
+  """Reading the shards, one core's decode, the pipeline cases."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from train.data import webdataset as wds_lib  # pylint: disable=import-outside-toplevel
-  quick = args.quick
-  num = args.num or (512 if quick else 16384)
-  cores = len(os.sched_getaffinity(0))
-
-  def ints(arg, default):
-    text = default if arg is None else arg
-    return [int(x) for x in text.split(",") if x.strip()]
-  threads = ints(args.threads, "1,2" if quick else ",".join(
-      str(2**k) for k in range(cores.bit_length())))
-  workers = ints(args.workers, "2" if quick else "8,12,16")
-  microbatch = args.microbatch or (64 if quick else 8192)
-  measure_s = args.measure_s or (1.0 if quick else 10.0)
-  os.makedirs(args.out, exist_ok=True)
-  rows_path = os.path.join(args.out, "bench_data.jsonl")
-  res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-         "cores": cores, "num": num, "image_size": args.image_size,
-         "decode_size": args.decode_size, "microbatch": microbatch}
-
-  def row(r):
-    with open(rows_path, "a") as f:
-      f.write(json.dumps(r) + "\n")
-    print("[bench_data] " + json.dumps(r), flush=True)
-
-  if args.decoders:
-    from train.data import synthetic  # pylint: disable=import-outside-toplevel
-    pool = synthetic.JpegPool(num, size=256, pool=min(num, 512))
-    jpgs = [pool[i]["image"] for i in range(min(num, 512))]
-    res["mean_jpeg_kb"] = sum(map(len, jpgs)) / len(jpgs) / 1024
-    res["host"] = host_library_rates(jpgs, args.image_size,
-                                     reps=2 if quick else 3)
-    for r in res["host"]:
-      row(r)
-    res["gpu"] = gpu_decoder_rates(jpgs, args.image_size,
-                                   ints(args.gpu_batches, ""),
-                                   reps=2 if quick else 5)
-    for r in res["gpu"]:
-      with open(rows_path, "a") as f:
-        f.write(json.dumps(r) + "\n")
-    with open(os.path.join(args.out, "bench_data_decoders.json"), "w") as f:
-      json.dump(res, f, indent=1)
-    print(f"\n{len(jpgs)} JPEGs 256 px, {res['mean_jpeg_kb']:.1f} KB mean; "
-          f"img/s per core (decode | + resize to {args.image_size}):")
-    for r in res["host"]:
-      print(f"  {r['library']:>12}: " + (
-          f"{r['decode_only_img_s_per_core']:7.0f} | "
-          f"{r['decode_resize_img_s_per_core']:7.0f}  (max |diff| vs Pillow "
-          f"{r['max_abs_diff_vs_pillow']})" if r["status"] == "ok"
-          else r["status"]))
-    for r in res["gpu"]:
-      print("  gpu " + " ".join(f"{k}={v:.0f}" if isinstance(v, float) and
-                                v > 10 else f"{k}={v}" for k, v in r.items()
-                                if k != "kind"))
-    return
-
+  meta = dict(date=res["date"], jax=res["jax"])
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()
-    pattern = write_shards(tmp, num)
+    pattern = write_shards(tmp, args.num)
     res["write_s"] = time.perf_counter() - t0
     paths = wds_lib.expand_shards(pattern)
     res["shard_mib"] = sum(os.path.getsize(p) for p in paths) / 2**20
@@ -392,11 +340,11 @@ def main():
     res["read_indexed_random_img_s"] = len(src) / (time.perf_counter() - t0)
     jpgs = [src[i]["image"] for i in range(min(len(src), 1024))]
     res.update(per_core_rates(jpgs, args.image_size, args.decode_size,
-                              reps=2 if quick else 3))
-    row({"kind": "reading_and_per_core", **res})
+                              reps=2 if args.quick else 3))
+    rows.add({"kind": "reading_and_per_core", **res})
 
     base = dict(pattern=pattern, image_size=args.image_size,
-                microbatch=microbatch, measure_s=measure_s)
+                microbatch=args.microbatch, measure_s=args.measure_s)
     cases = [dict(base, workers=0, threads=t, decode_size=args.decode_size)
              for t in threads]
     cases += [dict(base, workers=w, threads=1, decode_size=args.decode_size)
@@ -406,16 +354,15 @@ def main():
     res["pipeline"] = []
     for case in cases:
       r = harness.run_child(
-          [os.path.abspath(__file__), "--child", json.dumps(case)],
-          result_tag=RESULT_TAG, timeout_s=args.timeout_s)
-      r = dict(case, **r)
+          [os.path.abspath(__file__), "--case", json.dumps(case)],
+          timeout_s=args.timeout_s)
+      r = {**case, **r, **meta}
       r.pop("pattern", None)
-      res["pipeline"].append(r)
-      row({"kind": "pipeline", **r})
+      res["pipeline"].append(rows.add({"kind": "pipeline", **r}))
   with open(os.path.join(args.out, "bench_data.json"), "w") as f:
     json.dump(res, f, indent=1)
-  print(f"\ncores {cores}, {num} JPEGs 256 px, {res['shard_mib']:.0f} MiB of "
-        "shards (page cache)")
+  print(f"\ncores {res['cores']}, {args.num} JPEGs 256 px, "
+        f"{res['shard_mib']:.0f} MiB of shards (page cache)")
   print(f"read members: tarfile {res['read_tarfile_img_s']:.0f}/s, "
         f"webdataset {res['read_webdataset_img_s'] or float('nan'):.0f}/s, "
         f"index+pread random {res['read_indexed_random_img_s']:.0f}/s "
@@ -434,6 +381,50 @@ def main():
           + (f"{r['img_s']:>9.0f}{r['img_s_per_core']:>9.0f}"
              f"{r['host_peak_gib']:>9.2f}{r['main_cpu_us_per_image']:>12.0f}"
              f"{r['main_thread_us_per_image']:>10.0f}" if ok else ""))
+
+
+def main(argv=None):
+  # (Worker processes are spawned: this module must not run on import.)
+  cores = len(os.sched_getaffinity(0))
+  ap = harness.parser(__doc__, out=None)
+  ap.add_argument("--num", type=int, default=16384,
+                  help="JPEGs in the shards (--decoders: in memory)")
+  ap.add_argument("--image_size", type=int, default=224)
+  ap.add_argument("--decode_size", type=int, default=256,
+                  help="config.data.decode_size of the pipeline cases")
+  ap.add_argument("--threads", default=",".join(
+      str(2**k) for k in range(cores.bit_length())),
+                  help="reader-thread counts without workers (default "
+                  "1,2,4,... up to the cores; '' = none)")
+  ap.add_argument("--workers", default="8,12,16",
+                  help="worker-process counts, 1 thread each")
+  ap.add_argument("--microbatch", type=int, default=8192,
+                  help="images per micro-batch (the trainer's GradCache "
+                  "micro-batch)")
+  ap.add_argument("--measure_s", type=float, default=10.0,
+                  help="seconds measured per pipeline case")
+  ap.add_argument("--timeout_s", type=int, default=120,
+                  help="deadline of one pipeline case")
+  ap.add_argument("--decoders", action="store_true",
+                  help="measure the decoders alone (host libraries per "
+                  "core, nvImageCodec per backend and batch), no pipeline")
+  ap.add_argument("--gpu_batches", default="256,1024,4096",
+                  help="--decoders: GPU batch sizes")
+  args = harness.parse_quick(ap, dict(
+      num=512, threads="1,2", workers="2", microbatch=64, measure_s=1.0),
+                             argv)
+  if args.case:
+    harness.print_result(pipeline_child(json.loads(args.case)))
+    return
+  rows = harness.Rows(args.out, "bench_data", key=_key)
+  res = {"date": harness.now(), "jax": importlib.metadata.version("jax"),
+         "cores": cores, "num": args.num, "image_size": args.image_size,
+         "decode_size": args.decode_size, "microbatch": args.microbatch}
+  if args.decoders:
+    decoders(args, rows, res)
+  else:
+    reading_and_pipeline(args, rows, res, ints(args.threads),
+                         ints(args.workers))
 
 
 if __name__ == "__main__":
