@@ -8,6 +8,7 @@ truncated JPEG, empty captions, orphans, a cut shard). The ``gpu`` tests
 run nvImageCodec itself on the device (pixels against the host path within
 a measured bound, every kind of bad member, resume).
 """
+import collections
 import hashlib
 import io
 import json
@@ -149,14 +150,16 @@ def test_device_resize_crop_is_the_hosts_within_one_level():
 class _Failing(decode.HostBatchDecoder):
   """The host decoder, failing the images whose decoded pixels are in
   ``digests`` (as a GPU decode can fail where the host's succeeds), and
-  recording the batch sizes it was called with."""
+  recording, for every device it is bound to (``for_device`` copies share
+  these lists), the sizes of its calls and the images it decoded."""
 
   def __init__(self, digests=()):
     super().__init__()
-    self.digests, self.calls = set(digests), []
+    self.digests, self.calls, self.decoded = set(digests), [], set()
 
   def decode(self, encoded, wheres, size):
-    self.calls.append(len(encoded))
+    assert self.device is not None  # only ever called bound to a device
+    self.calls.append((self.device, len(encoded)))
     images, ok, bad = super().decode(encoded, wheres, size)
     keep, out = [], []
     for j, i in enumerate(np.flatnonzero(ok)):
@@ -165,60 +168,162 @@ class _Failing(decode.HostBatchDecoder):
         bad.append((int(i), wheres[i], "undecodable image (device: failed)"))
       else:
         keep.append(images[j])
+        self.decoded.add((self.device, _digest(images[j])))
     bad.sort()
     out = np.stack(keep) if keep else images[:0]
     return out, ok, bad
 
 
-@pytest.mark.parametrize("fmt", ["webdataset", "csv"])
-def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt):
+def _check_shards(batch, sharding, dec=None):
+  """The micro-batch's images are one global array in ``sharding`` whose
+  local device k (in the sharding's row order) holds rows [k*per,
+  (k+1)*per); with ``dec``, every row was decoded on the device holding
+  it."""
+  import jax  # pylint: disable=import-outside-toplevel
+  image = batch["image"]
+  assert isinstance(image, jax.Array) and image.sharding == sharding
+  devices = list(sharding.mesh.devices.flat)
+  per = image.shape[0] // len(devices)
+  assert len(image.addressable_shards) == len(devices)
+  for shard in image.addressable_shards:
+    k = devices.index(shard.device)
+    assert shard.index[0] == slice(k * per, (k + 1) * per)
+    assert shard.data.devices() == {shard.device}
+    if dec is not None:
+      data = np.asarray(shard.data)
+      assert all((shard.device, _digest(x)) in dec.decoded for x in data)
+
+
+@pytest.mark.parametrize("fmt,micro", [("webdataset", 8), ("csv", 8),
+                                       ("webdataset", 24)])
+def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro):
+  import jax  # pylint: disable=import-outside-toplevel
   name = ("webdataset:" + corpus.pattern if fmt == "webdataset"
           else "csv:" + corpus.tables["csv"])
   config = _config(name)
   host = D.make_train_iterator(config, batch_size=24, seed=3,
-                               microbatch_size=8)
+                               microbatch_size=micro)
   dec = _Failing()
   batch = D.make_train_iterator(config, batch_size=24, seed=3,
-                                microbatch_size=8, batch_decoder=dec)
+                                microbatch_size=micro, batch_decoder=dec)
   assert isinstance(batch, decode.Prefetch)
-  a, b = _take(host, 12), _take(batch, 12)  # 96 > an epoch's 58 or 61
+  n = 96 // micro  # 96 > an epoch's 58 or 61
+  a, b = _take(host, n), _take(batch, n)
   assert _same(a, b)
-  assert all(x["image"].dtype == np.uint8 and x["image"].shape == (8, S, S, 3)
-             for x in b)
+  assert all(x["image"].dtype == np.uint8
+             and x["image"].shape == (micro, S, S, 3) for x in b)
+  sharding = decode.data_sharding()
+  for x in b:
+    _check_shards(x, sharding, dec)
   assert batch.bad == host.bad and batch.seen == host.seen and host.bad > 0
   assert batch.ledger.by_reason == host.ledger.by_reason
   # Taken between micro-batches, the two states are the same: a run can
   # resume on the other decoder.
   assert batch.get_state() == host.get_state()
-  assert set(dec.calls) == {8}  # the host found every bad one: no top-ups
+  # The host found every bad one: no top-ups; each device decoded its own
+  # shard, once per micro-batch (the thread, stopped by close, may have
+  # run up to depth + 1 ahead).
   batch.close()
+  n_dev = len(jax.devices())
+  assert {size for _, size in dec.calls} == {micro // n_dev}
+  per_device = collections.Counter(d for d, _ in dec.calls)
+  assert set(per_device) == set(jax.devices())
+  assert len(set(per_device.values())) == 1 and (
+      n <= min(per_device.values()) <= n + 3)
 
 
-def test_a_failed_decode_costs_only_itself_and_keeps_the_order(corpus, caplog):
+def _permuted_sharding():
+  """Rows over the devices in another order than jax.devices()'s."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  devices = jax.devices()
+  order = [devices[i] for i in np.random.default_rng(0).permutation(
+      len(devices))]
+  return NamedSharding(Mesh(np.array(order), ("data",)), P("data"))
+
+
+@pytest.mark.parametrize("micro,permuted", [(8, False), (24, False),
+                                            (24, True)])
+def test_a_failed_decode_costs_only_itself_and_keeps_the_order(
+    corpus, caplog, micro, permuted):
+  # Failures in a device's shard shift the rows after them onto the
+  # devices before, as the host path's stream does; each device decodes
+  # the members it gained, and every row is decoded where it is held.
   config = _config("webdataset:" + corpus.pattern)
+  sharding = _permuted_sharding() if permuted else decode.data_sharding()
+  steps = 120 // micro
   whole = _flat(_take(D.make_train_iterator(
-      config, batch_size=8, seed=1, batch_decoder=_Failing()), 20))
-  # Fail three distinct images, each wherever it falls in the stream.
-  fail = {whole[i][0] for i in (0, 9, 17)}
+      config, batch_size=micro, seed=1, batch_decoder=_Failing()),
+                      steps + 48 // micro))
+  # Fail distinct images, wherever they fall: two in one shard, one in the
+  # last row of a micro-batch (no row after it on the device), the first.
+  fail = {whole[i][0] for i in (0, 9, 10, 17, micro - 1, 2 * micro + 5)}
   dec = _Failing(fail)
   caplog.clear()
   with caplog.at_level("WARNING"):
-    it = D.make_train_iterator(config, batch_size=8, seed=1,
-                               batch_decoder=dec)
-    got = _take(it, 15)
-  assert all(len(b["text"]) == 8 for b in got)
+    it = D.make_train_iterator(config, batch_size=micro, seed=1,
+                               batch_decoder=dec, batch_sharding=sharding)
+    # The decoding iterator itself, not its prefetch thread: what it logs
+    # is then exactly the span taken, not the thread's lead too.
+    it = it.iterator
+    got = _take(it, steps)
+  assert all(len(b["text"]) == micro for b in got)
+  for b in got:
+    _check_shards(b, sharding, dec)
   kept = [e for e in whole if e[0] not in fail]
   assert _flat(got) == kept[:120]
-  # Every failure in the span taken is counted once and logged once (with
-  # its shard and key), beside the source's own bad examples.
-  failed = sum(e[0] in fail for e in whole[:whole.index(kept[119]) + 1])
+  # Every image that failed in the span taken is counted and logged once
+  # (with its shard and key; met again in a later epoch, not again),
+  # beside the source's own bad examples. (The span: whole up to its 120th
+  # kept element, by position, as an example comes again in each epoch.)
+  end = np.flatnonzero([e[0] not in fail for e in whole])[119] + 1
+  failed = len({e[0] for e in whole[:end]} & fail)
   logged = [r.getMessage() for r in caplog.records
             if "skipped a bad example" in r.getMessage()]
-  assert failed >= 3
+  assert failed >= 5
   assert sum("device: failed" in m for m in logged) == failed
   assert all(".tar:" in m for m in logged)
   assert it.bad == len(logged) < it.ledger.log_first
-  assert max(dec.calls) == 8 and min(dec.calls) < 8  # top-ups after failures
+  # Top-ups: more calls than one per device and micro-batch, none of more
+  # than a shard.
+  n_dev = len(sharding.device_set)
+  assert max(size for _, size in dec.calls) == micro // n_dev
+  assert len(dec.calls) > (steps + 2) * n_dev
+  it.close()
+
+
+def test_a_micro_batch_that_does_not_split_over_the_devices_is_refused(
+    corpus):
+  import jax  # pylint: disable=import-outside-toplevel
+  n = len(jax.devices())
+  config = _config("webdataset:" + corpus.pattern)
+  with pytest.raises(ValueError, match=rf"a micro-batch of {n + 2} examples "
+                     rf"does not split over {n} local devices"):
+    D.make_train_iterator(config, batch_size=n + 2, batch_decoder=_Failing())
+
+
+def test_device_major_keeps_decoded_rows_on_their_devices(corpus):
+  # The trainer's whole-batch path (no streaming): device_major of the
+  # decoded micro-batches is the host micro-batches' device_major, in the
+  # same sharding, each device's block made from its own shards.
+  import jax  # pylint: disable=import-outside-toplevel
+  from train import stream as stream_lib  # pylint: disable=import-outside-toplevel
+  config = _config("webdataset:" + corpus.pattern)
+  n_dev = len(jax.devices())
+  host = _take(D.make_train_iterator(config, batch_size=48, seed=6,
+                                     microbatch_size=16), 3)
+  it = D.make_train_iterator(config, batch_size=48, seed=6,
+                             microbatch_size=16, batch_decoder=_Failing())
+  parts = [b["image"] for b in _take(it, 3)]
+  got = stream_lib.device_major(parts, n_dev)
+  want = stream_lib.device_major([b["image"] for b in host], n_dev)
+  assert got.sharding == parts[0].sharding and got.shape == want.shape
+  assert np.array_equal(np.asarray(got), want)
+  for shard in got.addressable_shards:
+    k = list(got.sharding.mesh.devices.flat).index(shard.device)
+    assert shard.index[0] == slice(k * 6, (k + 1) * 6)
   it.close()
 
 
@@ -421,11 +526,15 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
 
   class Counted(decode.HostBatchDecoder):
     def decode(self, encoded, wheres, size):
-      calls.append(len(encoded))
+      calls.append((self.device, len(encoded)))
       return super().decode(encoded, wheres, size)
   monkeypatch.setattr(gpu_decode, "GpuBatchDecoder", Counted)
   batch = _step_one_loss(tmp_path / "batch", "gpu")
-  assert calls and set(calls) == {8}
+  # Every device decoded its own shards of the micro-batches of 8.
+  import jax  # pylint: disable=import-outside-toplevel
+  n_dev = len(jax.devices())
+  assert {d for d, _ in calls} == set(jax.devices())
+  assert {size for _, size in calls} == {8 // n_dev}
   assert batch == host
 
 

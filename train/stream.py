@@ -35,8 +35,13 @@ def device_major(parts: list[np.ndarray], num_local_devices: int) -> np.ndarray:
   """Host micro-batches [k x (m, ...)] -> (k*m, ...) in the order where each
   local device's block is its rows of micro-batch 0, then 1, ...
 
-  Micro-batches already on a device (config.data.decoder="gpu") are
-  reordered there, not through the host."""
+  Micro-batches that are already global arrays sharded by rows over the
+  devices (config.data.decoder="gpu": each device decoded its own rows)
+  stay there: each device concatenates its own pieces, and the result is
+  the global array in the same sharding."""
+  if all(isinstance(p, jax.Array) for p in parts) and _row_sharded(
+      parts, num_local_devices):
+    return _concat_per_device(parts)
   xp = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
   x = xp.stack(parts)
   k, m = x.shape[:2]
@@ -46,6 +51,34 @@ def device_major(parts: list[np.ndarray], num_local_devices: int) -> np.ndarray:
                      "local devices")
   x = x.reshape(k, n, m // n, *x.shape[2:]).swapaxes(0, 1)
   return x.reshape(k * m, *x.shape[3:])
+
+
+def _row_sharded(parts: list, num_local_devices: int) -> bool:
+  """Whether the parts share one shape and one sharding that splits their
+  rows into disjoint blocks, one per local device."""
+  first = parts[0]
+  if len(first.sharding.addressable_devices) != num_local_devices or any(
+      p.sharding != first.sharding or p.shape != first.shape for p in parts):
+    return False
+  shards = first.addressable_shards
+  spans = {s.index[0].indices(first.shape[0])[:2] for s in shards}
+  return len(spans) == len(shards) and all(
+      i == slice(None) for s in shards for i in s.index[1:])
+
+
+def _concat_per_device(arrays: list):
+  """Global arrays sharded by rows -> one whose device d block is its
+  blocks of arrays[0], arrays[1], ... (nothing crosses devices)."""
+  if len(arrays) == 1:
+    return arrays[0]
+  pieces = collections.defaultdict(list)
+  for a in arrays:
+    for s in a.addressable_shards:
+      pieces[s.device].append(s.data)
+  shape = (sum(a.shape[0] for a in arrays), *arrays[0].shape[1:])
+  return jax.make_array_from_single_device_arrays(
+      shape, arrays[0].sharding,
+      [jnp.concatenate(pieces[d]) for d in pieces])
 
 
 class StreamedImageTower:
@@ -68,8 +101,14 @@ class StreamedImageTower:
 
   def embed_microbatch(self, images: np.ndarray):
     """Process-local uint8 (m, C, C, 3) -> global float32 (M, D) on "data"
-    (C: the host's size, the tower's or data.decode_size)."""
-    x = jax.make_array_from_process_local_data(self._sharding, images)
+    (C: the host's size, the tower's or data.decode_size). Images already
+    global on "data" (config.data.decoder="gpu": each device decoded its
+    rows) are embedded where they are."""
+    if isinstance(images, jax.Array) and images.sharding.is_equivalent_to(
+        self._sharding, images.ndim):
+      x = images
+    else:
+      x = jax.make_array_from_process_local_data(self._sharding, images)
     return self._embed(self.params, x)
 
   def step_inputs(self, iterator, num_microbatches: int) -> dict:

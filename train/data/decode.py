@@ -14,18 +14,24 @@ With "gpu" the reader threads only read the bytes and check that each JPEG
 is whole (``jpeg_problem``: a truncated JPEG decodes silently into an
 image on the GPU, so it is caught here, on the host, for both decoders).
 ``DecodedIterator`` then takes the micro-batch's encoded images from the
-stream, decodes them in one batch call (``BatchDecoder.decode``: the GPU
-decoder in train/data/gpu_decode.py; ``HostBatchDecoder`` here runs the
-same contract on the host, for tests and machines without a GPU), and
-tops the micro-batch up with the next examples of the stream for each one
-that fails. The stream of kept examples, their order and the iterator
-state are then those of the host path, so a run can resume on either
-decoder. ``Prefetch`` runs that on a thread with a bounded queue, so a
+stream and has each local device decode its own contiguous shard of them
+in one batch call (``decoder.for_device(device).decode``: the GPU decoder
+in train/data/gpu_decode.py, one per GPU; ``HostBatchDecoder`` here runs
+the same contract on the host, its shards put on their devices, for tests
+on CPU devices and machines without a GPU); the micro-batch's images are
+one global array made from the devices' shards, in the trainer's batch
+sharding. Each one that fails is replaced by the next example of the
+stream, the rows after it moving up (the devices whose rows changed decode
+their new members themselves). The stream of kept examples, their order,
+the rows each device holds and the iterator state are then those of the
+host path, so a run can resume on either decoder. ``Prefetch`` runs that on a thread with a bounded queue, so a
 micro-batch is decoded while the previous one's tower step runs.
 """
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import copy
 import functools
 import queue
 import threading
@@ -174,13 +180,24 @@ def _known_image(data) -> bool:
 class HostBatchDecoder:
   """The batch contract on the host: ``decode(encoded, wheres, size)`` ->
   (uint8 [k, size, size, 3] of the k that decode, in order; bool [n]: which
-  did; [(i, where, reason)] for the others). The GPU decoder meets the same
-  contract (its images are a jax array on the device)."""
+  did; [(i, where, reason)] for the others), and ``for_device(device)``: the
+  decoder of one local device's shard. The GPU decoder meets the same
+  contract (its images are a jax array on its device); this one's are numpy,
+  and ``DecodedIterator`` puts each shard on its device, so that on CPU
+  devices it runs the GPU path's per-device code."""
 
   name = "host"
 
   def __init__(self, library: str = "auto"):
     self.library = library
+    self.device = None
+
+  def for_device(self, device) -> "HostBatchDecoder":
+    # A shallow copy: a subclass's state (tests record their calls) is
+    # shared by the copies of every device.
+    bound = copy.copy(self)
+    bound.device = device
+    return bound
 
   def describe(self) -> str:
     fast = self.library != "pillow" and _simplejpeg() is not None
@@ -263,22 +280,98 @@ def make_batch_decoder(data, source):
   return gpu_decode.GpuBatchDecoder()
 
 
+def data_sharding():
+  """The trainer's batch sharding (train/train.py): rows over every device
+  of every process, in ``jax.devices()`` order, on the "data" axis."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from train import step as step_lib  # pylint: disable=import-outside-toplevel
+  return NamedSharding(Mesh(np.array(jax.devices()), (step_lib.AXIS,)),
+                       P(step_lib.AXIS))
+
+
+def shard_plan(sharding, rows: int, tail: tuple):
+  """Where a process-local micro-batch of ``rows`` lies in ``sharding``:
+  ([(device, start, stop)] in row order, each local device's contiguous
+  rows of the micro-batch; the global array's shape). ValueError in one
+  line when the rows do not split into equal contiguous shards."""
+  local = sharding.addressable_devices
+  n_local, n_all = len(local), len(sharding.device_set)
+  if rows % n_local:
+    raise ValueError(
+        f"a micro-batch of {rows} examples does not split over {n_local} "
+        "local devices (a batch decoder decodes each device's equal shard "
+        f"on that device: make the per-process micro-batch a multiple of "
+        f"{n_local})")
+  shape = (rows // n_local * n_all, *tail)
+  spans = []
+  for device, index in sharding.addressable_devices_indices_map(
+      shape).items():
+    start, stop, _ = index[0].indices(shape[0])
+    spans.append((start, stop, device))
+  spans.sort(key=lambda x: x[0])
+  base, per = spans[0][0], rows // n_local
+  plan = [(d, a - base, b - base) for a, b, d in spans]
+  if [(a, b) for _, a, b in plan] != [(k * per, (k + 1) * per)
+                                      for k in range(n_local)]:
+    raise ValueError(
+        f"the batch sharding {sharding} does not give each local device a "
+        "contiguous, disjoint shard of the process's rows")
+  return plan, shape
+
+
+def _on_device(images, device):
+  """A shard's decoded images on ``device``: numpy ones (the host decoder)
+  are put there; a device decoder's must already be there."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if isinstance(images, jax.Array):
+    if images.devices() != {device}:
+      raise RuntimeError(
+          f"the batch decoder of {device} returned images on "
+          f"{', '.join(sorted(map(str, images.devices())))}")
+    return images
+  return jax.device_put(np.asarray(images), device)
+
+
 class DecodedIterator:
-  """Micro-batches of images decoded in batches (see the module doc).
+  """Micro-batches of images decoded in batches, each local device
+  decoding its own shard (see the module doc).
 
   ``inner`` is a pipeline.TrainIterator whose elements carry the encoded
   image ("encoded", bytes) and its "key" instead of "image". Each
-  micro-batch takes the next ``microbatch_size`` examples of that stream,
-  decodes them with ``decoder``, and for the ones that fail (counted and
-  named in the ledger) takes the next ones, until it is full: a bad image
-  never costs the good ones of its batch, and the kept examples are the
-  host path's. The state is the inner iterator's, taken between
-  micro-batches.
+  micro-batch is the next ``microbatch_size`` examples of that stream that
+  decode. In ``sharding`` (default: the trainer's, ``data_sharding``) each
+  local device holds a contiguous shard of the micro-batch's rows; the
+  shard's encoded images go to that device's decoder
+  (``decoder.for_device``: nvImageCodec on that GPU; on CPU devices the
+  host decoder, its images put on the device), the shards are decoded side
+  by side on threads, and the micro-batch's "image" is one global
+  ``jax.Array`` in ``sharding`` made from the devices' own arrays
+  (``jax.make_array_from_single_device_arrays``): no image crosses devices
+  or comes back to the host. (It is global: with several processes it has
+  every process's rows; the other fields are this process's, on the host.)
+
+  A member that fails to decode is counted and named in the ledger, and the
+  rows after it move up one, as on the host path: each device whose rows
+  changed decodes the members it now holds (the next shard's first ones,
+  then the next examples of the stream) from their bytes, still on the
+  host, until every row is one decoded on its own device. So a bad image
+  never costs the good ones of its micro-batch, and the kept examples, their
+  order and the rows of each device are the host path's. The state is the
+  inner iterator's, taken between micro-batches.
   """
 
-  def __init__(self, inner, decoder, size: int):
+  def __init__(self, inner, decoder, size: int, sharding=None):
     self.inner, self.decoder, self.size = inner, decoder, size
     self.microbatch_size = inner.microbatch_size
+    self.sharding = data_sharding() if sharding is None else sharding
+    self._plan, self._global_shape = shard_plan(
+        self.sharding, self.microbatch_size, (size, size, 3))
+    self._per = self.microbatch_size // len(self._plan)
+    self._decoders = {}  # device -> its bound decoder
+    self._pool = None
 
   @property
   def ledger(self) -> BadDataLedger:
@@ -292,33 +385,112 @@ class DecodedIterator:
   def seen(self) -> int:
     return self.inner.ledger.seen
 
+  @property
+  def devices(self) -> list:
+    """The local devices in the order of their shards."""
+    return [d for d, _, _ in self._plan]
+
   def describe(self) -> str:
-    return self.decoder.describe()
+    n = len(self._plan)
+    return self.decoder.describe() + (
+        f", one per local device ({n}), each decoding its shard"
+        if n > 1 else "")
+
+  def decoder_for(self, device):
+    """The decoder of ``device``'s shards (made once)."""
+    if device not in self._decoders:
+      self._decoders[device] = self.decoder.for_device(device)
+    return self._decoders[device]
+
+  def _decode_shard(self, device, encoded: list, wheres: list):
+    images, ok, bad = self.decoder_for(device).decode(encoded, wheres,
+                                                      self.size)
+    ok = np.asarray(ok, bool)
+    if images.shape[0] != int(np.count_nonzero(ok)):
+      raise RuntimeError(
+          f"the batch decoder of {device} returned {images.shape[0]} "
+          f"images for {int(np.count_nonzero(ok))} decoded members")
+    return _on_device(images, device), ok, bad
+
+  def _decode(self, todo: list, encoded: list, keys: list) -> list:
+    """[(device, member ids)] -> [(images on device, ok, bad)], the devices
+    side by side."""
+    jobs = [(d, [encoded[j] for j in js], [keys[j] for j in js])
+            for d, js in todo]
+    if len(jobs) == 1:
+      return [self._decode_shard(*jobs[0])]
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          len(self._plan), thread_name_prefix="decode-shard")
+    futures = [self._pool.submit(self._decode_shard, *job) for job in jobs]
+    return [f.result() for f in futures]
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
-    need, parts = self.microbatch_size, []
-    ledger = self.inner.ledger
-    while need:
-      raw = self.inner.take(need)
-      encoded, keys = raw.pop("encoded"), raw.pop("key")
-      images, ok, bad = self.decoder.decode(list(encoded), list(keys),
-                                            self.size)
-      for _, where, reason in bad:
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    m, per, ledger = self.microbatch_size, self._per, self.inner.ledger
+    # The members read so far (stream order): their host fields (chunks of
+    # ``take``), bytes and keys; good[j]: None until decoded, then whether
+    # it decoded; done[(j, device)]: (images, row) where it did there.
+    chunks, encoded, keys, good, done = [], [], [], [], {}
+
+    def read(n):
+      raw = self.inner.take(n)
+      encoded.extend(raw.pop("encoded"))
+      keys.extend(raw.pop("key"))
+      chunks.append(raw)
+      good.extend([None] * n)
+
+    read(m)
+    while True:
+      rows = [j for j, g in enumerate(good) if g is not False]
+      if len(rows) < m:
+        read(m - len(rows))
+        continue
+      rows = rows[:m]  # rows[r]: the member at row r of the micro-batch
+      todo = {}
+      for r, j in enumerate(rows):
+        device = self._plan[r // per][0]
+        if (j, device) not in done:
+          todo.setdefault(device, []).append(j)
+      if not todo:
+        break
+      todo = [(d, todo[d]) for d in self.devices if d in todo]
+      failed = []
+      for (device, js), (images, ok, bad) in zip(
+          todo, self._decode(todo, encoded, keys)):
+        for row, j in enumerate(np.asarray(js)[ok]):
+          done[(int(j), device)] = (images, row)
+          good[j] = True
+        for i, where, reason in bad:
+          if good[js[i]] is not False:  # counted once, wherever it failed
+            good[js[i]] = False
+            failed.append((js[i], where, reason))
+      for _, where, reason in sorted(failed, key=lambda x: x[0]):
         ledger.add_bad(where, reason)
       ledger.check()
-      part = {k: v[ok] for k, v in raw.items()}
-      part["image"] = images
-      parts.append(part)
-      need -= int(np.count_nonzero(ok))
-    ledger.add_good(self.microbatch_size)
-    if len(parts) == 1:
-      return parts[0]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
-           if k != "image"}
-    out["image"] = _concatenate([p["image"] for p in parts])
+    ledger.add_good(m)
+    arrays = []
+    for device, start, stop in self._plan:
+      runs = []  # [images, first row, end row] taken whole from one call
+      for j in rows[start:stop]:
+        images, row = done[(j, device)]
+        if runs and runs[-1][0] is images and runs[-1][2] == row:
+          runs[-1][2] += 1
+        else:
+          runs.append([images, row, row + 1])
+      if len(runs) == 1 and runs[0][1] == 0 and (
+          runs[0][2] == runs[0][0].shape[0]):
+        arrays.append(runs[0][0])  # the common case: one call, no failure
+      else:
+        arrays.append(jnp.concatenate([x[a:b] for x, a, b in runs]))
+    out = {k: np.concatenate([c[k] for c in chunks])[rows]
+           for k in chunks[0]}
+    out["image"] = jax.make_array_from_single_device_arrays(
+        self._global_shape, self.sharding, arrays)
     return out
 
   def next_batch(self, num_microbatches: int) -> dict:
@@ -335,6 +507,9 @@ class DecodedIterator:
     self.inner.set_state(state)
 
   def close(self):
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
     self.inner.close()
 
 

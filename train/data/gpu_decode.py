@@ -75,7 +75,11 @@ class GpuBatchDecoder:
       decodes 256 px JPEGs at 9.3k-11.3k img/s and "hw" at 7.3k-7.9k
       (batches of 256-4096, benchmarks/bench_data.py --decoders); "cuda"
       cannot be created there.
-    device: the jax device (default: the first local one).
+    device: the jax device whose GPU decodes (nvImageCodec's device_id:
+      its own decoder, on that GPU's stream) and holds the images (default:
+      the first local one). ``for_device`` makes the decoder of another:
+      ``DecodedIterator`` has one per local device, each decoding its own
+      shard of the micro-batch.
     fancy_upsampling: chroma upsampled as libjpeg-turbo's default does it
       (the host path's), rather than nvJPEG's nearest neighbour.
   """
@@ -90,6 +94,7 @@ class GpuBatchDecoder:
                        f"{', '.join(BACKENDS)}")
     self.backend = backend
     self.device = device or jax.local_devices()[0]
+    self._fancy_asked = fancy_upsampling
     kinds = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY",
              "hybrid": "HYBRID_CPU_GPU"}
     hw_id = getattr(self.device, "local_hardware_id", None)
@@ -121,6 +126,11 @@ class GpuBatchDecoder:
         apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
         allow_any_depth=False)
 
+  def for_device(self, device) -> "GpuBatchDecoder":
+    if device == self.device:
+      return self
+    return GpuBatchDecoder(self.backend, device, self._fancy_asked)
+
   def describe(self) -> str:
     return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
             f"{'' if self.fancy_upsampling else ', no fancy upsampling'})")
@@ -142,7 +152,9 @@ class GpuBatchDecoder:
   def _to_jax(self, img):
     if self.zero_copy:
       try:
-        return jax.dlpack.from_dlpack(img)
+        # On this decoder's device: no copy where nvImageCodec decoded on
+        # it; a copy for an image in host memory (a CPU-backend decode).
+        return jax.dlpack.from_dlpack(img, device=self.device)
       except Exception:  # pylint: disable=broad-except
         # A DLPack mismatch between the two builds: through the host
         # instead (slower; ``zero_copy`` says which path ran).
@@ -181,7 +193,8 @@ class GpuBatchDecoder:
       pieces.append(jax.device_put(np.stack([x for _, x in host]),
                                    self.device))
     if not pieces:
-      return jnp.zeros((0, size, size, 3), jnp.uint8), ok, bad
+      return jax.device_put(np.zeros((0, size, size, 3), np.uint8),
+                            self.device), ok, bad
     images = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
     if order != sorted(order):
       images = images[np.argsort(np.asarray(order), kind="stable")]

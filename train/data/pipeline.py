@@ -481,7 +481,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                         tokenizer=None, microbatch_size: int = 0,
                         source=None, groups: str = "none",
                         captions_per_image: int = 1,
-                        batch_decoder=None) -> TrainIterator:
+                        batch_decoder=None,
+                        batch_sharding=None) -> TrainIterator:
   """The training iterator of config.data for one process.
 
   Args:
@@ -506,6 +507,9 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
       (train/data/decode.py); default: config.data.decoder's ("host":
       none, every example decoded where it is read). With one, the
       iterator is a ``decode.Prefetch`` of a ``decode.DecodedIterator``.
+    batch_sharding: with a batch decoder, the sharding of each
+      micro-batch's images, each local device decoding its rows (default:
+      the trainer's, ``decode.data_sharding``).
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
@@ -574,7 +578,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if batch_decoder is None:
     return it
   return decode_lib.Prefetch(
-      decode_lib.DecodedIterator(it, batch_decoder, host_size(data)),
+      decode_lib.DecodedIterator(it, batch_decoder, host_size(data),
+                                 sharding=batch_sharding),
       depth=max(1, data.prefetch_batches))
 
 
