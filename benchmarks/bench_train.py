@@ -254,19 +254,13 @@ def stream_child(spec) -> dict:
   from train.data import config as data_config  # pylint: disable=g-import-not-at-top
   from train.data import pipeline  # pylint: disable=g-import-not-at-top
   from train.data import synthetic  # pylint: disable=g-import-not-at-top
-  t0 = time.perf_counter()
-  host = harness.HostMemory().__enter__()
-  train_step, state, _, _, parts = _build(spec)
-  out = dict(_row(spec), **harness.device_meta())
-  mesh, tower = parts["mesh"], parts["tower"]
-  b, mb = spec["batch"], spec["microbatch"]
-  jax_params = jax.device_put(parts["params_img"])
-  streamer = stream_lib.StreamedImageTower(mesh, tower, jax_params, depth=2)
+  # The input path's settings first: a decoder that cannot run here is a
+  # one-line error before the towers are built.
   config = ml_collections.ConfigDict()
   config.data = data_config.default_data_config()
   config.tokenizer = data_config.default_tokenizer_config()
-  config.tokenizer.max_len = parts["text_len"]
-  config.data.image_size = tower.image_size
+  config.tokenizer.max_len = spec["model"]["text_len"]
+  config.data.image_size = spec["model"]["image_size"]
   config.data.decode_size = spec["decode_size"]
   # Worker processes (threads alone stop scaling at ~4 cores: bench_data),
   # leaving 4 cores to this process (train/data/config.py num_workers).
@@ -280,6 +274,14 @@ def stream_child(spec) -> dict:
   config.data.prefetch_batches = 2
   config.data.cache_max_mb = 0
   data_config.check_data_config(config)
+  t0 = time.perf_counter()
+  host = harness.HostMemory().__enter__()
+  train_step, state, _, _, parts = _build(spec)
+  out = dict(_row(spec), **harness.device_meta())
+  mesh, tower = parts["mesh"], parts["tower"]
+  b, mb = spec["batch"], spec["microbatch"]
+  jax_params = jax.device_put(parts["params_img"])
+  streamer = stream_lib.StreamedImageTower(mesh, tower, jax_params, depth=2)
   steps = spec.get("steps", 1)
   source = synthetic.JpegPool(b * steps + mb, size=spec["jpeg_size"],
                               pool=1024)

@@ -110,3 +110,13 @@ def test_a_child_that_raises_returns_one_status_row(capsys):
   assert r["status"].startswith("error: KeyError"), r
   assert r["batch"] == 8 and "model" not in r
   assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_stream_case_checks_its_input_settings_before_building(capsys):
+  spec = dict(kind="stream", mode="stream", batch=8, microbatch=8, steps=1,
+              workers=1, decode_size=0, decoder="nope", jpeg_size=32,
+              embed_reps=1, model=bench_train.QUICK)
+  r = bench_train.case_result(spec)
+  assert r["status"] == ("error: ValueError: config.data.decoder='nope' "
+                         "must be one of host, gpu, auto"), r
+  assert "Traceback" in capsys.readouterr().err
