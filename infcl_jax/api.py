@@ -218,7 +218,7 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
   tiles = registry.get(backend, softmax_lib.FAMILY)
   f32 = None if block_sizes is None else block_sizes.f32_precision
   if groups is None and tiles.GROUPS and precision_lib.tf32_tiles(
-      q.dtype, f32, tiles.F32_DEFAULT):
+      q.dtype, f32, tiles.F32_DEFAULT, q.shape[-1]):
     # TF32 tiles: the positive is left out of them and put back with its
     # float32 logit (``groups_lib.exact_positive_ids``).
     groups = groups_lib.exact_positive_ids(q.shape[0], k.shape[0], labels,

@@ -285,29 +285,3 @@ def test_column_workspace_past_int32_is_a_clear_error():
                      r"has \d+ elements \(padded\), over the 2\*\*31"):
     jax.eval_shape(lambda x: be.lse(x, x, 1.0, 0.0, rows=True, cols=True,
                                     block_sizes=bs), x)
-
-
-def test_f32_precision_follows_jax_matmul_precision_switch():
-  """The one float32 policy (backends.precision), as each backend reads it:
-  explicit setting, then JAX's switch, then the backend's default."""
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
-  hi, dflt = lax.Precision.HIGHEST, lax.Precision.DEFAULT
-  bs = BlockSizes(block_q=8, block_k=8)
-  tf32 = BlockSizes(block_q=8, block_k=8, f32_precision="tf32")
-  full = BlockSizes(block_q=8, block_k=8, f32_precision="highest")
-  pallas = registry.get("pallas", "softmax")
-  xla = registry.get("xla", "softmax")
-  f32, bf16 = jnp.float32, jnp.bfloat16
-  # backend, block sizes, dtype -> precision (outside / inside the switch).
-  cases = [(pallas, bs, f32, lax.Precision.HIGH, hi),
-           (pallas, tf32, f32, dflt, dflt),
-           (pallas, full, f32, hi, hi), (pallas, full, bf16, dflt, dflt),
-           (xla, bs, f32, hi, hi), (xla, tf32, f32, dflt, dflt),
-           (xla, bs, bf16, dflt, dflt)]
-  for be, b, dt, outside, inside in cases:
-    assert be.precision(b, dt) == outside, (be.name, b.f32_precision, dt)
-    with jax.default_matmul_precision("highest"):
-      assert be.precision(b, dt) == inside, (be.name, b.f32_precision, dt)
-  with pytest.raises(ValueError, match="f32_precision"):
-    BlockSizes(block_q=8, block_k=8, f32_precision="fp16")

@@ -65,30 +65,42 @@ def test_round_tf32_is_round_to_nearest_even():
 
 
 def test_precision_names_and_order():
-  """Explicit setting, then JAX's switch, then the backend's default:
-  "high" on the kernel backends, "highest" on xla."""
+  """Explicit setting, then JAX's switch, then the backend's default: on
+  the kernel backends TF32 from ``TF32_MIN_DEPTH`` on and 3-pass below it,
+  "highest" on xla."""
   hi, high, dflt = (lax.Precision.HIGHEST, lax.Precision.HIGH,
                     lax.Precision.DEFAULT)
   pallas = registry.get("pallas", "softmax")
   xla = registry.get("xla", "softmax")
   f32, bf16 = jnp.float32, jnp.bfloat16
-  cases = [(pallas, None, f32, high, hi), (pallas, "default", f32, dflt, dflt),
-           (pallas, "tf32", f32, dflt, dflt), (pallas, "high", f32, high, high),
-           (pallas, "highest", bf16, dflt, dflt),
-           (xla, None, f32, hi, hi), (xla, "default", f32, dflt, dflt),
-           (xla, "high", f32, high, high)]
-  for be, f32p, dt, outside, inside in cases:
+  deep, shallow = precision_lib.TF32_MIN_DEPTH, precision_lib.TF32_MIN_DEPTH - 1
+  cases = [(pallas, None, f32, deep, dflt, hi),
+           (pallas, None, f32, shallow, high, hi),
+           (pallas, "default", f32, 3, dflt, dflt),
+           (pallas, "tf32", f32, deep, dflt, dflt),
+           (pallas, "high", f32, deep, high, high),
+           (pallas, "highest", bf16, deep, dflt, dflt),
+           (pallas, None, bf16, 3, dflt, dflt),
+           (xla, None, f32, deep, hi, hi), (xla, None, f32, 3, hi, hi),
+           (xla, "default", f32, deep, dflt, dflt),
+           (xla, "high", f32, deep, high, high)]
+  for be, f32p, dt, d, outside, inside in cases:
     bs = be.block_sizes(BlockSizes(f32_precision=f32p), dt)
-    assert be.precision(bs, dt) == outside, (be.name, f32p, dt)
+    assert be.precision(bs, dt, d) == outside, (be.name, f32p, dt, d)
     with jax.default_matmul_precision("highest"):
-      assert be.precision(bs, dt) == inside, (be.name, f32p, dt)
-  # TF32 tiles (the Triton operands rounded): float32 at "default" only.
+      assert be.precision(bs, dt, d) == inside, (be.name, f32p, dt, d)
+  # TF32 tiles (the positive put back, the Triton operands rounded):
+  # float32 at "default", explicit or the kernels' default at depth.
   tf32 = precision_lib.tf32_tiles
-  assert tf32(f32, None, pallas.F32_DEFAULT) is False
-  assert tf32(f32, "default", pallas.F32_DEFAULT) is True
-  assert tf32(bf16, "default", pallas.F32_DEFAULT) is False
-  assert tf32(f32, None, xla.F32_DEFAULT) is False
-  assert tf32(f32, "tf32", xla.F32_DEFAULT) is True
+  assert tf32(f32, None, pallas.F32_DEFAULT, deep) is True
+  assert tf32(f32, None, pallas.F32_DEFAULT, shallow) is False
+  assert tf32(f32, "high", pallas.F32_DEFAULT, deep) is False
+  assert tf32(f32, "default", pallas.F32_DEFAULT, 3) is True
+  assert tf32(bf16, "default", pallas.F32_DEFAULT, deep) is False
+  assert tf32(f32, None, xla.F32_DEFAULT, deep) is False
+  assert tf32(f32, "tf32", xla.F32_DEFAULT, 3) is True
+  with jax.default_matmul_precision("highest"):
+    assert tf32(f32, None, pallas.F32_DEFAULT, deep) is False
 
 
 def test_block_sizes_without_tiles_keep_each_backends_tiles():
@@ -280,6 +292,44 @@ def test_references_match_np_reference():
     np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
 
 
+def _rounded_tf32_tiles64(x, y, t):
+  """A float64 model of the kernels' TF32 tiles (direction "both"): the
+  operands of every product rounded to nearest TF32 (as compiled TF32
+  tiles get them), products and sums exact (a TF32 x TF32 product is exact
+  in float32; the float32 accumulation's error is float32's own), each
+  positive put back with its exact logit. Returns (loss, dx, dy)."""
+  r = lambda a: np.asarray(precision_lib.round_tf32(  # noqa: E731
+      jnp.asarray(a, jnp.float32)), np.float64)
+  x64, y64 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  s = t * r(x) @ r(y).T
+  pos = t * np.sum(x64 * y64, axis=1)
+  n = s.shape[0]
+  s[np.arange(n), np.arange(n)] = pos
+  rows, cols = _lse(s, 1), _lse(s, 0)
+  loss = 0.5 * (np.mean(rows - pos) + np.mean(cols - pos))
+  g = 0.5 * (np.exp(s - rows[:, None]) + np.exp(s - cols[None, :])
+             - 2.0 * np.eye(n)) / n
+  return loss, t * r(g) @ r(y), t * r(g.T) @ r(x)
+
+
+def test_tf32_min_depth_keeps_the_gradients_within_1e3():
+  """Why the kernels' float32 default switches to TF32 at
+  ``TF32_MIN_DEPTH``: on the float64 model of rounded TF32 tiles, at scale
+  100 on trained-looking inputs, the gradients are within 1e-3 (relative to
+  their summed terms) from that depth on with a margin of at least 2, and
+  past 1e-3 at D = 3, where the default stays 3-pass."""
+  def grad_err(d, noise):
+    x, y = _trained(1024, 1024, d, noise, seed_of("min depth", d))
+    loss, dx, dy, tx, ty = softmax64(x, y, 100.0, "both")
+    got = _rounded_tf32_tiles64(x, y, 100.0)
+    assert abs(got[0] - loss) <= 2e-4 * abs(loss), (d, got[0], loss)
+    return max(np.linalg.norm(np.linalg.norm(a - b, axis=1)) /
+               np.linalg.norm(terms)
+               for a, b, terms in ((got[1], dx, tx), (got[2], dy, ty)))
+  assert grad_err(precision_lib.TF32_MIN_DEPTH, 2.0) <= 5e-4
+  assert grad_err(3, 1.0) > 1e-3
+
+
 # ------------------------------------------------------------------ GPU
 
 BACKENDS = ["xla", "pallas", "mosaic", "triton"]
@@ -301,7 +351,8 @@ TF32_OK = [(2500, 1000, 96, 50.0, "text_to_image", 2.0),
            (1000, 2500, 96, 50.0, "image_to_text", 2.0),
            (3001, 3001, 200, 30.0, "both", 2.0),
            (3001, 3001, 200, 50.0, "both", 3.0),
-           (2048, 2048, 768, 50.0, "both", 3.0)]
+           (2048, 2048, 768, 50.0, "both", 3.0),
+           (2048, 2048, 64, 100.0, "both", 2.0)]  # TF32_MIN_DEPTH's edge
 # Small D at scale 100: TF32's logits err by ~4e-4 * scale / sqrt(D) (~2e-2
 # at D = 3), which the gradients carry; the default path holds them to 1e-3.
 SMALL_D = [(2048, 2048, 32, 100.0, "both", 2.0),

@@ -81,11 +81,11 @@ class TileBackend:
       return block_sizes.over(self.default_block_sizes(self.platform, dtype))
     return block_sizes
 
-  def precision(self, bs, dtype):
-    """The matmul precision for inputs of ``dtype`` (one policy:
-    ``backends.precision``)."""
+  def precision(self, bs, dtype, depth):
+    """The matmul precision for inputs of ``dtype`` and embedding depth
+    ``depth`` (one policy: ``backends.precision``)."""
     return precision_lib.matmul_precision(dtype, bs.f32_precision,
-                                          self.F32_DEFAULT)
+                                          self.F32_DEFAULT, depth)
 
   def _group_kw(self, x, y, groups, group_mode=None):
     """The keywords that pass ``groups`` on, after the guards."""

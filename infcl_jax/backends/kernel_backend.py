@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from infcl_jax.backends import base
 from infcl_jax.backends import capability
+from infcl_jax.backends import precision as precision_lib
 
 
 class KernelBackend(base.TileBackend):
@@ -17,8 +18,9 @@ class KernelBackend(base.TileBackend):
   """
 
   name = "kernel"
-  # Exact float32 by default: 3-pass TF32 (``backends.precision``).
-  F32_DEFAULT = "high"
+  # float32 within 1e-3 of float64 by default: TF32 with the positive put
+  # back where the depth allows it, else 3-pass TF32 (``backends.precision``).
+  F32_DEFAULT = precision_lib.BY_DEPTH
 
   def __init__(self, platform: str | None = None):
     super().__init__(platform)

@@ -269,7 +269,8 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     grad = lambda x, y, row_lse, col_lse, groups: pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self.precision(bs, x.dtype), panel=panel, groups=groups,
+        precision=self.precision(bs, x.dtype, x.shape[-1]), panel=panel,
+        groups=groups,
         group_tiles=None if panel is None else tiles)
     if groups is None or panel is None:
       return grad(x, y, row_lse, col_lse, groups)
@@ -316,7 +317,7 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     return pb.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=self._panel_layout(mb, x.shape[0], y.shape[0], x.shape[1]),
-        precision=self.precision(bs, x.dtype),
+        precision=self.precision(bs, x.dtype, x.shape[-1]),
         panel=None if bs.bwd_impl == "xla" else panel,
         **({} if groups is None else {
             "groups": groups, "group_mode": group_mode,

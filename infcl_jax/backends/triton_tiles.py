@@ -104,7 +104,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
     to nearest TF32 (``backends.precision``: Triton's TF32 dot truncates);
     the interpreters' dots are exact float32, so there as they are."""
     if self.interpret or not precision_lib.tf32_tiles(
-        x.dtype, bs.f32_precision, self.F32_DEFAULT):
+        x.dtype, bs.f32_precision, self.F32_DEFAULT, x.shape[-1]):
       return x, y
     return precision_lib.round_tf32(x), precision_lib.round_tf32(y)
 
@@ -133,13 +133,14 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
         num_stages=bs.num_stages,
-        precision=self._kernel_precision(self.precision(bs, x.dtype)),
+        precision=self._kernel_precision(
+            self.precision(bs, x.dtype, x.shape[-1])),
         single_exp=bs.single_exp, **self._groups_kw(groups, xp, yp),
         **self._kernel_kw())
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
                 col_coef, *, bs, groups=None):
-    prec = self.precision(bs, x.dtype)
+    prec = self.precision(bs, x.dtype, x.shape[-1])
     x, y = self._operands(x, y, bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         self.kernels().lse_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
@@ -164,13 +165,14 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, target_programs=bs.num_programs or _device.num_sms(),
         num_warps=bs.num_warps, num_stages=bs.num_stages,
-        precision=self._kernel_precision(self.precision(bs, x.dtype)),
+        precision=self._kernel_precision(
+            self.precision(bs, x.dtype, x.shape[-1])),
         **self._groups_kw(groups, xp, yp, group_mode), **self._kernel_kw())
     return jnp.sum(rows)
 
   def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
                     groups=None, group_mode="mask"):
-    prec = self.precision(bs, x.dtype)
+    prec = self.precision(bs, x.dtype, x.shape[-1])
     kprec = self._kernel_precision(prec)
     x, y = self._operands(x, y, bs)
     kernel, kernel_kw = self.kernels().sigmoid_panel, self._kernel_kw()

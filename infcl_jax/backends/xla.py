@@ -154,8 +154,8 @@ class XlaBackend(base.TileBackend):
   def _sweep(self, x, y, scale, bias, bs):
     """What a forward sweep needs: tile shape, precision, blocked inputs."""
     bq, bk = min(bs.block_q, x.shape[0]), min(bs.block_k, y.shape[0])
-    return (bq, bk, self.precision(bs, x.dtype), _blocks(x, bq),
-            _blocks(y, bk), jnp.asarray(scale, F32), jnp.asarray(bias, F32))
+    return (bq, bk, self.precision(bs, x.dtype, x.shape[-1]),
+            _blocks(x, bq), _blocks(y, bk), jnp.asarray(scale, F32), jnp.asarray(bias, F32))
 
   # ------------------------------------------------------------ softmax
 
@@ -222,7 +222,7 @@ class XlaBackend(base.TileBackend):
 
     vec = lambda v: None if v is None else v.astype(F32)
     dx, dy, dsc, dbi = _grad_sweep(x, y, scale, bias, tile_g, bs=bs,
-                                   prec=self.precision(bs, x.dtype),
+                                   prec=self.precision(bs, x.dtype, x.shape[-1]),
                                    row_vec=vec(row_lse), col_vec=vec(col_lse),
                                    groups=groups)
     return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
@@ -279,7 +279,7 @@ class XlaBackend(base.TileBackend):
       g = jnp.where(pos, -jax.nn.sigmoid(-s), jax.nn.sigmoid(s))
       return jnp.where(drop, 0.0, g)
 
-    prec = self.precision(bs, x.dtype)
+    prec = self.precision(bs, x.dtype, x.shape[-1])
     g_dtype = x.dtype if prec == lax.Precision.DEFAULT else F32
     dx, dy, dsc, dbi = _grad_sweep(
         x, y, scale, bias, tile_g, bs=bs, prec=prec,
