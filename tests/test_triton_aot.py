@@ -25,6 +25,7 @@ from infcl_jax import contrastive_loss, sigmoid_loss
 from infcl_jax.backends import capability
 from infcl_jax.backends import native_triton
 from infcl_jax.backends import native_triton_configs
+from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends import registry
 from infcl_jax.kernels.triton import aot
 from infcl_jax.kernels.triton import launch
@@ -59,11 +60,16 @@ def test_kernels_are_compilable_here():
   assert not launch.interpreting(), "run with TRITON_INTERPRET unset"
 
 
-def _losses(bs):
+def _losses(bs, dtype):
   """(loss(x, y, scale, bias), B_x, B_y, D): every kernel variant, aligned
-  (no masks) and odd (masked) sizes, both directions and one-way ones."""
+  (no masks) and odd (masked) sizes, both directions and one-way ones;
+  float32 also below ``TF32_MIN_DEPTH``, where its default is 3-pass TF32
+  rather than TF32."""
   cases = []
-  for n, m, d in ((4096, 4096, 768), (3001, 2777, 1000)):
+  shapes = [(4096, 4096, 768), (3001, 2777, 1000)]
+  if np.dtype(dtype) == np.float32:
+    shapes.append((4096, 4096, precision_lib.TF32_MIN_DEPTH // 2))
+  for n, m, d in shapes:
     for direction, bx, by in (("both", n, n), ("image_to_text", m, n),
                               ("text_to_image", n, m)):
       cases.append((lambda x, y, t, b, direction=direction: contrastive_loss(
@@ -110,7 +116,7 @@ def recorded_launches(cc, dtype):
   """The distinct launches of both families' fwd + bwd on sm``cc``."""
   bs = native_triton_configs.config((cc // 10, cc % 10), dtype)
   distinct = {}
-  for loss, bx, by, d in _losses(bs):
+  for loss, bx, by, d in _losses(bs, dtype):
     with launch.record() as launches:
       _traced(loss, bx, by, d, dtype)
     _add_distinct(distinct, launches)
