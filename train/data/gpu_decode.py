@@ -161,6 +161,16 @@ class GpuBatchDecoder:
         self.zero_copy = False
     return jax.device_put(np.asarray(img.cpu()), self.device)
 
+  def _usable(self, img):
+    """nvImageCodec's answer for one image -> uint8 [h, w, 3] on the
+    device, or None: the host decodes it (None, or another layout)."""
+    if img is None:
+      return None
+    a = self._to_jax(img)
+    if a.ndim == 3 and a.shape[-1] == 3 and a.dtype == np.uint8:
+      return a
+    return None
+
   def decode(self, encoded: list, wheres: list, size: int):
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
@@ -171,12 +181,11 @@ class GpuBatchDecoder:
     groups: dict = {}  # shape -> [(i, device array)]
     host = []  # (i, uint8 [size, size, 3]) decoded on the host
     for i, img in enumerate(self._decode_all(encoded)):
-      if img is not None:
-        a = self._to_jax(img)
-        if a.ndim == 3 and a.shape[-1] == 3 and a.dtype == jnp.uint8:
-          groups.setdefault(tuple(a.shape), []).append((i, a))
-          ok[i] = True
-          continue
+      a = self._usable(img)
+      if a is not None:
+        groups.setdefault(tuple(a.shape), []).append((i, a))
+        ok[i] = True
+        continue
       try:
         host.append((i, pipeline.resize_crop(
             decode_lib.decode_host(encoded[i], wheres[i], size), size)))
