@@ -2,13 +2,15 @@
 
 ``GpuBatchDecoder`` meets the batch contract of train/data/decode.py
 (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3] of the k
-that decode, which did, and the others named). A micro-batch of encoded
-images goes to nvImageCodec in one call; each decoded image is handed to
-jax through DLPack (no host copy); images of one shape are stacked and
-resized and centre-cropped to ``size`` on the device as the host path does
-it (``pipeline.resize_crop``: shorter side to ``size``, Pillow's separable
-antialiased bicubic with each pass rounded to whole levels, then the
-central square), and the result stays uint8 until the tower normalises it.
+that decode, which did, and the others named) for one local device: each
+device's shard of a micro-batch (``decode.DecodedIterator``) goes to that
+device's decoder, nvImageCodec on that GPU, in one call; each decoded
+image is handed to jax on that device through DLPack (no host copy);
+images of one shape are stacked and resized and centre-cropped to ``size``
+there as the host path does it (``pipeline.resize_crop``: shorter side to
+``size``, Pillow's separable antialiased bicubic with each pass rounded to
+whole levels, then the central square), and the result stays uint8 until
+the tower normalises it.
 
 What nvImageCodec cannot decode (it answers None: a PNG, a CMYK JPEG, a
 file that is no image) is decoded on the host instead, so the kept
