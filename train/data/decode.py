@@ -24,8 +24,9 @@ sharding. Each one that fails is replaced by the next example of the
 stream, the rows after it moving up (the devices whose rows changed decode
 their new members themselves). The stream of kept examples, their order,
 the rows each device holds and the iterator state are then those of the
-host path, so a run can resume on either decoder. ``Prefetch`` runs that on a thread with a bounded queue, so a
-micro-batch is decoded while the previous one's tower step runs.
+host path, so a run can resume on either decoder. ``Prefetch`` runs that
+on a thread with a bounded queue, so a micro-batch is decoded while the
+previous one's tower step runs.
 """
 from __future__ import annotations
 
