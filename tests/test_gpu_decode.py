@@ -743,3 +743,27 @@ def test_prefetch_closed_midway_continues_where_the_consumer_was(corpus):
   got += _take(it, 3)
   assert _same(whole, got)
   it.close()
+
+
+def test_shard_batch_keeps_arrays_decoded_on_their_devices():
+  """The GPU decoder's images arrive as a global array in the batch's
+  sharding: ``step.shard_batch`` keeps it (treating it as process-local
+  data would be wrong with several processes) and still shards the host
+  values; an array in another sharding is resharded, not kept."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from train import step  # pylint: disable=import-outside-toplevel
+  mesh = Mesh(np.array(jax.devices()), (step.AXIS,))
+  n = 2 * len(jax.devices())
+  images = jax.device_put(np.arange(n * 3, dtype=np.uint8).reshape(n, 3),
+                          NamedSharding(mesh, P(step.AXIS)))
+  text = np.arange(n * 2, dtype=np.int32).reshape(n, 2)
+  out = step.shard_batch(mesh, {"image": images, "text": text})
+  assert out["image"] is images
+  assert out["text"].sharding.is_equivalent_to(images.sharding, 2)
+  np.testing.assert_array_equal(np.asarray(out["text"]), text)
+  replicated = jax.device_put(np.asarray(images), NamedSharding(mesh, P()))
+  out = step.shard_batch(mesh, {"image": replicated})
+  assert out["image"] is not replicated
+  assert out["image"].sharding.is_equivalent_to(images.sharding, 2)
+  np.testing.assert_array_equal(np.asarray(out["image"]), np.asarray(images))

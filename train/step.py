@@ -216,8 +216,16 @@ def init_state(mesh, params, optimizer) -> dict[str, Any]:
 
 
 def shard_batch(mesh, batch: dict):
-  """Process-local numpy batch -> global arrays sharded on "data"."""
+  """Process-local numpy batch -> global arrays sharded on "data". A value
+  that is already a global array in that sharding (the GPU decoder's
+  images, decoded on the devices that hold them) is kept as it is: it is
+  not process-local data."""
   sharding = NamedSharding(mesh, P(AXIS))
-  return {k: jax.make_array_from_process_local_data(sharding, v)
-          for k, v in batch.items()}
+
+  def put(v):
+    if isinstance(v, jax.Array) and v.sharding.is_equivalent_to(
+        sharding, v.ndim):
+      return v
+    return jax.make_array_from_process_local_data(sharding, v)
+  return {k: put(v) for k, v in batch.items()}
 
