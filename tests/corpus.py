@@ -11,6 +11,9 @@ import json
 import os
 import tarfile
 
+import ml_collections
+
+from train import data as data_lib
 from train.data import synthetic
 
 IMAGE_SIZE = 16
@@ -120,3 +123,21 @@ def make_corpus(root, num=64, split="train", seed=0) -> Corpus:
   table_bad = {"corrupt": corrupt, "empty": empty, "missing": no_img}
   return Corpus(pattern=pattern, tables=tables, good=good, wds_bad=wds_bad,
                 table_bad=table_bad)
+
+
+def data_config(name, **data):
+  """A trainer config whose data section reads the source ``name`` at this
+  corpus' image size, labels from its "label" fields, up to half of it
+  bad; ``data`` overrides keys of ``config.data``."""
+  config = ml_collections.ConfigDict()
+  config.data = data_lib.default_data_config()
+  config.tokenizer = data_lib.default_tokenizer_config()
+  config.data.name = name
+  config.data.eval_split = ""
+  config.data.image_size = IMAGE_SIZE
+  config.data.max_bad_fraction = 0.5
+  config.data.wds_label_field = "label"
+  config.data.table_label_column = "label"
+  for k, v in data.items():
+    config.data[k] = v
+  return config

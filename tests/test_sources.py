@@ -14,7 +14,6 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from PIL import Image
@@ -33,19 +32,7 @@ def corpus(tmp_path_factory):
   return corpus_lib.make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def _config(name, **data):
-  config = ml_collections.ConfigDict()
-  config.data = D.default_data_config()
-  config.tokenizer = D.default_tokenizer_config()
-  config.data.name = name
-  config.data.eval_split = ""
-  config.data.image_size = S
-  config.data.max_bad_fraction = 0.5
-  config.data.wds_label_field = "label"
-  config.data.table_label_column = "label"
-  for k, v in data.items():
-    config.data[k] = v
-  return config
+_config = corpus_lib.data_config
 
 
 def _take(it, n):
