@@ -495,11 +495,7 @@ class DecodedIterator:
     return out
 
   def next_batch(self, num_microbatches: int) -> dict:
-    parts = [next(self) for _ in range(num_microbatches)]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
-           if k != "image"}
-    out["image"] = _concatenate([p["image"] for p in parts])
-    return out
+    return _next_batch(self, num_microbatches)
 
   def get_state(self) -> dict:
     return self.inner.get_state()
@@ -512,6 +508,16 @@ class DecodedIterator:
       self._pool.shutdown(wait=True)
       self._pool = None
     self.inner.close()
+
+
+def _next_batch(it, num_microbatches: int) -> dict:
+  """``num_microbatches`` micro-batches of ``it`` as one batch: the host
+  fields concatenated by numpy, the device images by ``_concatenate``."""
+  parts = [next(it) for _ in range(num_microbatches)]
+  out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
+         if k != "image"}
+  out["image"] = _concatenate([p["image"] for p in parts])
+  return out
 
 
 def _concatenate(arrays):
@@ -593,11 +599,7 @@ class Prefetch:
     return batch
 
   def next_batch(self, num_microbatches: int) -> dict:
-    parts = [next(self) for _ in range(num_microbatches)]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]
-           if k != "image"}
-    out["image"] = _concatenate([p["image"] for p in parts])
-    return out
+    return _next_batch(self, num_microbatches)
 
   @property
   def ledger(self) -> BadDataLedger:
