@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests import helpers
 from tests import lit_fixtures
 
 ROOT = lit_fixtures.ROOT
@@ -37,13 +38,7 @@ def _config(files, **overrides):
   c.data.name = "webdataset:" + files["train"]
   c.data.eval_split = "webdataset:" + files["val"]
   c.data.zeroshot_classnames_file = files["classnames"]
-  for key, value in overrides.items():
-    section = c
-    *path, last = key.split(".")
-    for p in path:
-      section = section[p]
-    section[last] = value
-  return c
+  return helpers.set_overrides(c, overrides)
 
 
 def _fails(config, workdir, error, match):

@@ -215,17 +215,19 @@ def init_state(mesh, params, optimizer) -> dict[str, Any]:
   return jax.device_put(state, NamedSharding(mesh, P()))
 
 
-def shard_batch(mesh, batch: dict):
-  """Process-local numpy batch -> global arrays sharded on "data". A value
-  that is already a global array in that sharding (the GPU decoder's
-  images, decoded on the devices that hold them) is kept as it is: it is
-  not process-local data."""
-  sharding = NamedSharding(mesh, P(AXIS))
+def to_global(sharding, value):
+  """Process-local data -> a global array in ``sharding``. A value that is
+  already a global array in that sharding (the GPU decoder's images,
+  decoded on the devices that hold them) is kept as it is: it is not
+  process-local data."""
+  if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(
+      sharding, value.ndim):
+    return value
+  return jax.make_array_from_process_local_data(sharding, value)
 
-  def put(v):
-    if isinstance(v, jax.Array) and v.sharding.is_equivalent_to(
-        sharding, v.ndim):
-      return v
-    return jax.make_array_from_process_local_data(sharding, v)
-  return {k: put(v) for k, v in batch.items()}
+
+def shard_batch(mesh, batch: dict):
+  """Process-local batch -> global arrays sharded on "data"."""
+  sharding = NamedSharding(mesh, P(AXIS))
+  return {k: to_global(sharding, v) for k, v in batch.items()}
 

@@ -104,12 +104,8 @@ class StreamedImageTower:
     (C: the host's size, the tower's or data.decode_size). Images already
     global on "data" (config.data.decoder="gpu": each device decoded its
     rows) are embedded where they are."""
-    if isinstance(images, jax.Array) and images.sharding.is_equivalent_to(
-        self._sharding, images.ndim):
-      x = images
-    else:
-      x = jax.make_array_from_process_local_data(self._sharding, images)
-    return self._embed(self.params, x)
+    return self._embed(self.params,
+                       step_lib.to_global(self._sharding, images))
 
   def step_inputs(self, iterator, num_microbatches: int) -> dict:
     """Pulls ``num_microbatches`` micro-batches and returns the step's
@@ -139,13 +135,4 @@ class StreamedImageTower:
   def assemble(self, embs: list):
     """Micro-batch embeddings -> one (B, D) array, device-major: each
     device concatenates its own pieces (nothing crosses devices)."""
-    if len(embs) == 1:
-      return embs[0]
-    pieces = collections.defaultdict(list)
-    for e in embs:
-      for s in e.addressable_shards:
-        pieces[s.device].append(s.data)
-    arrays = [jnp.concatenate(pieces[d]) for d in pieces]
-    shape = (sum(e.shape[0] for e in embs), *embs[0].shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, self._sharding,
-                                                    arrays)
+    return _concat_per_device(embs)
