@@ -205,7 +205,7 @@ def test_triton_call_gets_the_recorded_launches(monkeypatch, family):
                       types.SimpleNamespace(triton_call=triton_call))
   bs = native_triton_configs.config((9, 0), jnp.float16)
   # text_to_image (B_x > B_y) and sigmoid, odd sizes.
-  loss = _losses(bs)[2 if family == "softmax" else 3][0]
+  loss = _losses(bs, jnp.float16)[2 if family == "softmax" else 3][0]
   by = 277 if family == "softmax" else 300
   _traced(loss, 300, by, 200, jnp.float16)
   with launch.record() as launches:
