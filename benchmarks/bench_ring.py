@@ -1,39 +1,20 @@
 """Multi-device benchmark of the ring loss: weak scaling, baselines, overlap.
 
   python benchmarks/bench_ring.py --out OUT          # every visible GPU
-  python benchmarks/bench_ring.py --cpu-devices 8 --b-local 256 \
-      --dims 64 --block-q 32 --block-k 64 --out /tmp/ring   # CPU smoke
 
-fwd+bwd steps (the loss and the gradients of both embeddings and the
-scale), D = 768, bfloat16 unless told otherwise, by section:
+fwd+bwd steps (``ring_steps.py``), D = 768 bf16 by default, by section:
+scaling (strategies ring, gather and plain over N = 1, 2, 4, ... devices at
+b_local rows each; the 1-GPU ring step also on every other GPU, since a
+synchronous step goes at the slowest GPU's pace), overlap (the ring against
+its compute alone and its transfers alone), hlo (``ring_hlo.report`` of the
+scheduled program, listed in ``ring_hlo.txt``) and maxbatch (b doubled until
+out of memory; a step estimated over --max-step-s runs once if under
+--max-once-s, else is compiled only and judged by XLA's plan).
 
-* scaling: each local batch b (``--b-local``), strategy (the library's
-  ``ring`` and ``gather``, and ``plain``: all-gather + full local rows, see
-  ``ring_steps.py``) and N in 1, 2, 4, ... (the first N devices), global
-  batch N * b: time, peak memory per device, weak-scaling efficiency
-  t(1, b) * N / t(N, N * b), and the time over the ring's. On GPUs the 1-GPU
-  ring step also runs on every other GPU (``single_gpu``): a synchronous
-  step goes at the slowest GPU's pace, so the efficiency is also given
-  against it.
-* overlap: at the largest N, the ring against its compute alone and its
-  transfers alone (``ring_steps.overlap_steps``): the overhead over
-  compute-only and the fraction of the transfer time hidden.
-* hlo: the scheduled HLO's collective-permute start/done pairs and the
-  compute between them (``ring_hlo.report``; with the listing in
-  ``ring_hlo.txt``).
-* maxbatch: the ring at the largest N, b doubled until out of memory; a
-  step estimated over ``--max-step-s`` runs once if under ``--max-once-s``,
-  else is compiled only and judged by XLA's plan against the device limit.
-
-On GPUs each case runs in a fresh process that sees only its N devices
-(``--isolate``), its peak the allocator's ``peak_bytes_in_use`` beyond the
-inputs; XLA's plan (``memory_analysis``) is recorded for every case and is
-the memory figure on CPUs. A plain case whose lower bound
-(``plain_min_bytes``) exceeds XLA's memory limit is skipped uncompiled. The
-ring's recommended XLA flags (``infcl_jax.xla_flags``) are added where
-XLA_FLAGS does not set them. ``--resume`` keeps the finished cases of
---out. Writes ``bench_ring.csv`` and ``bench_ring.jsonl`` (after every case),
-``bench_ring_meta.json`` and ``ring_hlo.txt``, and prints a table.
+On GPUs each case runs in a fresh process that sees only its N devices, so
+its peak (``peak_bytes_in_use`` beyond the inputs) is its own; elsewhere the
+memory figure is XLA's plan. Rows go to bench_ring.csv / .jsonl after every
+case (--resume keeps finished ones), with bench_ring_meta.json.
 """
 from __future__ import annotations
 
@@ -157,12 +138,11 @@ def run_case(spec):
 
 
 def probe(backend):
-  """What the backend sees (``harness.device_meta``), XLA's memory limit
-  there and the tile backend that ``backend`` resolves to."""
+  """What the backend sees (``harness.device_meta``) and the tile backend
+  that ``backend`` resolves to."""
   from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
   info = harness.device_meta()
   return dict(info, status="ok",
-              xla_limit_gb=xla_memory_limit_gb(info["bytes_limit_gb"]),
               backend=registry.resolve(backend, "softmax", info["platform"]))
 
 
@@ -205,45 +185,11 @@ def spawn(spec, platform, timeout_s, compile_timeout_s=0):
                      spec.get("strategy")))
 
 
-def xla_memory_limit_gb(bytes_limit_gb):
-  """XLA GPU's memory limit for scheduling and rematerialization, estimated.
-
-  GetSchedulerMemoryLimit (xla/service/gpu/gpu_hlo_schedule.cc) takes 80% of
-  the device memory, less the program's inputs and outputs, times
-  ``xla_gpu_memory_limit_slop_factor`` (95%). A plan above it makes the
-  rematerialization pass recompute buffers, which can keep a compile busy
-  for minutes. The device memory is the allocator's limit over
-  XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 unless set).
-  """
-  if not bytes_limit_gb:
-    return None
-  try:
-    frac = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-  except ValueError:
-    frac = 0.75
-  return bytes_limit_gb / frac * 0.80 * 0.95
-
-
-def plain_min_bytes(n, b, d, dtype):
-  """A lower bound on the plain loss's memory per device, in bytes.
-
-  Between its forward and backward the plain loss keeps the two directions'
-  b x N b float32 logits (or recomputes them, which is what XLA's
-  rematerialization pass tries when the plan is over its limit, and which can
-  keep a compile busy for minutes), plus the inputs and the two all-gathered
-  towers. Measured at N = 1, b = 65,536, D = 768 bf16 on an H200: 35.6 GB
-  peak against this bound's 34.6 GB.
-  """
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  item = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
-  return 2 * b * (n * b) * 4 + (2 * b + 2 * n * b) * d * item
-
-
 # ------------------------------------------------------------ the job
 
-def set_flags(cpu_devices):
+def set_flags():
   """XLA reads XLA_FLAGS when the backend starts: call before that."""
-  harness.set_xla_flags(cpu_devices)
+  harness.set_xla_flags()
   # Allocate on demand (so peak_bytes_in_use is what the case used) and let
   # the allocator use nearly the whole device (for the max-batch search).
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -278,14 +224,11 @@ def parse_args(argv):
                   "counts (default 1, 2, 4, ... up to all visible)")
   ap.add_argument("--dims", type=int, default=768, help="embedding dim D")
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--backend", default="auto")
   ap.add_argument("--block-q", type=int, default=0)
   ap.add_argument("--block-k", type=int, default=0)
   ap.add_argument("--time-budget-s", type=float, default=540.0,
                   help="cases starting after this many seconds are skipped "
                   "(and say so); 0 = no limit")
-  ap.add_argument("--cpu-devices", type=int, default=0,
-                  help="force this many host CPU devices (smoke test)")
   ap.add_argument("--strategies", default="ring,gather,plain")
   ap.add_argument("--sections", default="scaling,overlap,hlo,maxbatch")
   mb = ap.add_argument_group(
@@ -297,12 +240,15 @@ def parse_args(argv):
   mb.add_argument("--max-once-s", type=float, default=0.0)
   mb.add_argument("--max-b-start", type=int, default=0)
   mb.add_argument("--max-b-local", type=int, default=0)
-  ap.add_argument("--compile-timeout-s", type=int, default=150,
-                  help="per case, until the child has compiled (isolated "
-                  "runs; 0 = only --timeout-s)")
   ap.add_argument("--isolate", choices=("auto", "yes", "no"), default="auto",
                   help="a fresh process per case (auto: on GPUs)")
   return ap.parse_args(argv)
+
+
+# Until a child has compiled: a compile that does not end (XLA
+# rematerializing over its memory limit) is told apart from a hang at run
+# time.
+COMPILE_TIMEOUT_S = 150
 
 
 class Job:
@@ -324,7 +270,7 @@ class Job:
   def spec(self, kind, strategy, n, b, **kw):
     a = self.args
     return dict(kind=kind, strategy=strategy, n=n, b_local=b, d=a.dims,
-                dtype=a.dtype, backend=a.backend, block_q=a.block_q,
+                dtype=a.dtype, backend="auto", block_q=a.block_q,
                 block_k=a.block_k, budget_s=a.budget_s, fresh=self.isolate, **kw)
 
   def run(self, section, spec):
@@ -338,7 +284,7 @@ class Job:
     earlier = self.table.earlier(row)
     if earlier:
       return earlier
-    skip = self.budget.skip() or self.plain_too_big(spec)
+    skip = self.budget.skip()
     if skip:
       row["status"] = skip
     else:
@@ -346,7 +292,7 @@ class Job:
       if self.isolate:  # Leave time to write the summary.
         r = spawn(spec, self.info["platform"],
                   int(self.budget.deadline(self.args.timeout_s, 45, 30)),
-                  self.args.compile_timeout_s)
+                  COMPILE_TIMEOUT_S)
       else:
         r = run_case(spec)
       row.update(r, wall_s=round(time.time() - t, 1))
@@ -354,20 +300,6 @@ class Job:
                          if row.get("peak_gb") is not None
                          else "xla memory_analysis only")
     return self.table.add(row)
-
-  def plain_too_big(self, spec):
-    """A skip reason when the plain loss cannot fit in the device memory,
-    computed without compiling (``plain_min_bytes``); else None."""
-    limit = self.info.get("xla_limit_gb")
-    if (spec["kind"] != "step" or spec["strategy"] != "plain" or not limit):
-      return None
-    need = plain_min_bytes(spec["n"], spec["b_local"], spec["d"],
-                           spec["dtype"]) / 1e9
-    if need <= limit:
-      return None
-    return (f"skipped (plain needs >= {need:.3g} GB/dev: two b x N*b f32 "
-            f"logits + inputs > XLA's memory limit ~{limit:.3g} GB; XLA "
-            f"could only rematerialize (minutes) or run out; not compiled)")
 
   def write_csv(self):
     self.table.write()
@@ -441,48 +373,31 @@ def print_table(rows, meta):
 
 
 def overlap_numbers(ring_ms, compute_ms, transfer_ms):
-  """What the ring's overlap measurement says, in ms and as a fraction.
-
-  overhead_ms: the ring's time beyond its compute alone (t(ring) -
-  t(compute_only)), i.e. everything the ring costs on top of its tiles.
-  transfer_ms: its transfers alone (t(transfer_only)). hidden: the fraction
-  of the transfer time that does not show in the ring's time,
-  1 - overhead / transfer, clipped to [0, 1] (1: ring == compute-only, 0:
-  ring >= compute-only + transfer-only). excess_ms: the overhead beyond the
-  whole transfer time (0 unless overhead > transfer): a cost that is not
-  the transfer itself -- per-step merges, extra launches, copies, NCCL
-  kernels taking SMs from the tiles.
-  """
+  """The ring against its compute alone and its transfers alone: the
+  overhead (t(ring) - t(compute)), the fraction of the transfer time hidden
+  (1 - overhead / transfer, in [0, 1]) and the overhead beyond the whole
+  transfer time (a cost that is not the transfer: merges, launches, NCCL
+  kernels taking SMs from the tiles)."""
   r, c, x = ring_ms, compute_ms, transfer_ms
   overhead = r - c
   if x > 0:
     hidden = min(max(1.0 - overhead / x, 0.0), 1.0)
   else:
     hidden = 1.0 if overhead <= 0 else 0.0
-  return dict(ring_ms=r, compute_ms=c, transfer_ms=x, sum_ms=c + x,
-              max_ms=max(c, x), overhead_ms=overhead,
-              overhead_pct=overhead / c if c > 0 else None, hidden=hidden,
-              excess_ms=max(overhead - x, 0.0))
+  return dict(ring_ms=r, compute_ms=c, transfer_ms=x, overhead_ms=overhead,
+              hidden=hidden, excess_ms=max(overhead - x, 0.0))
 
 
 def overlap_text(ov):
-  """One paragraph that says what the overlap numbers mean."""
   head = (f"ring {ov['ring_ms']:.2f} ms = compute-only {ov['compute_ms']:.2f}"
           f" ms {'+' if ov['overhead_ms'] >= 0 else '-'} overhead "
-          f"{abs(ov['overhead_ms']):.2f} ms"
-          + (f" ({ov['overhead_pct']:+.1%})" if ov.get("overhead_pct")
-             is not None else "")
-          + f"; transfer-only {ov['transfer_ms']:.2f} ms; transfer hidden "
-          f"{ov['hidden']:.0%} (1 - overhead / transfer-only)")
+          f"{abs(ov['overhead_ms']):.2f} ms; transfer-only "
+          f"{ov['transfer_ms']:.2f} ms; transfer hidden {ov['hidden']:.0%}")
   if ov["overhead_ms"] < 0:
-    return head + ("; the ring ran faster than its compute alone (noise, or "
-                   "compute-only's local roll copies cost more than hidden "
-                   "transfers)")
+    return head + "; the ring ran faster than its compute alone (noise)"
   if ov["excess_ms"] > 0:
     return head + (f"; the overhead exceeds the whole transfer time by "
-                   f"{ov['excess_ms']:.2f} ms: that extra cost is not the "
-                   f"transfer -- look at per-step merges, extra launches and "
-                   f"copies, or NCCL kernels taking SMs from the tiles")
+                   f"{ov['excess_ms']:.2f} ms")
   return head
 
 
@@ -566,27 +481,22 @@ def main(argv=None):
     return None
   started = backend_started()
   if not started:
-    set_flags(args.cpu_devices)
-  elif args.cpu_devices:
-    raise ValueError("--cpu-devices needs a process whose JAX backend has "
-                     "not started yet (XLA reads XLA_FLAGS once)")
+    set_flags()
   os.makedirs(args.out, exist_ok=True)
   # Isolation decides where JAX runs: on GPUs the parent never starts a
   # backend (it would hold memory on every device the children use).
   if args.isolate == "auto":
-    isolate = not (args.cpu_devices or started
-                   or os.environ.get("JAX_PLATFORMS", "") == "cpu")
+    isolate = not (started or os.environ.get("JAX_PLATFORMS", "") == "cpu")
   else:
     isolate = args.isolate == "yes"
   if isolate:
-    info = spawn({"kind": "probe", "backend": args.backend}, "",
-                 args.timeout_s)
+    info = spawn({"kind": "probe", "backend": "auto"}, "", args.timeout_s)
     if info.get("status") != "ok":
       raise RuntimeError(f"device probe failed: {info}")
     if info["platform"] == "cpu" and args.isolate == "auto":
       isolate = False
   if not isolate:
-    info = probe(args.backend)
+    info = probe("auto")
   job = Job(args, info, isolate)
 
   n_all = info["n_devices"]
@@ -606,13 +516,9 @@ def main(argv=None):
           + list(argv if argv is not None else sys.argv[1:])),
       D=args.dims, dtype=args.dtype, isolate=isolate, devices=ns,
       b_local=b_locals, block_q=args.block_q, block_k=args.block_k)
-  meta["mem_note"] = (
-      "peak_bytes_in_use beyond inputs, max over devices, fresh process per "
-      "case" if job.fresh_runtime_peak else
-      "XLA memory_analysis plan per device beyond the inputs (outputs + "
-      "temporaries), not a runtime peak: "
-      + ("CPU devices keep no memory statistics" if info["platform"] == "cpu"
-         else "not isolated, so the allocator's peak is not per case"))
+  meta["mem_note"] = ("peak_bytes_in_use beyond inputs, fresh process per "
+                      "case" if job.fresh_runtime_peak else
+                      "XLA's plan per device beyond the inputs")
 
   if "scaling" in sections:
     for b in b_locals:

@@ -99,7 +99,7 @@ def test_main_all_sections(tmp_path):
   assert set(overlap) == {"ring", "compute_only", "transfer_only"}
   assert all(r["status"] == "ok" and r["n_dev"] == "4"
              for r in overlap.values())
-  assert meta["overlap"]["sum_ms"] > 0
+  assert meta["overlap"]["compute_ms"] > 0 and meta["overlap"]["transfer_ms"] > 0
   # The CPU runtime keeps collectives synchronous: the ring's ppermutes are
   # found, and found synchronous.
   assert meta["hlo"]["status"] == "ok" and meta["hlo"]["n_sync"] > 0
@@ -179,48 +179,6 @@ def test_overlap_numbers():
   assert ov["hidden"] == 1.0 and "faster than its compute" in (
       bench_ring.overlap_text(ov))
   assert bench_ring.overlap_numbers(1.0, 1.0, 0.0)["hidden"] == 1.0
-
-
-def test_plain_min_bytes():
-  gb = lambda n, b: bench_ring.plain_min_bytes(n, b, 768, "bfloat16") / 1e9
-  # N = 1, b = 64k: 34.8 GB (an H200 measured a 35.6 GB peak). Against
-  # XLA's limit on an H200 (0.8 x 0.95 x 150.7 GB = 115 GB with the
-  # allocator at 0.95 of it): N = 2 fits, N = 4 does not.
-  assert gb(1, 65536) == pytest.approx(34.76, rel=1e-3)
-  assert gb(2, 65536) == pytest.approx(69.32, rel=1e-3)
-  monkey = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
-  old = {k: os.environ.get(k) for k in monkey}
-  os.environ.update(monkey)
-  try:
-    xla = bench_ring.xla_memory_limit_gb(0.95 * 150.7)
-  finally:
-    for k, v in old.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
-  assert xla == pytest.approx(114.5, rel=1e-3)
-  assert gb(4, 65536) > xla > gb(2, 65536)
-  assert gb(8, 8192) < 5
-  assert bench_ring.xla_memory_limit_gb(None) is None
-
-
-def test_plain_skipped_without_compiling(tmp_path, monkeypatch):
-  """A plain case whose lower bound exceeds the device's memory limit is
-  skipped with the computed reason, before any compilation."""
-  _need(4)
-  real = bench_ring.probe
-
-  def fake(backend):  # XLA's limit 60 kB: plain at b = 40, D = 16 f32 needs
-    return dict(real(backend), xla_limit_gb=60e3 / 1e9)  # 41 kB at N = 2,
-  monkeypatch.setattr(bench_ring, "probe", fake)  # 77 kB at N = 4.
-  rows, _ = bench_ring.main(
-      TINY + ["--devices", "2,4", "--strategies", "plain", "--sections",
-              "scaling", "--isolate", "no", "--out", str(tmp_path)])
-  by = {r["n_dev"]: r for r in rows}
-  assert by[2]["status"] == "ok"
-  assert by[4]["status"].startswith("skipped (plain needs >= ")
-  assert "not compiled" in by[4]["status"] and "wall_s" not in by[4]
 
 
 @pytest.mark.slow
