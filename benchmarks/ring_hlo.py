@@ -1,37 +1,16 @@
 """Does the ring's transfer overlap its compute? Read the scheduled HLO.
 
-Compiles fwd+bwd of ``sharded_contrastive_loss`` (ring strategy) over all
-visible devices and walks the optimized, scheduled HLO: for every
-collective-permute it reports whether XLA made it asynchronous and which
-compute the schedule places between the start and its done -- the work that
-can hide the transfer.
+Compiles fwd+bwd of the ring loss over the visible devices and walks the
+optimized, scheduled HLO: for every collective-permute (``-start``/``-done``,
+or a generic ``async-start``/``async-done`` around one) whether XLA made it
+asynchronous, and which kernels the schedule puts between start and done
+(inside loops and calls there too, recursively): the work that can hide the
+transfer. ``"is_sync":true`` is flagged (XLA then runs it on the compute
+stream). The parser never raises on unfamiliar text; what it cannot read is
+"?".
 
-Asynchronous collective-permutes are recognised in the spellings XLA uses:
-
-* ``collective-permute-start`` / ``collective-permute-done`` (one array, or
-  several combined into one op with tuple types);
-* a generic ``async-start`` (possibly with ``async-update``\\ s) /
-  ``async-done`` whose ``calls=`` computation holds a collective-permute.
-
-"Compute between" counts the kernels (fusions, custom calls such as Pallas /
-Triton / Mosaic kernels, dots, ...) that the schedule puts strictly between a
-start and its done in the same computation, and, for loops, calls,
-conditionals and non-collective async ops placed there, the kernels inside
-the computations they call (recursively; a fusion counts as one kernel).
-A start whose backend config says ``"is_sync":true`` is flagged: XLA then
-runs it on the compute stream, i.e. it does not overlap.
-
-The parser reads only what it needs (instruction name, type, opcode,
-operands, called computations) and never raises on unfamiliar text: what it
-cannot read is reported as "?".
-
-  # 8 host CPU devices (the CPU runtime keeps collectives synchronous):
-  python benchmarks/ring_hlo.py --cpu-devices 8
-  # GPUs (the latency hiding scheduler flag is added unless already set):
+  python benchmarks/ring_hlo.py --cpu-devices 8   # synchronous on CPUs
   python benchmarks/ring_hlo.py --batch-per-device 8192 --dim 768 --dtype bfloat16
-
-Prints one line per collective-permute and a summary; --dump FILE writes
-the whole HLO text.
 """
 from __future__ import annotations
 
@@ -361,28 +340,19 @@ def main():
   p.add_argument("--batch-per-device", type=int, default=256)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--dtype", default="float32")
-  p.add_argument("--backend", default="auto")
-  p.add_argument("--block-q", type=int, default=0)
-  p.add_argument("--block-k", type=int, default=0)
-  p.add_argument("--dump", default="", help="write the optimized HLO here")
   args = p.parse_args()
   harness.set_xla_flags(args.cpu_devices)
   import jax  # pylint: disable=import-outside-toplevel
-  from benchmarks import bench_ring, ring_steps  # pylint: disable=import-outside-toplevel,g-multiple-import
+  from benchmarks import ring_steps  # pylint: disable=import-outside-toplevel
   n = len(jax.devices())
-  step = ring_steps.train_step("ring", ring_steps.make_mesh(n), args.backend,
-                               bench_ring.block_sizes_of(vars(args)))
+  step = ring_steps.train_step("ring", ring_steps.make_mesh(n), "auto", None)
   emb = jax.ShapeDtypeStruct((n * args.batch_per_device, args.dim), args.dtype)
   hlo = step.lower(emb, emb, jax.ShapeDtypeStruct((), "float32")).compile(
       ).as_text()
   print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind}, "
         f"b={args.batch_per_device}, D={args.dim}, {args.dtype}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}\n")
-  if args.dump:
-    with open(args.dump, "w") as f:
-      f.write(hlo)
   report(hlo)
-
 
 if __name__ == "__main__":
   main()
