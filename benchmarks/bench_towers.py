@@ -3,36 +3,21 @@
     PYTHONPATH=. python3 benchmarks/bench_towers.py --out OUT           # GPU
     PYTHONPATH=. python3 benchmarks/bench_towers.py --quick --out /tmp/bt  # CPU
 
-Every case runs in its own child process (``harness.run_child``): XLA_FLAGS
-are read once per process, each case's peak-memory counter starts from
-zero, torch does not share the device with JAX's pre-allocated pool, and a
-crash or a hang costs one case. bf16, synthetic inputs, medians of timed
-repetitions after compilation and a warm-up (``harness.timeit``).
+Each case in its own child process (``harness.run_child``: XLA_FLAGS read
+once, the peak counter from zero, torch off JAX's pool, a crash costs one
+case); bf16, synthetic inputs, medians after compilation and a warm-up:
 
-1. ViT-B/16 forward, 224 px, batch 1024 (images/s), ours (``train.towers``
-   ViT with a class token through ``Tower.embed`` on uint8, normalisation
-   included, cuDNN attention, the exact GELU, the last block computing the
-   class token only) beside timm's ``vit_base_patch16_224`` (torch SDPA,
-   float input) eager and ``torch.compile``d.
-2. Text tower forward + backward, CLIP size (width 512, depth 12, 8 heads,
-   vocabulary 49,408), batch 1024, 16 and 77 tokens (sequences/s): ours
-   (causal + EOS pooling) beside HF ``CLIPTextModelWithProjection`` (SDPA)
-   eager and compiled.
-3. The LiT train step (``train.step``) at B = 65,536 with a ViT-B/16
-   HF-CLIP-layout checkpoint (random weights written by ``save_pretrained``,
-   read by ``train.pretrained.load_image_tower``), locked, in two modes: precomputed embeddings (the tower's rate on 16 batches of 1024
-   uint8 images, its embeddings tiled to 65,536) and on the fly (65,536
-   uint8 images made on the device, the tower run inside the step in the
-   GradCache micro-batches, as ``bench_train.py``'s image_tower mode).
-   Text tower width 768, depth 12, 16 tokens, vocabulary 32,000, GradCache
-   micro-batch 8192, softmax loss (``bench_train.py``'s configuration),
-   D = 512 (the CLIP projection). Peak GPU memory per case.
+1. ViT-B/16 forward, 224 px, batch 1024: ours (``Tower.embed`` on uint8)
+   beside timm's ``vit_base_patch16_224`` eager and ``torch.compile``d.
+2. CLIP-size text tower forward + backward, batch 1024, 16 and 77 tokens:
+   ours (causal, EOS pooling) beside HF ``CLIPTextModelWithProjection``.
+3. The LiT step (``harness.lit_step``) at B = 65,536 with a ViT-B/16 in the
+   HF CLIP layout (random weights written by ``save_pretrained``), locked:
+   embeddings precomputed (the tower's rate on 1024-image batches, tiled
+   to B) or the tower on the fly inside the step.
 
-Cases run in priority order; ``--budget_s`` bounds the whole run: a case
-whose estimate does not fit in what is left is skipped, and each child's
-deadline is the smaller of its own and what is left. Rows go to
-OUT/bench_towers.jsonl as they are measured (a cut-off run keeps them), a
-summary table is printed last.
+Cases run in priority order within ``--budget_s``; rows go to
+OUT/bench_towers.jsonl as measured, a table is printed last.
 """
 from __future__ import annotations
 
@@ -299,8 +284,6 @@ def child_lit(spec, rows):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel,g-multiple-import
-  from infcl_jax.flax import ContrastiveLoss  # pylint: disable=import-outside-toplevel
-  from train import optim  # pylint: disable=import-outside-toplevel
   from train import step as step_lib  # pylint: disable=import-outside-toplevel
   from train.towers import text as text_lib  # pylint: disable=import-outside-toplevel
   c, z = spec["case"], spec["sizes"]["lit"]
@@ -339,24 +322,8 @@ def child_lit(spec, rows):
       NS(width=z["text_width"], depth=z["text_depth"],
          num_heads=z["text_heads"], mlp_dim=z["text_mlp"]), vocab, L, d,
       jnp.bfloat16)
-  head = ContrastiveLoss(loss="softmax", backend="auto")
-  k = jax.random.split(jax.random.key(0), 2)
-  e = jnp.zeros((2, d))
-  params = {"img": tower.params,
-            "txt": jax.jit(txt.init)(k[0], jnp.ones((1, L), jnp.int32))[
-                "params"],
-            "head": head.init(k[1], e, e)["params"]}
-  schedule = optim.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
-  opt = optim.make_optimizer(name="adamw", schedule=schedule,
-                             weight_decay=1e-4, grad_clip_norm=1.0,
-                             params=params, image_locked=True)
-  grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=tower, text_tower=txt, head=head,
-      microbatch_size=micro, global_batch=b, precomputed=precomputed,
-      image_locked=True)
-  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                        optimizer=opt, schedule=schedule)
-  state = step_lib.init_state(mesh, params, opt)
+  train_step, state, _ = harness.lit_step(mesh, tower, txt, b, micro,
+                                          precomputed)
   inputs["text"] = jax.device_put(
       _text_tokens(jax, jnp, b, L, vocab, 1), sh)
   compiled, compile_s = harness.aot(train_step, state, inputs)

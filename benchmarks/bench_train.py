@@ -3,38 +3,16 @@
     python benchmarks/bench_train.py --out OUT                       # GPU
     python benchmarks/bench_train.py --quick --out /tmp/bench_train  # CPU smoke
 
-It builds the trainer's own step (``train.step``: GradCache over the text
-tower, the ``infcl_jax.flax`` loss head, AdamW with the locked image tower
-masked out) with ViT-B/16-size towers (``--image_model l14``: a ViT-L/14
-image tower) and synthetic inputs, and runs each case in a fresh process
-(``harness.run_child``) so that peak memory starts from zero, an
-out-of-memory case cannot take the others down, and a case past its
-deadline (``--timeout_s``, and what is left of ``--budget_s``) is cut off
-alone (its row then says so: ``oom``, ``timeout...``, ``error: ...``):
-
-* ``step`` cases (default B = 65536): median time of a full train step
-  (``harness.timeit``, after compilation and a warm-up step), and the time
-  of the loss alone (forward + backward of the head on (B, D) embeddings,
-  the same backend) -> the loss's share of the step. Two modes: precomputed
-  image embeddings (LiT: text tower + loss only) and the locked image tower
-  run on the fly at 224 px on random images made on the device.
-* ``stream`` cases (``--stream_batches``): the trainer's real input path:
-  JPEG bytes (256 px) -> worker processes (decode; with ``--decode_size``
-  256 nothing else) -> uint8 micro-batches -> device -> resize to 224,
-  normalise, cast and the locked tower per micro-batch (train/stream.py) ->
-  the step on the (B, D) embeddings. Step time, peak GPU memory, peak host
-  memory (the process and its workers), the time the host made the device
-  wait (input-bound when > 20% of the step), the device's embedding rate.
-* ``max_batch`` ladder (default 262144, 1048576, 4194304): precomputed
-  image embeddings + GradCache micro-batches; one step after compiling
-  ahead; the largest global batch whose step runs is the result ("oom"
-  marks those that do not fit).
-
-Rows go to ``bench_train.jsonl`` as each case ends (a cut-off run keeps what
-it measured; ``--resume`` runs only what it lacks), each with the device,
-jax and the date; ``bench_train.csv`` and ``bench_train.json`` are
-rewritten after each; a table is printed at the end. Text: 16 tokens (as in
-LiT), vocabulary 32000, towers in bfloat16.
+The trainer's own step (``train.step``) with ViT-B/16-size towers (or a
+ViT-L/14 image tower), softmax loss, ``backend="auto"``, synthetic inputs;
+each case in a fresh process (``harness.run_child``: peak memory from zero,
+an out-of-memory or timed-out case costs only its row). Cases: ``step``
+(image embeddings precomputed, or the locked tower on the fly; the loss
+alone timed too, for its share), ``stream`` (the trainer's real input path
+from JPEG bytes through decode workers and the streamed tower) and the
+``max_batch`` ladder (one step each; stops at the first that does not fit).
+Rows go to bench_train.jsonl as each case ends (--resume runs only what is
+missing), bench_train.csv and bench_train.json after each.
 """
 from __future__ import annotations
 
@@ -75,10 +53,9 @@ def _build(spec):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
-  from infcl_jax.flax import ContrastiveLoss  # pylint: disable=g-import-not-at-top
   from train.towers import own  # pylint: disable=g-import-not-at-top
   from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
-  from train import optim  # pylint: disable=g-import-not-at-top
+  from train.towers import tower as tower_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   m = spec["model"]
@@ -91,32 +68,18 @@ def _build(spec):
       NS(width=m["text_width"], depth=m["text_depth"],
          num_heads=m["text_heads"], mlp_dim=m["text_mlp"]),
       m["vocab"], m["text_len"], m["embed_dim"], dtype)
-  head = ContrastiveLoss(loss=spec["loss"], backend=spec["backend"])
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
-  k = jax.random.split(jax.random.key(0), 3)
   s = m["image_size"]
-  params = {
-      "img": img.init(k[0], jnp.zeros((1, s, s, 3)))["params"],
-      "txt": txt.init(k[1], jnp.ones((1, m["text_len"]), jnp.int32))["params"],
-      "head": head.init(k[2], jnp.zeros((2, m["embed_dim"])),
-                        jnp.zeros((2, m["embed_dim"])))["params"]}
-  schedule = optim.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
-  optimizer = optim.make_optimizer(
-      name="adamw", schedule=schedule, weight_decay=1e-4, grad_clip_norm=1.0,
-      params=params, image_locked=True)
-  from train.towers import tower as tower_lib  # pylint: disable=g-import-not-at-top
-  tower = tower_lib.Tower(module=img, params=params["img"], image_size=s,
-                          normalization=tower_lib.SYMMETRIC,
-                          embed_dim=m["embed_dim"], dtype=dtype)
+  tower = tower_lib.Tower(
+      module=img, params=img.init(jax.random.key(2), jnp.zeros(
+          (1, s, s, 3)))["params"], image_size=s,
+      normalization=tower_lib.SYMMETRIC, embed_dim=m["embed_dim"], dtype=dtype)
   precomputed = spec["mode"] in ("precomputed", "stream")
-  grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=tower, text_tower=txt, head=head,
-      microbatch_size=spec["microbatch"], global_batch=spec["batch"],
-      precomputed=precomputed, image_locked=True)
-  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                        optimizer=optimizer, schedule=schedule)
-  head_params = jax.tree.map(jnp.copy, params["head"])
-  state = step_lib.init_state(mesh, params, optimizer)
+  train_step, state, head = harness.lit_step(
+      mesh, tower, txt, spec["batch"], spec["microbatch"], precomputed)
+  # Copies: the train step donates the state's params.
+  head_params, img_params = (jax.tree.map(jnp.copy, state["params"][k])
+                             for k in ("head", "img"))
   sharded = NamedSharding(mesh, P(step_lib.AXIS))
   b, d = spec["batch"], m["embed_dim"]
 
@@ -137,7 +100,7 @@ def _build(spec):
 
   def loss_only():
     """(fn, args): forward + backward of the loss head alone."""
-    hp = head_params  # A copy: the train step donates the state's params.
+    hp = head_params
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.device_put(jax.random.normal(kx, (b, d), jnp.float32).astype(dtype))
     y = jax.device_put(jax.random.normal(ky, (b, d), jnp.float32).astype(dtype))
@@ -145,15 +108,9 @@ def _build(spec):
         lambda hp, x, y: head.apply({"params": hp}, x, y), argnums=(0, 1, 2)))
     return fn, (hp, x, y)
 
-  parts = dict(mesh=mesh, tower=tower, params_img=head_img_copy(params),
-               text_len=m["text_len"])
+  parts = dict(mesh=mesh, tower=tower, text_len=m["text_len"],
+               params_img=img_params)
   return train_step, state, make_batch, loss_only, parts
-
-
-def head_img_copy(params):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(jnp.copy, params["img"])
 
 
 def _row(spec) -> dict:
@@ -239,14 +196,10 @@ def default_workers() -> int:
 
 
 def stream_child(spec) -> dict:
-  """The trainer's real input path: JPEG bytes (256 px) -> worker processes
-  (decode; resize/crop on the host only without decode_size) -> uint8
-  micro-batches -> device_put -> resize, normalise, cast and the locked
-  tower per micro-batch (train/stream.py) -> the train step on the (B, D)
-  embeddings. Step time, peak GPU memory, peak host memory (this process
-  and its workers), the time the host made the device wait, and the
-  device's embedding rate alone (uint8 at the host's size, transfer
-  included)."""
+  """A stream case: the step on embeddings streamed from JPEG bytes through
+  the trainer's input path (train/stream.py), the host's time split into
+  waiting for the pipeline, device_put and the rest; and the device's
+  embedding rate alone."""
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -369,7 +322,7 @@ COLS = ["kind", "mode", "batch", "microbatch", "decoder", "status", "step_s",
         "decode_size", "loss_value", "device_kind", "n_devices", "jax", "date"]
 # A case's identity, for --resume.
 KEY = ("kind", "mode", "batch", "microbatch", "decoder", "decode_size",
-       "workers", "steps", "image_model", "loss", "backend")
+       "workers", "steps", "image_model")
 # What a resumed run keeps: measured rows and the batches that do not fit;
 # a timeout, a crash or a skipped case runs again.
 KEPT = ("ok", "oom")
@@ -428,7 +381,7 @@ def plan(args, model) -> list:
     cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
                       microbatch=min(args.microbatch, b), measure_loss=False,
                       reps=1, warmup=0))
-  return [dict(c, model=model, loss=args.loss, backend=args.backend,
+  return [dict(c, model=model,
                image_model="quick" if args.quick else args.image_model)
           for c in cases]
 
@@ -483,8 +436,6 @@ def main(argv=None):
                   help="ViT-B/16 or ViT-L/14 image tower")
   ap.add_argument("--modes", default="precomputed,image_tower",
                   help="step-case modes: precomputed, image_tower")
-  ap.add_argument("--loss", default="softmax", help="softmax or sigmoid")
-  ap.add_argument("--backend", default="auto")
   ap.add_argument("--reps", type=int, default=3,
                   help="timed steps of a step case")
   ap.add_argument("--timeout_s", type=int, default=900,
@@ -512,8 +463,7 @@ def main(argv=None):
     """The run's JSON after every case, so a cut-off run keeps it."""
     fits = [r["batch"] for r in rows.rows
             if r["kind"] == "max_batch" and r["status"] == "ok"]
-    out = dict(date=harness.now(), model=model, loss=args.loss,
-               backend=args.backend, microbatch=args.microbatch,
+    out = dict(date=harness.now(), model=model, microbatch=args.microbatch,
                largest_batch_ok=max(fits) if fits else None,
                results=rows.rows)
     with open(os.path.join(args.out, "bench_train.json"), "w") as f:

@@ -199,6 +199,36 @@ def loss_step(loss, backend, **kw):
           (jnp.float32(t), jnp.float32(b)))
 
 
+def lit_step(mesh, tower, text_tower, batch, microbatch, precomputed):
+  """(jitted train step, its state, the loss head) of the trainer's own LiT
+  step (``train.step``) as bench_train and bench_towers time it: GradCache
+  micro-batches over the text tower, the softmax head, AdamW with the
+  locked image tower ``tower`` masked out."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from infcl_jax.flax import ContrastiveLoss  # pylint: disable=import-outside-toplevel
+  from train import optim  # pylint: disable=import-outside-toplevel
+  from train import step as step_lib  # pylint: disable=import-outside-toplevel
+  head = ContrastiveLoss(loss="softmax", backend="auto")
+  k = jax.random.split(jax.random.key(0), 2)
+  e = jnp.zeros((2, tower.embed_dim))
+  tokens = jnp.ones((1, text_tower.max_len), jnp.int32)
+  params = {"img": tower.params,
+            "txt": jax.jit(text_tower.init)(k[0], tokens)["params"],
+            "head": head.init(k[1], e, e)["params"]}
+  schedule = optim.make_schedule(lr=1e-4, total_steps=100, warmup_steps=10)
+  opt = optim.make_optimizer(name="adamw", schedule=schedule,
+                             weight_decay=1e-4, grad_clip_norm=1.0,
+                             params=params, image_locked=True)
+  grad_fn = step_lib.make_grad_fn(
+      mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
+      microbatch_size=microbatch, global_batch=batch,
+      precomputed=precomputed, image_locked=True)
+  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                        optimizer=opt, schedule=schedule)
+  return train_step, step_lib.init_state(mesh, params, opt), head
+
+
 def rel(a, b):
   """Relative norm error of ``a`` against ``b``, in float64."""
   import numpy as np  # pylint: disable=import-outside-toplevel
