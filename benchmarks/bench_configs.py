@@ -1,29 +1,15 @@
 """The per-capability Pallas-Triton configs, timed on the GPU at hand.
 
-  python benchmarks/bench_configs.py --out benchmarks/results/configs_h200
+  python benchmarks/bench_configs.py --smem_probe --out OUT
 
-``backend="auto"`` picks ``BlockSizes`` by the GPU's shared memory per
-block (``infcl_jax.backends.triton_configs.TRITON_CONFIGS``): the H200 configs
-(``smem227k``: sm90, sm100), ``smem163k`` (sm80, sm87) and ``smem99k``
-(sm86, sm89, sm12x). A config that fits a smaller GPU runs on a larger one
-too, so on one H200 this measures what each smaller config costs there:
-one fwd+bwd step (loss and the gradients of both embeddings, scale and
-bias) at B = 65,536, D = 768, bf16, for the softmax and the sigmoid loss,
-median of ``--reps`` synchronized calls after a warm-up. TFLOP/s counts
-8 * B^2 * D flops per step. ``CANDIDATES`` are alternatives measured beside
-them (same shared-memory budget, different trade-offs).
-
-Each row also carries the formula's shared-memory estimate
-(``triton_configs.triton_smem``: peak with buffer reuse, total without) of the
-forward and the backward kernel. ``--smem_probe`` additionally compiles
-every kernel of every config in a child process with XLA's verbose logging
-on and records the shared memory that XLA reports for it ("Shared memory
-usage: N B", logged where XLA compiles a Triton kernel), so the formula can
-be checked against the compiler.
-
-Writes ``bench_configs.csv`` (rewritten after every case),
-``smem_probe.csv`` (with ``--smem_probe``) and ``bench_configs_meta.json``
-into ``--out`` and prints a table last.
+``backend="auto"`` picks ``BlockSizes`` by the GPU's shared memory per block
+(``triton_configs.TRITON_CONFIGS``). A config that fits a smaller GPU runs
+on a larger one too, so one H200 measures what each config (and each of
+``CANDIDATES``) costs: one fwd+bwd step at B = 65,536, D = 768, bf16, both
+losses, beside the formula's shared-memory estimate. ``--smem_probe`` also
+compiles each kernel in a child with XLA's verbose log on and records the
+shared memory XLA reports, to check the formula against the compiler.
+Writes bench_configs.csv, bench_configs_meta.json and smem_probe.csv.
 """
 from __future__ import annotations
 
@@ -260,11 +246,7 @@ def main(argv=None):
       harness.write_csv(os.path.join(args.out, "bench_configs.csv"), rows)
   print_table(rows)
   if args.smem_probe:
-    probe = run_probe(args.out, ("bfloat16", "float32"), timeout_s=120)
-    for r in probe:
-      print(f"  {r['config']:15} {r['dtype']:9} {r['family']:8} {r['kernel']} "
-            f"est peak {r['est_peak']:7d} total {r['est_total']:7d} "
-            f"xla {r['xla_reported'] or '-':>14} {r['status'][:40]}")
+    run_probe(args.out, ("bfloat16", "float32"), timeout_s=120)
   return rows
 
 
