@@ -3,42 +3,17 @@
     python benchmarks/bench_data.py --out OUT                  # device machine
     python benchmarks/bench_data.py --quick --out /tmp/bd      # CPU smoke
 
-Writes ``--num`` 256 px JPEGs (``synthetic.JpegPool`` photo-like images)
-into img2dataset-style webdataset shards under a temporary directory, then
-measures:
-
-* reading the shards' members (no decoding): the standard library's
-  ``tarfile`` sequentially, the ``webdataset`` package (if installed), and
-  this trainer's index + ``os.pread`` random access
-  (train/data/webdataset.py), plus the time to index;
-* per core (one thread, ``harness.timeit``): decode only, as the host does
-  with ``config.data.decode_size=256`` (a 256 x 256 JPEG is left as it
-  decodes; the device resizes), beside decode + bicubic resize/crop
-  256 -> 224 (``decode_size=0``, the host resizes);
-* the trainer's whole host pipeline (``make_train_iterator`` over the
-  shards: read, decode, [resize/crop], tokenize, shuffle, uint8
-  micro-batches of ``--microbatch``): with reader threads only and with
-  ``--workers`` worker processes (``config.data.num_workers``), at
-  ``--decode_size``, and at the most workers with host resize for
-  comparison. Each in a child process (``harness.run_child``, deadline
-  ``--timeout_s``): img/s over ``--measure_s`` after start-up, the peak
-  host memory of the child and its workers (``harness.HostMemory``), and
-  the main process's own CPU time per image (all its threads, and the
-  calling thread alone): the cores it needs beside the workers.
-
-With ``--decoders`` it measures the decoders alone instead (the JPEGs in
-memory): per core, the host libraries (Pillow, simplejpeg, PyTurboJPEG and
-OpenCV where they load), decode only at 256 px and decode + resize/crop to
-``--image_size``; and on the GPU (the gpu-decode extra) nvImageCodec per
-backend (auto, hw, cuda) at batches ``--gpu_batches``: the raw batch
-decode, and the whole ``GpuBatchDecoder.decode`` (decode, DLPack, device
-resize/crop, uint8 [n, S, S, 3] ready on the device), with the pixels'
-distance to the host path's.
-
-Rows go to bench_data.jsonl as they finish (a cut-off run keeps them), each
-with the date and jax (the decoders' with the device), the summary to
-bench_data.json (``--decoders``: bench_data_decoders.json); a table is
-printed.
+Writes --num 256 px JPEGs (``synthetic.JpegPool``) into webdataset shards,
+then measures reading their members (``tarfile``, the ``webdataset``
+package, the trainer's index + ``os.pread``), one core's decode only
+(``decode_size=256``: the device resizes) and decode + resize 256 -> 224,
+and the trainer's host pipeline (``make_train_iterator``) with reader
+threads or worker processes, each case in a child: img/s after start-up,
+peak host memory, the main process's CPU time per image. ``--decoders``
+measures the decoders alone instead: the host JPEG libraries per core, and
+nvImageCodec per backend and batch (raw, and ``GpuBatchDecoder.decode``
+with the pixels' distance to the host path's). Rows go to bench_data.jsonl
+as they finish, the summary to bench_data.json (bench_data_decoders.json).
 """
 from __future__ import annotations
 
@@ -132,13 +107,6 @@ def host_library_rates(jpgs, image_size, reps):
                                                          "simplejpeg")
   except ImportError as e:
     libs["simplejpeg"] = e
-  try:
-    import turbojpeg  # pylint: disable=import-outside-toplevel
-    tj = turbojpeg.TurboJPEG()
-    libs["pyturbojpeg"] = lambda j, s: tj.decode(
-        j, pixel_format=turbojpeg.TJPF_RGB)
-  except Exception as e:  # pylint: disable=broad-except
-    libs["pyturbojpeg"] = e  # no libturbojpeg.so on the machine, often
   try:
     import cv2  # pylint: disable=import-outside-toplevel
     cv2.setNumThreads(1)
@@ -267,11 +235,6 @@ def pipeline_child(spec) -> dict:
 # ----------------------------------------------------------------- parent
 
 
-def ints(text):
-  """Comma-separated ints ("" means none)."""
-  return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _key(r):
   """A row's case (rows of one run only: bench_data does not resume)."""
   return tuple(r.get(k) for k in ("kind", "library", "backend", "batch",
@@ -290,7 +253,7 @@ def decoders(args, rows, res):
   res["host"] = [rows.add(dict(r, **meta)) for r in host_library_rates(
       jpgs, args.image_size, reps=2 if args.quick else 3)]
   res["gpu"] = [rows.add(dict(r, **meta)) for r in gpu_decoder_rates(
-      jpgs, args.image_size, ints(args.gpu_batches),
+      jpgs, args.image_size, harness.ints(args.gpu_batches),
       reps=2 if args.quick else 5)]
   with open(os.path.join(args.out, "bench_data_decoders.json"), "w") as f:
     json.dump(res, f, indent=1)
@@ -423,8 +386,8 @@ def main(argv=None):
   if args.decoders:
     decoders(args, rows, res)
   else:
-    reading_and_pipeline(args, rows, res, ints(args.threads),
-                         ints(args.workers))
+    reading_and_pipeline(args, rows, res, harness.ints(args.threads),
+                         harness.ints(args.workers))
 
 
 if __name__ == "__main__":

@@ -353,20 +353,15 @@ def run_case(spec, budget, timeout_s) -> dict:
   return dict(_row(spec), total_s=time.time() - t0, **r)
 
 
-def ints(text):
-  """Comma-separated ints ("" means none)."""
-  return [int(x) for x in text.split(",") if x.strip()]
-
-
 def plan(args, model) -> list:
   """The cases of a run: step cases, stream cases, the max_batch ladder."""
   cases = []
-  for b in ints(args.step_batches):
+  for b in harness.ints(args.step_batches):
     for mode in args.modes.split(","):
       cases.append(dict(kind="step", batch=b, mode=mode,
                         microbatch=min(args.microbatch, b), measure_loss=True,
                         reps=args.reps))
-  for b in ints(args.stream_batches):
+  for b in harness.ints(args.stream_batches):
     for decoder in args.decoders.split(","):
       cases.append(dict(
           kind="stream", batch=b, mode="stream",
@@ -375,7 +370,7 @@ def plan(args, model) -> list:
           decode_size=args.decode_size, decoder=decoder,
           jpeg_size=args.decode_size or (64 if args.quick else 256),
           embed_reps=1 if args.quick else 2))
-  for b in ints(args.ladder):
+  for b in harness.ints(args.ladder):
     # One step, compiled ahead: fitting is the result, and a 4M step takes
     # minutes on an H200.
     cases.append(dict(kind="max_batch", batch=b, mode="precomputed",

@@ -279,6 +279,11 @@ def parser(doc, **defaults):
   return ap
 
 
+def ints(text):
+  """Comma-separated ints ("" means none)."""
+  return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse_quick(ap, quick, args=None):
   """``ap.parse_args(args)`` with a ``--quick`` option added: a CPU smoke
   run, where ``quick`` (dest: value) replaces the defaults of the options
