@@ -19,7 +19,7 @@ step within 2x of bf16. Variants:
 Every variant is checked against float64 (loss and both embedding
 gradients) before it is timed.
 
-  python benchmarks/bench_f32.py [--quick] [--parts fidelity,speed]
+  python benchmarks/bench_f32.py [--quick]
 """
 from __future__ import annotations
 
@@ -146,11 +146,7 @@ def main():
   p.add_argument("--quick", action="store_true",
                  help="fewer cases (a CPU smoke run)")
   p.add_argument("--b", type=int, default=65536)
-  p.add_argument("--parts", default="fidelity,speed",
-                 help="fidelity (float64 checks; may share the GPU) and/or "
-                 "speed (timings; run it alone)")
   a = p.parse_args()
-  parts = a.parts.split(",")
   print("jax", jax.__version__, jax.devices(), flush=True)
   kernel = ["pallas", "mosaic", "triton"]
   if a.quick:
@@ -158,14 +154,12 @@ def main():
     for k in list(CASES)[1:]:
       CASES.pop(k)
     CASES["B8192_D768_t14"] = (64, 64, 32, 14.3, 0.0, "both", False)
-  if "fidelity" in parts:
-    fidelity(kernel, ["tf32", "highest", "bf16x3"])
+  fidelity(kernel, ["tf32", "highest", "bf16x3"])
   rows = [("mosaic", "bf16"), ("mosaic", "tf32"), ("mosaic", "high"),
           ("mosaic", "bf16x3"), ("pallas", "bf16x3"), ("triton", "tf32"),
           ("triton", "high"), ("triton", "bf16x3")]
-  if "speed" in parts:
-    speed(a.b, 768, [("xla", "bf16")] if a.quick else rows)
-  if "speed" in parts and not a.quick:
+  speed(a.b, 768, [("xla", "bf16")] if a.quick else rows)
+  if not a.quick:
     speed(16384, 768, [("mosaic", "highest"), ("mosaic", "tf32"),
                        ("mosaic", "bf16x3"), ("mosaic", "bf16")])
   summary(55)
