@@ -94,7 +94,7 @@ def trained(args):
   spec = importlib.util.spec_from_file_location("cfg", args.config)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config(args.config_arg or None)
+  config = module.get_config()
   params = train.load_params(args.workdir)
   tokenizer = data_lib.make_tokenizer(config)
   image_tower, text_tower, _ = train.make_models(config, tokenizer)
@@ -130,7 +130,6 @@ def main():
                   help="noise norm relative to the unit signal")
   ap.add_argument("--workdir", default="")
   ap.add_argument("--config", default="configs/lit_demo.py")
-  ap.add_argument("--config_arg", default="")
   args = ap.parse_args()
   synthetic(args)
   if args.workdir:
