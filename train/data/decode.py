@@ -40,6 +40,7 @@ import threading
 import numpy as np
 
 from train.data.source import BadDataLedger
+from train.data.source import CountsBadData
 from train.data.source import BadExample
 
 DECODERS = ("host", "gpu", "auto")
@@ -537,7 +538,7 @@ def _stop_thread(stop, thread):
   thread.join(timeout=10)
 
 
-class Prefetch:
+class Prefetch(CountsBadData):
   """An iterator run ``depth`` micro-batches ahead on a thread.
 
   The queue is bounded, so the images held ahead (on the device, for the
@@ -611,14 +612,6 @@ class Prefetch:
                                    inner.log_first, inner.what)
       self._ledger.set_state(self._state["bad_data"])
     return self._ledger
-
-  @property
-  def bad(self) -> int:
-    return self.ledger.bad
-
-  @property
-  def seen(self) -> int:
-    return self.ledger.seen
 
   def describe(self) -> str:
     return self.iterator.describe()

@@ -41,6 +41,7 @@ from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 from train.data.source import Bad
 from train.data.source import BadDataLedger
+from train.data.source import CountsBadData
 from train.data.source import BadExample
 from train.data.source import start_of_check
 
@@ -333,7 +334,7 @@ def _pack(items: list) -> dict:
                   if isinstance(e, Bad)]}
 
 
-class TrainIterator:
+class TrainIterator(CountsBadData):
   """Infinite, deterministic, resumable iterator of per-process micro-batches.
 
   Yields {"image": uint8 [m, S, S, 3] (S = ``host_size``; or "image_emb":
@@ -361,14 +362,6 @@ class TrainIterator:
     self._chunk = None  # The chunk being consumed, and the cursor in it.
     self._cursor = 0
     self._buffers = _Buffers()
-
-  @property
-  def bad(self) -> int:
-    return self.ledger.bad
-
-  @property
-  def seen(self) -> int:
-    return self.ledger.seen
 
   def _ensure_iter(self):
     if self._iter is None:

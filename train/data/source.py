@@ -50,6 +50,19 @@ class TooMuchBadData(ValueError):
   pass
 
 
+class CountsBadData:
+  """``bad`` and ``seen`` of an iterator's ``ledger`` (a BadDataLedger),
+  as the trainer logs them."""
+
+  @property
+  def bad(self) -> int:
+    return self.ledger.bad
+
+  @property
+  def seen(self) -> int:
+    return self.ledger.seen
+
+
 class BadDataLedger:
   """Counts and names skipped examples, once each; stops the run past a
   threshold.
