@@ -53,8 +53,11 @@ def hybrid_backend(monkeypatch, **stages):
   its own name (a loss traced for one backend name and block sizes is
   reused by JAX, so a changed ``STAGES`` alone would not be seen)."""
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
+  # The hybrids' Triton stages are Pallas-Triton's (the kernels these tests
+  # name); the Triton-language path has its own test below.
   cls = type("MosaicHybrid", (mosaic.MosaicBackend,),
-             {"STAGES": dict(mosaic.MosaicBackend.STAGES, **stages)})
+             {"STAGES": dict(mosaic.MosaicBackend.STAGES, **stages),
+              "TRITON_PATH": "pallas"})
   name = "mosaic_test_" + "_".join(f"{k}_{v}" for k, v in sorted(
       stages.items()))
   monkeypatch.setitem(registry._TABLE, name, cls)  # pylint: disable=protected-access

@@ -29,19 +29,16 @@ sigmoid 47.66 ms vs 56.56 ms; at B = 16384 softmax 2.87 vs 3.49 ms, sigmoid
 ``STAGES`` holds the choice per stage ("mosaic" or "pallas"); a subclass
 registered under its own name can override it (the tests run every hybrid).
 
-float32 inputs: routed to the Triton path (``PallasTritonBackend``; the
-precisions of ``backends.precision``: 3-pass TF32 by default, TF32 with
-``precision="default"``, IEEE float32 with "highest"). TF32 measured
-138.2 ms per softmax step at B = 65536 (3.1x bf16), 9.59 ms at 16384.
-The Mosaic kernels take 16-bit operands only; TF32 wgmma would need float32
-SMEM tiles (half the K-depth per stage) and is not written. The
-Triton-language kernels (``backend="triton"``) take 107.0 ms for the same
-float32 step (same job). ``TRITON_PATH = "triton"`` routes this path to
-them where the triton extra imports; it stays "pallas" until its own GPU
-tests have run (``test_triton_path_on_the_triton_language_kernels``). In
-the one run so far 4 of 17 reached float32 / hybrid tests failed, their text
-lost to a time box; four is the number of hybrid-stage tests, which expect
-Pallas-Triton's kernel names.
+float32 inputs: routed to the Triton path, whose precisions are
+``backends.precision``'s (TF32 with the operands rounded to nearest and the
+positives put back in float32 from D = 64 on, 3-pass TF32 below it, IEEE
+float32 with "highest"). The Mosaic kernels take 16-bit operands only (TF32
+wgmma would need float32 SMEM tiles, half the K-depth per stage, and is not
+written). That path runs the Triton-language kernels (``backend="triton"``'s)
+where the triton extra imports, else Pallas-Triton's (``TRITON_PATH``): a
+device profile of the float32 softmax step at B = 65,536 on the H200 put
+the first at 108.2 ms and the second at 143.0 ms, the kernels 56.7 against
+92.0 ms of it (the float32 GEMMs, ~50 ms, are the same cuBLAS calls).
 
 Where it runs: sm90 only (``RUNS_ON``, read by ``capability.support``). On
 any other GPU ``backend="mosaic"`` fails in one line that names the GPU and
@@ -155,9 +152,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   # Triton path passes them to its own kernels.
   GROUPS = True
   # Whose Triton kernels the Triton path (float32 inputs, stages set to
-  # "pallas") runs: "pallas" (Pallas-Triton's) or "triton" (the
-  # Triton-language ones, where the extra imports; see above).
-  TRITON_PATH = "pallas"
+  # "pallas") runs: "triton" (the Triton-language ones where the extra
+  # imports, else Pallas-Triton's; the faster, see above) or "pallas"
+  # (always Pallas-Triton's).
+  TRITON_PATH = "triton"
 
   def __init__(self, platform: str | None = None):
     super().__init__(platform=platform)
