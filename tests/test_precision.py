@@ -9,6 +9,7 @@ near each other, high scale, small D): the default float32 path within
 where TF32's logits allow it.
 """
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -328,6 +329,58 @@ def test_tf32_min_depth_keeps_the_gradients_within_1e3():
                for a, b, terms in ((got[1], dx, tx), (got[2], dy, ty)))
   assert grad_err(precision_lib.TF32_MIN_DEPTH, 2.0) <= 5e-4
   assert grad_err(3, 1.0) > 1e-3
+
+
+def test_scaled_half_keeps_each_column_to_float16_rounding():
+  """float16 copies for the 16-bit GEMMs: each column over a power of two
+  (so 1e6 and 1e-9 columns keep 2^-11 relative), zero and non-finite
+  columns unscaled (NaN and inf reach the copy)."""
+  from infcl_jax.backends import panel_backward as pb  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed_of("scaled half"))
+  a = rng.standard_normal((37, 6)).astype(np.float32)
+  a[:, 0] *= 1e6
+  a[:, 1] *= 1e-9
+  a[:, 2] = 0.0
+  a[3, 4] = np.nan
+  a[5, 5] = np.inf
+  h, s = pb.scaled_half(jnp.asarray(a))
+  assert h.dtype == jnp.float16
+  s = np.asarray(s, np.float64)
+  assert np.all(np.log2(s) == np.round(np.log2(s)))  # powers of two
+  back = np.asarray(h, np.float64) * s
+  ok = slice(0, 4)
+  np.testing.assert_allclose(back[:, ok], a[:, ok], rtol=2.0 ** -11, atol=0)
+  assert s[2] == 1.0 and not back[:, 2].any()
+  assert np.isnan(back[3, 4]) and s[4] == 1.0
+  assert np.isinf(back[5, 5]) and s[5] == 1.0
+
+
+@pytest.mark.parametrize("d,t,noise", [(64, 100.0, 2.0), (200, 50.0, 2.0),
+                                       (768, 50.0, 3.0)])
+def test_half_panels_within_1e3_of_float64(monkeypatch, d, t, noise):
+  """The float16 G and 16-bit GEMMs that float32 TF32 tiles take on the GPU
+  (``TritonTilesBackend._half_panels``), forced on here over XLA's panels
+  (whose logits are exact float32 on the CPU, so what is left is G's and
+  the operands' float16 rounding): within 1e-3 of float64 on trained-looking
+  inputs, the loss untouched. NaN still reaches the gradients."""
+  from infcl_jax.backends import triton_tiles  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(triton_tiles.TritonTilesBackend, "_half_panels",
+                      lambda self, x, bs: x.dtype == jnp.float32)
+  x, y = _trained(515, 515, d, noise, seed_of("half panels", d, t))
+  bs = BlockSizes(block_q=64, block_k=64, block_d=32, bwd_block_q=64,
+                  bwd_block_k=64, panel_rows=128, bwd_impl="xla")
+  f = lambda x, y: infcl_jax.contrastive_loss(  # noqa: E731
+      x, y, jnp.float32(t), backend="pallas", block_sizes=bs)
+  grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+  # The GEMMs took float16 operands.
+  assert re.search(r"dot_general[^\n]*xf16>", grad.lower(x, y).as_text())
+  val, (gx, gy) = grad(x, y)
+  assert_fidelity((val, gx, gy), softmax64(x, y, t, "both"),
+                  f"half panels D {d} scale {t}")
+  x_nan = x.copy()
+  x_nan[7, 3] = np.nan
+  _, (gx, gy) = grad(x_nan, y)
+  assert np.isnan(np.asarray(gx)).any() and np.isnan(np.asarray(gy)).any()
 
 
 # ------------------------------------------------------------------ GPU

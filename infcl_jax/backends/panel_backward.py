@@ -69,8 +69,20 @@ def panel_layout(n, m, d, *, block_q, block_k, block_d,
   return PanelLayout(r, n_panels, m_pad, round_up(d, block_d))
 
 
+def scaled_half(a):
+  """float32 (n, D) -> (float16 a / s, s): s per column, a power of two
+  at least the column's largest |a| (so the quotient is exact but for the
+  float16 rounding and never overflows), 1 for an all-zero or non-finite
+  column (NaN and inf then reach the float16 copy as they are)."""
+  amax = jnp.max(jnp.abs(a), axis=0)
+  _, e = jnp.frexp(amax)  # amax < 2^e
+  s = jnp.where((amax > 0) & jnp.isfinite(amax), jnp.ldexp(
+      jnp.ones_like(amax), e), 1.0)
+  return (a / s).astype(jnp.float16), s
+
+
 def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
-                   row_extras=(), panel_extras=()):
+                   row_extras=(), panel_extras=(), gemm_dtype=None):
   """Sums (G y, G^T x, sum G * x y^T, sum G) over the panels of G.
 
   Args:
@@ -89,6 +101,10 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
     precision: matmul precision of the GEMMs.
     refs: further arrays the kernel reads (their varying axes type the
       carry inside ``shard_map``).
+    gemm_dtype: None (the GEMMs take G and the inputs as they are) or
+      float16: G is float16 and the GEMMs take float16 copies of x and y,
+      each column scaled by a power of two (``scaled_half``, undone on the
+      result's columns), on 16-bit tensor cores with float32 accumulation.
 
   Returns:
     float32 (dx (n, D), dy (m, D), dscale, dbias) before the caller's scale
@@ -98,13 +114,21 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
   m = y.shape[0]
   xp = pad2(x, layout.n_pad, layout.d_pad)
   yp = pad2(y, layout.m_pad, layout.d_pad)
+  if gemm_dtype is None:
+    xg, yg, sx, sy = xp, yp, None, None
+  else:
+    if jnp.dtype(gemm_dtype) != jnp.float16:
+      raise ValueError(f"gemm_dtype must be None or float16, got {gemm_dtype}")
+    (xg, sx), (yg, sy) = scaled_half(xp), scaled_half(yp)
+    precision = lax.Precision.DEFAULT
 
   def panel(carry, inputs):
     dy, dsc, dbi = carry
-    g, g_mult, dsc_p, dbi_p = g_panel(inputs[0], yp, *inputs[1:])
     x_p = inputs[0]
-    dx_p = dot(g, yp, ((1,), (0,)), precision) * g_mult
-    dy = dy + dot(g, x_p, ((0,), (0,)), precision) * g_mult
+    xg_p = x_p if gemm_dtype is None else inputs[1]
+    g, g_mult, dsc_p, dbi_p = g_panel(x_p, yp, *inputs[2:])
+    dx_p = dot(g, yg, ((1,), (0,)), precision) * g_mult
+    dy = dy + dot(g, xg_p, ((0,), (0,)), precision) * g_mult
     return (dy, dsc + dsc_p, dbi + dbi_p), dx_p
 
   init = (jnp.zeros((layout.m_pad, layout.d_pad), F32), jnp.zeros((), F32),
@@ -113,14 +137,17 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
   # panels add to it.
   init = _axes.vary_like(init, xp, yp, row_vec, *refs)
   per_panel = lambda v: v.reshape(layout.n_panels, layout.rows)
-  scanned = (xp.reshape(layout.n_panels, layout.rows, layout.d_pad),
+  by_panel = lambda a: a.reshape(layout.n_panels, layout.rows, layout.d_pad)
+  scanned = (by_panel(xp), by_panel(xg) if gemm_dtype else None,
              per_panel(row_vec))
   scanned = scanned + tuple(per_panel(v) for v in row_extras) + tuple(
       panel_extras)
   (dy, dsc, dbi), dx = lax.scan(panel, init, scanned,
                                 unroll=min(layout.n_panels, PANEL_UNROLL))
-  dx = dx.reshape(layout.n_pad, layout.d_pad)[:n, :d]
-  return dx, dy[:m, :d], dsc, dbi
+  dx = dx.reshape(layout.n_pad, layout.d_pad)
+  if gemm_dtype is not None:
+    dx, dy = dx * sy, dy * sx
+  return dx[:n, :d], dy[:m, :d], dsc, dbi
 
 
 def usable_max(g_max):
@@ -141,7 +168,8 @@ def _padded_groups(groups, layout):
 
 
 def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
-                 layout, precision, panel=None, groups=None, group_tiles=None):
+                 layout, precision, panel=None, groups=None, group_tiles=None,
+                 gemm_dtype=None):
   """``lse_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
 
   Probabilities are in [0, 1] and the coefficients (~1/B) are applied after
@@ -157,6 +185,14 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   ids, the rows per panel) -> per-panel arrays (leading axis: the panels),
   ``tiles=`` their entries of the panel: what a kernel derives from the
   ids once for every panel, outside the panel loop.
+
+  ``gemm_dtype`` float16 (float32 inputs on TF32 tiles): ``panel`` writes G
+  in float16 and the GEMMs run on 16-bit tensor cores (``panel_backward``).
+  |G| <= 2 and the coefficients come after the GEMMs, so float16 holds G to
+  a relative 2^-11 (5e-4) down to 6e-5 and to 6e-8 absolute below, which
+  the gradients carry as ~3e-4 of their summed terms: beside TF32's logit
+  error, and a third of the float32 GEMMs' time (TF32 runs at half the
+  16-bit rate and G's bytes halve).
   """
   n = x.shape[0]
   m = y.shape[0]
@@ -174,7 +210,8 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   params = jnp.stack([scale * _math.LOG2E, bias * _math.LOG2E, a_r,
                       a_c]).astype(F32)
   mask = layout.n_pad != n or layout.m_pad != m
-  panel = panel or functools.partial(_xla_softmax_panel, precision=precision)
+  panel = panel or functools.partial(_xla_softmax_panel, precision=precision,
+                                     g_dtype=gemm_dtype)
   gx, gy = _padded_groups(groups, layout)
 
   tiles = () if group_tiles is None or groups is None else tuple(
@@ -191,7 +228,8 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   dx, dy, dsc, dbi = panel_backward(
       x, y, r2, g_panel, layout=layout, precision=precision,
       refs=(c2, params) + (() if groups is None else (gy,)),
-      row_extras=() if groups is None else (gx,), panel_extras=tiles)
+      row_extras=() if groups is None else (gx,), panel_extras=tiles,
+      gemm_dtype=gemm_dtype)
   return dx * (scale * norm), dy * (scale * norm), dsc * norm, dbi * norm
 
 
@@ -317,7 +355,7 @@ def diagonal_sum_fix(x, y, scale, bias, groups, group_mode="mask"):
 # does not compile, and the measure of what the kernels save.
 
 def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
-                       precision, groups=None):
+                       precision, groups=None, g_dtype=None):
   s0 = dot(x_p, yp, ((1,), (1,)), precision)
   s = s0 * params[0] + params[1]
   g = jnp.zeros_like(s)
@@ -329,7 +367,7 @@ def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
     g = jnp.where((r2 != jnp.inf)[:, None] & (c2 != jnp.inf)[None, :], g, 0.0)
   if groups is not None:
     g = jnp.where(groups[0][:, None] == groups[1][None, :], 0.0, g)
-  return g.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
+  return g.astype(g_dtype or x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
 
 
 def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,

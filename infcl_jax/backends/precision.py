@@ -15,7 +15,10 @@ precisions, named as ``jax.lax.Precision`` names them:
   within 1e-3 of float64 on trained-looking inputs wherever float32 itself
   is (a loss above ~4 eps |s|max * 1e3: float32 forms it as mean LSE minus
   mean positive logit), and the gradients carry that logit error (~2e-2
-  at D = 3, scale 100).
+  at D = 3, scale 100). The softmax backward's panels G are then float16,
+  and its GEMMs run on 16-bit tensor cores (``panel_backward.softmax_grad``):
+  float16 keeps TF32's 10 mantissa bits, so this rounds G and the operands
+  as TF32 GEMMs would, at twice their rate and half G's bytes.
 * "high": 3-pass TF32 (x ~ big + small, the small x small product
   dropped): float32-accurate logits (~1e-6) at about three TF32 passes.
   The Triton-language kernels run Triton's "tf32x3" dot, the Pallas-Triton

@@ -138,12 +138,23 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         single_exp=bs.single_exp, **self._groups_kw(groups, xp, yp),
         **self._kernel_kw())
 
+  def _half_panels(self, x, bs) -> bool:
+    """Whether the softmax panels of ``x`` are float16 with 16-bit GEMMs
+    (``panel_backward.softmax_grad``'s ``gemm_dtype``): float32 on TF32
+    tiles, compiled. G's float16 rounding (~3e-4 of the gradients) sits
+    beside TF32's own error there; where float32 is asked to be exact
+    ("high", "highest") and in the exact interpreters G stays float32."""
+    return not self.interpret and precision_lib.tf32_tiles(
+        x.dtype, bs.f32_precision, self.F32_DEFAULT, x.shape[-1])
+
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
                 col_coef, *, bs, groups=None):
     prec = self.precision(bs, x.dtype, x.shape[-1])
+    half = self._half_panels(x, bs)
     x, y = self._operands(x, y, bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
-        self.kernels().lse_panel, g_dtype=x.dtype, block_q=bs.bwd_block_q,
+        self.kernels().lse_panel, g_dtype=jnp.float16 if half else x.dtype,
+        block_q=bs.bwd_block_q,
         block_k=bs.bwd_block_k, block_d=bs.block_d,
         num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
         precision=self._kernel_precision(prec), single_exp=bs.single_exp,
@@ -151,6 +162,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
         layout=layout(bs, x, y), precision=prec, panel=panel,
+        gemm_dtype=jnp.float16 if half else None,
         **({} if groups is None else {"groups": groups}))
 
   # ------------------------------------------------------------ sigmoid
