@@ -7,6 +7,13 @@ backends, padding included), the G panels per R-row panel (``--r_list``;
 B / R of them a step) of the Mosaic and the Pallas-Triton kernels, and the
 dX / dY GEMMs of a panel. Whole steps are ``bench_loss.py``'s. Where each
 stage's time goes and what would close it: BENCHMARKS.md "Loss".
+
+``--compare``: whole fwd + bwd steps of ``backend="mosaic"``, each of the
+library's choices beside the one it replaced, compiled in one process and
+timed in interleaved rounds (the median of the rounds' medians): the panel
+loop unrolled (``panel_backward.PANEL_UNROLL``) or rolled, and float32's
+softmax panels G in float16 with 16-bit GEMMs (``_half_panels``) or in
+float32 with TF32 GEMMs.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from benchmarks import harness
 from benchmarks.harness import inputs, report, timeit
 from infcl_jax._math import LOG2E
 from infcl_jax.kernels.mosaic import g_panel as mg
@@ -88,6 +96,42 @@ def bench_stages(b, d, dtype, reps, r_list=(4096, 8192)):
     del g
 
 
+def compare(b, d, rounds=3):
+  """See the module doc; prints one line per variant."""
+  # pylint: disable=import-outside-toplevel
+  import numpy as np
+  from infcl_jax.backends import panel_backward as pb
+  from infcl_jax.backends import triton_tiles as tt
+  # pylint: enable=import-outside-toplevel
+  unroll, half = pb.PANEL_UNROLL, tt.TritonTilesBackend._half_panels  # pylint: disable=protected-access
+  variants = [  # (family, dtype, name, panels per loop iteration, half G)
+      ("softmax", "bfloat16", "rolled", 1, True),
+      ("softmax", "bfloat16", "unrolled", unroll, True),
+      ("sigmoid", "bfloat16", "rolled", 1, True),
+      ("sigmoid", "bfloat16", "unrolled", unroll, True),
+      ("softmax", "float32", "G float32", unroll, False),
+      ("softmax", "float32", "G float16", unroll, True)]
+  data = {dt: harness.host_inputs(b, d, dt) for dt in ("bfloat16", "float32")}
+  steps = {}
+  for family, dt, name, per_iter, half_g in variants:
+    jax.clear_caches()  # the losses' inner traces see the settings below
+    pb.PANEL_UNROLL = per_iter
+    tt.TritonTilesBackend._half_panels = half if half_g else (  # pylint: disable=protected-access
+        lambda self, x, bs: False)
+    step, scalars = harness.loss_step(family, "mosaic")
+    args = (*data[dt], *scalars)
+    steps[(family, dt, name)] = (step.lower(*args).compile(), args)
+  pb.PANEL_UNROLL, tt.TritonTilesBackend._half_panels = unroll, half  # pylint: disable=protected-access
+  times = {k: [] for k in steps}
+  for _ in range(rounds):
+    for k, (fn, args) in steps.items():
+      times[k].append(timeit(fn, *args, reps=5, warmup=1).median * 1e3)
+  for (family, dt, name), ms in times.items():
+    print(f"{family} {dt} {name}: {np.median(ms):.2f} ms (rounds "
+          f"{', '.join(f'{t:.2f}' for t in ms)}), "
+          f"{8.0 * b * b * d / np.median(ms) / 1e9:.0f} TFLOP/s", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--b", type=int, default=65536)
@@ -96,9 +140,14 @@ def main():
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--r_list", default="4096,8192",
                   help="panel rows of the per-panel stages")
+  ap.add_argument("--compare", action="store_true",
+                  help="whole steps, each choice beside the one it replaced")
   args = ap.parse_args()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"B={args.b} D={args.d} {args.dtype}", flush=True)
+  if args.compare:
+    compare(args.b, args.d)
+    return
   bench_stages(args.b, args.d, jnp.dtype(args.dtype), args.reps,
                r_list=tuple(int(r) for r in args.r_list.split(",")))
 

@@ -31,7 +31,7 @@ suite_parts() {
   local parts
   case "$1" in
   tests) parts="kernels:420 large:120 interpret:420" ;;
-  loss) parts="table:420 stages:130 groups:575 configs:300 f32:240 sweep:560" ;;
+  loss) parts="table:420 stages:130 compare:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
   train) parts="step:420 ladder:560 stream:430 l14:150" ;;
   data) parts="pipeline:200" ;;
@@ -162,6 +162,10 @@ loss_stages() {
   bench loss-stages-bf16 $(($1 / 2)) benchmarks/bench_mosaic.py --b 65536 --r_list 4096
   bench loss-stages-f32 $(($1 / 2)) benchmarks/bench_mosaic.py --b 65536 --dtype float32 \
     --r_list 4096
+}
+loss_compare() {
+  # Whole steps, each of the library's choices beside the one it replaced.
+  bench loss-compare "$1" benchmarks/bench_mosaic.py --compare --b 65536
 }
 loss_groups() {
   # One GEMM autotuning shared by every variant: they then differ by their
