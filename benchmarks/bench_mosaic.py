@@ -8,12 +8,11 @@ B / R of them a step) of the Mosaic and the Pallas-Triton kernels, and the
 dX / dY GEMMs of a panel. Whole steps are ``bench_loss.py``'s. Where each
 stage's time goes and what would close it: BENCHMARKS.md "Loss".
 
-``--compare``: whole fwd + bwd steps of ``backend="mosaic"``, each of the
-library's choices beside the one it replaced, compiled in one process and
-timed in interleaved rounds (the median of the rounds' medians): the panel
-loop unrolled (``panel_backward.PANEL_UNROLL``) or rolled, and float32's
-softmax panels G in float16 with 16-bit GEMMs (``_half_panels``) or in
-float32 with TF32 GEMMs.
+``--compare``: whole fwd + bwd steps of ``backend="mosaic"``, compiled in
+one process and timed in interleaved rounds (the median of the rounds'
+medians): the bf16 steps, and float32's softmax step with its panels G in
+float16 and 16-bit GEMMs (``TritonTilesBackend._half_panels``, the default)
+beside G in float32 with TF32 GEMMs.
 """
 from __future__ import annotations
 
@@ -100,28 +99,24 @@ def compare(b, d, rounds=3):
   """See the module doc; prints one line per variant."""
   # pylint: disable=import-outside-toplevel
   import numpy as np
-  from infcl_jax.backends import panel_backward as pb
   from infcl_jax.backends import triton_tiles as tt
   # pylint: enable=import-outside-toplevel
-  unroll, half = pb.PANEL_UNROLL, tt.TritonTilesBackend._half_panels  # pylint: disable=protected-access
-  variants = [  # (family, dtype, name, panels per loop iteration, half G)
-      ("softmax", "bfloat16", "rolled", 1, True),
-      ("softmax", "bfloat16", "unrolled", unroll, True),
-      ("sigmoid", "bfloat16", "rolled", 1, True),
-      ("sigmoid", "bfloat16", "unrolled", unroll, True),
-      ("softmax", "float32", "G float32", unroll, False),
-      ("softmax", "float32", "G float16", unroll, True)]
+  half = tt.TritonTilesBackend._half_panels  # pylint: disable=protected-access
+  variants = [  # (family, dtype, name, float16 G on TF32 tiles)
+      ("softmax", "bfloat16", "default", True),
+      ("sigmoid", "bfloat16", "default", True),
+      ("softmax", "float32", "G float32", False),
+      ("softmax", "float32", "G float16 (default)", True)]
   data = {dt: harness.host_inputs(b, d, dt) for dt in ("bfloat16", "float32")}
   steps = {}
-  for family, dt, name, per_iter, half_g in variants:
-    jax.clear_caches()  # the losses' inner traces see the settings below
-    pb.PANEL_UNROLL = per_iter
+  for family, dt, name, half_g in variants:
+    jax.clear_caches()  # the losses' inner traces see the setting below
     tt.TritonTilesBackend._half_panels = half if half_g else (  # pylint: disable=protected-access
         lambda self, x, bs: False)
     step, scalars = harness.loss_step(family, "mosaic")
     args = (*data[dt], *scalars)
     steps[(family, dt, name)] = (step.lower(*args).compile(), args)
-  pb.PANEL_UNROLL, tt.TritonTilesBackend._half_panels = unroll, half  # pylint: disable=protected-access
+  tt.TritonTilesBackend._half_panels = half  # pylint: disable=protected-access
   times = {k: [] for k in steps}
   for _ in range(rounds):
     for k, (fn, args) in steps.items():

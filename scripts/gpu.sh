@@ -164,7 +164,8 @@ loss_stages() {
     --r_list 4096
 }
 loss_compare() {
-  # Whole steps, each of the library's choices beside the one it replaced.
+  # Whole steps in one process: bf16, and float32's float16 panels beside
+  # float32 ones.
   bench loss-compare "$1" benchmarks/bench_mosaic.py --compare --b 65536
 }
 loss_groups() {

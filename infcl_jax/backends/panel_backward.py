@@ -32,14 +32,6 @@ from infcl_jax.backends.padding import row_ids
 
 F32 = jnp.float32
 dot = _math.dot
-# Panels per iteration of the panel loop. XLA:GPU runs a while loop from the
-# host: each iteration copies its predicate back and launches the next
-# iteration's kernels only then, so the GPU idles between panels. A device
-# profile of the softmax step at B = 65,536 (16 panels, H200) put that idle
-# time at 2.1 ms of 44.5 (the kernels' sum: 42.4). Unrolled, the panels'
-# kernels queue back to back; beyond 16 panels (B > 65,536 at the default
-# 4096 rows) the loop stays, one host round trip per 16 panels.
-PANEL_UNROLL = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +134,7 @@ def panel_backward(x, y, row_vec, g_panel, *, layout, precision, refs=(),
              per_panel(row_vec))
   scanned = scanned + tuple(per_panel(v) for v in row_extras) + tuple(
       panel_extras)
-  (dy, dsc, dbi), dx = lax.scan(panel, init, scanned,
-                                unroll=min(layout.n_panels, PANEL_UNROLL))
+  (dy, dsc, dbi), dx = lax.scan(panel, init, scanned)
   dx = dx.reshape(layout.n_pad, layout.d_pad)
   if gemm_dtype is not None:
     dx, dy = dx * sy, dy * sx
