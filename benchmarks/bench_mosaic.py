@@ -13,6 +13,11 @@ one process and timed in interleaved rounds (the median of the rounds'
 medians): the bf16 steps, and float32's softmax step with its panels G in
 float16 and 16-bit GEMMs (``TritonTilesBackend._half_panels``, the default)
 beside G in float32 with TF32 GEMMs.
+
+``--profile``: where one whole step's device time goes: three steps of
+each backend and dtype traced by ``jax.profiler``, and the GPU kernels'
+time summed by name (per step), beside the step's wall time; what the sum
+leaves out is the GPU idling between kernels.
 """
 from __future__ import annotations
 
@@ -127,6 +132,45 @@ def compare(b, d, rounds=3):
           f"{8.0 * b * b * d / np.median(ms) / 1e9:.0f} TFLOP/s", flush=True)
 
 
+def profile(b, d, cases=("softmax:mosaic:bfloat16", "sigmoid:mosaic:bfloat16",
+                         "softmax:triton:bfloat16", "softmax:mosaic:float32"),
+            top=8, steps=3):
+  """See the module doc; prints each case's step time and top kernels."""
+  # pylint: disable=import-outside-toplevel
+  import collections
+  import glob
+  import tempfile
+  from jax.profiler import ProfileData
+  # pylint: enable=import-outside-toplevel
+  for case in cases:
+    family, backend, dt = case.split(":")
+    x, y = harness.host_inputs(b, d, dt)
+    step, scalars = harness.loss_step(family, backend)
+    args = (x, y, *scalars)
+    fn = step.lower(*args).compile()
+    wall = timeit(fn, *args, reps=5, warmup=2).median * 1e3
+    with tempfile.TemporaryDirectory() as tmp:
+      with jax.profiler.trace(tmp):
+        for _ in range(steps):
+          jax.block_until_ready(fn(*args))
+      trace = ProfileData.from_file(
+          glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0])
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for plane in trace.planes:
+      if plane.name.startswith("/device:GPU"):
+        for line in plane.lines:
+          if "stream" in line.name.lower():
+            for ev in line.events:
+              kernels[ev.name][0] += 1
+              kernels[ev.name][1] += ev.duration_ns / 1e6 / steps
+    total = sum(ms for _, ms in kernels.values())
+    print(f"{case} B={b}: step {wall:.2f} ms, kernels {total:.2f} ms, "
+          f"idle {wall - total:.2f} ms", flush=True)
+    for name, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
+      print(f"  {ms:8.3f} ms  x{n // steps:<3d} {name[:100]}", flush=True)
+    del x, y, fn
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--b", type=int, default=65536)
@@ -136,12 +180,14 @@ def main():
   ap.add_argument("--r_list", default="4096,8192",
                   help="panel rows of the per-panel stages")
   ap.add_argument("--compare", action="store_true",
-                  help="whole steps, each choice beside the one it replaced")
+                  help="whole steps, bf16 and float32's float16 panels")
+  ap.add_argument("--profile", action="store_true",
+                  help="whole steps' GPU kernels, summed by name")
   args = ap.parse_args()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"B={args.b} D={args.d} {args.dtype}", flush=True)
-  if args.compare:
-    compare(args.b, args.d)
+  if args.compare or args.profile:
+    (compare if args.compare else profile)(args.b, args.d)
     return
   bench_stages(args.b, args.d, jnp.dtype(args.dtype), args.reps,
                r_list=tuple(int(r) for r in args.r_list.split(",")))

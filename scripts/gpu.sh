@@ -31,9 +31,9 @@ suite_parts() {
   local parts
   case "$1" in
   tests) parts="kernels:420 large:120 interpret:420" ;;
-  loss) parts="table:420 stages:130 compare:120 groups:575 configs:300 f32:240 sweep:560" ;;
+  loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
-  train) parts="step:420 ladder:560 stream:430 l14:150" ;;
+  train) parts="step:420 ladder:560 stream:570 l14:150" ;;
   data) parts="pipeline:200" ;;
   ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
   *) return 1 ;;
@@ -168,6 +168,9 @@ loss_compare() {
   # float32 ones.
   bench loss-compare "$1" benchmarks/bench_mosaic.py --compare --b 65536
 }
+loss_profile() {
+  bench loss-profile "$1" benchmarks/bench_mosaic.py --profile --b 65536
+}
 loss_groups() {
   # One GEMM autotuning shared by every variant: they then differ by their
   # groups work only ("none again", the plain loss compiled twice, is the
@@ -212,9 +215,11 @@ train_ladder() {
     --ladder 1048576,4194304 --timeout_s 470 --budget_s $(($1 - 10))
 }
 train_stream() {
+  # The streamed step with the JPEG decoder as a column (host: worker
+  # processes; gpu: nvImageCodec), 65,536 and then 1,048,576.
   bench train-stream "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" \
-    --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
-    --timeout_s $(($1 - 10))
+    --ladder "" --stream_batches 65536,1048576 --stream_steps 1 --decode_size 256 --workers 12 \
+    --decoders gpu,host --timeout_s 260 --budget_s $(($1 - 10))
 }
 train_l14() {
   bench train-l14 "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" --ladder "" \
