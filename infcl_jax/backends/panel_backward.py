@@ -183,7 +183,8 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
   a relative 2^-11 (5e-4) down to 6e-5 and to 6e-8 absolute below, which
   the gradients carry as ~3e-4 of their summed terms: beside TF32's logit
   error, and a third of the float32 GEMMs' time (TF32 runs at half the
-  16-bit rate and G's bytes halve).
+  16-bit rate and G's bytes halve). It holds float16 copies of x and y
+  (2 bytes per element each) beside them.
   """
   n = x.shape[0]
   m = y.shape[0]
