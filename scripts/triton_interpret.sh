@@ -26,5 +26,5 @@ run() {
 }
 rc=0
 TRITON_INTERPRET=1 run tests/test_native_triton.py "$@" || rc=$?
-TRITON_INTERPRET=0 run tests/test_triton_aot.py "$@" || rc=$?
+TRITON_INTERPRET=0 run -n 2 tests/test_triton_aot.py "$@" || rc=$?
 exit "$rc"
