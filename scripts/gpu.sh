@@ -30,7 +30,7 @@ py=${PYTHON:-python3}
 suite_parts() {
   local parts
   case "$1" in
-  tests) parts="kernels:420 large:120 interpret:420" ;;
+  tests) parts="kernels:420 large:120 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
   train) parts="step:420 ladder:560 stream:570 l14:150" ;;
@@ -127,7 +127,7 @@ tests_kernels() {
   eval "gpu_pytest tests-mosaic \"\$1\" 2 -k \"\$k\" tests/test_mosaic_kernels.py \
     tests/test_mosaic_backend.py tests/test_groups_mosaic.py $bg"
   eval "gpu_pytest tests-pallas \"\$1\" 2 -k \"\$k\" tests/test_pallas.py tests/test_pallas_sigmoid.py \
-    tests/test_groups.py tests/test_groups_kernels.py tests/test_auto.py $bg"
+    tests/test_groups.py tests/test_groups_kernels.py tests/test_auto.py tests/test_precision.py $bg"
   eval "gpu_pytest tests-triton \"\$1\" 1 -k \"\$k\" tests/test_native_triton.py \
     tests/test_triton_aot.py tests/test_triton_backend_host.py $bg"
   wait
@@ -135,6 +135,11 @@ tests_kernels() {
 tests_large() {
   gpu_pytest tests-large "$1" 0 -k past_2_to_the_31 tests/test_mosaic_backend.py \
     tests/test_native_triton.py tests/test_pallas.py tests/test_pallas_sigmoid.py
+}
+tests_decode() {
+  # nvImageCodec on the device against the host decoder (needs the
+  # [gpu-decode] wheels in .whl/): pixels, bad members, resume, the loss.
+  gpu_pytest tests-decode "$1" 0 tests/test_gpu_decode.py tests/test_gpu_decode_resize.py
 }
 tests_interpret() {
   # The interpreter cases that CPU runs deselect (tests/interpret_tests.txt:

@@ -4,7 +4,9 @@
   that exists (a renamed test would silently leave quick mode or the
   interpreter split);
 - every test file that imports the trainer's packages is left out of the
-  jax 0.12 leg (scripts/test.sh), whose venv holds only the library's.
+  jax 0.12 leg (scripts/test.sh), whose venv holds only the library's;
+- every test file with ``gpu`` tests is run by scripts/gpu.sh (a file it
+  does not name would never run anywhere).
 """
 import ast
 import fnmatch
@@ -103,3 +105,15 @@ def test_trainer_test_files_are_left_out_of_the_jax012_leg():
   assert not missing, ("these import the trainer's packages, absent from "
                        f"the jax 0.12 venv; add them to scripts/test.sh's "
                        f"jax012 --ignore-glob list: {missing}")
+
+
+def test_every_gpu_test_file_is_run_by_gpu_sh():
+  named = set(re.findall(r"tests/test_\w+\.py", (ROOT / "scripts" / "gpu.sh")
+                         .read_text()))
+  gpu_files = {f.relative_to(ROOT).as_posix()
+               for f in sorted(TESTS.glob("test_*.py"))
+               if re.search(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\b.*\bgpu\b)",
+                            f.read_text(), re.M)}
+  missing = sorted(gpu_files - named)
+  assert gpu_files and not missing, (
+      f"these hold -m gpu tests that scripts/gpu.sh never runs: {missing}")
