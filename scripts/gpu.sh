@@ -265,9 +265,15 @@ if [ "$dry" = 1 ]; then
 else
   mkdir -p "$out"
   : > "$rcs"
+  # Installed once per machine: a second gpu.sh beside a running one (two
+  # suites side by side) must not rewrite the modules the first imports.
   if compgen -G ".whl/*.whl" > /dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || exit 1
+    stamp=$(cd .whl && ls -l -- *.whl | md5sum)
+    if [ "$(cat /tmp/site/.whl-stamp 2>/dev/null)" != "$stamp" ]; then
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+      echo "$stamp" > /tmp/site/.whl-stamp
+    fi
   fi
 fi
 if compgen -G ".whl/*.whl" > /dev/null; then
