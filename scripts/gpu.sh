@@ -30,7 +30,7 @@ py=${PYTHON:-python3}
 suite_parts() {
   local parts
   case "$1" in
-  tests) parts="kernels:420 large:120 decode:240 interpret:420" ;;
+  tests) parts="kernels:480 large:120 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
   train) parts="step:420 ladder:560 stream:570 l14:150" ;;

@@ -173,7 +173,8 @@ def _check_shards(batch, sharding, dec=None):
   assert len(image.addressable_shards) == len(devices)
   for shard in image.addressable_shards:
     k = devices.index(shard.device)
-    assert shard.index[0] == slice(k * per, (k + 1) * per)
+    # One device holds the whole array: its index is slice(None).
+    assert shard.index[0].indices(image.shape[0])[:2] == (k * per, (k + 1) * per)
     assert shard.data.devices() == {shard.device}
     if dec is not None:
       data = np.asarray(shard.data)
