@@ -30,7 +30,7 @@ py=${PYTHON:-python3}
 suite_parts() {
   local parts
   case "$1" in
-  tests) parts="kernels:480 large:120 decode:240 interpret:420" ;;
+  tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
   train) parts="step:420 ladder:560 stream:570 l14:150" ;;
@@ -97,8 +97,11 @@ summary() {
   [ "$rc" -eq 124 ] && note=" (cut by its box)"
   echo "== $name: exit $rc$note, $secs of $box s, log $log"
   if grep -qE "^=+ .* in [0-9.]+s( \(.*\))? =+$" "$log"; then
+    # Of how many: a run cut by its box still prints a passing summary line.
+    local items
+    items=$(grep -m1 -oE '(collected|[0-9]+ workers? \[)[ ]?[0-9]+ items' "$log" | grep -oE '[0-9]+ items')
     echo "   $(grep -c ' PASSED' "$log") passed, $(grep -c ' FAILED' "$log") failed," \
-      "$(grep -c ' SKIPPED' "$log") skipped: $(tail -1 "$log")"
+      "$(grep -c ' SKIPPED' "$log") skipped, of ${items:-? items}: $(tail -1 "$log")"
     grep -E "^(FAILED|ERROR) " "$log" | cut -c1-200 | head -15 | sed 's/^/   /'
   else
     tail -n "${SUMMARY_LINES:-25}" "$log" | cut -c1-200 | sed 's/^/   /'
@@ -127,7 +130,7 @@ tests_kernels() {
   eval "gpu_pytest tests-mosaic \"\$1\" 2 -k \"\$k\" tests/test_mosaic_kernels.py \
     tests/test_mosaic_backend.py tests/test_groups_mosaic.py $bg"
   eval "gpu_pytest tests-pallas \"\$1\" 2 -k \"\$k\" tests/test_pallas.py tests/test_pallas_sigmoid.py \
-    tests/test_groups.py tests/test_groups_kernels.py tests/test_auto.py tests/test_precision.py $bg"
+    tests/test_groups.py tests/test_groups_kernels.py tests/test_auto.py $bg"
   eval "gpu_pytest tests-triton \"\$1\" 1 -k \"\$k\" tests/test_native_triton.py \
     tests/test_triton_aot.py tests/test_triton_backend_host.py $bg"
   wait
@@ -135,6 +138,12 @@ tests_kernels() {
 tests_large() {
   gpu_pytest tests-large "$1" 0 -k past_2_to_the_31 tests/test_mosaic_backend.py \
     tests/test_native_triton.py tests/test_pallas.py tests/test_pallas_sigmoid.py
+}
+tests_precision() {
+  # float32 inputs against float64 on every backend (72 cases, each a
+  # 2-3k square loss and its gradients); apart from "kernels", whose box
+  # it does not fit beside.
+  gpu_pytest tests-precision "$1" 2 tests/test_precision.py
 }
 tests_decode() {
   # nvImageCodec on the device against the host decoder (needs the
