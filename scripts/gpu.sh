@@ -147,7 +147,8 @@ tests_precision() {
 }
 tests_decode() {
   # nvImageCodec on the device against the host decoder (needs the
-  # [gpu-decode] wheels in .whl/): pixels, bad members, resume, the loss.
+  # [train] and [gpu-decode] wheels the image lacks in .whl/): pixels, bad
+  # members, resume, the loss.
   gpu_pytest tests-decode "$1" 0 tests/test_gpu_decode.py tests/test_gpu_decode_resize.py
 }
 tests_interpret() {
