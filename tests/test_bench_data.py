@@ -3,6 +3,7 @@ decoders' rows (Pillow against itself; the GPU decoder a status row where
 the extra is missing), and the reading + pipeline rows, a child past its
 deadline a status row."""
 import json
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ def test_decoders_rows_carry_the_device_and_match_the_summary(tmp_path):
   rows = harness.read_jsonl(str(tmp_path / "bench_data.jsonl"))
   with open(tmp_path / "bench_data_decoders.json") as f:
     res = json.load(f)
-  assert rows == res["host"] + res["gpu"]
+  assert rows == res["host"] + res["gpu"] + res["gpu_sub_batch"]
   pillow = rows[0]
   assert pillow["library"] == "pillow" and pillow["status"] == "ok"
   assert pillow["max_abs_diff_vs_pillow"] == 0
@@ -53,3 +54,12 @@ def test_reading_and_pipeline_rows_and_a_case_past_its_deadline(
   _, late = harness.read_jsonl(str(tmp_path / "late" / "bench_data.jsonl"))
   assert late["status"] == "timeout>1s", late
   assert "timeout>" in capsys.readouterr().out
+
+
+def test_matmul_load_reports_its_rate_and_what_ran_beside_it():
+  load = bench_data._MatmulLoad(n=64, chain=2)  # pylint: disable=protected-access
+  assert load.flops == 2 * 64**3 * 2
+  alone, none = load.rate(0.2)
+  assert alone > 0 and none is None
+  beside, out = load.rate(0, beside=lambda: (time.sleep(0.2), "done")[1])
+  assert beside > 0 and out == "done"

@@ -400,9 +400,11 @@ def _fake_nvimgcodec(made):
     def __init__(self, device_id=0, backends=None, options=""):
       del backends, options
       made.append(device_id)
+      self.calls = []  # the images of each call
 
     def decode(self, src, params=None):
       del params
+      self.calls.append(len(src) if isinstance(src, list) else 1)
       return [one(d) for d in src] if isinstance(src, list) else one(src)
 
   return types.SimpleNamespace(
@@ -466,6 +468,42 @@ def test_gpu_decoder_groups_falls_back_and_keeps_order_on_its_device(
   g, ok, bad = dec.decode([b"<html>", b""], ["a", "b"], 16)
   assert g.shape == (0, 16, 16, 3) and g.devices() == {devices[-1]}
   assert not ok.any() and [b[1] for b in bad] == ["a", "b"]
+
+
+@pytest.mark.parametrize("sub_batch", [1, 2, 4, 8, 9])
+def test_gpu_decoder_sub_batches_give_the_one_call_result(
+    fake_nvimgcodec, sub_batch):
+  # The shard in nvImageCodec calls of sub_batch (the next one decoding on
+  # a thread): the same images, rows, ok and bad as one call, bad members
+  # anywhere (the first, a sub-batch's last, the shard's last).
+  import jax  # pylint: disable=import-outside-toplevel
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  del fake_nvimgcodec
+  device = jax.devices()[-1]
+  jpgs = _images()
+  items = [b"", jpgs[0], jpgs[2], b"<html>", jpgs[1], jpgs[4], jpgs[3],
+           jpgs[0][:-2], jpgs[1], jpgs[2], b"GIF89a"]
+  where = [f"k{i}" for i in range(len(items))]
+  whole = gpu_decode.GpuBatchDecoder(device=device, sub_batch=0)
+  parts = gpu_decode.GpuBatchDecoder(device=device, sub_batch=sub_batch)
+  for size in (16, 40):
+    g, ok, bad = whole.decode(items, where, size)
+    p, pok, pbad = parts.decode(items, where, size)
+    assert p.devices() == {device} and p.shape == g.shape
+    assert np.array_equal(np.asarray(p), np.asarray(g))
+    assert np.array_equal(pok, ok) and pbad == bad
+    assert [b[1] for b in bad] == ["k0", "k3", "k7", "k10"]
+  n = len(items)
+  assert whole._decoder.calls == [n, n]  # pylint: disable=protected-access
+  assert parts._decoder.calls == 2 * (  # pylint: disable=protected-access
+      [sub_batch] * (n // sub_batch) + [n % sub_batch] * bool(n % sub_batch))
+  assert f"{sub_batch} per call" in parts.describe()
+  # Nothing to decode, and nothing that decodes.
+  assert parts.decode([], [], 16)[0].shape == (0, 16, 16, 3)
+  g, ok, _ = parts.decode([b"x"] * 5, list("abcde"), 16)
+  assert g.shape == (0, 16, 16, 3) and not ok.any()
+  with pytest.raises(ValueError, match="sub_batch=-1 must be an int >= 0"):
+    gpu_decode.GpuBatchDecoder(sub_batch=-1)
 
 
 def test_gpu_path_on_cpu_devices_gives_the_host_stream(

@@ -15,7 +15,7 @@ is whole (``jpeg_problem``: a truncated JPEG decodes silently into an
 image on the GPU, so it is caught here, on the host, for both decoders).
 ``DecodedIterator`` then takes the micro-batch's encoded images from the
 stream and has each local device decode its own contiguous shard of them
-in one batch call (``decoder.for_device(device).decode``: the GPU decoder
+(``decoder.for_device(device).decode``: the GPU decoder
 in train/data/gpu_decode.py, one per GPU; ``HostBatchDecoder`` here runs
 the same contract on the host, its shards put on their devices, for tests
 on CPU devices and machines without a GPU); the micro-batch's images are
@@ -35,6 +35,7 @@ import concurrent.futures
 import copy
 import functools
 import queue
+import re
 import threading
 
 import numpy as np
@@ -166,11 +167,15 @@ def decode_host(data, where: str = "", size: int = 0,
   except Exception as e:  # pylint: disable=broad-except
     # Pillow raises many types (OSError, SyntaxError, ValueError, ...).
     if not is_jpeg(data) and not _known_image(data):
+      # Pillow's message here only repeats this, with its buffer's address.
       raise BadExample(where, f"undecodable image (not an image: "
                        f"{len(data)} bytes starting {bytes(data[:8])!r}; "
-                       f"{type(e).__name__}: {e})") from None
+                       f"{type(e).__name__})") from None
+    # Less the object reprs Pillow names (``<_io.BytesIO object at 0x..>``):
+    # a reason is the same for the same bytes, wherever it was decoded.
+    why = re.sub(r" ?<[^<>]* at 0x[0-9a-fA-F]+>", "", str(e))
     raise BadExample(where, f"undecodable image ({type(e).__name__}: "
-                     f"{e})") from None
+                     f"{why})") from None
 
 
 def _known_image(data) -> bool:

@@ -4,7 +4,8 @@
 (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3] of the k
 that decode, which did, and the others named) for one local device: each
 device's shard of a micro-batch (``decode.DecodedIterator``) goes to that
-device's decoder, nvImageCodec on that GPU, in one call; each decoded
+device's decoder, nvImageCodec on that GPU, in sub-batches (``sub_batch``,
+below: the next one decoding on a thread while this one is resized); each decoded
 image is handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
 (``pipeline.resize_crop``: shorter side to ``size``, Pillow's reduce and
@@ -29,6 +30,7 @@ this module needs neither.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import NamedTuple
 
@@ -36,6 +38,14 @@ import jax
 import numpy as np
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")
+# Images per nvImageCodec call. Why not the whole shard in one call: the call
+# returns only when every image is decoded, and handing them to jax and
+# resizing them (Python dispatch, ~40% of the decoder's time at 4096) then
+# waited for it. In sub-batches one thread decodes the next while this one
+# resizes the last, so the shard takes about the longer of the two instead
+# of their sum. The value is measured (benchmarks/bench_data.py
+# --decoders, BENCHMARKS.md's data table).
+SUB_BATCH = 512
 
 # ------------------------------------------------------------ the device resize
 #
@@ -430,17 +440,27 @@ class GpuBatchDecoder:
       shard of the micro-batch.
     fancy_upsampling: chroma upsampled as libjpeg-turbo's default does it
       (the host path's), rather than nvJPEG's nearest neighbour.
+    sub_batch: images per nvImageCodec call (0: the whole shard in one);
+      see SUB_BATCH. The images, their rows and the bad ones do not depend
+      on it.
   """
 
   name = "gpu"
 
   def __init__(self, backend: str = "auto", device=None,
-               fancy_upsampling: bool = True):
+               fancy_upsampling: bool = True, sub_batch: int = SUB_BATCH):
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel
     if backend not in BACKENDS:
       raise ValueError(f"GPU decode backend {backend!r} must be one of "
                        f"{', '.join(BACKENDS)}")
-    self.backend = backend
+    if not (isinstance(sub_batch, int) and sub_batch >= 0):
+      raise ValueError(f"GPU decode sub_batch={sub_batch!r} must be an int "
+                       ">= 0 (0: one call per shard)")
+    self.backend, self.sub_batch = backend, sub_batch
+    # The thread that runs nvImageCodec's calls ahead (made on first use):
+    # one, so that this decoder's nvImageCodec Decoder is never called from
+    # two threads at once.
+    self._ahead = None
     self.device = device or jax.local_devices()[0]
     self._fancy_asked = fancy_upsampling
     kinds = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY",
@@ -477,10 +497,12 @@ class GpuBatchDecoder:
   def for_device(self, device) -> "GpuBatchDecoder":
     if device == self.device:
       return self
-    return GpuBatchDecoder(self.backend, device, self._fancy_asked)
+    return GpuBatchDecoder(self.backend, device, self._fancy_asked,
+                           self.sub_batch)
 
   def describe(self) -> str:
-    return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
+    return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}, "
+            f"{self.sub_batch or 'the whole shard'} per call"
             f"{'' if self.fancy_upsampling else ', no fancy upsampling'})")
 
   def _decode_all(self, encoded: list) -> list:
@@ -519,6 +541,31 @@ class GpuBatchDecoder:
       return a
     return None
 
+  def _parts(self, encoded: list):
+    """(first index, nvImageCodec's answers) per sub-batch of encoded, in
+    order: the next sub-batch's call runs on the thread while the caller
+    works on this one (at most two decoded ahead)."""
+    n = len(encoded)
+    step = self.sub_batch or max(n, 1)
+    starts = list(range(0, n, step))
+    if len(starts) <= 1:  # one call: no thread hop
+      if starts:
+        yield 0, self._decode_all(encoded)
+      return
+    if self._ahead is None:
+      self._ahead = concurrent.futures.ThreadPoolExecutor(
+          1, thread_name_prefix=f"nvimgcodec-{self.device.id}")
+    calls = [self._ahead.submit(self._decode_all, encoded[a:a + step])
+             for a in starts[:2]]
+    for k, start in enumerate(starts):
+      answers = calls[k].result()
+      calls[k] = None  # its images go as soon as they are resized
+      if k + 2 < len(starts):
+        b = starts[k + 2]
+        calls.append(self._ahead.submit(self._decode_all,
+                                        encoded[b:b + step]))
+      yield start, answers
+
   def decode(self, encoded: list, wheres: list, size: int):
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
@@ -526,26 +573,30 @@ class GpuBatchDecoder:
     from train.data.source import BadExample  # pylint: disable=import-outside-toplevel
     n = len(encoded)
     ok, bad = np.zeros(n, bool), []
-    decoded = []  # (i, uint8 [h, w, 3] on the device, any shape)
-    for i, img in enumerate(self._decode_all(encoded)):
-      a = self._usable(img)
-      if a is None:
-        try:
-          # Decoded and resized on the host: on the device, it is a
-          # (size, size) image that the resize only places.
-          a = jax.device_put(pipeline.resize_crop(
-              decode_lib.decode_host(encoded[i], wheres[i], size), size),
-                             self.device)
-        except BadExample as e:
-          bad.append((i, e.where, e.reason))
-          continue
-      decoded.append((i, a))
-      ok[i] = True
-    # Row of each kept image: its rank among the kept, in input order.
-    row = np.cumsum(ok) - 1
-    images = jnp.zeros((len(decoded), size, size, 3), jnp.uint8,
-                       device=self.device)
-    if decoded:
-      images = resize_crop_into(images, [a for _, a in decoded],
-                                [int(row[i]) for i, _ in decoded])
+    # Rows for every member; a kept image's row is its rank among the kept,
+    # in input order, so the bad ones' rows are the tail cut off at the end.
+    images = jnp.zeros((n, size, size, 3), jnp.uint8, device=self.device)
+    kept = 0
+    for start, answers in self._parts(encoded):
+      decoded, rows = [], []  # uint8 [h, w, 3] on the device, any shape
+      for i, img in enumerate(answers, start):
+        a = self._usable(img)
+        if a is None:
+          try:
+            # Decoded and resized on the host: on the device, it is a
+            # (size, size) image that the resize only places.
+            a = jax.device_put(pipeline.resize_crop(
+                decode_lib.decode_host(encoded[i], wheres[i], size), size),
+                               self.device)
+          except BadExample as e:
+            bad.append((i, e.where, e.reason))
+            continue
+        decoded.append(a)
+        rows.append(kept)
+        kept += 1
+        ok[i] = True
+      if decoded:
+        images = resize_crop_into(images, decoded, rows)
+    if kept < n:
+      images = images[:kept]
     return images, ok, bad
