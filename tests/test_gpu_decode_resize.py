@@ -203,6 +203,39 @@ def test_squares_at_size_only_move_and_the_order_is_kept():
   assert G.resize_crop_batch([], size).shape == (0, size, size, 3)
 
 
+@pytest.mark.parametrize("shape", [(48, 64), (150, 40), (300, 70)])
+def test_a_shapes_many_members_resize_in_one_executable_as_pillow(shape):
+  # SAME or more images of one shape (a centre-cropped shard's common case;
+  # shrinking, Pillow's reducing gap and the vertical-first order among
+  # the shapes): one fused call per SAME_CHUNK, no per-image cut, each image
+  # Pillow's within the bound; the rows land where asked.
+  size = 32
+  rng = np.random.default_rng(seed_of(f"same {shape}"))
+  n = G.SAME + 5
+  images = [_image(rng, *shape) for _ in range(n)]
+  before = G.compiled_counts()
+  got = np.asarray(G.resize_crop_batch(_device(images), size))
+  after = G.compiled_counts()
+  assert after["same"] - before["same"] == 1
+  assert after["prepare"] == before["prepare"]
+  assert after["resize"] == before["resize"]
+  diff = np.stack([np.abs(g.astype(np.int16) - pipeline.resize_crop(x, size))
+                   for x, g in zip(images, got)])
+  assert diff.max() <= PIXEL_MAX
+  # Fewer than SAME of a shape: the per-shape cut and canvas path, whose
+  # arithmetic (the same canvas, the same taps) this is, bitwise.
+  few = np.asarray(G.resize_crop_batch(_device(images[:G.SAME - 1]), size))
+  assert np.array_equal(few, got[:G.SAME - 1])
+  assert G.compiled_counts()["prepare"] == after["prepare"] + 1
+  # Rows given out of order, the padded tail dropped.
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  rows = list(rng.permutation(n))
+  out = G.resize_crop_into(jnp.zeros((n + 2, size, size, 3), jnp.uint8),
+                           _device(images), rows)
+  out = np.asarray(out)
+  assert np.array_equal(out[rows], got) and not out[n:].any()
+
+
 def test_counts_are_padded_to_powers_of_two_in_chunks():
   chunks = list(G._chunks(list(range(2 * G.CHUNK + 5))))  # pylint: disable=protected-access
   assert [(len(c), pad) for c, pad in chunks] == [

@@ -5,7 +5,7 @@
 that decode, which did, and the others named) for one local device: each
 device's shard of a micro-batch (``decode.DecodedIterator``) goes to that
 device's decoder, nvImageCodec on that GPU, in sub-batches (``sub_batch``,
-below: the next one decoding on a thread while this one is resized); each decoded
+below: decoded on a thread while the earlier ones are resized); each decoded
 image is handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
 (``pipeline.resize_crop``: shorter side to ``size``, Pillow's reduce and
@@ -114,6 +114,13 @@ SUB_BATCH = 512
 _BITS = 22  # Pillow's PRECISION_BITS for 8-bit images: 32 - 8 - 2.
 TAPS = 17  # Taps per output pixel: 2 * ceil(2 * residual scale < 4) + 1.
 CHUNK = 64  # Most images per resize call; counts are padded to powers of 2.
+# Why a shape's many members go in one executable each call (cut, reduce and
+# resize fused; the plan a constant): every jax call is one more program on
+# the device's queue, and the GPU client admits only so many ahead of the
+# device (32), so a call per image (the cut) stalled the decoder behind the
+# tower's step. A web shard's rare shapes keep the per-shape cut.
+SAME = 8  # A shape's members in one decode call from which they are fused.
+SAME_CHUNK = 256  # Most of them per fused call.
 
 
 def _cubic(x):
@@ -279,11 +286,9 @@ def _reduce(x, rows: _Axis, cols: _Axis):
   return (((s + amend) * mult) >> 24).astype(jnp.uint8)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _prepare(image, size: int):
+def _canvas(image, size: int):
   """uint8 [h, w, 3] -> the uint8 canvas its resize takes, or for a
-  crop-only plan the [size, size, 3] result. One executable per source
-  shape and size."""
+  crop-only plan the [size, size, 3] result (traced: its plan is static)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   p = plan(*image.shape[:2], size)
   x = image[p.rows.lo:p.rows.hi, p.cols.lo:p.cols.hi]
@@ -295,6 +300,10 @@ def _prepare(image, size: int):
     x = jnp.swapaxes(x, 0, 1)
   hc, wc = p.canvas
   return jnp.pad(x, ((0, hc - x.shape[0]), (0, wc - x.shape[1]), (0, 0)))
+
+
+# One executable per source shape and size.
+_prepare = jax.jit(_canvas, static_argnums=1)
 
 
 def _dense(start, taps, width: int):
@@ -313,20 +322,44 @@ def _round(v):
   return jnp.clip(jnp.floor(v + 0.5), 0.0, 255.0)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _resize_into(out, canvases, sa, ka, sb, kb, flip, rows):
-  """Resizes n canvases (a tuple of uint8 [Hc, Wc, 3]) by their taps (the
-  first pass along a canvas row, then along its columns) and writes them
-  to rows ``rows`` of out (uint8 [k, size, size, 3]; a row >= k is
-  padding, dropped). One executable per (k, canvas, n)."""
+def _two_passes(x, sa, ka, sb, kb):
+  """uint8 canvases [n, Hc, Wc, 3] -> float32 [n, size, size, 3], whole
+  levels: the first pass along a canvas row, then along its columns, by
+  each canvas's taps ([n, size] starts, [n, size, TAPS] coefficients)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   hp = jax.lax.Precision.HIGHEST
-  x = jnp.stack(canvases).astype(jnp.float32)  # [n, Hc, Wc, 3]
+  x = x.astype(jnp.float32)
   y = _round(jnp.einsum("nhwc,nsw->nhsc", x, _dense(sa, ka, x.shape[2]),
                         precision=hp))
-  z = _round(jnp.einsum("nth,nhsc->ntsc", _dense(sb, kb, x.shape[1]), y,
-                        precision=hp))
+  return _round(jnp.einsum("nth,nhsc->ntsc", _dense(sb, kb, x.shape[1]), y,
+                           precision=hp))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _resize_into(out, canvases, sa, ka, sb, kb, flip, rows):
+  """Resizes n canvases (a tuple of uint8 [Hc, Wc, 3]) by their taps and
+  writes them to rows ``rows`` of out (uint8 [k, size, size, 3]; a row >= k
+  is padding, dropped). One executable per (k, canvas, n)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  z = _two_passes(jnp.stack(canvases), sa, ka, sb, kb)
   z = jnp.where(flip[:, None, None, None], jnp.swapaxes(z, 1, 2), z)
+  return out.at[rows].set(z.astype(jnp.uint8), mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _resize_same_into(out, images, rows):
+  """``_prepare`` and ``_resize_into`` in one executable for n images of
+  one shape (a tuple of uint8 [h, w, 3]), whose plan and taps are then
+  constants. One executable per (k, shape, n)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  n, size = len(images), out.shape[1]
+  p = plan(*images[0].shape[:2], size)
+  x = jax.vmap(lambda im: _canvas(im, size))(jnp.stack(images))
+  sa, ka, sb, kb = (jnp.broadcast_to(t, (n,) + t.shape)
+                    for t in _pass_taps(p))
+  z = _two_passes(x, sa, ka, sb, kb)
+  if p.vertical_first:
+    z = jnp.swapaxes(z, 1, 2)
   return out.at[rows].set(z.astype(jnp.uint8), mode="drop")
 
 
@@ -341,11 +374,11 @@ def _pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def _chunks(items: list):
-  """A group in calls of CHUNK, the last padded to a power of two: the
-  count in an executable's key takes log2(CHUNK) + 1 values."""
-  for i in range(0, len(items), CHUNK):
-    part = items[i:i + CHUNK]
+def _chunks(items: list, chunk: int = CHUNK):
+  """A group in calls of ``chunk``, the last padded to a power of two: the
+  count in an executable's key takes log2(chunk) + 1 values."""
+  for i in range(0, len(items), chunk):
+    part = items[i:i + chunk]
     yield part, _pow2(len(part)) - len(part)
 
 
@@ -368,22 +401,35 @@ def resize_crop_into(out, images: list, rows: list):
   in images to its row of out (uint8 [k, size, size, 3], on the images'
   device), returning the new out (the old one is donated).
 
-  Images at (size, size) are written as they are; the others are planned
-  per shape, cut to their window, and resized in groups of one canvas.
+  Images at (size, size) are written as they are. A shape with SAME or more
+  members is cut and resized in calls of up to SAME_CHUNK of them, each one
+  executable; the others are planned per shape, cut to their window, and
+  resized in groups of one canvas.
   """
   k, size = out.shape[0], out.shape[1]
   device = next(iter(out.devices()))
-  squares, groups = [], {}
+  by_shape = {}
   for image, row in zip(images, rows):
-    h, w = image.shape[:2]
+    by_shape.setdefault(tuple(image.shape[:2]), []).append((image, row))
+  squares, groups = [], {}
+  for (h, w), members in by_shape.items():
     if (h, w) == (size, size):
-      squares.append((image, row))
+      squares += members
       continue
     p = plan(h, w, size)
-    if p.crop_only:
-      squares.append((_prepare(image, size), row))
-    else:
-      groups.setdefault(p.canvas, []).append((_prepare(image, size), p, row))
+    if len(members) >= SAME and not p.crop_only:
+      for part, pad in _chunks(members, SAME_CHUNK):
+        out = _resize_same_into(
+            out, tuple(a for a, _ in part)
+            + (_zeros((h, w, 3), device),) * pad,
+            np.asarray([r for _, r in part] + [k] * pad, np.int32))
+      continue
+    for image, row in members:
+      if p.crop_only:
+        squares.append((_prepare(image, size), row))
+      else:
+        groups.setdefault(p.canvas, []).append(
+            (_prepare(image, size), p, row))
   for part, pad in _chunks(squares):
     filler = (_zeros((size, size, 3), device),) * pad
     out = _place_into(out, tuple(a for a, _ in part) + filler,
@@ -419,6 +465,7 @@ def compiled_counts() -> dict:
   (tests bound them; the per-shape one grows with the data's shapes)."""
   return {"prepare": _prepare._cache_size(),  # pylint: disable=protected-access
           "resize": _resize_into._cache_size(),  # pylint: disable=protected-access
+          "same": _resize_same_into._cache_size(),  # pylint: disable=protected-access
           "place": _place_into._cache_size()}  # pylint: disable=protected-access
 
 
@@ -457,9 +504,9 @@ class GpuBatchDecoder:
       raise ValueError(f"GPU decode sub_batch={sub_batch!r} must be an int "
                        ">= 0 (0: one call per shard)")
     self.backend, self.sub_batch = backend, sub_batch
-    # The thread that runs nvImageCodec's calls ahead (made on first use):
-    # one, so that this decoder's nvImageCodec Decoder is never called from
-    # two threads at once.
+    # The thread that runs nvImageCodec's calls (made on first use): one,
+    # so that this decoder's nvImageCodec Decoder is never called from two
+    # threads at once.
     self._ahead = None
     self.device = device or jax.local_devices()[0]
     self._fancy_asked = fancy_upsampling
@@ -543,8 +590,10 @@ class GpuBatchDecoder:
 
   def _parts(self, encoded: list):
     """(first index, nvImageCodec's answers) per sub-batch of encoded, in
-    order: the next sub-batch's call runs on the thread while the caller
-    works on this one (at most two decoded ahead)."""
+    order. The calls run one after another on the thread, all queued at
+    once: the caller's jax calls can wait on the device's queue (behind a
+    tower step), and the decoding goes on meanwhile. (Held at most: the
+    shard's decoded images, as one call holds them.)"""
     n = len(encoded)
     step = self.sub_batch or max(n, 1)
     starts = list(range(0, n, step))
@@ -556,15 +605,16 @@ class GpuBatchDecoder:
       self._ahead = concurrent.futures.ThreadPoolExecutor(
           1, thread_name_prefix=f"nvimgcodec-{self.device.id}")
     calls = [self._ahead.submit(self._decode_all, encoded[a:a + step])
-             for a in starts[:2]]
-    for k, start in enumerate(starts):
-      answers = calls[k].result()
-      calls[k] = None  # its images go as soon as they are resized
-      if k + 2 < len(starts):
-        b = starts[k + 2]
-        calls.append(self._ahead.submit(self._decode_all,
-                                        encoded[b:b + step]))
-      yield start, answers
+             for a in starts]
+    try:
+      for k, start in enumerate(starts):
+        answers = calls[k].result()
+        calls[k] = None  # its images go as soon as they are resized
+        yield start, answers
+    finally:  # an error of the caller: the rest are not decoded
+      for c in calls:
+        if c is not None:
+          c.cancel()
 
   def decode(self, encoded: list, wheres: list, size: int):
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
