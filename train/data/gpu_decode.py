@@ -38,14 +38,14 @@ import jax
 import numpy as np
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")
-# Images per nvImageCodec call. Why not the whole shard in one call: the call
-# returns only when every image is decoded, and handing them to jax and
-# resizing them (Python dispatch, ~40% of the decoder's time at 4096) then
-# waited for it. In sub-batches one thread decodes the next while this one
-# resizes the last, so the shard takes about the longer of the two instead
-# of their sum. The value is measured (benchmarks/bench_data.py
-# --decoders, BENCHMARKS.md's data table).
-SUB_BATCH = 512
+# Images per nvImageCodec call; 0: the whole shard in one call, the default
+# by measurement (benchmarks/bench_data.py --decoders, one micro-batch of
+# 8192 on the H200). Alone, sub-batches decoded on a thread while the
+# earlier ones are resized gain 2-7% (12,433 img/s in one call, 12,740 in
+# 512s, 13,341 in 2048s); beside a bf16 matmul load, as beside the tower's
+# step, they lose 3x (11,678 against 3,632 and 3,401 img/s): each call then
+# waits for the busy GPU on its own.
+SUB_BATCH = 0
 
 # ------------------------------------------------------------ the device resize
 #
