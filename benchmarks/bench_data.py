@@ -13,8 +13,8 @@ peak host memory, the main process's CPU time per image. ``--decoders``
 measures the decoders alone instead: the host JPEG libraries per core, and
 nvImageCodec per backend and batch (raw, and ``GpuBatchDecoder.decode``
 with the pixels' distance to the host path's), and ``GpuBatchDecoder`` on
-one --microbatch per ``sub_batch``, alone and beside bf16 matmuls on the
-GPU (each one's rate drop). Rows go to bench_data.jsonl
+one --microbatch alone and beside bf16 matmuls on the GPU (each one's rate
+drop: the tower's step beside the decoder). Rows go to bench_data.jsonl
 as they finish, the summary to bench_data.json (bench_data_decoders.json).
 """
 from __future__ import annotations
@@ -178,33 +178,31 @@ class _MatmulLoad:
     return len(done) * self.flops / done[-1] / 1e12, out
 
 
-def gpu_sub_batch_rates(jpgs, image_size, batch, sub_batches, reps):
-  """GpuBatchDecoder.decode of one trainer micro-batch (``batch``) per
-  ``sub_batch`` (0: one nvImageCodec call), alone and beside a bf16 matmul
-  load (how much each slows the other), a row each."""
+def gpu_beside_load_rates(jpgs, image_size, batch, reps):
+  """GpuBatchDecoder.decode of one trainer micro-batch (``batch``), alone
+  and beside a bf16 matmul load, and the load's rate alone and beside it:
+  how much each slows the other (one row)."""
   from train.data import decode  # pylint: disable=import-outside-toplevel
   if decode.gpu_unavailable():
     return
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   batch_jpgs = [jpgs[i % len(jpgs)] for i in range(batch)]
   load = _MatmulLoad()
-  alone_tflops, _ = load.rate(3.0)
-  for sub in sub_batches:
-    dec = gpu_decode.GpuBatchDecoder("auto", sub_batch=sub)
-    f = lambda dec=dec: dec.decode(batch_jpgs, [""] * batch, image_size)[0]
-    row = {"kind": "gpu_sub_batch", "backend": "auto", "batch": batch,
-           "sub_batch": sub, "status": "ok",
-           "load_alone_tflops": alone_tflops}
-    try:
-      row["decode_resize_img_s"] = batch / harness.timeit(
-          f, reps=reps, warmup=2).median
-      tflops, t = load.rate(0, beside=lambda f=f: harness.timeit(
-          f, reps=reps, warmup=1))
-      row["beside_load_img_s"] = batch / t.median
-      row["load_beside_tflops"] = tflops
-    except Exception as e:  # pylint: disable=broad-except
-      row["status"] = f"error: {type(e).__name__}: {e}"[:300]
-    yield row
+  dec = gpu_decode.GpuBatchDecoder("auto")
+  f = lambda: dec.decode(batch_jpgs, [""] * batch, image_size)[0]
+  row = {"kind": "gpu_beside_load", "backend": "auto", "batch": batch,
+         "status": "ok"}
+  try:
+    row["load_alone_tflops"], _ = load.rate(3.0)
+    row["decode_resize_img_s"] = batch / harness.timeit(
+        f, reps=reps, warmup=2).median
+    tflops, t = load.rate(0, beside=lambda: harness.timeit(
+        f, reps=reps, warmup=1))
+    row["beside_load_img_s"] = batch / t.median
+    row["load_beside_tflops"] = tflops
+  except Exception as e:  # pylint: disable=broad-except
+    row["status"] = f"error: {type(e).__name__}: {e}"[:300]
+  yield row
 
 
 def gpu_decoder_rates(jpgs, image_size, batches, reps):
@@ -222,9 +220,7 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps):
       jpgs[:256], [""] * 256, image_size)[0]])[0]
   for backend in ("auto", "hw", "cuda"):
     try:
-      # One nvImageCodec call per batch: the library's own rate per batch
-      # size (sub-batches are gpu_sub_batch_rates').
-      dec = gpu_decode.GpuBatchDecoder(backend, sub_batch=0)
+      dec = gpu_decode.GpuBatchDecoder(backend)
     except Exception as e:  # pylint: disable=broad-except
       yield {"kind": "gpu_decoder", "backend": backend,
              "status": f"error: {type(e).__name__}: {e}"[:300]}
@@ -309,8 +305,7 @@ def pipeline_child(spec) -> dict:
 def _key(r):
   """A row's case (rows of one run only: bench_data does not resume)."""
   return tuple(r.get(k) for k in ("kind", "library", "backend", "batch",
-                                  "sub_batch", "workers", "threads",
-                                  "decode_size"))
+                                  "workers", "threads", "decode_size"))
 
 
 def decoders(args, rows, res):
@@ -327,11 +322,10 @@ def decoders(args, rows, res):
   res["gpu"] = [rows.add(dict(r, **meta)) for r in gpu_decoder_rates(
       jpgs, args.image_size, harness.ints(args.gpu_batches),
       reps=2 if args.quick else 5)]
-  res["gpu_sub_batch"] = [rows.add(dict(r, **meta)) for r in
-                          gpu_sub_batch_rates(
-                              jpgs, args.image_size, args.microbatch,
-                              harness.ints(args.gpu_sub_batches),
-                              reps=2 if args.quick else 5)]
+  res["gpu_beside_load"] = [rows.add(dict(r, **meta)) for r in
+                            gpu_beside_load_rates(
+                                jpgs, args.image_size, args.microbatch,
+                                reps=2 if args.quick else 5)]
   with open(os.path.join(args.out, "bench_data_decoders.json"), "w") as f:
     json.dump(res, f, indent=1)
   print(f"\n{len(jpgs)} JPEGs 256 px, {res['mean_jpeg_kb']:.1f} KB mean; "
@@ -342,7 +336,7 @@ def decoders(args, rows, res):
         f"{r['decode_resize_img_s_per_core']:7.0f}  (max |diff| vs Pillow "
         f"{r['max_abs_diff_vs_pillow']})" if r["status"] == "ok"
         else r["status"]))
-  for r in res["gpu"] + res["gpu_sub_batch"]:
+  for r in res["gpu"] + res["gpu_beside_load"]:
     print("  gpu " + " ".join(f"{k}={v:.0f}" if isinstance(v, float) and
                               v > 10 else f"{k}={v}" for k, v in r.items()
                               if k not in ("kind", *meta)))
@@ -450,9 +444,6 @@ def main(argv=None):
                   "core, nvImageCodec per backend and batch), no pipeline")
   ap.add_argument("--gpu_batches", default="256,1024,4096",
                   help="--decoders: GPU batch sizes")
-  ap.add_argument("--gpu_sub_batches", default="0,256,512,1024,2048",
-                  help="--decoders: GpuBatchDecoder sub_batch values, each "
-                  "decoding one --microbatch alone and beside a matmul load")
   args = harness.parse_quick(ap, dict(
       num=512, threads="1,2", workers="2", microbatch=64, measure_s=1.0),
                              argv)

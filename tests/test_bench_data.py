@@ -23,7 +23,7 @@ def test_decoders_rows_carry_the_device_and_match_the_summary(tmp_path):
   rows = harness.read_jsonl(str(tmp_path / "bench_data.jsonl"))
   with open(tmp_path / "bench_data_decoders.json") as f:
     res = json.load(f)
-  assert rows == res["host"] + res["gpu"] + res["gpu_sub_batch"]
+  assert rows == res["host"] + res["gpu"] + res["gpu_beside_load"]
   pillow = rows[0]
   assert pillow["library"] == "pillow" and pillow["status"] == "ok"
   assert pillow["max_abs_diff_vs_pillow"] == 0

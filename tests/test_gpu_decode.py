@@ -470,12 +470,11 @@ def test_gpu_decoder_groups_falls_back_and_keeps_order_on_its_device(
   assert not ok.any() and [b[1] for b in bad] == ["a", "b"]
 
 
-@pytest.mark.parametrize("sub_batch", [1, 2, 4, 8, 9])
-def test_gpu_decoder_sub_batches_give_the_one_call_result(
-    fake_nvimgcodec, sub_batch):
-  # The shard in nvImageCodec calls of sub_batch (the next one decoding on
-  # a thread): the same images, rows, ok and bad as one call, bad members
-  # anywhere (the first, a sub-batch's last, the shard's last).
+def test_gpu_decoder_bad_members_anywhere_keep_the_host_rows(
+    fake_nvimgcodec):
+  # Bad members first, in the middle and last: one nvImageCodec call per
+  # shard, the host decoder's ok, bad and rows (the rows after a bad one
+  # move up; the tail the bad ones leave is cut off).
   import jax  # pylint: disable=import-outside-toplevel
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   del fake_nvimgcodec
@@ -484,26 +483,17 @@ def test_gpu_decoder_sub_batches_give_the_one_call_result(
   items = [b"", jpgs[0], jpgs[2], b"<html>", jpgs[1], jpgs[4], jpgs[3],
            jpgs[0][:-2], jpgs[1], jpgs[2], b"GIF89a"]
   where = [f"k{i}" for i in range(len(items))]
-  whole = gpu_decode.GpuBatchDecoder(device=device, sub_batch=0)
-  parts = gpu_decode.GpuBatchDecoder(device=device, sub_batch=sub_batch)
+  dec = gpu_decode.GpuBatchDecoder(device=device)
   for size in (16, 40):
-    g, ok, bad = whole.decode(items, where, size)
-    p, pok, pbad = parts.decode(items, where, size)
-    assert p.devices() == {device} and p.shape == g.shape
-    assert np.array_equal(np.asarray(p), np.asarray(g))
-    assert np.array_equal(pok, ok) and pbad == bad
+    g, ok, bad = dec.decode(items, where, size)
+    h, hok, hbad = decode.HostBatchDecoder().decode(items, where, size)
+    assert g.devices() == {device} and g.shape == h.shape
+    assert np.array_equal(ok, hok) and bad == hbad
     assert [b[1] for b in bad] == ["k0", "k3", "k7", "k10"]
-  n = len(items)
-  assert whole._decoder.calls == [n, n]  # pylint: disable=protected-access
-  assert parts._decoder.calls == 2 * (  # pylint: disable=protected-access
-      [sub_batch] * (n // sub_batch) + [n % sub_batch] * bool(n % sub_batch))
-  assert f"{sub_batch} per call" in parts.describe()
-  # Nothing to decode, and nothing that decodes.
-  assert parts.decode([], [], 16)[0].shape == (0, 16, 16, 3)
-  g, ok, _ = parts.decode([b"x"] * 5, list("abcde"), 16)
+  assert dec._decoder.calls == [len(items)] * 2  # pylint: disable=protected-access
+  assert dec.decode([], [], 16)[0].shape == (0, 16, 16, 3)
+  g, ok, _ = dec.decode([b"x"] * 5, list("abcde"), 16)
   assert g.shape == (0, 16, 16, 3) and not ok.any()
-  with pytest.raises(ValueError, match="sub_batch=-1 must be an int >= 0"):
-    gpu_decode.GpuBatchDecoder(sub_batch=-1)
 
 
 def test_gpu_path_on_cpu_devices_gives_the_host_stream(

@@ -4,8 +4,8 @@
 (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3] of the k
 that decode, which did, and the others named) for one local device: each
 device's shard of a micro-batch (``decode.DecodedIterator``) goes to that
-device's decoder, nvImageCodec on that GPU, in sub-batches (``sub_batch``,
-below: decoded on a thread while the earlier ones are resized); each decoded
+device's decoder, nvImageCodec on that GPU, in one call (measured against
+sub-batches in BENCHMARKS.md's data section); each decoded
 image is handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
 (``pipeline.resize_crop``: shorter side to ``size``, Pillow's reduce and
@@ -30,7 +30,6 @@ this module needs neither.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 from typing import NamedTuple
 
@@ -38,14 +37,6 @@ import jax
 import numpy as np
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")
-# Images per nvImageCodec call; 0: the whole shard in one call, the default
-# by measurement (benchmarks/bench_data.py --decoders, one micro-batch of
-# 8192 on the H200). Alone, sub-batches decoded on a thread while the
-# earlier ones are resized gain 2-7% (12,433 img/s in one call, 12,740 in
-# 512s, 13,341 in 2048s); beside a bf16 matmul load, as beside the tower's
-# step, they lose 3x (11,678 against 3,632 and 3,401 img/s): each call then
-# waits for the busy GPU on its own.
-SUB_BATCH = 0
 
 # ------------------------------------------------------------ the device resize
 #
@@ -487,27 +478,17 @@ class GpuBatchDecoder:
       shard of the micro-batch.
     fancy_upsampling: chroma upsampled as libjpeg-turbo's default does it
       (the host path's), rather than nvJPEG's nearest neighbour.
-    sub_batch: images per nvImageCodec call (0: the whole shard in one);
-      see SUB_BATCH. The images, their rows and the bad ones do not depend
-      on it.
   """
 
   name = "gpu"
 
   def __init__(self, backend: str = "auto", device=None,
-               fancy_upsampling: bool = True, sub_batch: int = SUB_BATCH):
+               fancy_upsampling: bool = True):
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel
     if backend not in BACKENDS:
       raise ValueError(f"GPU decode backend {backend!r} must be one of "
                        f"{', '.join(BACKENDS)}")
-    if not (isinstance(sub_batch, int) and sub_batch >= 0):
-      raise ValueError(f"GPU decode sub_batch={sub_batch!r} must be an int "
-                       ">= 0 (0: one call per shard)")
-    self.backend, self.sub_batch = backend, sub_batch
-    # The thread that runs nvImageCodec's calls (made on first use): one,
-    # so that this decoder's nvImageCodec Decoder is never called from two
-    # threads at once.
-    self._ahead = None
+    self.backend = backend
     self.device = device or jax.local_devices()[0]
     self._fancy_asked = fancy_upsampling
     kinds = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY",
@@ -544,12 +525,10 @@ class GpuBatchDecoder:
   def for_device(self, device) -> "GpuBatchDecoder":
     if device == self.device:
       return self
-    return GpuBatchDecoder(self.backend, device, self._fancy_asked,
-                           self.sub_batch)
+    return GpuBatchDecoder(self.backend, device, self._fancy_asked)
 
   def describe(self) -> str:
-    return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}, "
-            f"{self.sub_batch or 'the whole shard'} per call"
+    return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
             f"{'' if self.fancy_upsampling else ', no fancy upsampling'})")
 
   def _decode_all(self, encoded: list) -> list:
@@ -588,34 +567,6 @@ class GpuBatchDecoder:
       return a
     return None
 
-  def _parts(self, encoded: list):
-    """(first index, nvImageCodec's answers) per sub-batch of encoded, in
-    order. The calls run one after another on the thread, all queued at
-    once: the caller's jax calls can wait on the device's queue (behind a
-    tower step), and the decoding goes on meanwhile. (Held at most: the
-    shard's decoded images, as one call holds them.)"""
-    n = len(encoded)
-    step = self.sub_batch or max(n, 1)
-    starts = list(range(0, n, step))
-    if len(starts) <= 1:  # one call: no thread hop
-      if starts:
-        yield 0, self._decode_all(encoded)
-      return
-    if self._ahead is None:
-      self._ahead = concurrent.futures.ThreadPoolExecutor(
-          1, thread_name_prefix=f"nvimgcodec-{self.device.id}")
-    calls = [self._ahead.submit(self._decode_all, encoded[a:a + step])
-             for a in starts]
-    try:
-      for k, start in enumerate(starts):
-        answers = calls[k].result()
-        calls[k] = None  # its images go as soon as they are resized
-        yield start, answers
-    finally:  # an error of the caller: the rest are not decoded
-      for c in calls:
-        if c is not None:
-          c.cancel()
-
   def decode(self, encoded: list, wheres: list, size: int):
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
@@ -623,30 +574,29 @@ class GpuBatchDecoder:
     from train.data.source import BadExample  # pylint: disable=import-outside-toplevel
     n = len(encoded)
     ok, bad = np.zeros(n, bool), []
-    # Rows for every member; a kept image's row is its rank among the kept,
-    # in input order, so the bad ones' rows are the tail cut off at the end.
+    # Rows for every member, so that the resize's executables key on the
+    # shard's size, not on how many decoded; a kept image's row is its rank
+    # among the kept, so the bad ones' rows are the tail cut off at the end.
     images = jnp.zeros((n, size, size, 3), jnp.uint8, device=self.device)
-    kept = 0
-    for start, answers in self._parts(encoded):
-      decoded, rows = [], []  # uint8 [h, w, 3] on the device, any shape
-      for i, img in enumerate(answers, start):
-        a = self._usable(img)
-        if a is None:
-          try:
-            # Decoded and resized on the host: on the device, it is a
-            # (size, size) image that the resize only places.
-            a = jax.device_put(pipeline.resize_crop(
-                decode_lib.decode_host(encoded[i], wheres[i], size), size),
-                               self.device)
-          except BadExample as e:
-            bad.append((i, e.where, e.reason))
-            continue
-        decoded.append(a)
-        rows.append(kept)
-        kept += 1
-        ok[i] = True
-      if decoded:
-        images = resize_crop_into(images, decoded, rows)
+    decoded, rows = [], []  # uint8 [h, w, 3] on the device, any shape
+    for i, img in enumerate(self._decode_all(encoded)):
+      a = self._usable(img)
+      if a is None:
+        try:
+          # Decoded and resized on the host: on the device, it is a
+          # (size, size) image that the resize only places.
+          a = jax.device_put(pipeline.resize_crop(
+              decode_lib.decode_host(encoded[i], wheres[i], size), size),
+                             self.device)
+        except BadExample as e:
+          bad.append((i, e.where, e.reason))
+          continue
+      decoded.append(a)
+      rows.append(len(rows))
+      ok[i] = True
+    if decoded:
+      images = resize_crop_into(images, decoded, rows)
+    kept = len(rows)
     if kept < n:
       images = images[:kept]
     return images, ok, bad
