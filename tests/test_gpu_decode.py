@@ -181,13 +181,18 @@ def _check_shards(batch, sharding, dec=None):
       assert all((shard.device, _digest(x)) in dec.decoded for x in data)
 
 
-@pytest.mark.parametrize("fmt,micro", [("webdataset", 8), ("csv", 8),
-                                       ("webdataset", 24)])
-def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro):
+@pytest.mark.parametrize("fmt,micro,workers", [
+    ("webdataset", 8, 0), ("csv", 8, 0), ("webdataset", 24, 0),
+    ("webdataset", 8, 2)])
+def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro,
+                                                     workers):
+  # workers: the bytes read, checked and tokenized in grain's worker
+  # processes, as the GPU decoder's host side runs at scale.
   import jax  # pylint: disable=import-outside-toplevel
   name = ("webdataset:" + corpus.pattern if fmt == "webdataset"
           else "csv:" + corpus.tables["csv"])
-  config = _config(name)
+  config = _config(name, num_workers=workers,
+                   **({"cache_max_mb": 0} if workers else {}))
   host = D.make_train_iterator(config, batch_size=24, seed=3,
                                microbatch_size=micro)
   dec = _Failing()
