@@ -220,11 +220,15 @@ def stream_child(spec) -> dict:
   config.data.num_workers = spec.get("workers") or default_workers()
   config.data.num_threads = 1
   # With decoder="gpu" the workers still read the bytes, check each JPEG's
-  # markers and tokenize (the device decodes: train/data/gpu_decode.py):
-  # in this process's threads instead, that host side is held by the GIL at
-  # ~200 us per image (6,986 img/s from 1 or 4 threads on 2 VM cores, the
-  # decode stubbed out; 2 workers 8,521 img/s at 127 us in this process).
+  # markers and tokenize (the device decodes: train/data/gpu_decode.py).
+  # --gpu_host_threads N does that in N threads of this process instead,
+  # where the GIL holds it at ~200 us per image (6,986 img/s from 1 or 4
+  # threads on 2 VM cores, the decode stubbed out; 2 workers 8,521 img/s at
+  # 127 us in this process).
   config.data.decoder = spec.get("decoder", "host")
+  if config.data.decoder == "gpu" and spec.get("gpu_host_threads"):
+    config.data.num_workers = 0
+    config.data.num_threads = spec["gpu_host_threads"]
   config.data.prefetch_batches = 2
   config.data.cache_max_mb = 0
   data_config.check_data_config(config)
@@ -323,7 +327,7 @@ COLS = ["kind", "mode", "batch", "microbatch", "decoder", "status", "step_s",
         "decode_size", "loss_value", "device_kind", "n_devices", "jax", "date"]
 # A case's identity, for --resume.
 KEY = ("kind", "mode", "batch", "microbatch", "decoder", "decode_size",
-       "workers", "steps", "image_model")
+       "workers", "gpu_host_threads", "steps", "image_model")
 # What a resumed run keeps: measured rows and the batches that do not fit;
 # a timeout, a crash or a skipped case runs again.
 KEPT = ("ok", "oom")
@@ -368,6 +372,8 @@ def plan(args, model) -> list:
           kind="stream", batch=b, mode="stream",
           microbatch=min(args.microbatch, b), measure_loss=False, reps=1,
           steps=args.stream_steps, workers=args.workers,
+          **({"gpu_host_threads": args.gpu_host_threads}
+             if decoder == "gpu" and args.gpu_host_threads else {}),
           decode_size=args.decode_size, decoder=decoder,
           jpeg_size=args.decode_size or (64 if args.quick else 256),
           embed_reps=1 if args.quick else 2))
@@ -418,6 +424,10 @@ def main(argv=None):
                   "uint8 micro-batches, the locked tower per micro-batch)")
   ap.add_argument("--stream_steps", type=int, default=1,
                   help="steps per stream case (the last is reported)")
+  ap.add_argument("--gpu_host_threads", type=int, default=0,
+                  help="stream cases with decoder gpu: read, check and "
+                  "tokenize in this many threads of the training process "
+                  "instead of the --workers processes (0 = the workers)")
   ap.add_argument("--workers", type=int, default=0,
                   help="stream cases: decode worker processes (0 = the "
                   "cores less 4)")

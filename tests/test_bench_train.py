@@ -120,3 +120,20 @@ def test_a_stream_case_checks_its_input_settings_before_building(capsys):
   assert r["status"] == ("error: ValueError: config.data.decoder='nope' "
                          "must be one of host, gpu, auto"), r
   assert "Traceback" in capsys.readouterr().err
+
+
+def test_gpu_host_threads_reach_the_gpu_stream_cases_only():
+  # --gpu_host_threads: the GPU decoder's host side in the training
+  # process's threads, in the gpu cases' specs (and so their rows' keys);
+  # the host decoder's cases keep the workers.
+  args = type("A", (), dict(
+      step_batches="", modes="precomputed", microbatch=64, reps=1,
+      stream_batches="128", decoders="gpu,host", stream_steps=1, workers=3,
+      decode_size=0, quick=True, ladder="", image_model="b16",
+      gpu_host_threads=4))()
+  by = {c["decoder"]: c for c in bench_train.plan(args, {})}
+  assert by["gpu"]["gpu_host_threads"] == 4 and by["gpu"]["workers"] == 3
+  assert "gpu_host_threads" not in by["host"]
+  args.gpu_host_threads = 0
+  assert all("gpu_host_threads" not in c for c in bench_train.plan(args, {}))
+  assert "gpu_host_threads" in bench_train.KEY
