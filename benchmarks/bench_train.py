@@ -222,9 +222,8 @@ def stream_child(spec) -> dict:
   # With decoder="gpu" the workers still read the bytes, check each JPEG's
   # markers and tokenize (the device decodes: train/data/gpu_decode.py).
   # --gpu_host_threads N does that in N threads of this process instead,
-  # where the GIL holds it at ~200 us per image (6,986 img/s from 1 or 4
-  # threads on 2 VM cores, the decode stubbed out; 2 workers 8,521 img/s at
-  # 127 us in this process).
+  # where the GIL holds it at ~200 us per image (on 2 VM cores, the decode
+  # stubbed out: 6,986 img/s from 1 or 4 threads, 9,300 from 2 workers).
   config.data.decoder = spec.get("decoder", "host")
   if config.data.decoder == "gpu" and spec.get("gpu_host_threads"):
     config.data.num_workers = 0

@@ -224,6 +224,31 @@ def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro,
       n <= min(per_device.values()) <= n + 3)
 
 
+def test_encoded_images_cross_from_workers_flat_and_come_back_whole():
+  # A worker's chunk carries the encoded images as one uint8 array and
+  # their ends (shared memory, not a pickle); the training process gets the
+  # same bytes back, trailing NULs and all, the other fields untouched.
+  from train.data.source import Bad  # pylint: disable=import-outside-toplevel
+  blobs = [b"\xff\xd8abc\x00\x00", b"\xff\xd8" + bytes(range(256)), b"\x00"]
+  items = [(10, {"encoded": blobs[0], "key": "a", "label": np.int32(1)}),
+           (11, Bad("b", "why")),
+           (12, {"encoded": blobs[1], "key": "c", "label": np.int32(2)}),
+           (13, {"encoded": blobs[2], "key": "d", "label": np.int32(3)})]
+  flat = pipeline._pack_flat(items)  # pylint: disable=protected-access
+  assert "encoded" not in flat["arrays"]
+  assert flat["arrays"]["encoded_flat"].dtype == np.uint8
+  back = pipeline._unflatten(flat)  # pylint: disable=protected-access
+  plain = pipeline._pack(items)  # pylint: disable=protected-access
+  assert list(back["arrays"]["encoded"]) == blobs
+  assert back["arrays"].keys() == plain["arrays"].keys()
+  assert list(back["arrays"]["key"]) == ["a", "c", "d"]
+  assert np.array_equal(back["arrays"]["label"], [1, 2, 3])
+  assert back["bad"] == plain["bad"] == [(1, "b", "why")]
+  assert np.array_equal(back["good"], plain["good"])
+  none = pipeline._pack_flat([(0, Bad("x", "y"))])  # pylint: disable=protected-access
+  assert pipeline._unflatten(none)["arrays"] is None  # pylint: disable=protected-access
+
+
 def _permuted_sharding():
   """Rows over the devices in another order than jax.devices()'s."""
   import jax  # pylint: disable=import-outside-toplevel
