@@ -9,7 +9,8 @@ package, the trainer's index + ``os.pread``), one core's decode only
 (``decode_size=256``: the device resizes) and decode + resize 256 -> 224,
 and the trainer's host pipeline (``make_train_iterator``) with reader
 threads or worker processes, each case in a child: img/s after start-up,
-peak host memory, the main process's CPU time per image. ``--decoders``
+peak host memory, the main process's CPU time per image (``--bytes_only``:
+nothing decoded, the host side of ``decoder="gpu"``). ``--decoders``
 measures the decoders alone instead: the host JPEG libraries per core, and
 nvImageCodec per backend and batch (raw, and ``GpuBatchDecoder.decode``
 with the pixels' distance to the host path's), and ``GpuBatchDecoder`` on
@@ -256,6 +257,35 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps):
 # ----------------------------------------------------------------- child
 
 
+class _NoDecode:
+  """A batch decoder that decodes nothing (--bytes_only): the GPU decoder's
+  host side alone (reading, the JPEG check, tokens, the hand-over from the
+  workers); its images are one cached zero array per device."""
+
+  name = "none"
+
+  def __init__(self, device=None):
+    import jax  # pylint: disable=import-outside-toplevel
+    self.device = device or jax.local_devices()[0]
+    self._zeros = {}
+
+  def for_device(self, device):
+    return self if device == self.device else _NoDecode(device)
+
+  def describe(self) -> str:
+    return "none (bytes only)"
+
+  def decode(self, encoded, wheres, size):
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    del wheres
+    n = len(encoded)
+    if n not in self._zeros:
+      self._zeros[n] = jax.device_put(np.zeros((n, size, size, 3), np.uint8),
+                                      self.device)
+    return self._zeros[n], np.ones(n, bool), []
+
+
 def pipeline_child(spec) -> dict:
   """One pipeline configuration: img/s after start-up, peak host memory."""
   import ml_collections  # pylint: disable=import-outside-toplevel
@@ -275,7 +305,9 @@ def pipeline_child(spec) -> dict:
   out = dict(spec)
   with harness.HostMemory() as mem:
     t0 = time.perf_counter()
-    it = pipeline.make_train_iterator(config, batch_size=mb, seed=0)
+    it = pipeline.make_train_iterator(
+        config, batch_size=mb, seed=0,
+        batch_decoder=_NoDecode() if spec.get("bytes_only") else None)
     first = next(it)  # Start-up: workers spawned, buffers filling.
     out["startup_s"] = time.perf_counter() - t0
     out["image_shape"] = list(first["image"].shape)
@@ -305,7 +337,8 @@ def pipeline_child(spec) -> dict:
 def _key(r):
   """A row's case (rows of one run only: bench_data does not resume)."""
   return tuple(r.get(k) for k in ("kind", "library", "backend", "batch",
-                                  "workers", "threads", "decode_size"))
+                                  "workers", "threads", "decode_size",
+                                  "bytes_only"))
 
 
 def decoders(args, rows, res):
@@ -379,11 +412,14 @@ def reading_and_pipeline(args, rows, res, threads, workers):
 
     base = dict(pattern=pattern, image_size=args.image_size,
                 microbatch=args.microbatch, measure_s=args.measure_s)
+    if args.bytes_only:
+      base["bytes_only"] = True
     cases = [dict(base, workers=0, threads=t, decode_size=args.decode_size)
              for t in threads]
     cases += [dict(base, workers=w, threads=1, decode_size=args.decode_size)
               for w in workers]
-    if workers:  # The host resizing, at the most workers, for comparison.
+    if workers and not args.bytes_only:
+      # The host resizing, at the most workers, for comparison.
       cases.append(dict(base, workers=max(workers), threads=1, decode_size=0))
     res["pipeline"] = []
     for case in cases:
@@ -442,6 +478,9 @@ def main(argv=None):
   ap.add_argument("--decoders", action="store_true",
                   help="measure the decoders alone (host libraries per "
                   "core, nvImageCodec per backend and batch), no pipeline")
+  ap.add_argument("--bytes_only", action="store_true",
+                  help="pipeline cases without decoding: the host side of "
+                  "decoder='gpu' (reading, JPEG check, tokens, hand-over)")
   ap.add_argument("--gpu_batches", default="256,1024,4096",
                   help="--decoders: GPU batch sizes")
   args = harness.parse_quick(ap, dict(

@@ -222,8 +222,9 @@ def stream_child(spec) -> dict:
   # With decoder="gpu" the workers still read the bytes, check each JPEG's
   # markers and tokenize (the device decodes: train/data/gpu_decode.py).
   # --gpu_host_threads N does that in N threads of this process instead,
-  # where the GIL holds it at ~200 us per image (on 2 VM cores, the decode
-  # stubbed out: 6,986 img/s from 1 or 4 threads, 9,300 from 2 workers).
+  # where they share the GIL with the decoder and the tower (bench_data.py
+  # --bytes_only on 2 VM cores: 12,979 img/s from 1 thread, 6,032 from 4,
+  # 14,430 from 2 workers).
   config.data.decoder = spec.get("decoder", "host")
   if config.data.decoder == "gpu" and spec.get("gpu_host_threads"):
     config.data.num_workers = 0

@@ -34,7 +34,7 @@ suite_parts() {
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
   train) parts="step:420 ladder:560 stream:570 l14:150" ;;
-  data) parts="pipeline:200" ;;
+  data) parts="pipeline:200 bytes:200" ;;
   ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
   *) return 1 ;;
   esac
@@ -247,6 +247,11 @@ train_l14() {
 data_pipeline() {
   bench data-pipeline "$1" benchmarks/bench_data.py --out "$out/data" --threads 8 \
     --workers 12,16 --measure_s 8 --timeout_s 40
+}
+data_bytes() {
+  # decoder="gpu"'s host side alone: reading, the JPEG check, tokens.
+  bench data-bytes "$1" benchmarks/bench_data.py --out "$out/data_bytes" --bytes_only \
+    --threads 1,4 --workers 4,8,12 --measure_s 8 --timeout_s 40
 }
 
 ring_schedule() {

@@ -48,6 +48,13 @@ def test_reading_and_pipeline_rows_and_a_case_past_its_deadline(
   assert case["images"] >= 32 and case["img_s"] > 0 and "pattern" not in case
   assert case["date"] == reading["date"] and case["jax"]
   assert case["image_shape"] == [16, 256, 256, 3]  # decode_size 256
+  # --bytes_only: the same case with nothing decoded (decoder="gpu"'s host
+  # side), its rows told apart.
+  bench_data.main(argv + [str(tmp_path / "bytes"), "--bytes_only"])
+  _, raw = harness.read_jsonl(str(tmp_path / "bytes" / "bench_data.jsonl"))
+  assert raw["status"] == "ok" and raw["bytes_only"] is True, raw
+  assert raw["image_shape"] == [16, 256, 256, 3] and raw["img_s"] > 0
+  assert "bytes_only" not in case
   # A child cannot start in a second: its case is a status row.
   bench_data.main(argv[:-1] + ["--timeout_s", "1", "--out",
                                str(tmp_path / "late")])
