@@ -4,9 +4,9 @@
 (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3] of the k
 that decode, which did, and the others named) for one local device: each
 device's shard of a micro-batch (``decode.DecodedIterator``) goes to that
-device's decoder, nvImageCodec on that GPU, in one call (measured against
-sub-batches in BENCHMARKS.md's data section); each decoded
-image is handed to jax on that device through DLPack (no host copy) and
+device's decoder, nvImageCodec on that GPU, in one call (faster beside the
+tower than sub-batches: BENCHMARKS.md, data path); each decoded image is
+handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
 (``pipeline.resize_crop``: shorter side to ``size``, Pillow's reduce and
 separable antialiased bicubic, each step rounded to whole levels, then the
@@ -15,7 +15,8 @@ The resize (``resize_crop_batch``, see the comment above it) takes any mix
 of shapes with a bounded number of executables: Pillow's coefficients are
 computed on the host and sent as data, images are cut to the window their
 crop needs and padded to a few canvas sizes, so a web shard's hundreds of
-shapes per micro-batch do not compile a resize each.
+shapes per micro-batch do not compile a resize each; a shape's many
+members (a centre-cropped shard's one shape) go in one program per 256.
 
 What nvImageCodec cannot decode (it answers None: a PNG, a CMYK JPEG, a
 file that is no image) is decoded on the host instead, so the kept
