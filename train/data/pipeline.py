@@ -334,13 +334,16 @@ def _pack(items: list, flat: bool = False) -> dict:
   """
   good = np.array([not isinstance(e, Bad) for _, e in items])
   elements = [e for _, e in items if not isinstance(e, Bad)]
-  arrays = ({k: _stack([e[k] for e in elements]) for k in elements[0]}
-            if elements else None)
-  if flat and arrays and "encoded" in arrays:
-    encoded = arrays.pop("encoded")
-    arrays["encoded_ends"] = np.cumsum([len(b) for b in encoded],
-                                       dtype=np.int64)
-    arrays["encoded_flat"] = np.frombuffer(b"".join(encoded), np.uint8)
+  arrays = None
+  if elements:
+    flat = flat and "encoded" in elements[0]
+    arrays = {k: _stack([e[k] for e in elements]) for k in elements[0]
+              if not (flat and k == "encoded")}
+    if flat:
+      encoded = [e["encoded"] for e in elements]
+      arrays["encoded_ends"] = np.cumsum([len(b) for b in encoded],
+                                         dtype=np.int64)
+      arrays["encoded_flat"] = np.frombuffer(b"".join(encoded), np.uint8)
   return {"pos0": items[0][0], "good": good, "arrays": arrays,
           "bad": [(i, e.where, e.reason) for i, (_, e) in enumerate(items)
                   if isinstance(e, Bad)]}
