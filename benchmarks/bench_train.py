@@ -288,17 +288,30 @@ def stream_child(spec) -> dict:
                      reps=spec.get("embed_reps", 2), warmup=1)
   out["device_embed_img_s"] = mb / t.median
   del x
+  timing = getattr(it, "timing", dict)  # the decode thread's stages
   times = []
   for _ in range(steps):
     waited[0], put_s[0] = 0.0, 0.0
-    t1 = time.perf_counter()
-    inputs = streamer.step_inputs(Timed(), b // mb)
-    inputs_s = time.perf_counter() - t1
-    state, metrics = compiled(state, inputs)
-    loss = float(metrics["loss"])
-    times.append(time.perf_counter() - t1)
+    before = timing()
+    # Where the main and the decode threads are, sampled (wall time).
+    sampler = harness.StackSampler(("MainThread", "decode"))
+    with sampler:
+      t1 = time.perf_counter()
+      inputs = streamer.step_inputs(Timed(), b // mb)
+      inputs_s = time.perf_counter() - t1
+      state, metrics = compiled(state, inputs)
+      loss = float(metrics["loss"])
+      times.append(time.perf_counter() - t1)
     del inputs
+    after = timing()
   host.__exit__()
+  # decoder="gpu": the decode thread's seconds in the last step per stage,
+  # wall and CPU (train/data/decode.py Stopwatch).
+  out["stack_samples"] = sampler.top(16)
+  if after:
+    out["decode_thread"] = {
+        k: {t: round(v[t] - before.get(k, {}).get(t, 0.0), 4) for t in v}
+        for k, v in after.items()}
   out["step_s"] = times[-1]
   out["step_all_s"] = times
   out["host_wait_s"] = waited[0]
@@ -407,6 +420,10 @@ def _progress(r):
           + (" (input-bound)" if r["input_bound"] else "")
           + f", peak GPU {r['peak_gib']:.1f} GiB, host "
           f"{r['host_peak_gib']:.1f} GiB", flush=True)
+  if r.get("decode_thread"):
+    print("[bench_train]   decode thread (wall/cpu s): " + ", ".join(
+        f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"
+        for k, v in r["decode_thread"].items()), flush=True)
 
 
 def main(argv=None):

@@ -597,6 +597,58 @@ class HostMemory:
     return self.peak_bytes / 2**30
 
 
+class StackSampler:
+  """Where this process's named threads spend their wall time: every
+  ``interval_s`` each thread's innermost frame and its innermost frame in
+  this repository, counted (a context manager; ``top``).
+
+  A thread in C code that released the GIL shows the Python line that called
+  it; one waiting for the GIL shows where it will resume. So the counts split
+  wall time, not CPU time, which is what an input-bound step needs to know.
+  """
+
+  def __init__(self, threads: tuple, interval_s: float = 0.002):
+    self.threads, self.interval_s = threads, interval_s
+    self.counts = collections.Counter()
+    self.samples = 0
+    self._stop = threading.Event()
+    self._thread = None
+
+  @staticmethod
+  def _where(frame) -> str:
+    inner = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+    f = frame
+    while f is not None and not f.f_code.co_filename.startswith(ROOT):
+      f = f.f_back
+    ours = (f"{os.path.basename(f.f_code.co_filename)}:{f.f_code.co_name}"
+            f":{f.f_lineno}" if f is not None else "-")
+    return ours if ours.startswith(inner) else f"{ours} > {inner}"
+
+  def _run(self):
+    me = threading.get_ident()
+    while not self._stop.wait(self.interval_s):
+      names = {t.ident: t.name for t in threading.enumerate()}
+      self.samples += 1
+      for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+        name = names.get(ident, "")
+        if ident != me and name.startswith(self.threads):
+          self.counts[f"{name}: {self._where(frame)}"] += 1
+
+  def top(self, n: int = 20) -> list:
+    """[(where, share of the samples)], the most frequent first."""
+    return [(k, round(v / max(1, self.samples), 4))
+            for k, v in self.counts.most_common(n)]
+
+  def __enter__(self):
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+
 # ------------------------------------------------------- probe items
 # A probe (bench_groups, bench_f32) is a list of ``record(name, fn)``
 # items: each runs on its own, a failure prints its error and the run goes
@@ -629,3 +681,4 @@ def summary(width=45):
   print("\n==== SUMMARY ====")
   for name, out in RESULTS:
     print(f"{name:{width}s} {out}")
+

@@ -548,7 +548,27 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
   inner = gpu.iterator
   assert [inner.decoder_for(d).device for d in inner.devices] == jax.devices()
   assert "one per local device (8)" in inner.describe()
+  # The decode thread's time per stage (bench_train's stream rows): the
+  # iterator's, the Prefetch's and the 8 decoders'.
+  t = gpu.timing()
+  assert set(t) == {"read", "decode", "assemble", "queue_full",
+                    "nvimgcodec", "to_jax", "resize"}
+  assert all(v["wall_s"] > 0 and 0 <= v["cpu_s"] <= v["wall_s"] + 1e-3
+             for v in t.values()), t
   gpu.close()
+
+
+def test_stopwatch_tells_waiting_from_working():
+  import time  # pylint: disable=import-outside-toplevel
+  clock = decode.Stopwatch()
+  for _ in range(2):
+    with clock("wait"):
+      time.sleep(0.05)
+  with clock("work"):
+    sum(range(200_000))
+  t = clock.add_to({"work": {"wall_s": 1.0, "cpu_s": 1.0}})
+  assert t["wait"]["wall_s"] >= 0.1 and t["wait"]["cpu_s"] < 0.02
+  assert t["work"]["wall_s"] > 1.0 and t["work"]["cpu_s"] > 1.0
 
 
 # ------------------------------------------------------------------- GPU

@@ -31,12 +31,15 @@ previous one's tower step runs.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import queue
 import re
 import threading
+import time
 
 import numpy as np
 
@@ -342,6 +345,35 @@ def _on_device(images, device):
   return jax.device_put(np.asarray(images), device)
 
 
+class Stopwatch:
+  """Seconds per stage of one thread's work, wall and that thread's CPU.
+
+  Where a decode thread's time goes (bench_train's stream rows): a stage
+  whose wall time is well above its CPU time waited (for the GIL, the
+  device, a queue) rather than worked. Timed per call, not per image, so it
+  costs nothing measurable.
+  """
+
+  def __init__(self):
+    self.wall, self.cpu = collections.Counter(), collections.Counter()
+
+  @contextlib.contextmanager
+  def __call__(self, stage: str):
+    w, c = time.perf_counter(), time.thread_time()
+    try:
+      yield
+    finally:
+      self.wall[stage] += time.perf_counter() - w
+      self.cpu[stage] += time.thread_time() - c
+
+  def add_to(self, totals: dict) -> dict:
+    for stage, w in self.wall.items():
+      t = totals.setdefault(stage, {"wall_s": 0.0, "cpu_s": 0.0})
+      t["wall_s"] += w
+      t["cpu_s"] += self.cpu[stage]
+    return totals
+
+
 class DecodedIterator:
   """Micro-batches of images decoded in batches, each local device
   decoding its own shard (see the module doc).
@@ -379,6 +411,7 @@ class DecodedIterator:
     self._per = self.microbatch_size // len(self._plan)
     self._decoders = {}  # device -> its bound decoder
     self._pool = None
+    self.clock = Stopwatch()
 
   @property
   def ledger(self) -> BadDataLedger:
@@ -396,6 +429,17 @@ class DecodedIterator:
   def devices(self) -> list:
     """The local devices in the order of their shards."""
     return [d for d, _, _ in self._plan]
+
+  def timing(self) -> dict:
+    """{stage: {"wall_s", "cpu_s"}} so far: this iterator's (read: taking
+    the bytes from the stream; decode: the devices' decode calls; assemble:
+    the global array) and its decoders' (the GPU decoder's nvimgcodec,
+    to_jax and resize, within decode), summed over the devices."""
+    totals = self.clock.add_to({})
+    for d in {id(d): d for d in self._decoders.values()}.values():
+      if hasattr(d, "clock"):
+        d.clock.add_to(totals)
+    return totals
 
   def describe(self) -> str:
     n = len(self._plan)
@@ -436,8 +480,6 @@ class DecodedIterator:
     return self
 
   def __next__(self) -> dict:
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     m, per, ledger = self.microbatch_size, self._per, self.inner.ledger
     # The members read so far (stream order): their host fields (chunks of
     # ``take``), bytes and keys; good[j]: None until decoded, then whether
@@ -445,7 +487,8 @@ class DecodedIterator:
     chunks, encoded, keys, good, done = [], [], [], [], {}
 
     def read(n):
-      raw = self.inner.take(n)
+      with self.clock("read"):
+        raw = self.inner.take(n)
       encoded.extend(raw.pop("encoded"))
       keys.extend(raw.pop("key"))
       chunks.append(raw)
@@ -467,8 +510,9 @@ class DecodedIterator:
         break
       todo = [(d, todo[d]) for d in self.devices if d in todo]
       failed = []
-      for (device, js), (images, ok, bad) in zip(
-          todo, self._decode(todo, encoded, keys)):
+      with self.clock("decode"):
+        results = self._decode(todo, encoded, keys)
+      for (device, js), (images, ok, bad) in zip(todo, results):
         for row, j in enumerate(np.asarray(js)[ok]):
           done[(int(j), device)] = (images, row)
           good[j] = True
@@ -480,6 +524,12 @@ class DecodedIterator:
         ledger.add_bad(where, reason)
       ledger.check()
     ledger.add_good(m)
+    with self.clock("assemble"):
+      return self._assemble(rows, done, chunks)
+
+  def _assemble(self, rows: list, done: dict, chunks: list) -> dict:
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     arrays = []
     for device, start, stop in self._plan:
       runs = []  # [images, first row, end row] taken whole from one call
@@ -562,6 +612,7 @@ class Prefetch(CountsBadData):
     # The state after the last micro-batch handed out (while the thread
     # runs; the iterator's own is ahead of it), and its ledger.
     self._state, self._ledger = None, None
+    self.clock = Stopwatch()
 
   def _start(self):
     self._state, self._ledger = self.iterator.get_state(), None
@@ -581,12 +632,13 @@ class Prefetch(CountsBadData):
         item = (next(self.iterator), self.iterator.get_state())
       except Exception as e:  # pylint: disable=broad-except
         item = _Raised(e)
-      while not stop.is_set():
-        try:
-          q.put(item, timeout=0.1)
-          break
-        except queue.Full:
-          continue
+      with self.clock("queue_full"):  # ahead by depth: the consumer is behind
+        while not stop.is_set():
+          try:
+            q.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
       if isinstance(item, _Raised):
         return
 
@@ -620,6 +672,12 @@ class Prefetch(CountsBadData):
 
   def describe(self) -> str:
     return self.iterator.describe()
+
+  def timing(self) -> dict:
+    """The thread's time per stage: the iterator's
+    (``DecodedIterator.timing``) and queue_full, waiting for room."""
+    inner = self.iterator.timing() if hasattr(self.iterator, "timing") else {}
+    return self.clock.add_to(inner)
 
   def get_state(self) -> dict:
     return self._state if self._thread is not None else (

@@ -519,6 +519,8 @@ class GpuBatchDecoder:
     # The host path does not apply EXIF orientation (Pillow's Image.open
     # leaves it), so neither does this one.
     self.zero_copy = True
+    from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
+    self.clock = decode_lib.Stopwatch()
     self._params = nvimgcodec.DecodeParams(
         apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
         allow_any_depth=False)
@@ -580,8 +582,11 @@ class GpuBatchDecoder:
     # among the kept, so the bad ones' rows are the tail cut off at the end.
     images = jnp.zeros((n, size, size, 3), jnp.uint8, device=self.device)
     decoded, rows = [], []  # uint8 [h, w, 3] on the device, any shape
-    for i, img in enumerate(self._decode_all(encoded)):
-      a = self._usable(img)
+    with self.clock("nvimgcodec"):
+      outs = self._decode_all(encoded)
+    with self.clock("to_jax"):
+      usable = [self._usable(img) for img in outs]
+    for i, a in enumerate(usable):
       if a is None:
         try:
           # Decoded and resized on the host: on the device, it is a
@@ -596,7 +601,8 @@ class GpuBatchDecoder:
       rows.append(len(rows))
       ok[i] = True
     if decoded:
-      images = resize_crop_into(images, decoded, rows)
+      with self.clock("resize"):
+        images = resize_crop_into(images, decoded, rows)
     kept = len(rows)
     if kept < n:
       images = images[:kept]
