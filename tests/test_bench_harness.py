@@ -50,3 +50,25 @@ def test_budget_skips_and_deadlines():
   some = harness.Budget(100)
   assert some.skip(50) is None and some.skip(200).endswith("needs ~200 s")
   assert some.deadline(30) == 30 and some.deadline(500) == pytest.approx(100, abs=1)
+
+
+def _parked(stop):
+  stop.wait(5)
+
+
+def test_stack_sampler_names_where_a_thread_waits():
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  stop = threading.Event()
+  t = threading.Thread(target=_parked, args=(stop,), name="decode-test")
+  other = threading.Thread(target=_parked, args=(stop,), name="unwatched")
+  t.start()
+  other.start()
+  with harness.StackSampler(("decode",), interval_s=0.001) as s:
+    time.sleep(0.1)
+  stop.set()
+  t.join()
+  other.join()
+  (where, share), = s.top()  # the watched thread only, always in one place
+  assert where.startswith("decode-test: test_bench_harness.py:_parked:")
+  assert where.endswith("> threading.py:wait") and share > 0.9
