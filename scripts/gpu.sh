@@ -33,7 +33,7 @@ suite_parts() {
   tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
-  train) parts="step:420 ladder:560 stream:300 stream1m:580 l14:150" ;;
+  train) parts="step:420 ladder:560 stream:300 stream1m:300 stream1m_gpu:580 l14:150" ;;
   data) parts="pipeline:200 bytes:200" ;;
   ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
   *) return 1 ;;
@@ -211,43 +211,49 @@ loss_sweep() {
 }
 
 towers_vit() {
-  bench towers-vit "$1" benchmarks/bench_towers.py --out "$out/towers" --cases vit,vit_torch,vit_p16 \
+  bench towers-vit "$1" benchmarks/bench_towers.py --out "$out/towers-vit" --cases vit,vit_torch,vit_p16 \
     --budget_s $(($1 - 10))
 }
 towers_text() {
-  bench towers-text "$1" benchmarks/bench_towers.py --out "$out/towers" \
+  bench towers-text "$1" benchmarks/bench_towers.py --out "$out/towers-text" \
     --cases text_jax_eos,text_torch --budget_s $(($1 - 10))
 }
 towers_lit() {
-  bench towers-lit "$1" benchmarks/bench_towers.py --out "$out/towers" \
+  bench towers-lit "$1" benchmarks/bench_towers.py --out "$out/towers-lit" \
     --cases lit_hf_precomputed,lit_hf_on_the_fly --budget_s $(($1 - 10))
 }
 
 train_step() {
   # The step at 65,536 (precomputed, tower on the fly) and 262,144.
-  bench train-step "$1" benchmarks/bench_train.py --out "$out/train" --ladder 262144 \
+  bench train-step "$1" benchmarks/bench_train.py --out "$out/train-step" --ladder 262144 \
     --timeout_s 200 --budget_s $(($1 - 10))
 }
 train_ladder() {
-  bench train-ladder "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" \
+  bench train-ladder "$1" benchmarks/bench_train.py --out "$out/train-ladder" --step_batches "" \
     --ladder 1048576,4194304 --timeout_s 470 --budget_s $(($1 - 10))
 }
 train_stream() {
   # The streamed step with the JPEG decoder as a column (host: pixels from
   # the worker processes; gpu: their JPEG bytes, nvImageCodec on the
   # device), at 65,536 ...
-  bench train-stream "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" \
+  bench train-stream "$1" benchmarks/bench_train.py --out "$out/train-stream" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
     --decoders gpu,host --timeout_s 140 --budget_s $(($1 - 10))
 }
 train_stream1m() {
-  # ... and at 1,048,576 (each case ~75 s of set-up beside its step).
-  bench train-stream-1m "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" \
+  # ... and at 1,048,576 (~75 s of set-up beside the step), one decoder a
+  # part: the host's took 276 s in all on 2026-12-04, the gpu's > 330.
+  bench train-stream-1m "$1" benchmarks/bench_train.py --out "$out/train-stream-1m" --step_batches "" \
     --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
-    --decoders gpu,host --timeout_s 285 --budget_s $(($1 - 10))
+    --decoders host --timeout_s $(($1 - 10))
+}
+train_stream1m_gpu() {
+  bench train-stream-1m-gpu "$1" benchmarks/bench_train.py --out "$out/train-stream-1m-gpu" --step_batches "" \
+    --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
+    --decoders gpu --timeout_s $(($1 - 10))
 }
 train_l14() {
-  bench train-l14 "$1" benchmarks/bench_train.py --out "$out/train" --step_batches "" --ladder "" \
+  bench train-l14 "$1" benchmarks/bench_train.py --out "$out/train-l14" --step_batches "" --ladder "" \
     --stream_batches 65536 --microbatch 4096 --stream_steps 1 --decode_size 256 --workers 12 \
     --image_model l14 --timeout_s $(($1 - 10))
 }
