@@ -557,7 +557,33 @@ def _memory_of(pid: int) -> int:
     return 0
 
 
-class HostMemory:
+class _Sampling:
+  """A context manager that calls ``sample`` every ``interval_s`` on a
+  daemon thread while it is entered."""
+
+  def __init__(self, interval_s: float):
+    self.interval_s = interval_s
+    self._stop = threading.Event()
+    self._thread = None
+
+  def sample(self):
+    raise NotImplementedError
+
+  def _run(self):
+    while not self._stop.wait(self.interval_s):
+      self.sample()
+
+  def __enter__(self):
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+
+class HostMemory(_Sampling):
   """Peak host memory of this process plus its descendants, sampled every
   ``interval_s`` on a thread (a context manager; ``peak_gib``).
 
@@ -567,29 +593,20 @@ class HostMemory:
   """
 
   def __init__(self, interval_s: float = 0.5):
-    self.interval_s = interval_s
+    super().__init__(interval_s)
     self.peak_bytes = 0
-    self._stop = threading.Event()
-    self._thread = None
 
   def sample(self) -> int:
     now = sum(_memory_of(p) for p in _tree_pids(os.getpid()))
     self.peak_bytes = max(self.peak_bytes, now)
     return now
 
-  def _run(self):
-    while not self._stop.wait(self.interval_s):
-      self.sample()
-
   def __enter__(self):
     self.sample()
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-    return self
+    return super().__enter__()
 
   def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
+    super().__exit__(*exc)
     self.sample()
 
   @property
@@ -597,7 +614,7 @@ class HostMemory:
     return self.peak_bytes / 2**30
 
 
-class StackSampler:
+class StackSampler(_Sampling):
   """Where this process's named threads spend their wall time: every
   ``interval_s`` each thread's innermost frame and its innermost frame in
   this repository, counted (a context manager; ``top``).
@@ -608,11 +625,10 @@ class StackSampler:
   """
 
   def __init__(self, threads: tuple, interval_s: float = 0.002):
-    self.threads, self.interval_s = threads, interval_s
+    super().__init__(interval_s)
+    self.threads = threads
     self.counts = collections.Counter()
     self.samples = 0
-    self._stop = threading.Event()
-    self._thread = None
 
   @staticmethod
   def _where(frame) -> str:
@@ -624,29 +640,19 @@ class StackSampler:
             f":{f.f_lineno}" if f is not None else "-")
     return ours if ours.startswith(inner) else f"{ours} > {inner}"
 
-  def _run(self):
+  def sample(self):
     me = threading.get_ident()
-    while not self._stop.wait(self.interval_s):
-      names = {t.ident: t.name for t in threading.enumerate()}
-      self.samples += 1
-      for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
-        name = names.get(ident, "")
-        if ident != me and name.startswith(self.threads):
-          self.counts[f"{name}: {self._where(frame)}"] += 1
+    names = {t.ident: t.name for t in threading.enumerate()}
+    self.samples += 1
+    for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+      name = names.get(ident, "")
+      if ident != me and name.startswith(self.threads):
+        self.counts[f"{name}: {self._where(frame)}"] += 1
 
   def top(self, n: int = 20) -> list:
     """[(where, share of the samples)], the most frequent first."""
     return [(k, round(v / max(1, self.samples), 4))
             for k, v in self.counts.most_common(n)]
-
-  def __enter__(self):
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
 
 
 # ------------------------------------------------------- probe items
