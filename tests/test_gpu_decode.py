@@ -569,6 +569,22 @@ def test_stopwatch_tells_waiting_from_working():
   t = clock.add_to({"work": {"wall_s": 1.0, "cpu_s": 1.0}})
   assert t["wait"]["wall_s"] >= 0.1 and t["wait"]["cpu_s"] < 0.02
   assert t["work"]["wall_s"] > 1.0 and t["work"]["cpu_s"] > 1.0
+  # Read from another thread while a stage runs: its wall time so far.
+  import threading  # pylint: disable=import-outside-toplevel
+  started, release = threading.Event(), threading.Event()
+
+  def hold():
+    with clock("held"):
+      started.set()
+      release.wait(5)
+  worker = threading.Thread(target=hold)
+  worker.start()
+  started.wait(5)
+  time.sleep(0.05)
+  during = clock.add_to({})["held"]["wall_s"]
+  release.set()
+  worker.join()
+  assert 0.05 <= during <= clock.add_to({})["held"]["wall_s"]
 
 
 # ------------------------------------------------------------------- GPU

@@ -351,25 +351,34 @@ class Stopwatch:
   Where a decode thread's time goes (bench_train's stream rows): a stage
   whose wall time is well above its CPU time waited (for the GIL, the
   device, a queue) rather than worked. Timed per call, not per image, so it
-  costs nothing measurable.
+  costs nothing measurable. Read from another thread (``add_to``), a stage
+  still running counts its wall time so far, so the difference of two
+  readings is the wall time between them; its CPU time counts when it ends
+  (another thread's CPU clock cannot be read).
   """
 
   def __init__(self):
     self.wall, self.cpu = collections.Counter(), collections.Counter()
+    self._running = {}  # stage -> its wall start
 
   @contextlib.contextmanager
   def __call__(self, stage: str):
     w, c = time.perf_counter(), time.thread_time()
+    self._running[stage] = w
     try:
       yield
     finally:
+      self._running.pop(stage, None)
       self.wall[stage] += time.perf_counter() - w
       self.cpu[stage] += time.thread_time() - c
 
   def add_to(self, totals: dict) -> dict:
-    for stage, w in self.wall.items():
+    now = time.perf_counter()
+    running = dict(self._running)
+    for stage in set(self.wall) | set(running):
       t = totals.setdefault(stage, {"wall_s": 0.0, "cpu_s": 0.0})
-      t["wall_s"] += w
+      t["wall_s"] += self.wall[stage] + (now - running[stage]
+                                         if stage in running else 0.0)
       t["cpu_s"] += self.cpu[stage]
     return totals
 
