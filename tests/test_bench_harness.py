@@ -52,23 +52,31 @@ def test_budget_skips_and_deadlines():
   assert some.deadline(30) == 30 and some.deadline(500) == pytest.approx(100, abs=1)
 
 
-def _parked(stop):
-  stop.wait(5)
+def _parked(ready, stop):
+  ready.set()
+  stop.wait(30)
 
 
 def test_stack_sampler_names_where_a_thread_waits():
   import threading  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
   stop = threading.Event()
-  t = threading.Thread(target=_parked, args=(stop,), name="decode-test")
-  other = threading.Thread(target=_parked, args=(stop,), name="unwatched")
-  t.start()
-  other.start()
+  threads = []
+  for name in ("decode-test", "unwatched"):
+    ready = threading.Event()
+    threads.append(threading.Thread(target=_parked, args=(ready, stop), name=name))
+    threads[-1].start()
+    ready.wait()
+  # ready.set() precedes the wait by a few bytecodes; on a loaded CI host the
+  # first samples can still land there, so the test waits for a few more
+  # samples after the start and judges the most frequent place, not the only.
   with harness.StackSampler(("decode",), interval_s=0.001) as s:
-    time.sleep(0.1)
+    time.sleep(0.2)
   stop.set()
-  t.join()
-  other.join()
-  (where, share), = s.top()  # the watched thread only, always in one place
-  assert where.startswith("decode-test: test_bench_harness.py:_parked:")
-  assert where.endswith("> threading.py:wait") and share > 0.9
+  for t in threads:
+    t.join()
+  top = s.top()
+  assert top and all(w.startswith("decode-test: ") for w, _ in top), top
+  where, share = top[0]
+  assert where.startswith("decode-test: test_bench_harness.py:_parked:"), top
+  assert where.endswith("> threading.py:wait") and share > 0.8, top
