@@ -226,6 +226,8 @@ def stream_child(spec) -> dict:
   # --bytes_only on 2 VM cores: 12,979 img/s from 1 thread, 6,032 from 4,
   # 14,430 from 2 workers).
   config.data.decoder = spec.get("decoder", "host")
+  for key, value in spec.get("gpu_settings", {}).items():
+    config.data["gpu_decoder_" + key] = value
   if config.data.decoder == "gpu" and spec.get("gpu_host_threads"):
     config.data.num_workers = 0
     config.data.num_threads = spec["gpu_host_threads"]
@@ -333,14 +335,15 @@ def stream_child(spec) -> dict:
 # ----------------------------------------------------------------- parent
 
 # The CSV's columns (the JSONL rows hold every field).
-COLS = ["kind", "mode", "batch", "microbatch", "decoder", "status", "step_s",
+COLS = ["kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
+        "status", "step_s",
         "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
         "xla_total_gb", "host_wait_s", "host_put_s", "device_wait_s",
         "pipeline_img_s", "device_embed_img_s", "input_bound", "workers",
         "decode_size", "loss_value", "device_kind", "n_devices", "jax", "date"]
 # A case's identity, for --resume.
-KEY = ("kind", "mode", "batch", "microbatch", "decoder", "decode_size",
-       "workers", "gpu_host_threads", "steps", "image_model")
+KEY = ("kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
+       "decode_size", "workers", "gpu_host_threads", "steps", "image_model")
 # What a resumed run keeps: measured rows and the batches that do not fit;
 # a timeout, a crash or a skipped case runs again.
 KEPT = ("ok", "oom")
@@ -371,6 +374,45 @@ def run_case(spec, budget, timeout_s) -> dict:
   return dict(_row(spec), total_s=time.time() - t0, **r)
 
 
+# --gpu_variants: what one stream case with decoder gpu may set, as
+# "key=value" words (a variant; variants separated by ";").
+_VARIANT_KEYS = ("backend", "option", "cpu_threads", "workers")
+
+
+def gpu_variants(text: str) -> list:
+  """--gpu_variants -> one dict per variant: "gpu_decoder" (its words, the
+  row's name for it), "gpu_settings" (config.data.gpu_decoder_*) and
+  "workers" when it sets them. "" is nvImageCodec's defaults; "option=" may
+  repeat ("workers=4 option=:num_cuda_streams=2 cpu_threads=8"). A bad
+  variant is a one-line error before any case runs."""
+  from train.data import gpu_decode  # pylint: disable=g-import-not-at-top
+  out = []
+  for variant in text.split(";"):
+    words, settings, extra, options = variant.split(), {}, {}, []
+    for w in words:
+      key, eq, value = w.partition("=")
+      if key not in _VARIANT_KEYS or not eq or not value:
+        raise ValueError(f"--gpu_variants: {w!r} in {variant.strip()!r} is "
+                         f"not key=value with key one of "
+                         f"{', '.join(_VARIANT_KEYS)}")
+      if key == "option":
+        options.append(value)
+      elif key == "backend":
+        settings["backend"] = value
+      else:
+        if not value.isdigit():
+          raise ValueError(f"--gpu_variants: {w!r} needs an int")
+        (settings if key == "cpu_threads" else extra)[key] = int(value)
+    if options:
+      settings["options"] = " ".join(options)
+    gpu_decode.check_settings(settings.get("backend", "auto"),
+                              settings.get("options", ""),
+                              settings.get("cpu_threads", 0))
+    out.append(dict(extra, gpu_decoder=" ".join(words) or "default",
+                    gpu_settings=settings))
+  return out
+
+
 def plan(args, model) -> list:
   """The cases of a run: step cases, stream cases, the max_batch ladder."""
   cases = []
@@ -379,17 +421,19 @@ def plan(args, model) -> list:
       cases.append(dict(kind="step", batch=b, mode=mode,
                         microbatch=min(args.microbatch, b), measure_loss=True,
                         reps=args.reps))
+  variants = gpu_variants(args.gpu_variants)
   for b in harness.ints(args.stream_batches):
     for decoder in args.decoders.split(","):
-      cases.append(dict(
-          kind="stream", batch=b, mode="stream",
-          microbatch=min(args.microbatch, b), measure_loss=False, reps=1,
-          steps=args.stream_steps, workers=args.workers,
-          **({"gpu_host_threads": args.gpu_host_threads}
-             if decoder == "gpu" and args.gpu_host_threads else {}),
-          decode_size=args.decode_size, decoder=decoder,
-          jpeg_size=args.decode_size or (64 if args.quick else 256),
-          embed_reps=1 if args.quick else 2))
+      for variant in variants if decoder == "gpu" else [{}]:
+        cases.append(dict(dict(
+            kind="stream", batch=b, mode="stream",
+            microbatch=min(args.microbatch, b), measure_loss=False, reps=1,
+            steps=args.stream_steps, workers=args.workers,
+            **({"gpu_host_threads": args.gpu_host_threads}
+               if decoder == "gpu" and args.gpu_host_threads else {}),
+            decode_size=args.decode_size, decoder=decoder,
+            jpeg_size=args.decode_size or (64 if args.quick else 256),
+            embed_reps=1 if args.quick else 2), **variant))
   for b in harness.ints(args.ladder):
     # One step, compiled ahead: fitting is the result, and a 4M step takes
     # minutes on an H200.
@@ -412,7 +456,8 @@ def _progress(r):
            if r.get("loss_share") is not None else "")
         + (f" ({r['status']})" if r["status"] != "ok" else ""), flush=True)
   if r.get("pipeline_img_s"):
-    print(f"[bench_train]   stream ({r.get('decoder', 'host')} decoder): "
+    print(f"[bench_train]   stream ({r.get('decoder', 'host')} decoder"
+          + (f" {r['gpu_decoder']}" if r.get("gpu_decoder") else "") + "): "
           f"{r['pipeline_img_s']:.0f} img/s through "
           f"the input path, device alone {r['device_embed_img_s']:.0f} "
           f"img/s, host wait {r['host_wait_s']:.1f}s, device_put "
@@ -455,6 +500,12 @@ def main(argv=None):
   ap.add_argument("--decoders", default="host",
                   help="stream cases: config.data.decoder of each, "
                   "comma-separated (host,gpu)")
+  ap.add_argument("--gpu_variants", default="",
+                  help="stream cases with decoder gpu: one case per variant, "
+                  "';'-separated, each space-separated key=value words of "
+                  f"{', '.join(_VARIANT_KEYS)} (config.data.gpu_decoder_*, "
+                  "option= repeatable; workers= overrides --workers); '' "
+                  "= the defaults")
   ap.add_argument("--image_model", default="b16", choices=["b16", "l14"],
                   help="ViT-B/16 or ViT-L/14 image tower")
   ap.add_argument("--modes", default="precomputed,image_tower",

@@ -33,7 +33,7 @@ suite_parts() {
   tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
-  train) parts="step:420 ladder:560 stream:300 stream1m:300 stream1m_gpu:580 l14:150" ;;
+  train) parts="step:420 ladder:560 stream:300 knobs:580 stream1m:300 stream1m_gpu:580 l14:150" ;;
   data) parts="pipeline:200 bytes:200" ;;
   ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
   *) return 1 ;;
@@ -240,6 +240,16 @@ train_stream() {
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
     --decoders gpu,host --timeout_s 140 --budget_s $(($1 - 10))
 }
+train_knobs() {
+  # The GPU decoder's settings at 65,536, one case each (bench_train.py
+  # --gpu_variants): fewer workers leave cores to nvImageCodec, whose CUDA
+  # decoder does small JPEGs' Huffman stage on CPU threads unless the
+  # threshold moves it to the GPU; "hw" uses the JPEG engines alone.
+  bench train-knobs "$1" benchmarks/bench_train.py --out "$out/train-knobs" --step_batches "" \
+    --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
+    --decoders gpu --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 option=nvjpeg_cuda_decoder:hybrid_huffman_threshold=0;workers=4 backend=hw;workers=8 cpu_threads=6}" \
+    --timeout_s 140 --budget_s $(($1 - 10))
+}
 train_stream1m() {
   # ... and at 1,048,576 (~75 s of set-up beside the step), one decoder a
   # part: the host's took 276 s in all on 2026-12-04, the gpu's > 330.
@@ -250,7 +260,7 @@ train_stream1m() {
 train_stream1m_gpu() {
   bench train-stream-1m-gpu "$1" benchmarks/bench_train.py --out "$out/train-stream-1m-gpu" --step_batches "" \
     --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
-    --decoders gpu --timeout_s $(($1 - 10))
+    --decoders gpu --gpu_variants "${GPU_VARIANTS:-}" --timeout_s $(($1 - 10))
 }
 train_l14() {
   bench train-l14 "$1" benchmarks/bench_train.py --out "$out/train-l14" --step_batches "" --ladder "" \

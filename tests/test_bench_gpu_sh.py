@@ -121,3 +121,13 @@ def test_results_are_the_raw_rows_behind_benchmarks_md():
     assert f"benchmarks/results/{cited}" in text, name
   for link in re.findall(r"\]\((benchmarks/results/[^)]+)\)", text):
     assert os.path.exists(os.path.join(ROOT, link)), link
+
+
+def test_the_gpu_decoder_variants_the_script_passes_parse():
+  # A typo in a variant would be found only on the device, a case later.
+  from benchmarks import bench_train  # pylint: disable=import-outside-toplevel
+  text = open(SCRIPT, encoding="utf-8").read()
+  defaults = re.findall(r'--gpu_variants "\$\{GPU_VARIANTS:-([^}]*)\}"', text)
+  assert any(defaults), defaults
+  for d in defaults:
+    assert bench_train.gpu_variants(d), d

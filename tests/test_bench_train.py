@@ -88,7 +88,7 @@ def test_ladder_stops_at_the_first_batch_that_does_not_fit_and_resumes(
   assert _rows(tmp_path)[("step", 256)]["step_s"] == 0.5
   with open(tmp_path / "bench_train.csv") as f:
     lines = f.read().splitlines()
-  assert lines[0].startswith("kind,mode,batch,microbatch,decoder,status")
+  assert lines[0].startswith("kind,mode,batch,microbatch,decoder,gpu_decoder,status")
   assert len(lines) == 1 + 4
 
 
@@ -130,10 +130,54 @@ def test_gpu_host_threads_reach_the_gpu_stream_cases_only():
       step_batches="", modes="precomputed", microbatch=64, reps=1,
       stream_batches="128", decoders="gpu,host", stream_steps=1, workers=3,
       decode_size=0, quick=True, ladder="", image_model="b16",
-      gpu_host_threads=4))()
+      gpu_host_threads=4, gpu_variants=""))()
   by = {c["decoder"]: c for c in bench_train.plan(args, {})}
   assert by["gpu"]["gpu_host_threads"] == 4 and by["gpu"]["workers"] == 3
   assert "gpu_host_threads" not in by["host"]
   args.gpu_host_threads = 0
   assert all("gpu_host_threads" not in c for c in bench_train.plan(args, {}))
   assert "gpu_host_threads" in bench_train.KEY
+
+
+def test_gpu_variants_are_one_gpu_case_each_and_reach_the_child(capsys):
+  # --gpu_variants: nvImageCodec's settings (and the workers) per gpu case,
+  # named in the row's key; the host cases are one each.
+  args = type("A", (), dict(
+      step_batches="", modes="precomputed", microbatch=64, reps=1,
+      stream_batches="128", decoders="gpu,host", stream_steps=1, workers=3,
+      decode_size=0, quick=True, ladder="", image_model="b16",
+      gpu_host_threads=0, gpu_variants=(
+          " ; workers=4 backend=hw:0.5,hybrid option=:num_cuda_streams=2 "
+          "option=nvjpeg_cuda_decoder:hybrid_huffman_threshold=0 "
+          "cpu_threads=6")))()
+  cases = bench_train.plan(args, {})
+  assert [(c["decoder"], c["workers"]) for c in cases] == [
+      ("gpu", 3), ("gpu", 4), ("host", 3)]
+  default, tuned, host = cases
+  assert default["gpu_decoder"] == "default" and default["gpu_settings"] == {}
+  assert tuned["gpu_settings"] == {
+      "backend": "hw:0.5,hybrid", "cpu_threads": 6,
+      "options": ":num_cuda_streams=2 "
+                 "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"}
+  assert tuned["gpu_decoder"].startswith("workers=4 backend=hw:0.5,hybrid")
+  assert "gpu_decoder" not in host and "gpu_decoder" in bench_train.KEY
+  keys = {tuple(c.get(k) for k in bench_train.KEY) for c in cases}
+  assert len(keys) == 3
+  for bad, says in (("threads=2", "'threads=2' in 'threads=2' is not "
+                     "key=value"), ("cpu_threads=x", "needs an int"),
+                    ("backend=gpu", "'gpu' is not one of"),
+                    ("option=fancy", "is not [decoder_id]:option=value")):
+    args.gpu_variants = bad
+    with pytest.raises(ValueError) as e:
+      bench_train.plan(args, {})
+    assert says in str(e.value) and "\n" not in str(e.value), e.value
+  # The child sets them on config.data before its early check.
+  spec = dict(kind="stream", mode="stream", batch=8, microbatch=8, steps=1,
+              workers=1, decode_size=0, decoder="host", jpeg_size=32,
+              embed_reps=1, model=bench_train.QUICK,
+              gpu_settings={"cpu_threads": -2})
+  r = bench_train.case_result(spec)
+  assert r["status"] == ("error: ValueError: config.data.gpu_decoder_cpu_"
+                         "threads=-2 must be an int >= 0 (0 = nvImageCodec's "
+                         "default, one per core)"), r
+  capsys.readouterr()

@@ -427,9 +427,9 @@ def _fake_nvimgcodec(made):
       return np.array(im.convert("RGB"), np.uint8)
 
   class Decoder:
-    def __init__(self, device_id=0, backends=None, options=""):
-      del backends, options
+    def __init__(self, device_id=0, **kwargs):
       made.append(device_id)
+      self.kwargs = kwargs  # backends, options, max_num_cpu_threads
       self.calls = []  # the images of each call
 
     def decode(self, src, params=None):
@@ -440,7 +440,7 @@ def _fake_nvimgcodec(made):
   return types.SimpleNamespace(
       Decoder=Decoder, DecodeParams=lambda **kw: kw,
       ColorSpec=types.SimpleNamespace(SRGB="srgb"),
-      Backend=lambda kind: kind,
+      Backend=lambda kind, load_hint=None: (kind, load_hint),
       BackendKind=types.SimpleNamespace(HW_GPU_ONLY="hw", GPU_ONLY="cuda",
                                         HYBRID_CPU_GPU="hybrid"))
 
@@ -498,6 +498,64 @@ def test_gpu_decoder_groups_falls_back_and_keeps_order_on_its_device(
   g, ok, bad = dec.decode([b"<html>", b""], ["a", "b"], 16)
   assert g.shape == (0, 16, 16, 3) and g.devices() == {devices[-1]}
   assert not ok.any() and [b[1] for b in bad] == ["a", "b"]
+
+
+def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
+                                              monkeypatch):
+  # config.data.gpu_decoder_* -> nvImageCodec's Decoder(...) of every
+  # device's decoder, through the trainer's make_batch_decoder.
+  import jax  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+
+  class Encoded:
+    spec, encoded_images, bad_at_open = "webdataset:x", True, []
+  config = _config("synthetic_shapes", decoder="gpu", eval_split="test")
+  dec = decode.make_batch_decoder(config.data, Encoded())
+  assert dec._decoder.kwargs == {"options": ":fancy_upsampling=1"}  # pylint: disable=protected-access
+  config.data.gpu_decoder_backend = "hw:0.7, hybrid"
+  config.data.gpu_decoder_options = (
+      " :num_cuda_streams=2   nvjpeg_cuda_decoder:hybrid_huffman_threshold=0")
+  config.data.gpu_decoder_cpu_threads = 3
+  D.check_data_config(config)
+  del fake_nvimgcodec[:]
+  dec = decode.make_batch_decoder(config.data, Encoded())
+  other = dec.for_device(jax.devices()[-1])
+  want = {"backends": [("hw", 0.7), ("hybrid", None)],
+          "max_num_cpu_threads": 3,
+          "options": ":fancy_upsampling=1 :num_cuda_streams=2 "
+                     "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"}
+  for d in (dec, other):
+    assert d._decoder.kwargs == want  # pylint: disable=protected-access
+  assert fake_nvimgcodec == [jax.devices()[0].local_hardware_id,
+                             jax.devices()[-1].local_hardware_id]
+  assert "options ':num_cuda_streams=2 nvjpeg" in other.describe()
+  assert "3 CPU threads" in other.describe()
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("gpu_decoder_backend", "nvjpeg", "'nvjpeg' is not one of auto, hw"),
+    ("gpu_decoder_backend", "", "must be 'auto' or comma-separated kinds"),
+    ("gpu_decoder_backend", "auto,hw", "'auto' is not one of"),
+    ("gpu_decoder_backend", "hw,hybrid,hw", "names 'hw' twice"),
+    ("gpu_decoder_backend", "hw:1.5", "load hint '1.5' of 'hw' must be"),
+    ("gpu_decoder_backend", "hw:x", "load hint 'x' of 'hw' must be"),
+    ("gpu_decoder_options", "hybrid_huffman_threshold=0",
+     "'hybrid_huffman_threshold=0' is not [decoder_id]:option=value"),
+    ("gpu_decoder_options", ":fancy_upsampling", "is not [decoder_id]"),
+    ("gpu_decoder_options", "nvjpeg_cuda_decoder:=1", "is not [decoder_id]"),
+    ("gpu_decoder_cpu_threads", -1, "must be an int >= 0"),
+    ("gpu_decoder_cpu_threads", True, "must be an int >= 0"),
+])
+def test_gpu_decoder_settings_errors_are_one_line(key, value, says):
+  # Checked on any machine and for any decoder: "auto" picks the GPU where
+  # the extra is, and nvImageCodec itself ignores an option it cannot read.
+  config = _config("synthetic_shapes", decoder="host", eval_split="test")
+  with config.data.ignore_type():
+    config.data[key] = value
+  with pytest.raises(ValueError) as e:
+    D.check_data_config(config)
+  msg = str(e.value)
+  assert "\n" not in msg and f"config.data.{key}=" in msg and says in msg, msg
 
 
 def test_gpu_decoder_bad_members_anywhere_keep_the_host_rows(
@@ -796,6 +854,11 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   calls = []
 
   class Counted(decode.HostBatchDecoder):
+    def __init__(self, backend, options, cpu_threads):
+      # make_batch_decoder's call, the config's defaults.
+      assert (backend, options, cpu_threads) == ("auto", "", 0)
+      super().__init__()
+
     def decode(self, encoded, wheres, size):
       calls.append((self.device, len(encoded)))
       return super().decode(encoded, wheres, size)

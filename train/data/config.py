@@ -113,6 +113,16 @@ def default_data_config() -> ml_collections.ConfigDict:
   # (nvImageCodec on the device, per micro-batch: the gpu-decode extra;
   # webdataset and table sources), "auto" (gpu when both are there).
   c.decoder = "host"
+  # decoder="gpu": nvImageCodec's settings (train/data/gpu_decode.py
+  # GpuBatchDecoder). The backend: "auto" (nvImageCodec's choice), "hw",
+  # "hybrid", "cuda", or a mix with load hints ("hw:0.7,hybrid"); more of
+  # its decoder options, space-separated ("nvjpeg_cuda_decoder:
+  # hybrid_huffman_threshold=0" moves the Huffman stage of small JPEGs from
+  # CPU threads to the GPU); its CPU threads (0 = one per core), which share
+  # the host's cores with num_workers.
+  c.gpu_decoder_backend = "auto"
+  c.gpu_decoder_options = ""
+  c.gpu_decoder_cpu_threads = 0
   # A process's shard is decoded and resized once and kept in memory when
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
   # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.

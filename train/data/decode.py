@@ -254,6 +254,12 @@ def check_decoder(data) -> None:
   if decoder not in DECODERS:
     raise ValueError(f"config.data.decoder={decoder!r} must be one of "
                      f"{', '.join(DECODERS)}")
+  # nvImageCodec's settings are checked whatever the decoder ("auto" may
+  # pick the GPU on another machine); this needs no GPU and no extra.
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  gpu_decode.check_settings(data.get("gpu_decoder_backend", "auto"),
+                            data.get("gpu_decoder_options", ""),
+                            data.get("gpu_decoder_cpu_threads", 0))
   if decoder == "gpu":
     why = gpu_unavailable()
     if why:
@@ -287,7 +293,10 @@ def make_batch_decoder(data, source):
   if gpu_unavailable():
     return None  # "auto" (check_decoder raised for "gpu")
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
-  return gpu_decode.GpuBatchDecoder()
+  return gpu_decode.GpuBatchDecoder(
+      data.get("gpu_decoder_backend", "auto"),
+      options=data.get("gpu_decoder_options", ""),
+      cpu_threads=data.get("gpu_decoder_cpu_threads", 0))
 
 
 def data_sharding():

@@ -38,6 +38,78 @@ import jax
 import numpy as np
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")
+# nvImageCodec's backend kinds. Its nvJPEG CUDA decoder registers as
+# HYBRID_CPU_GPU: below nvjpeg_cuda_decoder:hybrid_huffman_threshold pixels
+# (10^6 by default, so every 256 px JPEG) it does the Huffman decode on CPU
+# threads (its executor's, max_num_cpu_threads, plus the caller), above it
+# on the GPU. "hw" is the hardware JPEG engines alone.
+_KINDS = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
+
+
+def parse_backends(spec: str) -> tuple:
+  """config.data.gpu_decoder_backend -> ((kind, load_hint or None), ...).
+
+  "auto" is nvImageCodec's own choice (()); otherwise comma-separated
+  kinds, each with an optional load hint, the share of a batch nvImageCodec
+  gives it before the next (its Backend(load_hint=...)): "hw:0.7,hybrid"
+  sends ~70% to the hardware engines and the rest to the CUDA decoder.
+  One-line ValueError for anything else.
+  """
+  if not isinstance(spec, str) or not spec.strip():
+    raise ValueError(f"config.data.gpu_decoder_backend={spec!r} must be "
+                     f"'auto' or comma-separated kinds of {', '.join(BACKENDS[1:])}"
+                     " with optional load hints ('hw:0.7,hybrid')")
+  if spec.strip() == "auto":
+    return ()
+  out = []
+  for part in spec.split(","):
+    kind, _, hint = part.strip().partition(":")
+    if kind not in _KINDS:
+      raise ValueError(f"config.data.gpu_decoder_backend={spec!r}: {kind!r} "
+                       f"is not one of {', '.join(BACKENDS)} ('auto' alone)")
+    if kind in (k for k, _ in out):
+      raise ValueError(f"config.data.gpu_decoder_backend={spec!r} names "
+                       f"{kind!r} twice")
+    load = None
+    if hint:
+      try:
+        load = float(hint)
+      except ValueError:
+        load = -1.0
+      if not 0.0 < load <= 1.0:
+        raise ValueError(f"config.data.gpu_decoder_backend={spec!r}: the "
+                         f"load hint {hint!r} of {kind!r} must be a number "
+                         "in (0, 1]")
+    out.append((kind, load))
+  return tuple(out)
+
+
+def check_options(options: str) -> str:
+  """config.data.gpu_decoder_options, checked: nvImageCodec's decoder
+  options, space-separated ``[decoder_id]:name=value`` entries
+  (":num_cuda_streams=2", "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0").
+  nvImageCodec ignores an entry it cannot parse, so a typo would measure
+  the defaults: refused here in one line instead."""
+  if not isinstance(options, str):
+    raise ValueError(f"config.data.gpu_decoder_options={options!r} must be "
+                     "a string")
+  for entry in options.split():
+    head, eq, value = entry.partition("=")
+    if ":" not in head or not eq or not value or not head.split(":")[-1]:
+      raise ValueError(f"config.data.gpu_decoder_options={options!r}: entry "
+                       f"{entry!r} is not [decoder_id]:option=value")
+  return " ".join(options.split())
+
+
+def check_settings(backend: str, options: str, cpu_threads: int) -> tuple:
+  """The three config.data.gpu_decoder_* settings, checked (one-line
+  ValueError): (parse_backends(backend), check_options(options))."""
+  if (not isinstance(cpu_threads, int) or isinstance(cpu_threads, bool)
+      or cpu_threads < 0):
+    raise ValueError(f"config.data.gpu_decoder_cpu_threads={cpu_threads!r} "
+                     "must be an int >= 0 (0 = nvImageCodec's default, one "
+                     "per core)")
+  return parse_backends(backend), check_options(options)
 
 # ------------------------------------------------------------ the device resize
 #
@@ -471,7 +543,8 @@ class GpuBatchDecoder:
       On the H200 with nvImageCodec 0.9.0.20 and nvJPEG 13.2, "auto"
       decodes 256 px JPEGs at 9.3k-11.3k img/s and "hw" at 7.3k-7.9k
       (batches of 256-4096, benchmarks/bench_data.py --decoders); "cuda"
-      cannot be created there.
+      cannot be created there. A comma-separated mix with load hints
+      ("hw:0.7,hybrid") splits each batch between them (parse_backends).
     device: the jax device whose GPU decodes (nvImageCodec's device_id:
       its own decoder, on that GPU's stream) and holds the images (default:
       the first local one). ``for_device`` makes the decoder of another:
@@ -479,31 +552,40 @@ class GpuBatchDecoder:
       shard of the micro-batch.
     fancy_upsampling: chroma upsampled as libjpeg-turbo's default does it
       (the host path's), rather than nvJPEG's nearest neighbour.
+    options: more of nvImageCodec's decoder options (check_options), after
+      ":fancy_upsampling=1".
+    cpu_threads: nvImageCodec's executor threads (max_num_cpu_threads; 0 =
+      its default, one per core). Its CUDA decoder's Huffman stage runs
+      there for small images, beside the data workers and the tower's
+      dispatch, so this and the workers share the host's cores.
   """
 
   name = "gpu"
 
   def __init__(self, backend: str = "auto", device=None,
-               fancy_upsampling: bool = True):
+               fancy_upsampling: bool = True, options: str = "",
+               cpu_threads: int = 0):
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel
-    if backend not in BACKENDS:
-      raise ValueError(f"GPU decode backend {backend!r} must be one of "
-                       f"{', '.join(BACKENDS)}")
-    self.backend = backend
+    kinds, options = check_settings(backend, options, cpu_threads)
+    self.backend, self.options = backend, options
+    self.cpu_threads = cpu_threads
     self.device = device or jax.local_devices()[0]
     self._fancy_asked = fancy_upsampling
-    kinds = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY",
-             "hybrid": "HYBRID_CPU_GPU"}
     hw_id = getattr(self.device, "local_hardware_id", None)
     kwargs = {"device_id": int(self.device.id if hw_id is None else hw_id)}
-    if backend in kinds:
-      kwargs["backends"] = [nvimgcodec.Backend(
-          getattr(nvimgcodec.BackendKind, kinds[backend]))]
+    if kinds:
+      kwargs["backends"] = [
+          nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, _KINDS[k]),
+                             **({} if load is None else {"load_hint": load}))
+          for k, load in kinds]
+    if cpu_threads:
+      kwargs["max_num_cpu_threads"] = cpu_threads
     self.fancy_upsampling = fancy_upsampling
+    with_fancy = " ".join(([":fancy_upsampling=1"] if fancy_upsampling
+                           else []) + ([self.options] if self.options else []))
     try:
       self._decoder = nvimgcodec.Decoder(
-          **kwargs, **({"options": ":fancy_upsampling=1"}
-                       if fancy_upsampling else {}))
+          **kwargs, **({"options": with_fancy} if with_fancy else {}))
     except RuntimeError:
       if not fancy_upsampling:
         raise
@@ -511,7 +593,8 @@ class GpuBatchDecoder:
       # pixels' bound to the host path is then looser).
       self.fancy_upsampling = False
       try:
-        self._decoder = nvimgcodec.Decoder(**kwargs)
+        self._decoder = nvimgcodec.Decoder(
+            **kwargs, **({"options": self.options} if self.options else {}))
       except RuntimeError as e:
         raise ValueError(f"nvImageCodec cannot create a decoder for "
                          f"backend {backend!r} on {self.device}: {e}"
@@ -528,11 +611,14 @@ class GpuBatchDecoder:
   def for_device(self, device) -> "GpuBatchDecoder":
     if device == self.device:
       return self
-    return GpuBatchDecoder(self.backend, device, self._fancy_asked)
+    return GpuBatchDecoder(self.backend, device, self._fancy_asked,
+                           self.options, self.cpu_threads)
 
   def describe(self) -> str:
     return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
-            f"{'' if self.fancy_upsampling else ', no fancy upsampling'})")
+            f"{'' if self.fancy_upsampling else ', no fancy upsampling'}"
+            f"{f', options {self.options!r}' if self.options else ''}"
+            f"{f', {self.cpu_threads} CPU threads' if self.cpu_threads else ''})")
 
   def _decode_all(self, encoded: list) -> list:
     try:
