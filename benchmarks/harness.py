@@ -614,6 +614,31 @@ class HostMemory(_Sampling):
     return self.peak_bytes / 2**30
 
 
+class ReadyAt:
+  """When ``x`` (jax arrays) is ready, in seconds after ``t0``
+  (``time.perf_counter``), watched from a thread so that the caller goes on
+  dispatching (a device phase's end inside a pipelined step)."""
+
+  def __init__(self, x, t0: float):
+    import jax  # pylint: disable=import-outside-toplevel
+    self._at, self._error = None, None
+
+    def wait():
+      try:
+        jax.block_until_ready(x)
+        self._at = time.perf_counter() - t0
+      except Exception as e:  # pylint: disable=broad-except
+        self._error = e
+    self._thread = threading.Thread(target=wait, daemon=True)
+    self._thread.start()
+
+  def seconds(self) -> float:
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+    return self._at
+
+
 class StackSampler(_Sampling):
   """Where this process's named threads spend their wall time: every
   ``interval_s`` each thread's innermost frame and its innermost frame in

@@ -80,3 +80,17 @@ def test_stack_sampler_names_where_a_thread_waits():
   where, share = top[0]
   assert where.startswith("decode-test: test_bench_harness.py:_parked:"), top
   assert where.endswith("> threading.py:wait") and share > 0.8, top
+
+
+def test_ready_at_times_an_array_from_a_thread():
+  import time  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  x = jax.jit(lambda a: a @ a)(jnp.ones((64, 64)))
+  ready = harness.ReadyAt(x, t0)
+  s = ready.seconds()
+  assert 0 < s <= time.perf_counter() - t0
+  x.delete()
+  with pytest.raises(RuntimeError, match="deleted"):
+    harness.ReadyAt(x, t0).seconds()

@@ -57,6 +57,8 @@ def test_ladder_stops_at_the_first_batch_that_does_not_fit_and_resumes(
                                "device_embed_img_s": 300.0,
                                "host_wait_s": 1.0, "host_put_s": 0.1,
                                "device_wait_s": 0.2, "input_bound": True,
+                               "embed_img_s": 270.0, "embed_share": 0.9,
+                               "device_floor_s": 1.9,
                                "peak_gib": 0.0, "host_peak_gib": 0.5},
              ("max_batch", 512): {"status": "ok", "step_s": 1.0},
              ("max_batch", 1024): {"status": "oom"},

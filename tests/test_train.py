@@ -524,7 +524,17 @@ def test_bench_train_stream_quick_smoke(tmp_path):
   assert min(row["host_wait_s"], row["host_put_s"]) > 0
   assert abs(parts - row["step_inputs_s"]) < 1e-9
   assert 0 < row["step_inputs_s"] < row["step_s"]
-  assert "device_put" in r.stdout
+  # The embedding phase ends after step_inputs returns (micro-batches in
+  # flight) and before the step does; the floor is the step at the
+  # device-alone rate.
+  assert row["step_inputs_s"] <= row["embed_s"] < row["step_s"]
+  assert row["embed_img_s"] == pytest.approx(512 / row["embed_s"])
+  assert row["embed_share"] == pytest.approx(
+      row["embed_img_s"] / row["device_embed_img_s"])
+  assert row["input_bound"] == (row["embed_share"] < 0.95)
+  assert row["device_floor_s"] == pytest.approx(
+      512 / row["device_embed_img_s"] + row["step_s"] - row["embed_s"])
+  assert "device_put" in r.stdout and "device floor" in r.stdout
 
 
 def test_image_tower_loads_from_npz_and_orbax_and_rejects_mismatch(tmp_path):
