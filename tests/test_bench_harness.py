@@ -62,7 +62,9 @@ def test_stack_sampler_names_where_a_thread_waits():
   import time  # pylint: disable=import-outside-toplevel
   stop = threading.Event()
   threads = []
-  for name in ("decode-test", "unwatched"):
+  # Names no other thread of the process has: an earlier test's decode
+  # pool threads ("decode-shard_N") may still be alive in this worker.
+  for name in ("sampler-test-watched", "sampler-test-other"):
     ready = threading.Event()
     threads.append(threading.Thread(target=_parked, args=(ready, stop), name=name))
     threads[-1].start()
@@ -70,15 +72,17 @@ def test_stack_sampler_names_where_a_thread_waits():
   # ready.set() precedes the wait by a few bytecodes; on a loaded CI host the
   # first samples can still land there, so the test waits for a few more
   # samples after the start and judges the most frequent place, not the only.
-  with harness.StackSampler(("decode",), interval_s=0.001) as s:
+  with harness.StackSampler(("sampler-test-w",), interval_s=0.001) as s:
     time.sleep(0.2)
   stop.set()
   for t in threads:
     t.join()
   top = s.top()
-  assert top and all(w.startswith("decode-test: ") for w, _ in top), top
+  assert top and all(w.startswith("sampler-test-watched: ")
+                     for w, _ in top), top
   where, share = top[0]
-  assert where.startswith("decode-test: test_bench_harness.py:_parked:"), top
+  assert where.startswith(
+      "sampler-test-watched: test_bench_harness.py:_parked:"), top
   assert where.endswith("> threading.py:wait") and share > 0.8, top
 
 
