@@ -49,6 +49,15 @@ def _take(it, n):
   return [next(it) for _ in range(n)]
 
 
+def _take_and_close(it, n):
+  """The first ``n`` micro-batches of a fresh iterator, which is closed (a
+  batch path's decode threads would outlive the test)."""
+  try:
+    return _take(it, n)
+  finally:
+    it.close()
+
+
 def _flat(batches):
   """(image digest, tokens, label) per example, in stream order."""
   return [(_digest(np.asarray(b["image"][i])), b["text"][i].tobytes(),
@@ -216,6 +225,7 @@ def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro,
   # shard, once per micro-batch (the thread, stopped by close, may have
   # run up to depth + 1 ahead).
   batch.close()
+  host.close()
   n_dev = len(jax.devices())
   assert {size for _, size in dec.calls} == {micro // n_dev}
   per_device = collections.Counter(d for d, _ in dec.calls)
@@ -271,9 +281,9 @@ def test_a_failed_decode_costs_only_itself_and_keeps_the_order(
   config = _config("webdataset:" + corpus.pattern)
   sharding = _permuted_sharding() if permuted else decode.data_sharding()
   steps = 120 // micro
-  whole = _flat(_take(D.make_train_iterator(
+  whole = _flat(_take_and_close(D.make_train_iterator(
       config, batch_size=micro, seed=1, batch_decoder=_Failing()),
-                      steps + 48 // micro))
+                                steps + 48 // micro))
   # Fail distinct images, wherever they fall: two in one shard, one in the
   # last row of a micro-batch (no row after it on the device), the first.
   fail = {whole[i][0] for i in (0, 9, 10, 17, micro - 1, 2 * micro + 5)}
@@ -347,7 +357,7 @@ def test_device_major_keeps_decoded_rows_on_their_devices(corpus):
 def test_batch_path_resumes_bitwise_from_a_json_state(corpus):
   config = _config("webdataset:" + corpus.pattern)
   fail = set()
-  probe = _flat(_take(D.make_train_iterator(
+  probe = _flat(_take_and_close(D.make_train_iterator(
       config, batch_size=8, seed=2, batch_decoder=_Failing()), 4))
   fail = {probe[5][0]}
   for k in (0, 3, 7):
@@ -371,7 +381,7 @@ def test_too_much_bad_data_stops_the_batch_path(corpus):
   it = D.make_train_iterator(config, batch_size=8, seed=0,
                              batch_decoder=_Failing())
   with pytest.raises(TooMuchBadData, match="config.data.max_bad_fraction"):
-    _take(it, 20)
+    _take_and_close(it, 20)
 
 
 def test_decoder_config_errors_are_one_line(corpus):
@@ -876,8 +886,8 @@ def test_prefetch_closed_midway_continues_where_the_consumer_was(corpus):
   # The thread runs ahead; closing (as set_state and a checkpoint restore
   # do) must not lose or repeat the micro-batches it held.
   config = _config("webdataset:" + corpus.pattern)
-  whole = _take(D.make_train_iterator(config, batch_size=8, seed=4,
-                                      batch_decoder=_Failing()), 9)
+  whole = _take_and_close(D.make_train_iterator(
+      config, batch_size=8, seed=4, batch_decoder=_Failing()), 9)
   it = D.make_train_iterator(config, batch_size=8, seed=4,
                              batch_decoder=_Failing())
   got = _take(it, 3)
