@@ -709,6 +709,23 @@ class TestGpuDecoder:
               f"{(d > 0).mean():.4f}")
         assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
 
+  @pytest.mark.parametrize("backend,options,cpu_threads", [
+      ("hybrid", "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0", 0),
+      ("hw:0.5,hybrid", ":num_cuda_streams=2", 4),
+  ])
+  def test_gpu_decoder_settings_keep_the_pixels(self, backend, options,
+                                                cpu_threads):
+    # The settings bench_train --gpu_variants tries (config.data.
+    # gpu_decoder_*) are taken by nvImageCodec itself and decode the same
+    # pixels within the bound: the Huffman stage on the GPU, a batch split
+    # between the engines and the CUDA decoder, fewer CPU threads.
+    for size in (256, 224):
+      d = _gpu_vs_host(_pool(), size, backend=backend, options=options,
+                       cpu_threads=cpu_threads)
+      print(f"{backend} {options!r} {cpu_threads} -> {size}: max |diff| "
+            f"{d.max()}, mean {d.mean():.4f}")
+      assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
+
   def test_gpu_pixels_of_every_kind_of_jpeg(self):
     # The kinds of _images (4:4:4, progressive, grayscale, non-square, one
     # large enough for the host's DCT-scaled decode), in one batch, per
