@@ -20,10 +20,8 @@ from jax.sharding import PartitionSpec as P
 from infcl_jax import _axes
 from infcl_jax import _checks
 from infcl_jax import reference
-from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends import registry
 from infcl_jax.losses import gather
-from infcl_jax.losses import groups as groups_lib
 from infcl_jax.losses import sigmoid as sigmoid_lib
 from infcl_jax.losses import softmax as softmax_lib
 from infcl_jax.losses import strategy as strategy_lib
@@ -194,16 +192,20 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
 def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
              axes, strategy, backend, block_sizes, group_mode="mask"):
   x, y = _cast(image_emb, text_emb)
+  # The bias shifts every logit of a row (and of a column) alike, so it
+  # cancels in every softmax: it is never added (a large one would only
+  # cost float32 its digits) and its gradient is 0. Times 0 it still turns
+  # a NaN or infinite bias into a NaN loss.
+  bias_nan = jnp.zeros((), F32) if bias is None else 0.0 * jnp.asarray(
+      bias, F32)
   if backend == "reference":
     xs, ys = _gathered(x, y, axes)
     ls, gs = _gathered_ids(labels, axes), _gathered_ids(groups, axes)
     return reference.contrastive_loss_reference(
-        xs, ys, scale, logit_bias=bias, direction=direction,
-        labels=ls, groups=gs, group_mode=group_mode).astype(F32)
-  # Softmax has no bias by default (it cancels in every row's softmax).
-  bias = jnp.zeros((), F32) if bias is None else bias
-  scale, bias, x, y = _as_varying(axes, jnp.asarray(scale, F32),
-                                  jnp.asarray(bias, F32), x, y)
+        xs, ys, scale, direction=direction, labels=ls, groups=gs,
+        group_mode=group_mode).astype(F32) + bias_nan
+  scale, x, y = _as_varying(axes, jnp.asarray(scale, F32), x, y)
+  (bias,) = _as_varying(axes, jnp.zeros((), F32))
   if labels is not None:
     (labels,) = _as_varying(axes, labels)
   if groups is not None:
@@ -215,22 +217,13 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
     groups = None if groups is None else groups[::-1]
   else:
     q, k, mode = x, y, ("both" if direction == "both" else "rows")
-  tiles = registry.get(backend, softmax_lib.FAMILY)
-  f32 = None if block_sizes is None else block_sizes.f32_precision
-  if groups is None and tiles.GROUPS and precision_lib.tf32_tiles(
-      q.dtype, f32, tiles.F32_DEFAULT, q.shape[-1]):
-    # TF32 tiles: the positive is left out of them and put back with its
-    # float32 logit (``groups_lib.exact_positive_ids``).
-    groups = groups_lib.exact_positive_ids(q.shape[0], k.shape[0], labels,
-                                           axes)
-    group_mode = "mask"
   # Softmax only: the column statistics make gathering the keys an
   # alternative to the ring (the sigmoid loss has nothing to gather for).
   strategy = strategy_lib.pick(strategy, _axes.axis_size(axes), k.shape[0])
   loss_fn = (gather.gather_loss if strategy == "gather" and axes
              else softmax_lib.softmax_loss)
   return loss_fn(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-                 block_sizes, axes)
+                 block_sizes, axes) + bias_nan
 
 
 def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,

@@ -31,6 +31,17 @@ def _group_matrix(groups, n_img, n_txt):
   return jnp.asarray(g_x)[:n_img, None] == jnp.asarray(g_y)[None, :n_txt]
 
 
+def _cross_entropy(s, pos):
+  """Per query row of ``s``: -log softmax at its positive (``pos``, one True
+  per row), as softplus(LSE of the others - positive): the positive stays
+  out of the log-sum-exp, so a confident row's tiny loss (and its
+  gradient) is not the difference of two numbers near the positive logit
+  (shared/MATH.md, "When the model is confident")."""
+  s_pos = jnp.sum(jnp.where(pos, s, 0.0), axis=1)
+  neg = jax.nn.logsumexp(jnp.where(pos, -jnp.inf, s), axis=1)
+  return softplus(neg - s_pos)
+
+
 def _grouped_clip(s, rel, direction, labels, group_mode):
   """The CLIP loss with groups on the full matrix (queries are rows)."""
   n_q, n_k = s.shape
@@ -38,8 +49,11 @@ def _grouped_clip(s, rel, direction, labels, group_mode):
   pos = jnp.zeros((n_q, n_k), bool).at[jnp.arange(n_q), idx].set(True)
   if group_mode == "mask":
     sm = jnp.where(rel & ~pos, -jnp.inf, s)
-    e_row = e_col = pos
-  elif group_mode == "positives":
+    rows = _cross_entropy(sm, pos)
+    if direction != "both":
+      return jnp.mean(rows)
+    return 0.5 * (jnp.mean(rows) + jnp.mean(_cross_entropy(sm.T, pos.T)))
+  if group_mode == "positives":
     sm = s
     e_row = rel / jnp.sum(rel, axis=1, keepdims=True)
     e_col = rel / jnp.sum(rel, axis=0, keepdims=True)
@@ -76,16 +90,16 @@ def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,
       raise ValueError(f"unknown direction {direction!r}")
     return _grouped_clip(s, rel, direction, labels, group_mode)
   if direction == "both":
-    pos = jnp.diagonal(s)
-    return 0.5 * (jnp.mean(jax.nn.logsumexp(s, axis=1) - pos)
-                  + jnp.mean(jax.nn.logsumexp(s, axis=0) - pos))
+    eye = jnp.eye(n_img, dtype=bool)
+    return 0.5 * (jnp.mean(_cross_entropy(s, eye))
+                  + jnp.mean(_cross_entropy(s.T, eye)))
   if direction == "text_to_image":
     s, n_img, n_txt = s.T, n_txt, n_img  # The texts are the queries.
   elif direction != "image_to_text":
     raise ValueError(f"unknown direction {direction!r}")
   idx = jnp.arange(n_pos) if labels is None else labels
-  pos = s[jnp.arange(n_img), idx]
-  return jnp.mean(jax.nn.logsumexp(s, axis=1) - pos)
+  pos = jnp.arange(n_txt)[None, :] == jnp.asarray(idx)[:, None]
+  return jnp.mean(_cross_entropy(s, pos))
 
 
 def sigmoid_loss_reference(image_emb, text_emb, logit_scale, logit_bias, *,

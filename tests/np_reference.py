@@ -13,11 +13,14 @@ def _lse(a, axis):
   return np.squeeze(m, axis) + np.log(np.sum(np.exp(a - m), axis=axis))
 
 
-def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None):
+def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
+                        related=None):
   """Returns (loss, dx, dy, dscale, dbias) in float64.
 
   ``labels`` (one-way directions): query i's positive is key labels[i]
   (texts for image_to_text, images for text_to_image) instead of key i.
+  ``related``: optional (B_x, B_y) bool, the pairs left out of every
+  log-sum-exp but the positive's (``groups=`` in "mask" mode).
   """
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
@@ -27,8 +30,6 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None):
   s = scale * s0 + bias
   bx, by = s.shape
   n = min(bx, by)
-  r = _lse(s, 1)
-  c = _lse(s, 0)
   e = np.zeros_like(s)
   if labels is None:
     e[np.arange(n), np.arange(n)] = 1.0
@@ -38,29 +39,83 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None):
     e[np.asarray(labels), np.arange(by)] = 1.0
   else:
     raise ValueError("labels need a one-way direction")
-  # Each query's positive logit (e has one 1 per query row / column).
-  if direction == "image_to_text":
-    diag = np.sum(e * s, axis=1)
-  elif direction == "text_to_image":
-    diag = np.sum(e * s, axis=0)
-  else:
-    diag = np.diagonal(s)[:n]
-  p_r = np.exp(s - r[:, None])
-  p_c = np.exp(s - c[None, :])
+  if related is not None:
+    s = np.where(np.asarray(related) & (e == 0), -np.inf, s)
   if direction == "both":
-    loss = 0.5 * (np.mean(r - diag) + np.mean(c - diag))
-    g = (p_r - e) / (2 * bx) + (p_c - e) / (2 * by)
+    l_r, g_r = _cross_entropy(s, e)
+    l_c, g_c = _cross_entropy(s.T, e.T)
+    loss = 0.5 * (np.mean(l_r) + np.mean(l_c))
+    g = g_r / (2 * bx) + g_c.T / (2 * by)
   elif direction == "image_to_text":
-    loss = np.mean(r - diag)
-    g = (p_r - e) / bx
+    l_r, g_r = _cross_entropy(s, e)
+    loss, g = np.mean(l_r), g_r / bx
   elif direction == "text_to_image":
-    loss = np.mean(c - diag)
-    g = (p_c - e) / by
+    l_c, g_c = _cross_entropy(s.T, e.T)
+    loss, g = np.mean(l_c), g_c.T / by
   else:
     raise ValueError(direction)
   dx = scale * g @ y
   dy = scale * g.T @ x
   return loss, dx, dy, np.sum(g * s0), np.sum(g)
+
+
+def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
+                     labels=None, groups=None, noise=0.05):
+  """Float64 unit embeddings of a confident model and the scale at which
+  the float64 loss is ``loss`` (per-row losses spread around it).
+
+  Each query sits near its positive key (``noise`` apart, so p_pos -> 1 as
+  the scale grows); keys without a query are random. ``groups`` (one id
+  per pair) puts the members of a group near one centre, as the captions
+  of one image: their pairs are related, left out in "mask" mode.
+  Returns (x, y, scale).
+  """
+  def unit(a):
+    return a / np.linalg.norm(a, axis=-1, keepdims=True)
+
+  flip = direction == "text_to_image"
+  n_q, n_k = (n_y, n_x) if flip else (n_x, n_y)
+  keys = unit(rng.standard_normal((n_k, d)))
+  if groups is not None:
+    centres = unit(rng.standard_normal((int(np.max(groups)) + 1, d)))
+    keys[:len(groups)] = unit(centres[groups] + 0.5 * noise
+                              * rng.standard_normal((len(groups), d)))
+  idx = np.arange(n_q) if labels is None else np.asarray(labels)
+  queries = unit(keys[idx] + noise * rng.standard_normal((n_q, d)))
+  x, y = (keys, queries) if flip else (queries, keys)
+  rel = None if groups is None else (np.asarray(groups)[:, None]
+                                     == np.asarray(groups)[None, :])
+  f = lambda t: clip_loss_and_grads(x, y, t, 0.0, direction, labels, rel)[0]
+  lo, hi = 0.0, 8.0
+  while f(hi) > loss:
+    if hi > 1e4:
+      raise ValueError(f"no scale reaches a loss of {loss:g}: some query "
+                       f"is not closest to its positive")
+    lo, hi = hi, 2 * hi
+  for _ in range(60):  # Bisection on the (decreasing) loss in log space.
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
+  return x, y, 0.5 * (lo + hi)
+
+
+def _cross_entropy(s, e):
+  """Per query row of ``s`` (its positive where ``e`` is 1): the loss
+  log1p(sum over the others of exp(s_ij - s_pos)) and d loss / d s.
+
+  The positive stays out of the log-sum-exp: with n the others' LSE and
+  u = n - s_pos, the loss is softplus(u) and the positive's gradient is
+  -(1 - p) = -sigmoid(u), neither a difference of nearly equal numbers, so
+  both keep float64's relative precision however confident the row (a
+  per-row loss of 1e-30 included; r - s_pos would be 0 there).
+  """
+  pos = e > 0
+  s_pos = np.sum(np.where(pos, s, 0.0), axis=1)
+  others = np.where(pos, -np.inf, s)
+  u = _lse(others, 1) - s_pos
+  loss = np.logaddexp(0.0, u)
+  sig = np.exp(-np.logaddexp(0.0, -u))
+  p = np.exp(others - (s_pos + loss)[:, None])  # 0 at the positive
+  return loss, p - e * sig[:, None]
 
 
 def sigmoid_tile_sums_and_grads(x, y, scale, bias, has_diagonal=True):

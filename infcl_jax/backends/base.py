@@ -64,6 +64,9 @@ class TileBackend:
   # above); the backend's ``_sigmoid_grad`` passes it to
   # ``panel_backward.sigmoid_grad``.
   GROUP_DIAGONAL_OUTSIDE = False
+  # Whether the softmax operations take ``diagonal=True`` themselves (see
+  # ``lse``); otherwise they get it as the group ids (i, i): an iota.
+  DIAGONAL = False
 
   def __init__(self, platform: str | None = None):
     self.platform = platform or jax.default_backend()
@@ -87,8 +90,16 @@ class TileBackend:
     return precision_lib.matmul_precision(dtype, bs.f32_precision,
                                           self.F32_DEFAULT, depth)
 
-  def _group_kw(self, x, y, groups, group_mode=None):
-    """The keywords that pass ``groups`` on, after the guards."""
+  def _group_kw(self, x, y, groups, group_mode=None, diagonal=False):
+    """The keywords that pass ``groups`` (or ``diagonal``) on, after the
+    guards."""
+    if diagonal:
+      if groups is not None:
+        raise ValueError("diagonal=True and groups= cannot be combined")
+      if self.DIAGONAL:
+        return {"diagonal": True}
+      groups = (jnp.arange(x.shape[0], dtype=jnp.int32),
+                jnp.arange(y.shape[0], dtype=jnp.int32))
     if groups is None:
       return {}
     if not self.GROUPS:
@@ -111,23 +122,29 @@ class TileBackend:
   # ------------------------------------------------------------ softmax
 
   def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None,
-          groups=None):
-    """(row_lse (n,), col_lse (m,)), float32; None where not asked for."""
+          groups=None, diagonal=False):
+    """(row_lse (n,), col_lse (m,)), float32; None where not asked for.
+
+    ``diagonal``: the pairs (i, i) (x row i, y row i) are left out, as
+    related pairs are (a confident loss keeps its positive out of the
+    tiles: ``losses.terms.confident``); only the tiles that cross the
+    diagonal need the mask.
+    """
     if not (rows or cols):
       return None, None
     return self._lse(x, y, scale, bias, rows=rows, cols=cols,
                      bs=self.block_sizes(block_sizes, x.dtype),
-                     **self._group_kw(x, y, groups))
+                     **self._group_kw(x, y, groups, diagonal=diagonal))
 
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None, groups=None):
+               *, block_sizes=None, groups=None, diagonal=False):
     """(dx, dy, dscale, dbias), float32; a None statistic has no term."""
     if row_lse is None and col_lse is None:
       zero = jnp.zeros((), F32)
       return (jnp.zeros(x.shape, F32), jnp.zeros(y.shape, F32), zero, zero)
     return self._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
                           col_coef, bs=self.block_sizes(block_sizes, x.dtype),
-                          **self._group_kw(x, y, groups))
+                          **self._group_kw(x, y, groups, diagonal=diagonal))
 
   # ------------------------------------------------------------ sigmoid
 

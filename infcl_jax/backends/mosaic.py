@@ -151,6 +151,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   # ``groups=`` (``base``): the Mosaic kernels take the group ids; the
   # Triton path passes them to its own kernels.
   GROUPS = True
+  # ``diagonal=``: the ids (i, i) of the kernels' groups, already sorted, so
+  # without ``GroupOrder``'s sorts and permutations: the kernels mask only
+  # the column blocks that cross a row block's diagonal.
+  DIAGONAL = True
   # Whose Triton kernels the Triton path (float32 inputs, stages set to
   # "pallas") runs: "triton" (the Triton-language ones where the extra
   # imports, else Pallas-Triton's; the faster, see above) or "pallas"
@@ -221,7 +225,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
 
   # ------------------------------------------------------------ softmax
 
-  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None,
+           diagonal=False):
+    if diagonal:
+      groups = _iota_ids(x, y)
     if not self._mosaic("lse", x, y):
       return super()._lse(x, y, scale, bias, rows=rows, cols=cols, bs=bs,
                           **_group_kw(groups))
@@ -241,14 +248,16 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
           single_exp=bs.single_exp,
           groups=self._padded_groups(groups, xp, yp))
 
-    if groups is None:
-      return lse(x, y, None)
+    if groups is None or diagonal:
+      return lse(x, y, groups)
     order = GroupOrder(groups)
     r, c = lse(order.rows(x), order.cols(y), order.groups)
     return order.rows_back(r), order.cols_back(c)
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-                col_coef, *, bs, groups=None):
+                col_coef, *, bs, groups=None, diagonal=False):
+    if diagonal:
+      groups = _iota_ids(x, y)
     if not self._mosaic("lse_grad", x, y):
       return super()._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
                                col_coef, bs=bs, **_group_kw(groups))
@@ -270,7 +279,7 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
         precision=self.precision(bs, x.dtype, x.shape[-1]), panel=panel,
         groups=groups,
         group_tiles=None if panel is None else tiles)
-    if groups is None or panel is None:
+    if groups is None or panel is None or diagonal:
       return grad(x, y, row_lse, col_lse, groups)
     order = GroupOrder(groups)
     dx, dy, dscale, dbias = grad(order.rows(x), order.cols(y),
@@ -349,6 +358,12 @@ class GroupOrder:
 
   def cols_back(self, a):
     return None if a is None else a[_inverse(self._py)]
+
+
+def _iota_ids(x, y):
+  """The group ids that relate exactly the pairs (i, i): sorted."""
+  return (jnp.arange(x.shape[0], dtype=jnp.int32),
+          jnp.arange(y.shape[0], dtype=jnp.int32))
 
 
 def _inverse(p):

@@ -7,15 +7,12 @@ precisions, named as ``jax.lax.Precision`` names them:
 * "default": TF32 tensor cores (a 10-bit mantissa). Each operand is
   rounded to nearest TF32 first: Triton 3.6's TF32 dot truncates, which
   shrinks every product by ~1e-3 on average, a bias that the loss does not
-  average away. The loss takes each query's positive out of the tiles and
-  puts it back with its float32 logit (``groups.exact_positive_ids``), so
-  that a confident model's small loss is not the difference of two
-  TF32-rounded numbers. What is left is the
-  negatives' own TF32 error, ~4e-4 * scale / sqrt(D) per logit: the loss
-  within 1e-3 of float64 on trained-looking inputs wherever float32 itself
-  is (a loss above ~4 eps |s|max * 1e3: float32 forms it as mean LSE minus
-  mean positive logit), and the gradients carry that logit error (~2e-2
-  at D = 3, scale 100). The softmax backward's panels G are then float16,
+  average away. The loss keeps each query's positive out of the tiles (at
+  every precision: ``losses.terms.confident``) and takes it with its
+  float32 logit, so a confident model's small loss is not the difference
+  of two TF32-rounded numbers. What is left is the negatives' own TF32
+  error, ~4e-4 * scale / sqrt(D) per logit, which the gradients carry
+  (~2e-2 at D = 3, scale 100). The softmax backward's panels G are then float16,
   and its GEMMs run on 16-bit tensor cores (``panel_backward.softmax_grad``):
   float16 keeps TF32's 10 mantissa bits, so this rounds G and the operands
   as TF32 GEMMs would, at twice their rate and half G's bytes.

@@ -70,7 +70,10 @@ def _positives(keys, labels, me, b_q):
 def _groups(groups, group_mode, axes, labels, me, b_q, b_k, n_dev, mode):
   """(tile groups, rel_pos, positives-term args, nan) of ``groups``."""
   if groups is None:
-    return None, None, None, 0.0
+    # The positive alone is left out of the tiles, as a related pair.
+    g_q, g_k_all = groups_lib.exact_positive_ids(b_q, n_dev * b_k, labels,
+                                                 axes)
+    return (g_q, g_k_all), jnp.ones((b_q,), bool), None, 0.0
   g_q, g_k = groups
   g_k_all = groups_lib.gather_ids(g_k, axes)
   if group_mode == "mask":
@@ -97,35 +100,47 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   row, col_part = tiles.lse(q, keys, scale, bias, rows=True, cols=cols,
                              block_sizes=block_sizes, groups=tile_groups)
-  s_pos = None
+  s_pos = margins = None
   if multi is not None:
     pos = groups_lib.positives_term(q, keys, scale, bias, *multi)
-    pos_w = 1.0
+    local = row_w * jnp.sum(row) - pos
   elif rel_pos is not None:
+    # The positive outside the log-sum-exp (``terms.confident``).
     s_pos, _ = terms.positive_logits(q, keys, scale, bias,
                                      *_positives(keys, labels, me, b_q))
-    row = groups_lib.put_back(row, s_pos, rel_pos)
-    if cols:  # Key me * b_q + i's positive is local query i.
-      at = me * b_q
-      mine = lax.dynamic_slice_in_dim(col_part, at, b_q)
-      col_part = lax.dynamic_update_slice_in_dim(
-          col_part, groups_lib.put_back(mine, s_pos, rel_pos), at, 0)
-    pos = jnp.sum(s_pos)
+    row, u_r, row_loss = terms.confident(row, s_pos, rel_pos)
+    local = row_w * jnp.sum(row_loss)
+    margins = (u_r, None)
   else:
     pos, _ = terms.positive_sum(q, keys, scale, bias,
                                 *_positives(keys, labels, me, b_q))
-  local = row_w * jnp.sum(row) - pos_w * pos
-  local = local + terms.nan_if_out_of_range(labels, keys.shape[0]) + nan
-  loss = lax.psum(local, axes)
+    local = row_w * jnp.sum(row) - pos_w * pos
   col = None
   if cols:
-    col = _global_lse(col_part, axes)  # Identical on every device.
+    if rel_pos is not None:
+      # Key me * b_q + i's positive is local query i: the partial column
+      # statistics combine as a pair, [positive put back, negatives only].
+      at = me * b_q
+      mine = lax.dynamic_slice_in_dim(col_part, at, b_q)
+      full = lax.dynamic_update_slice_in_dim(
+          col_part, groups_lib.put_back(mine, s_pos, rel_pos), at, 0)
+      col, col_neg = _global_lse(jnp.stack([full, col_part]), axes)
+      _, u_c, col_loss = terms.confident(
+          lax.dynamic_slice_in_dim(col_neg, at, b_q), s_pos, rel_pos,
+          full=lax.dynamic_slice_in_dim(col, at, b_q))
+      local = local + col_w * jnp.sum(col_loss)
+      margins = (u_r, u_c)
+    else:
+      col = _global_lse(col_part, axes)  # Identical on every device.
+  local = local + terms.nan_if_out_of_range(labels, keys.shape[0]) + nan
+  loss = lax.psum(local, axes)
+  if cols and rel_pos is None:
     loss = loss + col_w * jnp.sum(col)
-  return loss, (q, k, scale, bias, labels, groups, row, col, s_pos)
+  return loss, (q, k, scale, bias, labels, groups, row, col, s_pos, margins)
 
 
 def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
-  q, k, scale, bias, labels, groups, row, col, s_pos = res
+  q, k, scale, bias, labels, groups, row, col, s_pos, margins = res
   tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
@@ -135,22 +150,24 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
       groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
   g = g.astype(F32)
   w_pos = g * pos_w
+  row_coef, col_coef = g * row_w, g * col_w
+  if rel_pos is not None:
+    # As ``losses.softmax``: 1 - p in float32, the tiles' G scaled to <= 1.
+    sig_r, sig_c, log_factor, factor = terms.confident_scale(
+        *margins, rel_pos, lambda v: lax.pmax(v, axes))
+    w_pos = g * row_w * sig_r + (0.0 if sig_c is None else g * col_w * sig_c)
+    row = row + log_factor
+    col = None if col is None else col + log_factor
+    row_coef, col_coef = row_coef * factor, col_coef * factor
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   dq, dkeys, dsc, dbi = tiles.lse_grad(q, keys, scale, bias, row, col,
-                                        g * row_w, g * col_w,
+                                        row_coef, col_coef,
                                         block_sizes=block_sizes,
                                         groups=tile_groups)
   if multi is not None:
     pq, pk, psc, pbi = groups_lib.positives_term_grads(q, keys, scale, bias,
                                                        *multi, -g)
   else:
-    if rel_pos is not None:
-      # d/ds_pos of the put-back LSEs (see ``losses.softmax``).
-      w_pos = w_pos - g * row_w * groups_lib.put_back_share(s_pos, row,
-                                                            rel_pos)
-      if col is not None:
-        w_pos = w_pos - g * col_w * groups_lib.put_back_share(
-            s_pos, lax.dynamic_slice_in_dim(col, me * b_q, b_q), rel_pos)
     idx, valid = _positives(keys, labels, me, b_q)
     _, k_rows = terms.positive_sum(q, keys, scale, bias, idx, valid)
     pq, pk, psc, pbi = terms.positive_grads(q, keys, scale, w_pos, k_rows,

@@ -150,17 +150,18 @@ def positives_term_grads(q, k, scale, bias, g_q, g_k, w_q, w_k, coef):
   return vjp(ct)
 
 
-def exact_positive_ids(b_q, b_k, labels, axes):
+def exact_positive_ids(b_q, n_k, labels, axes):
   """Group ids under which each query's positive is its only related key.
 
-  For float32 inputs on TF32 tiles: "mask" then takes the positive out of
-  the tiles and puts it back with its float32 logit, so the loss of a
-  confident model (positive far above the rest, loss near 0) is no longer
-  the difference of two TF32-rounded numbers. Ids are global indices: query
-  i gets its positive's key index, key j gets j.
+  Without ``groups=`` the loss runs as "mask" with these: the tiles leave
+  the positive out (the negatives' LSE) and the loss takes it with its
+  float32 logit (``terms.confident``), so a confident model's loss and
+  gradient keep their relative accuracy. Ids are global key indices: query
+  i gets its positive's index, key j gets j. Returns (g_q (b_q,), the ids of
+  all ``n_k`` global keys): the keys' are an iota, known on every device
+  without a collective.
   """
   me = lax.axis_index(axes) if axes else 0
-  g_k = me * b_k + jnp.arange(b_k, dtype=jnp.int32)
   g_q = (me * b_q + jnp.arange(b_q, dtype=jnp.int32) if labels is None
          else labels.astype(jnp.int32))
-  return g_q, g_k
+  return g_q, jnp.arange(n_k, dtype=jnp.int32)

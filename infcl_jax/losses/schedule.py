@@ -93,6 +93,9 @@ class Ring:
   def psum(self, v):
     return lax.psum(v, self.axes) if self.axes else v
 
+  def pmax(self, v):
+    return lax.pmax(v, self.axes) if self.axes else v
+
   def source(self, n):
     """The device whose shard is held at step ``n``."""
     return (self.me - n) % self.size

@@ -112,10 +112,19 @@ class _Groups:
   relatedness ("mask") or the weights of the positives ("positives")."""
 
   def __init__(self, groups, group_mode, ring, labels, b_q, b_k, mode):
-    self.masked = groups is not None and group_mode == "mask"
     self.multi = groups is not None and group_mode == "positives"
+    self.masked = not self.multi
     self.b_k = b_k
+    # Without groups the positive alone is left out of the tiles. When every
+    # positive is (r, r) of the home tile, that tile leaves out its diagonal
+    # (the backend masks only the tiles that cross it) and the others need
+    # no mask; otherwise as a related pair (``groups_lib.exact_positive_ids``).
+    self.diagonal = groups is None and _positive_labels(
+        ring, labels, b_q, b_k) is None
     if groups is None:
+      self.g_q, self.g_k_all = groups_lib.exact_positive_ids(
+          b_q, ring.size * b_k, labels, ring.axes)
+      self.rel_pos = jnp.ones((b_q,), bool)
       return
     self.g_q, g_k = groups
     self.g_k_all = groups_lib.gather_ids(g_k, ring.axes)
@@ -130,11 +139,16 @@ class _Groups:
           self.g_q, self.g_k_all, g_q_all, self.g_k_all, row_w,
           col_w if mode == "both" else 0.0)
 
-  def tile(self, src):
-    """The ``groups=`` of the tile against the key shard of ``src``."""
+  def tile(self, src, home):
+    """The keywords (``groups=``, ``diagonal=``) of the tile against the
+    key shard of ``src`` (``home``: this device's own, known statically):
+    the pairs that the tiles leave out."""
+    if self.diagonal:
+      return {"diagonal": home}
     if not self.masked:
-      return None
-    return self.g_q, groups_lib.shard(self.g_k_all, src, self.b_k)
+      return {}
+    return {"groups": (self.g_q, groups_lib.shard(self.g_k_all, src,
+                                                  self.b_k))}
 
   def term_args(self, src):
     """(g_q, g_k, w_q, w_k) of ``positives_term`` for the shard of src."""
@@ -152,9 +166,9 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
   grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
 
-  def tile(kc, src):
+  def tile(kc, src, home=False):
     row, col = tiles.lse(q, kc, scale, bias, rows=True, cols=cols,
-                         block_sizes=block_sizes, groups=grp.tile(src))
+                         block_sizes=block_sizes, **grp.tile(src, home))
     pos = jnp.zeros((), F32)
     if grp.multi:
       pos = groups_lib.positives_term(q, kc, scale, bias,
@@ -179,14 +193,16 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
     c_out = jnp.logaddexp(c_in, col) if cols else None
     return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
 
-  home = tile(k, ring.me)
+  home = tile(k, ring.me, home=True)
   s_home = None
   if grp.masked and pos_labels is None:
     s_home, _ = terms.positive_logits(q, k, scale, bias)
     if cols:
-      # The columns' positives are the home tile's (i, i): put back before
-      # the statistics travel.
-      home = (home[0], groups_lib.put_back(home[1], s_home, grp.rel_pos),
+      # The columns' positives are the home tile's (i, i). Their statistics
+      # travel as a pair: [the full LSE (positive put back), the negatives'
+      # LSE] (``terms.confident``); the tiles elsewhere add to both alike.
+      home = (home[0], jnp.stack([groups_lib.put_back(home[1], s_home,
+                                                      grp.rel_pos), home[1]]),
               home[2])
   k_next = ring.send_next(k)  # Issued before the home tile.
   k_last, (r, c_out, pos) = ring.run((k_next, home), step)
@@ -199,19 +215,33 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   elif pos_labels is None and not grp.multi:
     pos, _ = terms.positive_sum(q, k, scale, bias)
   if grp.masked:
-    r = groups_lib.put_back(r, pos, grp.rel_pos)
-  local = row_w * jnp.sum(r) - (1.0 if grp.multi else pos_w) * jnp.sum(pos)
+    # The positive stays out of the log-sum-exp: each term is
+    # softplus(negatives' LSE - positive), which keeps its relative accuracy
+    # however confident the model (``terms.confident``).
+    r, u_r, row_loss = terms.confident(r, pos, grp.rel_pos)
+    local = row_w * jnp.sum(row_loss)
+    u_c = None
+    if cols:
+      c_home, u_c, col_loss = terms.confident(c_home[1], pos, grp.rel_pos,
+                                              full=c_home[0])
+      c_last = None if c_last is None else c_last[0]
+      local = local + col_w * jnp.sum(col_loss)
+    margins = (u_r, u_c)
+  else:
+    local = row_w * jnp.sum(r) - (1.0 if grp.multi else pos_w) * jnp.sum(pos)
+    if cols:
+      local = local + col_w * jnp.sum(c_home)
+    margins = None
   local = local + terms.nan_if_out_of_range(labels, ring.size * b_k)
   if grp.multi:
     local = local + grp.nan
-  if cols:
-    local = local + col_w * jnp.sum(c_home)
   return ring.psum(local), (q, k, scale, bias, labels, groups, r, c_home,
-                           k_last, c_last, pos)
+                           k_last, c_last, pos, margins)
 
 
 def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
-  q, k, scale, bias, labels, groups, r, c_home, k_last, c_last, s_pos = res
+  (q, k, scale, bias, labels, groups, r, c_home, k_last, c_last, s_pos,
+   margins) = res
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
@@ -220,19 +250,24 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
   g = g.astype(F32)
   w_pos = g * pos_w
+  row_coef, col_coef = g * row_w, g * col_w
   if grp.masked:
-    # d/ds_pos of the put-back LSEs; the rest of the tiles' gradient comes
-    # from the tiles (related pairs have none there).
-    w_pos = w_pos - g * row_w * groups_lib.put_back_share(s_pos, r,
-                                                          grp.rel_pos)
-    if c_home is not None:
-      w_pos = w_pos - g * col_w * groups_lib.put_back_share(
-          s_pos, c_home, grp.rel_pos)
+    # The positive entries of G, -(1 - p), as sigmoid(negatives' LSE -
+    # positive) in float32; the tiles give the rest, scaled so that the
+    # largest of them is near 1 (``terms.confident_scale``).
+    sig_r, sig_c, log_factor, factor = terms.confident_scale(
+        *margins, grp.rel_pos, ring.pmax)
+    w_pos = g * row_w * sig_r + (0.0 if sig_c is None else g * col_w * sig_c)
+    # exp(s - (lse + log factor)) = exp(s - lse) / factor <= 1.
+    r = r + log_factor
+    c_home = None if c_home is None else c_home + log_factor
+    c_last = None if c_last is None else c_last + log_factor
+    row_coef, col_coef = row_coef * factor, col_coef * factor
 
-  def tile(kc, cc, src):
-    dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, g * row_w,
-                                      g * col_w, block_sizes=block_sizes,
-                                      groups=grp.tile(src))
+  def tile(kc, cc, src, home=False):
+    dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, row_coef,
+                                      col_coef, block_sizes=block_sizes,
+                                      **grp.tile(src, home))
     if grp.multi:
       pq, pk, psc, pbi = groups_lib.positives_term_grads(
           q, kc, scale, bias, *grp.term_args(src), -g)
@@ -256,11 +291,11 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
     (kc, cc), dk_in, kv_next = ring.pass_on(
         ring.send_back, None if home else kv, (k, c_home) if home else kv,
         dk_prev)
-    dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, ring.source_back(n))
+    dq_t, dk_t, dsc_t, dbi_t = tile(kc, cc, ring.source_back(n), home)
     return kv_next, (dq + dq_t, dk_in + dk_t, dsc + dsc_t, dbi + dbi_t)
 
   if ring.size == 1:
-    dq, dk, dsc, dbi = tile(k, c_home, ring.me)
+    dq, dk, dsc, dbi = tile(k, c_home, ring.me, home=True)
   else:
     # Step 0: the shard the forward ended with (device me + 1's), no
     # transfer; passed on when a step other than home follows (N > 2).

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from infcl_jax import _math
+
 F32 = jnp.float32
 MODES = ("both", "rows")
 
@@ -129,3 +131,67 @@ def _weighted_positive_grads(q, k, scale, weight, k_rows, idx, valid):
   dk = jnp.zeros(k.shape, F32).at[idx].add(-ws * q32)
   dscale = -jnp.sum(weight * jnp.sum(q32 * k_rows, axis=1))
   return dq, dk, dscale, -jnp.sum(weight)
+
+
+# ------------------------------------------- the positive outside the LSE
+#
+# A confident model's positive logit dominates its row: r = LSE_j s_ij and
+# s_ii are two numbers near s_ii (~ the scale, 50-100), and r - s_ii and the
+# gradient's p_ii - 1 cancel to nothing once p_ii is within the working
+# precision of 1. The tiles leave the positive out instead (its pair is
+# masked, like a related pair of ``groups``), so they give n = the
+# negatives' LSE, and with the float32 positive s (from the embeddings):
+#   loss term  softplus(n - s)  (= log1p(sum_{j != i} exp(s_ij - s)))
+#   1 - p      sigmoid(n - s)
+# neither of which cancels (shared/MATH.md, "When the model is confident").
+
+
+def confident(neg_lse, pos, rel, full=None):
+  """(full LSE, margin u = n - s, loss terms) of rows whose tiles left the
+  positive out where ``rel`` (elsewhere ``neg_lse`` already holds it: the
+  plain r - s, as before).
+
+  ``full`` (optional) is the full LSE when the caller carried it (a column
+  statistic that travelled with its positive put back); the backward's
+  tiles normalise by it.
+  """
+  u = neg_lse - pos
+  loss = jnp.where(rel, _math.softplus(u), u)
+  if full is None:
+    full = jnp.where(rel, jnp.logaddexp(neg_lse, pos), neg_lse)
+  return full, u, loss
+
+
+def sigmoid(u):
+  """1 / (1 + e^-u), to full relative precision for u << 0 (where it is the
+  tiny 1 - p of a confident row)."""
+  return jnp.exp(-_math.softplus(-u))
+
+
+def confident_scale(u_r, u_c, rel, pmax):
+  """What the backward needs from the margins of ``confident``.
+
+  Returns (sig_r, sig_c, log_factor, factor):
+    sig_r, sig_c: 1 - p of each row's (column's) positive, sigmoid(u), where
+      the tiles left it out; 1 elsewhere (there the tiles' own p and the
+      positive term -1 make the entry, as without the mask). ``sig_c`` is
+      None without columns.
+    log_factor, factor: every off-positive entry of G is at most max(sig)
+      (its row's exp(s - full LSE) <= sigmoid(u)), which is tiny when the
+      whole batch is confident: a 16-bit panel of G would flush it to zero.
+      The tiles get the statistics plus ``log_factor`` = log(max sig) and
+      the coefficients times ``factor`` = max sig, so that their G is
+      scaled to at most 1 and scaled back after the float32-accumulated
+      matmuls.
+  ``pmax`` is the max across devices (the identity on one).
+  """
+  sig_r = jnp.where(rel, sigmoid(u_r), 1.0)
+  top = jnp.max(sig_r, initial=0.0)
+  sig_c = None
+  if u_c is not None:
+    sig_c = jnp.where(rel, sigmoid(u_c), 1.0)
+    top = jnp.maximum(top, jnp.max(sig_c, initial=0.0))
+  top = pmax(top)
+  # No negatives anywhere (all sig 0): nothing to scale.
+  factor = jnp.where(top > 0, top, 1.0)
+  return sig_r, sig_c, jnp.log(factor), factor
