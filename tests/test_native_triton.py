@@ -416,3 +416,13 @@ def test_gpu_launch_traces_under_vmap_and_shard_map(monkeypatch, family):
           lambda x, y, t: sigmoid_loss(x, y, t, -1.0, backend=name))
   jax.make_jaxpr(jax.vmap(jax.grad(single, argnums=(0, 2))))(xs, xs, ts)
   assert fwd in fake.calls and bwd in fake.calls, fake.calls
+
+
+# ------------------------------------------------------- a confident model
+
+from tests import test_confident as tc  # noqa: E402  pylint: disable=wrong-import-position
+
+
+class TestTritonConfident(tc.TestConfidentKernels):
+  """The positive outside the log-sum-exp on the triton backend."""
+  NAME = "triton"
