@@ -86,13 +86,17 @@ def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
   rel = None if groups is None else (np.asarray(groups)[:, None]
                                      == np.asarray(groups)[None, :])
   f = lambda t: clip_loss_and_grads(x, y, t, 0.0, direction, labels, rel)[0]
-  lo, hi = 0.0, 8.0
+  # The loss falls as the scale grows; above log(B) (the loss at scale 0)
+  # it takes a negative scale: positives less similar than the rest.
+  lo, hi = (0.0, 8.0) if f(0.0) > loss else (-8.0, 0.0)
   while f(hi) > loss:
     if hi > 1e4:
       raise ValueError(f"no scale reaches a loss of {loss:g}: some query "
                        f"is not closest to its positive")
     lo, hi = hi, 2 * hi
-  for _ in range(60):  # Bisection on the (decreasing) loss in log space.
+  while f(lo) < loss:
+    lo, hi = 2 * lo, lo
+  for _ in range(50):  # Bisection on the (decreasing) loss.
     mid = 0.5 * (lo + hi)
     lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
   return x, y, 0.5 * (lo + hi)

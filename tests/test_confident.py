@@ -232,9 +232,9 @@ class TestConfidentKernels:
       # ~1e-4 (their entries ~ scale * loss / B) are not representable in
       # the float16 the caller gets back, whatever the kernel did.
       pytest.skip("float16 gradients underflow below a loss of ~1e-4")
-    self._run(loss, dtype, n=2049)
+    self._run(loss, dtype, n=1031)
     if loss in (1e-4, 1e-30):
-      self._run(loss, dtype, "image_to_text", None, n=1001)
+      self._run(loss, dtype, "image_to_text", None, n=517)
 
 
 class TestConfidentMosaic(TestConfidentKernels):
