@@ -22,6 +22,7 @@ from __future__ import annotations
 import email.utils
 import http.client
 import http.server
+import logging
 import os
 import random
 import re
@@ -36,8 +37,34 @@ HOST = "127.0.0.1"
 
 
 class _Server(http.server.ThreadingHTTPServer):
+  """Closing it also ends its open (keep-alive) connections: a client
+  still holding one after the test gets a reset, not a late answer."""
   daemon_threads = True
   allow_reuse_address = True
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.open_conns, self.conns_lock = set(), threading.Lock()
+
+  def process_request_thread(self, request, client_address):
+    with self.conns_lock:
+      self.open_conns.add(request)
+    try:
+      super().process_request_thread(request, client_address)
+    finally:
+      with self.conns_lock:
+        self.open_conns.discard(request)
+
+  def close(self):
+    self.shutdown()
+    self.server_close()
+    with self.conns_lock:
+      conns = list(self.open_conns)
+    for c in conns:
+      try:
+        c.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
 
 
 def _serve(handler_class, **attrs):
@@ -65,6 +92,7 @@ class _FileHandler(_Quiet):
   ``root``; each request is recorded in ``log`` as (method, path, range)."""
   root = ""
   log = None
+  forbidden = None
 
   def _file(self):
     path = os.path.normpath(os.path.join(self.root,
@@ -81,6 +109,9 @@ class _FileHandler(_Quiet):
 
   def _reply(self, body: bool):
     self.log.append((self.command, self.path, self.headers.get("Range")))
+    if self.path.split("?")[0] in self.forbidden:
+      self._head(403, {"Content-Length": "0"})
+      return
     path = self._file()
     if path is None:
       self._head(404, {"Content-Length": "0"})
@@ -116,23 +147,41 @@ class _FileHandler(_Quiet):
     self._reply(False)
 
 
+def _settle(requests: list, quiet_s: float, timeout_s: float) -> None:
+  """Returns once no request has arrived for ``quiet_s`` (at most
+  ``timeout_s``): readers that were still busy (a closed pipeline's reads
+  in flight) are done before their server goes."""
+  import time  # pylint: disable=import-outside-toplevel
+  t0, n, last = time.monotonic(), -1, time.monotonic()
+  while time.monotonic() - t0 < timeout_s:
+    if len(requests) != n:
+      n, last = len(requests), time.monotonic()
+    elif time.monotonic() - last >= quiet_s:
+      return
+    time.sleep(0.05)
+
+
 class HTTPDir:
   """A directory served over HTTP on 127.0.0.1 with Range support."""
 
   def __init__(self, root: str):
     self.root = os.path.realpath(root)
     self.requests = []  # (method, path, Range header), in arrival order.
+    self.forbidden = set()  # URL paths answered 403.
     self._server, self._thread = _serve(_FileHandler, root=self.root,
-                                        log=self.requests)
+                                        log=self.requests,
+                                        forbidden=self.forbidden)
     self.port = self._server.server_address[1]
     self.base = f"http://{HOST}:{self.port}"
 
   def url(self, name: str) -> str:
     return f"{self.base}/{name}"
 
+  def settle(self, quiet_s: float = 0.5, timeout_s: float = 20.0) -> None:
+    _settle(self.requests, quiet_s, timeout_s)
+
   def close(self):
-    self._server.shutdown()
-    self._server.server_close()
+    self._server.close()
     self._thread.join(5)
 
   def __enter__(self):
@@ -172,6 +221,11 @@ class _ProxyHandler(_Quiet):
       conn.request(self.command, self.path, body=body, headers=headers)
       resp = conn.getresponse()
       data = resp.read()
+    except OSError:  # The upstream is gone: a gateway error.
+      self.send_response(502)
+      self.send_header("Content-Length", "0")
+      self.end_headers()
+      return
     finally:
       conn.close()
     self.send_response(resp.status, resp.reason)
@@ -246,10 +300,12 @@ class FaultProxy:
       self.faults.append((kind, *request))
       return kind
 
+  def settle(self, quiet_s: float = 0.5, timeout_s: float = 20.0) -> None:
+    _settle(self.requests, quiet_s, timeout_s)
+
   def close(self):
     self.slept.set()
-    self._server.shutdown()
-    self._server.server_close()
+    self._server.close()
     self._thread.join(5)
 
   def __enter__(self):
@@ -313,6 +369,8 @@ def moto_endpoint():
   """The session's moto S3 server on 127.0.0.1 (a free port)."""
   pytest.importorskip("moto.server", reason="the dev extra (moto[server])")
   from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
+  # werkzeug (moto's server) logs every request at INFO.
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)
   server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
   server.start()
   host, port = server.get_host_and_port()

@@ -259,6 +259,7 @@ class Store:
     self.retries, self.backoff_s = retries, backoff_s
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
+    self.retries_made = 0  # By this store, in this process.
 
   def __getstate__(self):
     return {"options": self.options, "retries": self.retries,
@@ -268,6 +269,7 @@ class Store:
     self.__dict__.update(state)
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
+    self.retries_made = 0
 
   def filesystem(self, url: str):
     """(fsspec filesystem, its path of ``url``)."""
@@ -313,6 +315,8 @@ class Store:
               f"cannot {what} {scrub(url)}: {self.retries + 1} attempts "
               f"failed, the last with {_reason(e)}") from None
         count_retry()
+        with self._lock:
+          self.retries_made += 1
         time.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt)
                    * random.uniform(0.5, 1.0))
 
