@@ -254,7 +254,8 @@ class _ProxyHandler(_Quiet):
 
 class FaultProxy:
   """A reverse proxy to ``upstream`` ((host, port) on 127.0.0.1) that
-  answers a seeded fraction of GET/HEAD requests with a fault.
+  answers a seeded fraction of the requests of ``methods`` (GET, HEAD)
+  with a fault.
 
   Whether a request is faulted is a pure function of (seed, method, path,
   Range): the same requests fail on every run, whatever the order they
@@ -267,11 +268,12 @@ class FaultProxy:
 
   def __init__(self, upstream, *, seed: int = 0, fraction: float = 0.0,
                kinds=("503", "reset", "slow"), max_faults: int = 20,
-               delay_s: float = 0.2):
+               delay_s: float = 0.2, methods=("GET", "HEAD")):
     host, port = upstream
     assert host in (HOST, "localhost"), "the proxy forwards to 127.0.0.1 only"
     self.upstream = (HOST, port)
     self.seed, self.fraction, self.kinds = seed, fraction, tuple(kinds)
+    self.methods = tuple(methods)
     self.max_faults, self.delay_s = max_faults, min(delay_s, 5.0)
     self.requests, self.faults = [], []
     self._faulted = set()
@@ -285,7 +287,7 @@ class FaultProxy:
     request = (method, path, rng_header)
     with self._lock:
       self.requests.append(request)
-      if method not in ("GET", "HEAD") or request in self._faulted:
+      if method not in self.methods or request in self._faulted:
         return None
       if len(self.faults) >= self.max_faults:
         return None
