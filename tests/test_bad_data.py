@@ -146,7 +146,8 @@ def test_a_caption_that_is_not_utf8_is_bad_not_trained_on(tmp_path):
   (tmp_path / "img.jpg").write_bytes(members[0][1])
   table.write_bytes(b"image,caption\nimg.jpg,a photo\nimg.jpg," + bad_text
                     + b"\nimg.jpg," + "a café".encode() + b"\n")
-  rows = D.open_source(corpus_lib.data_config(f"csv:{table}").data, "train")
+  rows = D.open_source(corpus_lib.data_config(
+      f"csv:{table}", table_label_column="").data, "train")
   assert rows.bad_at_open == [("t.csv:3", "caption is not valid UTF-8 (byte "
                                "0xe9 at character 16) (column 'caption')")]
   assert [rows[i]["captions"] for i in range(len(rows))] == [
