@@ -39,6 +39,8 @@ import sys, time
 sys.path.insert(0, {root!r})
 kind, arg = sys.argv[1], sys.argv[2]
 if kind == "s3":
+  import logging
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)
   from moto.server import ThreadedMotoServer
   server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
   server.start()

@@ -300,7 +300,7 @@ def test_secrets_in_urls_are_never_printed(shards, tmp_path, http_dir):
              f"?X-Amz-Signature={secret}")
   cache = tmp_path / "index"
   source = webdataset.WebDatasetSource(pattern, index_cache=str(cache))
-  printed = [source.describe(), *source.keys,
+  printed = [source.describe(), source.spec, *source.keys,
              *(f"{w}: {r}" for w, r in source.bad_at_open),
              *os.listdir(cache)]
   for name in os.listdir(cache):

@@ -99,6 +99,12 @@ def scrub(url: str) -> str:
   return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+def scrub_pattern(pattern: str) -> str:
+  """A shard pattern ("a-{0..9}.tar::b-{0..3}.tar") with each URL
+  scrubbed: what a source's ``spec`` (logs, checkpoint fingerprints) holds."""
+  return "::".join(scrub(p) for p in pattern.split("::"))
+
+
 def basename(path: str) -> str:
   """The file name of a path or URL (a URL's query left out)."""
   return os.path.basename(scrub(path).rstrip("/") if is_url(path) else path)

@@ -93,9 +93,9 @@ class TableSource:
   def __init__(self, spec: str, *, image_column: str, caption_column: str,
                label_column: str = "", what: str = "config.data.name",
                store: remote.Store | None = None):
-    self.spec = spec
-    self.store = store or remote.Store()
     fmt, _, path = spec.partition(":")
+    self.spec = f"{fmt}:{remote.scrub(path)}"
+    self.store = store or remote.Store()
     if not remote.is_url(path):
       path = os.path.abspath(remote.local_path(path))
       if not os.path.isfile(path):

@@ -219,7 +219,9 @@ class WebDatasetSource:
                num_threads: int = 8, what: str = "config.data.name",
                store: remote.Store | None = None,
                index_cache: str = ""):
-    self.spec = PREFIX + pattern
+    # The pattern without the secrets a URL may hold (a signed URL's
+    # query): the spec is logged and kept in checkpoints.
+    self.spec = PREFIX + remote.scrub_pattern(pattern)
     self.store = store or remote.Store()
     self.paths, infos = _expand(pattern, what, self.store,
                                 max(num_threads, 16))
