@@ -284,6 +284,8 @@ class WebDatasetSource:
     # key.txt): one request for all of them when little lies between.
     lo = min(o for o, _ in spans)
     hi = max(o + s for o, s in spans)
+    if hi == lo:  # Empty members only: no request (a Range of 0 bytes).
+      return [b"" for _ in spans]
     try:
       if hi - lo <= sum(s for _, s in spans) + (64 << 10):
         data = self.store.read(url, lo, hi)
