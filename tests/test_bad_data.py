@@ -113,3 +113,42 @@ def test_the_check_starts_at_the_whole_of_a_small_corpus(shards):
     _run(it, EPOCHS_3)
   _run(D.make_train_iterator(_config(shards, max_bad_fraction=0.2),
                              batch_size=8, seed=0), EPOCHS_3)
+
+
+def test_a_caption_that_is_not_utf8_is_bad_not_trained_on(tmp_path):
+  """A .txt in another encoding (latin-1, cp1252) is a bad example named
+  with its shard:key, in a webdataset shard and in a table, never decoded
+  with replacement characters."""
+  import io  # pylint: disable=g-import-not-at-top
+  import tarfile  # pylint: disable=g-import-not-at-top
+  from tests import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  sh = lit_fixtures.shards(tmp_path / "s", "u", num=12, per_shard=16)
+  path = sh.pattern
+  with tarfile.open(path) as src:
+    members = [(m, src.extractfile(m).read()) for m in src.getmembers()]
+  bad_text = "a photo of a café ring".encode("latin-1")
+  with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+    for m, data in members:
+      if m.name == "000004.txt":
+        data = bad_text
+      m.size = len(data)
+      tar.addfile(m, io.BytesIO(data))
+  config = corpus_lib.data_config("webdataset:" + path)
+  source = D.open_source(config.data, "train")
+  it = _run(D.make_train_iterator(config, batch_size=4, seed=0), 6)
+  assert dict(it.ledger.by_reason) == {"caption is not valid UTF-8": 1}
+  assert it.ledger.state()["counted"] == ["u-000000.tar:000004"]
+  with pytest.raises(D.sources.BadExample, match=r"u-000000.tar:000004: "
+                     r"caption is not valid UTF-8 \(byte 0xe9 at 16\)"):
+    source[source.keys.index("u-000000.tar:000004")]
+  # A CSV row with such a caption: bad at open, named by file:line.
+  table = tmp_path / "t.csv"
+  (tmp_path / "img.jpg").write_bytes(members[0][1])
+  table.write_bytes(b"image,caption\nimg.jpg,a photo\nimg.jpg," + bad_text
+                    + b"\nimg.jpg," + "a café".encode() + b"\n")
+  rows = D.open_source(corpus_lib.data_config(
+      f"csv:{table}", table_label_column="").data, "train")
+  assert rows.bad_at_open == [("t.csv:3", "caption is not valid UTF-8 (byte "
+                               "0xe9 at character 16) (column 'caption')")]
+  assert [rows[i]["captions"] for i in range(len(rows))] == [
+      ["a photo"], ["a café"]]

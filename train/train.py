@@ -500,6 +500,8 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       # config.data.max_bad_fraction).
       train_metrics["data/bad_examples"] = train_iter.bad
       train_metrics["data/bad_fraction"] = train_iter.ledger.fraction
+      # Transient failures of remote reads retried (train/data/remote.py).
+      train_metrics["data/retries"] = train_iter.ledger.retries
       train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
       writer.write(step, train_metrics)
       if pbar is not None:

@@ -9,6 +9,7 @@ a single-line ValueError, so a bad config fails before any training starts.
 import ml_collections
 
 from train.data import decode as decode_lib
+from train.data import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 from train.eval import names as names_lib
@@ -52,6 +53,20 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.table_image_column = "image"
   c.table_caption_column = "caption"
   c.table_label_column = ""
+  # Shards, tables and images on object storage (train/data/remote.py;
+  # the cloud extra): names and image paths may be fsspec URLs, s3://,
+  # gs://, http(s)://. Credentials come from each store's environment
+  # (AWS_*, GOOGLE_APPLICATION_CREDENTIALS); storage_options is JSON mapping
+  # a protocol to fsspec options, e.g. '{"s3": {"endpoint_url":
+  # "http://127.0.0.1:9000"}}' (botocore also reads AWS_ENDPOINT_URL). A
+  # transient failure (5xx, timeout, reset, truncated body) is retried up to
+  # remote_retries times with backoff and counted (data/retries). A remote
+  # shard's tar index is kept in shard_index_cache (a directory or a URL a
+  # rerun and other hosts share; "" = ~/.cache/infcl_jax/shard_index,
+  # "none" = not kept).
+  c.storage_options = ""
+  c.remote_retries = 8
+  c.shard_index_cache = ""
   # Bad examples (undecodable image, empty caption, member without its pair,
   # truncated shard) are skipped and counted, once each; more than this
   # fraction of the examples seen stops the run, checked once min(1000,
@@ -171,10 +186,11 @@ def check_data_config(config) -> None:
         tokenizer_lib.resolve_tokenizer_config(config))
   for key in ("image_size", "num_eval_examples", "num_threads",
               "prefetch_batches", "num_train_examples", "cache_max_mb",
-              "num_workers", "decode_size"):
+              "num_workers", "decode_size", "remote_retries"):
     value = data.get(key)
     low = 0 if key in ("num_eval_examples", "prefetch_batches",
-                       "cache_max_mb", "num_workers", "decode_size") else 1
+                       "cache_max_mb", "num_workers", "decode_size",
+                       "remote_retries") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
   if 0 < data.decode_size < data.image_size:
@@ -196,5 +212,6 @@ def check_data_config(config) -> None:
           and 0 <= data.max_bad_fraction <= 1):
     raise ValueError(f"config.data.max_bad_fraction={data.max_bad_fraction!r}"
                      " must be a number in [0, 1]")
+  remote.parse_storage_options(data.storage_options)
   sources.check_sources(data)
   decode_lib.check_decoder(data)

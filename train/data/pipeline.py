@@ -37,6 +37,7 @@ import sys
 import numpy as np
 
 from train.data import decode as decode_lib
+from train.data import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 from train.data.source import Bad
@@ -352,7 +353,10 @@ def _pack(items: list, flat: bool = False) -> dict:
       arrays["encoded_ends"] = np.cumsum([len(b) for b in encoded],
                                          dtype=np.int64)
       arrays["encoded_flat"] = np.frombuffer(b"".join(encoded), np.uint8)
+  # Retries of remote reads in this process (a worker's travel with its
+  # chunk to the training process's ledger: data/retries).
   return {"pos0": items[0][0], "good": good, "arrays": arrays,
+          "retries": remote.take_retries(),
           "bad": [(i, e.where, e.reason) for i, (_, e) in enumerate(items)
                   if isinstance(e, Bad)]}
 
@@ -449,6 +453,7 @@ class TrainIterator(CountsBadData):
     while need:
       if self._chunk is None or self._cursor >= len(self._chunk["good"]):
         self._chunk, self._cursor = _unflatten(next(self._iter)), 0
+        self.ledger.add_retries(self._chunk["retries"] + remote.take_retries())
       chunk, k = self._chunk, self._cursor
       good = chunk["good"]
       ahead = np.flatnonzero(good[k:]) + k  # local positions of goods

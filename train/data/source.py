@@ -59,6 +59,10 @@ class CountsBadData:
     return self.ledger.bad
 
   @property
+  def retries(self) -> int:
+    return self.ledger.retries
+
+  @property
   def seen(self) -> int:
     return self.ledger.seen
 
@@ -89,6 +93,9 @@ class BadDataLedger:
     self.log_first, self.what = log_first, what
     self.corpus_size, self.copies = corpus_size, max(1, copies)
     self.bad, self.good_taken = 0, 0
+    # Transient read failures retried (train/data/remote.py), where the
+    # examples were read: not bad data, a measure of the store's health.
+    self.retries = 0
     self.by_reason = collections.Counter()
     self._counted = set()
     self._next_log = log_first * 2
@@ -108,6 +115,9 @@ class BadDataLedger:
       logging.warning("%d bad examples of the %s skipped so far (last: %s: "
                       "%s); by reason: %s", self.bad, self.what, where, reason,
                       dict(self.by_reason))
+
+  def add_retries(self, n: int) -> None:
+    self.retries += int(n)
 
   def add_good(self, n: int = 1) -> None:
     self.good_taken += n
@@ -135,10 +145,11 @@ class BadDataLedger:
             "good_taken": self.good_taken,
             "corpus_size": self.corpus_size, "copies": self.copies,
             "by_reason": dict(self.by_reason),
-            "counted": sorted(self._counted)}
+            "counted": sorted(self._counted), "retries": self.retries}
 
   def set_state(self, state: dict) -> None:
     self.bad = int(state["bad"])
+    self.retries = int(state.get("retries", 0))
     # A state written before distinct counting has "seen" only.
     self.good_taken = int(state.get("good_taken",
                                     int(state["seen"]) - self.bad))

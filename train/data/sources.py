@@ -29,6 +29,7 @@ import re
 
 import numpy as np
 
+from train.data import remote
 from train.data import synthetic
 from train.data.source import BadExample
 
@@ -237,12 +238,21 @@ def check_split_and_keys(builder, split: str, keys: dict, where: str) -> None:
                        f"an integer label of {builder.info.full_name}")
 
 
-def _check_file_source(name: str, what: str) -> None:
+def _check_file_source(name: str, what: str, store=None) -> None:
   """A file source's files exist and are readable (cheap: no indexing)."""
   kind = kind_of(name)
   if kind == "webdataset":
     from train.data import webdataset  # pylint: disable=import-outside-toplevel
-    webdataset.expand_shards(name[len("webdataset:"):], what)
+    webdataset.expand_shards(name[len("webdataset:"):], what, store)
+  elif kind == "table" and remote.is_url(name.partition(":")[2]):
+    url = name.partition(":")[2]
+    try:
+      (store or remote.Store()).info(url)
+    except remote.NotFound:
+      raise ValueError(f"{what}: table {remote.scrub(url)!r} does not "
+                       "exist") from None
+    except remote.RemoteError as e:
+      raise ValueError(f"{what}: table {e}") from None
   elif kind == "table":
     path = os.path.expanduser(name.partition(":")[2])
     if not os.path.isfile(path):
@@ -260,7 +270,8 @@ def _check_file_source(name: str, what: str) -> None:
 def check_sources(data) -> None:
   """The dataset part of check_data_config (see there)."""
   if kind_of(data.name) != "tfds":
-    _check_file_source(data.name, "config.data.name")
+    store = make_store(data)
+    _check_file_source(data.name, "config.data.name", store)
     if data.eval_split and data.eval_split != data.split:
       if kind_of(data.eval_split) == "tfds":
         raise ValueError(
@@ -268,7 +279,7 @@ def check_sources(data) -> None:
             f"{kind_of(data.name)} source has no named splits; give the "
             "held-out set as a source of its own (webdataset:..., csv:...), "
             "or '' for no retrieval evaluation")
-      _check_file_source(data.eval_split, "config.data.eval_split")
+      _check_file_source(data.eval_split, "config.data.eval_split", store)
     builder = None
   elif data.name == synthetic.NAME:
     if data.split not in ("train", "test") or data.eval_split not in ("train", "test"):
@@ -321,6 +332,24 @@ def check_sources(data) -> None:
 
 
 # ----------------------------------------------------------------- all sources
+
+
+def make_store(data) -> remote.Store:
+  """The reader of remote files (train/data/remote.py) config.data asks
+  for: its storage_options and remote_retries."""
+  return remote.Store(data.get("storage_options", ""),
+                      retries=data.get("remote_retries",
+                                       remote.DEFAULT_RETRIES))
+
+
+def index_cache_of(data) -> str:
+  """config.data.shard_index_cache: "" = the default directory, "none" =
+  no cache."""
+  value = data.get("shard_index_cache", "")
+  if value == "none":
+    return ""
+  return value or remote.default_index_cache()
+
 
 FILE_PREFIXES = ("webdataset:", "csv:", "tsv:", "jsonl:", "embeddings:")
 
@@ -416,13 +445,15 @@ def open_source(data, split: str, *, what: str = "config.data.name"):
     return webdataset.WebDatasetSource(
         name[len("webdataset:"):], image_exts=data.wds_image_exts,
         caption_ext=data.wds_caption_ext, label_field=data.wds_label_field,
-        num_threads=max(data.num_threads, 4), what=what)
+        num_threads=max(data.num_threads, 4), what=what,
+        store=make_store(data), index_cache=index_cache_of(data))
   if kind == "table":
     from train.data import table  # pylint: disable=import-outside-toplevel
     return table.TableSource(
         name, image_column=data.table_image_column,
         caption_column=data.table_caption_column,
-        label_column=data.table_label_column, what=what)
+        label_column=data.table_label_column, what=what,
+        store=make_store(data))
   if kind == "embeddings":
     from train.data import embeddings  # pylint: disable=import-outside-toplevel
     return embeddings.EmbeddingSource(name[len("embeddings:"):], what=what)

@@ -5,7 +5,11 @@
 
 Columns are named by ``config.data.table_image_column`` and
 ``table_caption_column`` (and optionally ``table_label_column``); image paths
-are relative to the table file's directory unless absolute. A JSONL caption
+are relative to the table file's directory unless absolute. The table and
+its images may be fsspec URLs (``s3://``, ``gs://``, ``https://``; a
+relative image path of a remote table is relative to its URL), read through
+train/data/remote.py: an image that is not there is a bad example, like a
+local one; other permanent failures stop the run in one line. A JSONL caption
 may be a list of captions (one is drawn per epoch). The table is read whole
 at start-up (the standard library's csv and json: a million rows take
 seconds); the images are read when their example is. Rows with an empty
@@ -17,17 +21,30 @@ that name the same image file share an image id (the group of
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 
+from train.data import remote
 from train.data.source import BadExample
 
 PREFIXES = ("csv:", "tsv:", "jsonl:")
 
 
-def _rows(path: str, fmt: str, what: str):
+def _rows(path: str, fmt: str, what: str, store=None):
   try:
-    f = open(path, newline="", encoding="utf-8")
+    if remote.is_url(path):
+      f = io.StringIO(store.read(path).decode("utf-8", "surrogateescape"),
+                      newline="")
+    else:
+      # Bytes that are not UTF-8 become lone surrogates: the row holding
+      # them is bad (``_not_utf8``), the rest of the table is read.
+      f = open(path, newline="", encoding="utf-8", errors="surrogateescape")
+  except remote.NotFound:
+    raise ValueError(f"{what}: table {remote.scrub(path)!r} does not "
+                     "exist") from None
+  except remote.RemoteError as e:
+    raise ValueError(f"{what}: table {e}") from None
   except OSError as e:
     raise ValueError(f"{what}: cannot read table {path!r}: "
                      f"{e.strerror or e}") from None
@@ -53,6 +70,16 @@ def _rows(path: str, fmt: str, what: str):
         yield reader.line_num, row, ""
 
 
+def _not_utf8(text: str) -> str:
+  """"" for valid UTF-8 text read with surrogateescape, else the reason."""
+  try:
+    text.encode("utf-8")
+    return ""
+  except UnicodeEncodeError as e:
+    byte = ord(text[e.start]) - 0xDC00
+    return f"is not valid UTF-8 (byte {byte:#04x} at character {e.start})"
+
+
 class TableSource:
   """Random access to the (image file, caption) rows of a table.
 
@@ -64,21 +91,25 @@ class TableSource:
   """
 
   def __init__(self, spec: str, *, image_column: str, caption_column: str,
-               label_column: str = "", what: str = "config.data.name"):
-    self.spec = spec
+               label_column: str = "", what: str = "config.data.name",
+               store: remote.Store | None = None):
     fmt, _, path = spec.partition(":")
-    path = os.path.abspath(os.path.expanduser(path))
-    if fmt == "csv" and path.endswith((".tsv", ".jsonl")):
-      fmt = path.rsplit(".", 1)[1]
-    if not os.path.isfile(path):
-      raise ValueError(f"{what}: table {path!r} does not exist")
+    self.spec = f"{fmt}:{remote.scrub(path)}"
+    self.store = store or remote.Store()
+    if not remote.is_url(path):
+      path = os.path.abspath(remote.local_path(path))
+      if not os.path.isfile(path):
+        raise ValueError(f"{what}: table {path!r} does not exist")
+    if fmt == "csv" and remote.basename(path).endswith((".tsv", ".jsonl")):
+      fmt = remote.basename(path).rsplit(".", 1)[1]
     self.path, self.format = path, fmt
-    root = os.path.dirname(path)
+    root = remote.dirname(path)
+    name = remote.basename(path)
     self.bad_at_open = []
     self._images, self._captions, self._labels, self.keys = [], [], [], []
     checked_header = False
-    for line, row, problem in _rows(path, fmt, what):
-      where = f"{os.path.basename(path)}:{line}"
+    for line, row, problem in _rows(path, fmt, what, self.store):
+      where = f"{name}:{line}"
       if row is None:
         self.bad_at_open.append((where, problem))
         continue
@@ -86,7 +117,8 @@ class TableSource:
         checked_header = True
         for col in (image_column, caption_column, label_column):
           if col and fmt != "jsonl" and col not in row:
-            raise ValueError(f"{what}: table {path!r} has no column {col!r} "
+            raise ValueError(f"{what}: table {remote.scrub(path)!r} has no "
+                             f"column {col!r} "
                              f"(columns: {sorted(row)}); set config.data."
                              "table_image_column / table_caption_column / "
                              "table_label_column")
@@ -99,6 +131,15 @@ class TableSource:
       if not image:
         self.bad_at_open.append((where, f"no image path (column "
                                  f"{image_column!r})"))
+        continue
+      problem = next((_not_utf8(c) for c in captions if _not_utf8(c)), "")
+      if problem:
+        self.bad_at_open.append((where, f"caption {problem} (column "
+                                 f"{caption_column!r})"))
+        continue
+      if _not_utf8(str(image)):
+        self.bad_at_open.append((where, f"image path {_not_utf8(str(image))}"
+                                 f" (column {image_column!r})"))
         continue
       if not captions:
         self.bad_at_open.append((where, f"missing or empty caption (column "
@@ -113,12 +154,13 @@ class TableSource:
                                    f"(column {label_column!r}) is not an "
                                    "integer"))
           continue
-      self._images.append(os.path.join(root, os.path.expanduser(str(image))))
+      self._images.append(remote.join(root, str(image)))
       self._captions.append(captions)
       self._labels.append(label)
       self.keys.append(where)
     if not self.keys:
-      raise ValueError(f"{what}: table {path!r} has no usable (image, "
+      raise ValueError(f"{what}: table {remote.scrub(path)!r} has no "
+                       f"usable (image, "
                        f"caption) rows ({len(self.bad_at_open)} bad)")
     # Rows of one image file (a table of one row per caption) share an
     # image id: the index of the first of them (config.loss.groups="image").
@@ -130,7 +172,7 @@ class TableSource:
     return len(self.keys)
 
   def describe(self) -> str:
-    return (f"{self.format}: {len(self)} rows of {self.path}, "
+    return (f"{self.format}: {len(self)} rows of {remote.scrub(self.path)}, "
             f"{len(self.bad_at_open)} bad found while reading it")
 
   def label_of(self, index: int) -> int:
@@ -139,12 +181,19 @@ class TableSource:
 
   def __getitem__(self, index: int) -> dict:
     key, path = self.keys[index], self._images[index]
-    try:
-      with open(path, "rb") as f:
-        data = f.read()
-    except OSError as e:
-      raise BadExample(key, f"cannot read image {path!r}: "
-                       f"{e.strerror or e}") from None
+    if remote.is_url(path):
+      try:
+        data = self.store.read(path)
+      except remote.NotFound:
+        raise BadExample(key, f"cannot read image {remote.scrub(path)!r}: "
+                         "not found") from None
+    else:
+      try:
+        with open(path, "rb") as f:
+          data = f.read()
+      except OSError as e:
+        raise BadExample(key, f"cannot read image {path!r}: "
+                         f"{e.strerror or e}") from None
     return {"key": key, "image": data, "captions": self._captions[index],
             "label": self._labels[index],
             "image_id": self._image_ids[index]}

@@ -28,6 +28,7 @@ import tarfile
 
 import numpy as np
 
+from train.data import remote
 from train.data.source import BadExample
 
 PREFIX = "webdataset:"
@@ -35,22 +36,57 @@ DEFAULT_IMAGE_EXTS = "jpg;jpeg;png;webp"
 DEFAULT_CAPTION_EXT = "txt"
 
 
-def expand_shards(pattern: str, what: str = "config.data.name") -> list[str]:
-  """Brace-expands a shard pattern; ValueError naming a missing shard."""
+def expand_shards(pattern: str, what: str = "config.data.name",
+                  store: remote.Store | None = None,
+                  num_threads: int = 16) -> list[str]:
+  """Brace-expands a shard pattern; ValueError naming a missing shard (a
+  remote one is looked up with ``store``, in parallel)."""
+  return _expand(pattern, what, store, num_threads)[0]
+
+
+def _expand(pattern, what, store, num_threads):
+  """(paths, {url: info} of the remote ones)."""
   import braceexpand  # pylint: disable=import-outside-toplevel
   paths = []
   for part in pattern.split("::"):  # "a-{0..9}.tar::b-{0..3}.tar" mixes sets
-    paths.extend(os.path.expanduser(p) for p in braceexpand.braceexpand(part))
+    paths.extend(p if remote.is_url(p) else remote.local_path(p)
+                 for p in braceexpand.braceexpand(part))
   if not paths:
     raise ValueError(f"{what}: no shards in {pattern!r}")
+  more = (f" (and {len(paths) - 1} more in the pattern)" if len(paths) > 1
+          else "")
+  urls = [p for p in paths if remote.is_url(p)]
+  infos = {}
+  if urls:
+    infos = _infos(urls, store or remote.Store(), num_threads, what, more)
+    for p in urls:
+      if infos[p].get("size") is None:
+        raise ValueError(f"{what}: shard {remote.scrub(p)!r}: the server "
+                         "gives no size (Content-Length)")
   for p in paths:
+    if remote.is_url(p):
+      continue
     if not os.path.isfile(p):
-      raise ValueError(f"{what}: shard {p!r} does not exist"
-                       + (f" (and {len(paths) - 1} more in the pattern)"
-                          if len(paths) > 1 else ""))
+      raise ValueError(f"{what}: shard {p!r} does not exist{more}")
     if not os.access(p, os.R_OK):
       raise ValueError(f"{what}: shard {p!r} is not readable")
-  return paths
+  return paths, infos
+
+
+def _infos(urls, store, num_threads, what, more="") -> dict:
+  """{url: store.info(url)}, looked up in parallel; one line naming the
+  first that is missing or unreadable."""
+  def info(u):
+    try:
+      return store.info(u)
+    except remote.NotFound:
+      raise ValueError(f"{what}: shard {remote.scrub(u)!r} does not exist"
+                       f"{more}") from None
+    except remote.RemoteError as e:
+      raise ValueError(f"{what}: shard {e}") from None
+  with concurrent.futures.ThreadPoolExecutor(
+      max(1, min(num_threads, len(urls)))) as pool:
+    return dict(zip(urls, pool.map(info, urls)))
 
 
 def _split_name(name: str) -> tuple[str, str]:
@@ -60,18 +96,14 @@ def _split_name(name: str) -> tuple[str, str]:
   return (f"{d}/{stem}" if d else stem), (ext.lower() if dot else "")
 
 
-def _index_shard(path: str, image_exts: tuple, caption_ext: str,
-                 json_ext: str = "json"):
-  """(rows, bad): rows of (key, img_off, img_size, txt_off, txt_size,
-  json_off, json_size); bad is a list of (where, reason)."""
-  size = os.path.getsize(path)
-  shard = os.path.basename(path)
-  groups: dict[str, dict] = {}
-  order = []
-  bad = []
+def _scan(fileobj, size: int, shard: str, label: str):
+  """A shard's tar headers -> (members, bad): members [name, data offset,
+  size] of its files, in order; bad (where, reason) of a truncated shard.
+  Reads headers only (tarfile seeks past the data)."""
+  members, bad = [], []
   end = 0
   try:
-    with tarfile.open(path, "r:") as tar:
+    with tarfile.open(fileobj=fileobj, mode="r:") as tar:
       while True:
         try:
           m = tar.next()
@@ -82,31 +114,47 @@ def _index_shard(path: str, image_exts: tuple, caption_ext: str,
           break
         if not m.isfile():
           continue
-        key, ext = _split_name(m.name)
         if m.offset_data + m.size > size:
+          key, _ = _split_name(m.name)
           bad.append((f"{shard}:{key}", f"truncated shard: member {m.name!r} "
                       f"needs {m.offset_data + m.size} bytes, the file has "
                       f"{size}"))
-          groups.pop(key, None)
+          members.append([m.name, -1, -1])  # Drops its key's other members.
           end = size
           break
         end = m.offset_data + m.size
-        if key not in groups:
-          groups[key] = {}
-          order.append(key)
-        groups[key][ext] = (m.offset_data, m.size)
+        members.append([m.name, m.offset_data, m.size])
   except tarfile.ReadError as e:
-    raise ValueError(f"webdataset shard {path!r} is not a readable tar file: "
-                     f"{e}") from None
+    raise ValueError(f"webdataset shard {label!r} is not a readable tar "
+                     f"file: {e}") from None
   if end < size:
     # Past the last member: the end-of-archive zero blocks, or a partial
     # header that tarfile stops at without a word.
-    with open(path, "rb") as f:
-      f.seek(end + (-end % 512))
-      tail = f.read()
+    fileobj.seek(end + (-end % 512))
+    tail = fileobj.read()
     if tail.strip(b"\0"):
       bad.append((f"{shard}@{end}", "truncated shard: partial member at the "
                   "end of the file"))
+  return members, bad
+
+
+def _rows(members, bad, shard: str, image_exts: tuple, caption_ext: str,
+          json_ext: str = "json"):
+  """(rows, bad): rows of (key, img_off, img_size, txt_off, txt_size,
+  json_off, json_size) from a shard's members; bad is a list of (where,
+  reason)."""
+  groups: dict[str, dict] = {}
+  order = []
+  bad = [tuple(b) for b in bad]
+  for name, offset, size in members:
+    key, ext = _split_name(name)
+    if offset < 0:  # The truncated final member: its key is dropped.
+      groups.pop(key, None)
+      continue
+    if key not in groups:
+      groups[key] = {}
+      order.append(key)
+    groups[key][ext] = (offset, size)
   rows = []
   for key in order:
     g = groups.get(key)
@@ -132,90 +180,165 @@ def _index_shard(path: str, image_exts: tuple, caption_ext: str,
   return rows, bad
 
 
+def _index_shard(path: str, image_exts: tuple, caption_ext: str,
+                 json_ext: str = "json", *, store=None, info=None,
+                 index_cache: str = ""):
+  """(rows, bad) of one shard (see ``_rows``). A remote shard's headers
+  are read in large sequential ranges, and kept in ``index_cache``."""
+  shard = remote.basename(path)
+  if remote.is_url(path):
+    def scan():
+      members, bad = _scan(remote.RangeFile(store, path, info["size"]),
+                           info["size"], shard, remote.scrub(path))
+      return {"members": members, "bad": bad}
+    index = remote.cached(store, index_cache, path, info, scan)
+    members, bad = index["members"], index["bad"]
+  else:
+    with open(path, "rb") as f:
+      members, bad = _scan(f, os.path.getsize(path), shard, path)
+  return _rows(members, bad, shard, image_exts, caption_ext, json_ext)
+
+
 class WebDatasetSource:
   """Random access to the examples of webdataset shards (see module doc).
 
   Args:
-    pattern: brace pattern of local shard paths ("::" joins several).
+    pattern: brace pattern of shard paths or URLs ("::" joins several).
     image_exts: image extensions in order of preference ("jpg;png").
     caption_ext: the caption member's extension.
     label_field: a field of the ``.json`` member holding an integer label
       ("" = no labels: -1).
     num_threads: threads that read the shards' headers while opening.
+    store: reads remote shards (train/data/remote.py; default: the
+      standard environment's credentials, default retries).
+    index_cache: where remote shards' indexes are kept ("" = not kept).
   """
 
   def __init__(self, pattern: str, *, image_exts: str = DEFAULT_IMAGE_EXTS,
                caption_ext: str = DEFAULT_CAPTION_EXT, label_field: str = "",
-               num_threads: int = 8, what: str = "config.data.name"):
-    self.spec = PREFIX + pattern
-    self.paths = expand_shards(pattern, what)
+               num_threads: int = 8, what: str = "config.data.name",
+               store: remote.Store | None = None,
+               index_cache: str = ""):
+    # The pattern without the secrets a URL may hold (a signed URL's
+    # query): the spec is logged and kept in checkpoints.
+    self.spec = PREFIX + remote.scrub_pattern(pattern)
+    self.store = store or remote.Store()
+    self.paths, infos = _expand(pattern, what, self.store,
+                                max(num_threads, 16))
+    self._remote = [remote.is_url(p) for p in self.paths]
     self.image_exts = tuple(e.strip().lower().lstrip(".")
                             for e in image_exts.split(";") if e.strip())
     self.caption_ext = caption_ext.lower().lstrip(".")
     self.label_field = label_field
-    index = lambda p: _index_shard(p, self.image_exts, self.caption_ext)
-    with concurrent.futures.ThreadPoolExecutor(max(1, num_threads)) as pool:
-      results = list(pool.map(index, self.paths))
+    index = lambda p: _index_shard(p, self.image_exts, self.caption_ext,
+                                   store=self.store, info=infos.get(p),
+                                   index_cache=index_cache)
+    # Remote shards are latency-bound: more of them in flight.
+    threads = max(1, num_threads) * (4 if infos else 1)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      try:
+        results = list(pool.map(index, self.paths))
+      except remote.RemoteError as e:
+        raise ValueError(f"{what}: shard {e}") from None
     self.bad_at_open = [b for _, bad in results for b in bad]
     self.keys = []
     shard_ids, table = [], []
     for sid, (rows, _) in enumerate(results):
+      name = remote.basename(self.paths[sid])
       for r in rows:
-        self.keys.append(f"{os.path.basename(self.paths[sid])}:{r[0]}")
+        self.keys.append(f"{name}:{r[0]}")
         table.append(r[1:])
         shard_ids.append(sid)
     self._shard = np.asarray(shard_ids, np.int32)
     self._table = np.asarray(table, np.int64).reshape(-1, 6)
     if not self.keys:
       raise ValueError(f"{what}: no complete (image, caption) pairs in the "
-                       f"{len(self.paths)} shard(s) of {pattern!r} (image "
-                       f"extensions {'/'.join(self.image_exts)}, caption "
+                       f"{len(self.paths)} shard(s) of "
+                       f"{remote.scrub(pattern)!r} (image extensions "
+                       f"{'/'.join(self.image_exts)}, caption "
                        f".{self.caption_ext})")
 
   def __len__(self):
     return len(self.keys)
 
   def describe(self) -> str:
+    where = (f" on {remote.protocol(self.paths[0])}://" if any(self._remote)
+             else "")
     return (f"webdataset: {len(self)} examples in {len(self.paths)} shard(s)"
-            f", {len(self.bad_at_open)} bad found while indexing")
+            f"{where}, {len(self.bad_at_open)} bad found while indexing")
 
-  def _read(self, path: str, offset: int, size: int) -> bytes:
+  def _read_local(self, path: str, spans: list) -> list:
     fd = os.open(path, os.O_RDONLY)
     try:
-      data = os.pread(fd, size, offset)
+      out = [os.pread(fd, size, offset) for offset, size in spans]
     finally:
       os.close(fd)
-    if len(data) != size:
-      raise BadExample(path, f"short read ({len(data)} of {size} bytes at "
-                       f"offset {offset}): the shard changed since indexing")
-    return data
+    for data, (offset, size) in zip(out, spans):
+      if len(data) != size:
+        raise BadExample(path, f"short read ({len(data)} of {size} bytes at "
+                         f"offset {offset}): the shard changed since indexing")
+    return out
+
+  def _read_remote(self, url: str, spans: list) -> list:
+    # Members of one example sit side by side in a tar (key.jpg, key.json,
+    # key.txt): one request for all of them when little lies between.
+    lo = min(o for o, _ in spans)
+    hi = max(o + s for o, s in spans)
+    if hi == lo:  # Empty members only: no request (a Range of 0 bytes).
+      return [b"" for _ in spans]
+    try:
+      if hi - lo <= sum(s for _, s in spans) + (64 << 10):
+        data = self.store.read(url, lo, hi)
+        return [data[o - lo:o - lo + s] for o, s in spans]
+      return [self.store.read(url, o, o + s) for o, s in spans]
+    except remote.NotFound as e:
+      raise remote.NotFound(f"webdataset shard {e}; it was there when the "
+                            "run started") from None
+
+  def _members(self, index: int, which: tuple) -> list:
+    """The bytes of members ``which`` (0 image, 1 caption, 2 json)."""
+    sid = self._shard[index]
+    row = self._table[index]
+    spans = [(int(row[2 * w]), int(row[2 * w + 1])) for w in which]
+    read = self._read_remote if self._remote[sid] else self._read_local
+    return read(self.paths[sid], spans)
+
+  def _label(self, index: int, js) -> int:
+    if not self.label_field:
+      return -1
+    key = self.keys[index]
+    if js is None:
+      raise BadExample(key, f"no .json member for label field "
+                       f"{self.label_field!r}")
+    try:
+      return int(json.loads(js)[self.label_field])
+    except (ValueError, KeyError, TypeError) as e:
+      raise BadExample(key, f"no integer {self.label_field!r} in its .json "
+                       f"({type(e).__name__}: {e})") from None
+
+  def _has_json(self, index: int) -> bool:
+    return self._table[index, 5] >= 0
 
   def label_of(self, index: int) -> int:
     """The label of example ``index`` (its .json only; -1 without a label
     field); BadExample if the .json or its integer label is missing."""
     if not self.label_field:
       return -1
-    path = self.paths[self._shard[index]]
-    js_off, js_size = (int(v) for v in self._table[index, 4:])
-    key = self.keys[index]
-    if js_size < 0:
-      raise BadExample(key, f"no .json member for label field "
-                       f"{self.label_field!r}")
-    try:
-      return int(json.loads(self._read(path, js_off, js_size))[
-          self.label_field])
-    except (ValueError, KeyError, TypeError) as e:
-      raise BadExample(key, f"no integer {self.label_field!r} in its .json "
-                       f"({type(e).__name__}: {e})") from None
+    js = (self._members(index, (2,))[0] if self._has_json(index) else None)
+    return self._label(index, js)
 
   def __getitem__(self, index: int) -> dict:
-    path = self.paths[self._shard[index]]
-    img_off, img_size, txt_off, txt_size = (
-        int(v) for v in self._table[index, :4])
     key = self.keys[index]
-    caption = self._read(path, txt_off, txt_size).decode("utf-8", "replace")
+    want_json = bool(self.label_field) and self._has_json(index)
+    parts = self._members(index, (0, 1, 2) if want_json else (0, 1))
+    image, text = parts[0], parts[1]
+    try:
+      caption = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise BadExample(key, f"caption is not valid UTF-8 (byte "
+                       f"{text[e.start]:#04x} at {e.start})") from None
     if not caption.strip():
       raise BadExample(key, "empty caption (whitespace only)")
-    label = self.label_of(index)
-    return {"key": key, "image": self._read(path, img_off, img_size),
-            "captions": [caption.strip()], "label": label}
+    label = self._label(index, parts[2] if want_json else None)
+    return {"key": key, "image": image, "captions": [caption.strip()],
+            "label": label}

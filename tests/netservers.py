@@ -1,0 +1,403 @@
+"""Network servers for tests, on 127.0.0.1 only, started and stopped by the
+tests: an S3-compatible server (moto's server mode, which s3fs's own tests
+run against), an HTTP file server with Range support, and a proxy that puts
+a bounded, seeded number of faults between a client and either.
+
+Fixtures (import them into a test module, ``from tests.netservers import
+s3, http_dir``; pytest finds fixtures imported into a module):
+
+- ``s3``: an ``S3`` (session-wide moto server) with a fresh bucket per
+  test, the environment set for boto/s3fs (``AWS_ENDPOINT_URL``, test
+  credentials, no ~/.aws files), ``s3.url(key)`` and ``s3.put(key, data)``;
+- ``http_dir``: an ``HTTPDir`` serving a fresh temporary directory over
+  HTTP with Range (``.url(name)``, ``.root``, ``.requests``);
+- ``FaultProxy(upstream, ...)``: a reverse proxy with fault injection
+  (``.url``, ``.requests``, ``.faults``), a context manager.
+
+Nothing listens on another address, and every fault plan is bounded in
+count (``max_faults``) and in time (``delay_s``).
+"""
+from __future__ import annotations
+
+import email.utils
+import http.client
+import http.server
+import logging
+import os
+import random
+import re
+import socket
+import struct
+import threading
+import uuid
+
+import pytest
+
+HOST = "127.0.0.1"
+
+
+class _Server(http.server.ThreadingHTTPServer):
+  """Closing it also ends its open (keep-alive) connections: a client
+  still holding one after the test gets a reset, not a late answer."""
+  daemon_threads = True
+  allow_reuse_address = True
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.open_conns, self.conns_lock = set(), threading.Lock()
+
+  def process_request_thread(self, request, client_address):
+    with self.conns_lock:
+      self.open_conns.add(request)
+    try:
+      super().process_request_thread(request, client_address)
+    finally:
+      with self.conns_lock:
+        self.open_conns.discard(request)
+
+  def close(self):
+    self.shutdown()
+    self.server_close()
+    with self.conns_lock:
+      conns = list(self.open_conns)
+    for c in conns:
+      try:
+        c.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+
+
+def _serve(handler_class, **attrs):
+  """A ThreadingHTTPServer on 127.0.0.1 (a free port) in a thread."""
+  handler = type(handler_class.__name__, (handler_class,), attrs)
+  server = _Server((HOST, 0), handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True,
+                            kwargs={"poll_interval": 0.05})
+  thread.start()
+  return server, thread
+
+
+class _Quiet(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+  # Headers and body leave in separate writes: without TCP_NODELAY the
+  # body waits for the client's delayed ACK (40 ms a request).
+  disable_nagle_algorithm = True
+
+  def log_message(self, *args):  # pylint: disable=arguments-differ
+    pass
+
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+class _FileHandler(_Quiet):
+  """GET (with a single ``Range: bytes=a-b``) and HEAD of files under
+  ``root``; each request is recorded in ``log`` as (method, path, range)."""
+  root = ""
+  log = None
+  forbidden = None
+
+  def _file(self):
+    path = os.path.normpath(os.path.join(self.root,
+                                         self.path.split("?")[0].lstrip("/")))
+    if not path.startswith(self.root) or not os.path.isfile(path):
+      return None
+    return path
+
+  def _head(self, code, headers):
+    self.send_response(code)
+    for k, v in headers.items():
+      self.send_header(k, v)
+    self.end_headers()
+
+  def _reply(self, body: bool):
+    self.log.append((self.command, self.path, self.headers.get("Range")))
+    if self.path.split("?")[0] in self.forbidden:
+      self._head(403, {"Content-Length": "0"})
+      return
+    path = self._file()
+    if path is None:
+      self._head(404, {"Content-Length": "0"})
+      return
+    st = os.stat(path)
+    headers = {"Accept-Ranges": "bytes",
+               "ETag": f'"{st.st_size:x}-{st.st_mtime_ns:x}"',
+               "Last-Modified": email.utils.formatdate(st.st_mtime,
+                                                       usegmt=True),
+               "Content-Type": "application/octet-stream"}
+    start, end, code = 0, st.st_size, 200
+    m = _RANGE.match(self.headers.get("Range") or "")
+    if m:
+      start = int(m.group(1))
+      end = min(st.st_size, int(m.group(2)) + 1) if m.group(2) else st.st_size
+      if start >= st.st_size:
+        self._head(416, {"Content-Range": f"bytes */{st.st_size}",
+                         "Content-Length": "0"})
+        return
+      code = 206
+      headers["Content-Range"] = f"bytes {start}-{end - 1}/{st.st_size}"
+    headers["Content-Length"] = str(end - start)
+    self._head(code, headers)
+    if body:
+      with open(path, "rb") as f:
+        f.seek(start)
+        self.wfile.write(f.read(end - start))
+
+  def do_GET(self):  # pylint: disable=invalid-name
+    self._reply(True)
+
+  def do_HEAD(self):  # pylint: disable=invalid-name
+    self._reply(False)
+
+
+def _settle(requests: list, quiet_s: float, timeout_s: float) -> None:
+  """Returns once no request has arrived for ``quiet_s`` (at most
+  ``timeout_s``): readers that were still busy (a closed pipeline's reads
+  in flight) are done before their server goes."""
+  import time  # pylint: disable=import-outside-toplevel
+  t0, n, last = time.monotonic(), -1, time.monotonic()
+  while time.monotonic() - t0 < timeout_s:
+    if len(requests) != n:
+      n, last = len(requests), time.monotonic()
+    elif time.monotonic() - last >= quiet_s:
+      return
+    time.sleep(0.05)
+
+
+class HTTPDir:
+  """A directory served over HTTP on 127.0.0.1 with Range support."""
+
+  def __init__(self, root: str):
+    self.root = os.path.realpath(root)
+    self.requests = []  # (method, path, Range header), in arrival order.
+    self.forbidden = set()  # URL paths answered 403.
+    self._server, self._thread = _serve(_FileHandler, root=self.root,
+                                        log=self.requests,
+                                        forbidden=self.forbidden)
+    self.port = self._server.server_address[1]
+    self.base = f"http://{HOST}:{self.port}"
+
+  def url(self, name: str) -> str:
+    return f"{self.base}/{name}"
+
+  def settle(self, quiet_s: float = 0.5, timeout_s: float = 20.0) -> None:
+    _settle(self.requests, quiet_s, timeout_s)
+
+  def close(self):
+    self._server.close()
+    self._thread.join(5)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+_S3_503 = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown'
+           b'</Code><Message>Please reduce your request rate.</Message>'
+           b'</Error>')
+
+
+class _ProxyHandler(_Quiet):
+  proxy = None
+
+  def _forward(self):
+    p = self.proxy
+    length = int(self.headers.get("Content-Length") or 0)
+    body = self.rfile.read(length) if length else None
+    fault = p.decide(self.command, self.path, self.headers.get("Range"))
+    if fault == "503":
+      self.send_response(503)
+      self.send_header("Content-Type", "application/xml")
+      self.send_header("Content-Length", str(len(_S3_503)))
+      self.end_headers()
+      if self.command != "HEAD":
+        self.wfile.write(_S3_503)
+      return
+    if fault == "slow":
+      p.slept.wait(p.delay_s)  # Bounded; ends early when the proxy closes.
+    conn = http.client.HTTPConnection(*p.upstream, timeout=30)
+    try:
+      headers = {k: v for k, v in self.headers.items()
+                 if k.lower() not in ("connection", "keep-alive")}
+      conn.request(self.command, self.path, body=body, headers=headers)
+      resp = conn.getresponse()
+      data = resp.read()
+    except OSError:  # The upstream is gone: a gateway error.
+      self.send_response(502)
+      self.send_header("Content-Length", "0")
+      self.end_headers()
+      return
+    finally:
+      conn.close()
+    self.send_response(resp.status, resp.reason)
+    for k, v in resp.getheaders():
+      if k.lower() not in ("connection", "keep-alive", "transfer-encoding",
+                           "content-length", "server", "date"):
+        self.send_header(k, v)
+    length = (resp.getheader("Content-Length", "0") if self.command == "HEAD"
+              else str(len(data)))
+    self.send_header("Content-Length", length)
+    self.end_headers()
+    if self.command == "HEAD":
+      return
+    if fault == "reset" and len(data) > 1:
+      # Half the body, then a TCP reset: a truncated response.
+      self.wfile.write(data[:len(data) // 2])
+      self.wfile.flush()
+      self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                 struct.pack("ii", 1, 0))
+      self.close_connection = True
+      return
+    self.wfile.write(data)
+
+  do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward  # noqa: N815
+
+
+class FaultProxy:
+  """A reverse proxy to ``upstream`` ((host, port) on 127.0.0.1) that
+  answers a seeded fraction of the requests of ``methods`` (GET, HEAD)
+  with a fault.
+
+  Whether a request is faulted is a pure function of (seed, method, path,
+  Range): the same requests fail on every run, whatever the order they
+  arrive in, and a request is faulted at most once (its retry goes
+  through). At most ``max_faults`` faults in all. ``kinds`` are drawn from:
+  "503" (an S3-style SlowDown error), "reset" (half the body, then a TCP
+  reset), "slow" (answered after ``delay_s``). ``requests`` and ``faults``
+  record what happened.
+  """
+
+  def __init__(self, upstream, *, seed: int = 0, fraction: float = 0.0,
+               kinds=("503", "reset", "slow"), max_faults: int = 20,
+               delay_s: float = 0.2, methods=("GET", "HEAD")):
+    host, port = upstream
+    assert host in (HOST, "localhost"), "the proxy forwards to 127.0.0.1 only"
+    self.upstream = (HOST, port)
+    self.seed, self.fraction, self.kinds = seed, fraction, tuple(kinds)
+    self.methods = tuple(methods)
+    self.max_faults, self.delay_s = max_faults, min(delay_s, 5.0)
+    self.requests, self.faults = [], []
+    self._faulted = set()
+    self._lock = threading.Lock()
+    self.slept = threading.Event()
+    self._server, self._thread = _serve(_ProxyHandler, proxy=self)
+    self.port = self._server.server_address[1]
+    self.url = f"http://{HOST}:{self.port}"
+
+  def decide(self, method: str, path: str, rng_header):
+    request = (method, path, rng_header)
+    with self._lock:
+      self.requests.append(request)
+      if method not in self.methods or request in self._faulted:
+        return None
+      if len(self.faults) >= self.max_faults:
+        return None
+      rng = random.Random(f"{self.seed}|{method}|{path}|{rng_header}")
+      if rng.random() >= self.fraction:
+        return None
+      kinds = [k for k in self.kinds if method == "GET" or k != "reset"]
+      if not kinds:
+        return None
+      kind = kinds[rng.randrange(len(kinds))]
+      self._faulted.add(request)
+      self.faults.append((kind, *request))
+      return kind
+
+  def settle(self, quiet_s: float = 0.5, timeout_s: float = 20.0) -> None:
+    _settle(self.requests, quiet_s, timeout_s)
+
+  def close(self):
+    self.slept.set()
+    self._server.close()
+    self._thread.join(5)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+class S3:
+  """A bucket on the moto S3 server at ``endpoint`` (127.0.0.1)."""
+
+  def __init__(self, endpoint: str, bucket: str):
+    self.endpoint, self.bucket = endpoint, bucket
+    host, port = endpoint.rsplit("//", 1)[1].split(":")
+    self.host_port = (host, int(port))
+    self.client = _boto_client(endpoint)
+    self.client.create_bucket(Bucket=bucket)
+
+  def url(self, key: str) -> str:
+    return f"s3://{self.bucket}/{key}"
+
+  def put(self, key: str, data: bytes) -> str:
+    self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+    return self.url(key)
+
+  def put_dir(self, local_dir: str, prefix: str) -> str:
+    """Uploads the files of ``local_dir`` under ``prefix``; its URL."""
+    for name in sorted(os.listdir(local_dir)):
+      path = os.path.join(local_dir, name)
+      if os.path.isfile(path):
+        with open(path, "rb") as f:
+          self.put(f"{prefix}/{name}", f.read())
+    return self.url(prefix)
+
+  def delete(self, key: str) -> None:
+    self.client.delete_object(Bucket=self.bucket, Key=key)
+
+
+# The environment of the S3 clients under test: moto's endpoint and test
+# credentials; no ~/.aws files, no instance metadata lookups.
+def s3_env(endpoint: str) -> dict:
+  return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_ENDPOINT_URL": endpoint, "AWS_ENDPOINT_URL_S3": endpoint,
+          "AWS_CONFIG_FILE": os.devnull,
+          "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+          "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _boto_client(endpoint: str):
+  import boto3  # pylint: disable=import-outside-toplevel
+  env = s3_env(endpoint)
+  return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                      aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+  """The session's moto S3 server on 127.0.0.1 (a free port)."""
+  pytest.importorskip("moto.server", reason="the dev extra (moto[server])")
+  from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
+  # werkzeug (moto's server) logs every request at INFO.
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)
+  server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
+  server.start()
+  host, port = server.get_host_and_port()
+  yield f"http://{host}:{port}"
+  server.stop()
+
+
+@pytest.fixture
+def s3(moto_endpoint, monkeypatch):
+  """A fresh bucket on the moto server, with the environment of an S3
+  client pointed at it (see ``s3_env``)."""
+  pytest.importorskip("s3fs", reason="the cloud extra")
+  for k, v in s3_env(moto_endpoint).items():
+    monkeypatch.setenv(k, v)
+  return S3(moto_endpoint, f"test-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def http_dir(tmp_path):
+  """A fresh directory served over HTTP (Range) on 127.0.0.1."""
+  pytest.importorskip("aiohttp", reason="the cloud extra")
+  root = tmp_path / "www"
+  root.mkdir()
+  with HTTPDir(str(root)) as server:
+    yield server

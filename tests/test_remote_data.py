@@ -1,0 +1,443 @@
+"""Shards and tables on object storage read like the same files on disk.
+
+The same webdataset shards (with planted bad members, and a caption that is
+not UTF-8) are served by a local S3 server (moto) and over HTTP with Range
+(tests/netservers.py, 127.0.0.1 only): the training stream read from either
+equals the local-disk stream bitwise, with the same bad examples named; with
+faults injected between the reader and the server (503s, resets mid-body,
+slow answers; seeded, bounded) it still does, and the retries are counted. A
+shard that is missing, or deleted mid-run, gives one line naming its URL;
+the tar index is scanned once per shard version (cached); secrets in a URL
+are never printed.
+"""
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+
+from tests import corpus as corpus_lib
+from tests import lit_fixtures
+from tests.netservers import FaultProxy
+from tests.netservers import http_dir  # noqa: F401  (fixture)
+from tests.netservers import moto_endpoint  # noqa: F401  (fixture)
+from tests.netservers import s3  # noqa: F401  (fixture)
+from train import data as D
+from train.data import remote
+from train.data import sources
+from train.data import webdataset
+from train.data.source import BadExample
+
+pytest.importorskip("s3fs", reason="the cloud extra")
+pytest.importorskip("moto", reason="the dev extra")
+
+PLANTED = ("corrupt_jpeg", "empty_caption", "orphan")
+NUM_GOOD = 40
+NOT_UTF8 = b"a photo of a \xff\xfe ring"   # latin-1 bytes in a .txt
+MICROBATCHES = 14                           # over 2 epochs of the stream
+
+
+def _add(tar, name, data):
+  info = tarfile.TarInfo(name)
+  info.size = len(data)
+  tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+  """Shards on disk: train-{000000..000005}.tar (40 good, 3 planted bad)
+  and extra-000000.tar (2 good, one caption not UTF-8)."""
+  root = tmp_path_factory.mktemp("remote") / "shards"
+  sh = lit_fixtures.shards(root, "train", num=NUM_GOOD, per_shard=8,
+                           planted=PLANTED)
+  good = lit_fixtures.shards(root / "x", "x", num=3, per_shard=8)
+  with tarfile.open(good.pattern) as src, tarfile.open(
+      root / "extra-000000.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+    for m in src.getmembers():
+      data = src.extractfile(m).read()
+      if m.name == "000001.txt":
+        data = NOT_UTF8
+      _add(tar, m.name, data)
+  shutil.rmtree(root / "x")
+  files = sorted(os.listdir(root))
+  bad = dict(sh.bad, **{"extra-000000.tar:000001": "caption"})
+  return {"root": str(root), "files": files, "bad": bad,
+          "pattern": "train-{000000..000005}.tar::extra-000000.tar"}
+
+
+def _name(base: str, shards) -> str:
+  """config.data.name of the shards under ``base`` (a dir or a URL)."""
+  return "webdataset:" + "::".join(
+      remote.join(base, p) for p in shards["pattern"].split("::"))
+
+
+def _config(name, tmp_path, **data):
+  return corpus_lib.data_config(
+      name, cache_max_mb=0, shard_index_cache=str(tmp_path / "index"),
+      **data)
+
+
+def _stream(config, n=MICROBATCHES):
+  remote.take_retries()  # This test's retries only.
+  it = D.make_train_iterator(config, batch_size=8, seed=3)
+  try:
+    batches = [next(it) for _ in range(n)]
+    return batches, it.get_state(), it.ledger.retries + remote.take_retries()
+  finally:
+    it.close()
+
+
+def _same_stream(a, b):
+  (batches_a, state_a, _), (batches_b, state_b, _) = a, b
+  assert len(batches_a) == len(batches_b)
+  for x, y in zip(batches_a, batches_b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+  bad_a, bad_b = dict(state_a["bad_data"]), dict(state_b["bad_data"])
+  bad_a.pop("retries"), bad_b.pop("retries")
+  assert bad_a == bad_b
+  assert state_a["next_position"] == state_b["next_position"]
+
+
+@pytest.fixture(scope="module")
+def local_stream(shards, tmp_path_factory):
+  config = _config(_name(shards["root"], shards),
+                   tmp_path_factory.mktemp("local"))
+  out = _stream(config)
+  counted = set(out[1]["bad_data"]["counted"])
+  # Every planted bad example is skipped and named with shard:key.
+  assert counted == set(shards["bad"]), (counted, shards["bad"])
+  assert out[1]["bad_data"]["by_reason"]["caption is not valid UTF-8"] == 1
+  return out
+
+
+def _serve(kind, shards, s3=None, http_dir=None):
+  """The shards on the S3 server or the HTTP server: their base URL."""
+  if kind == "s3":
+    return s3.put_dir(shards["root"], "cc/shards")
+  for f in shards["files"]:
+    shutil.copy(os.path.join(shards["root"], f), http_dir.root)
+  return http_dir.base
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_remote_stream_equals_the_local_disk_stream(
+    kind, shards, local_stream, tmp_path, s3, http_dir):
+  base = _serve(kind, shards, s3, http_dir)
+  got = _stream(_config(_name(base, shards), tmp_path))
+  http_dir.settle()
+  _same_stream(got, local_stream)
+  assert got[2] == 0  # No retries without faults.
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_faults_are_retried_counted_and_change_nothing(
+    kind, shards, local_stream, tmp_path, s3, http_dir):
+  base = _serve(kind, shards, s3, http_dir)
+  upstream = s3.host_port if kind == "s3" else ("127.0.0.1", http_dir.port)
+  with FaultProxy(upstream, seed=7, fraction=0.2, max_faults=12,
+                  delay_s=0.3) as proxy:
+    if kind == "s3":  # The endpoint from storage_options (not the env).
+      options = json.dumps({"s3": {"endpoint_url": proxy.url}})
+      name = _name(base, shards)
+    else:
+      options = ""
+      name = _name(proxy.url, shards)
+    got = _stream(_config(name, tmp_path, storage_options=options))
+    proxy.settle()
+  _same_stream(got, local_stream)
+  assert [f for f in proxy.faults if f[0] != "slow"], proxy.faults
+  # Retries are counted where the examples are taken (a request failed for
+  # an example read ahead and not yet taken is counted later).
+  failed = [f for f in proxy.faults if f[0] != "slow"]
+  assert 1 <= got[2] <= len(failed), (got[2], proxy.faults)
+
+
+def _example(source, i):
+  try:
+    return source[i]
+  except BadExample as e:
+    return (e.where, e.reason)
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_every_failed_request_is_retried_once_and_counted(
+    kind, shards, tmp_path, s3, http_dir):
+  base = _serve(kind, shards, s3, http_dir)
+  pattern = _name(base, shards)[len("webdataset:"):]
+  local = webdataset.WebDatasetSource(
+      _name(shards["root"], shards)[len("webdataset:"):])
+  upstream = s3.host_port if kind == "s3" else ("127.0.0.1", http_dir.port)
+  remote.take_retries()
+  with FaultProxy(upstream, seed=3, fraction=0.3, max_faults=12,
+                  kinds=("503", "reset")) as proxy:
+    if kind == "s3":
+      store = remote.Store({"s3": {"endpoint_url": proxy.url}}, backoff_s=0.01)
+    else:
+      store = remote.Store(backoff_s=0.01)
+      pattern = pattern.replace(base, proxy.url)
+    source = webdataset.WebDatasetSource(pattern, store=store,
+                                         index_cache="")
+    for i in range(len(local)):
+      assert _example(source, i) == _example(local, i)
+  assert source.bad_at_open == local.bad_at_open
+  retries = store.retries_made
+  failed_get = [f for f in proxy.faults if f[1] == "GET"]
+  # S3: each fault costs one retry. HTTP: fsspec's stat answers a failed
+  # HEAD with a GET of its own (not a retry).
+  assert len(proxy.faults) >= 6
+  if kind == "s3":
+    assert retries == len(proxy.faults), proxy.faults
+  else:
+    assert retries == len(failed_get), proxy.faults
+
+
+@pytest.mark.slow
+def test_retries_in_worker_processes_reach_the_ledger(
+    shards, local_stream, tmp_path, s3):
+  base = _serve("s3", shards, s3)
+  # The indexes scanned beforehand: with faults on GETs only, every retry
+  # is of a member read in the worker process.
+  webdataset.WebDatasetSource(_name(base, shards)[len("webdataset:"):],
+                              index_cache=str(tmp_path / "index"))
+  with FaultProxy(s3.host_port, seed=11, fraction=0.3, max_faults=10,
+                  kinds=("503",), methods=("GET",)) as proxy:
+    config = _config(_name(base, shards), tmp_path, num_workers=1,
+                     storage_options=json.dumps(
+                         {"s3": {"endpoint_url": proxy.url}}))
+    got = _stream(config)
+    proxy.settle()
+  _same_stream(got, local_stream)
+  assert proxy.faults
+  assert 1 <= got[1]["bad_data"]["retries"] <= len(proxy.faults)
+
+
+def test_a_missing_shard_is_one_line_naming_its_url(shards, tmp_path, s3):
+  base = _serve("s3", shards, s3)
+  s3.delete("cc/shards/train-000003.tar")
+  config = _config(_name(base, shards), tmp_path)
+  with pytest.raises(ValueError) as e:
+    D.check_data_config(config)
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert f"shard 's3://{s3.bucket}/cc/shards/train-000003.tar' does not exist" \
+      in msg, msg
+
+
+def test_a_shard_deleted_mid_run_stops_it_in_one_line(shards, tmp_path, s3):
+  base = _serve("s3", shards, s3)
+  it = D.make_train_iterator(_config(_name(base, shards), tmp_path),
+                             batch_size=8, seed=3)
+  try:
+    next(it)
+    s3.delete("cc/shards/train-000002.tar")
+    with pytest.raises(remote.RemoteError) as e:
+      for _ in range(100):  # Past what was read ahead before the delete.
+        next(it)
+  finally:
+    it.close()
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert f"s3://{s3.bucket}/cc/shards/train-000002.tar does not exist" in msg
+  assert isinstance(e.value, ValueError)  # train.main: one "error:" line
+
+
+def _gets(server):
+  return [r for r in server.requests if r[0] == "GET"]
+
+
+def test_the_index_is_scanned_once_per_shard_version(shards, tmp_path,
+                                                     http_dir):
+  base = _serve("http", shards, None, http_dir)
+  pattern = _name(base, shards)[len("webdataset:"):]
+  cache = str(tmp_path / "index")
+  first = webdataset.WebDatasetSource(pattern, index_cache=cache)
+  assert len(_gets(http_dir)) == len(shards["files"])  # One scan each.
+  assert len(os.listdir(cache)) == len(shards["files"])
+  del http_dir.requests[:]
+  second = webdataset.WebDatasetSource(pattern, index_cache=cache)
+  assert _gets(http_dir) == []  # Sizes and ETags only (HEAD).
+  assert second.keys == first.keys and second.bad_at_open == first.bad_at_open
+  np.testing.assert_array_equal(second._table, first._table)  # pylint: disable=protected-access
+  # A new version of one shard (its ETag changes) is scanned again.
+  path = os.path.join(http_dir.root, "train-000001.tar")
+  st = os.stat(path)
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+  del http_dir.requests[:]
+  webdataset.WebDatasetSource(pattern, index_cache=cache)
+  assert [r[1] for r in _gets(http_dir)] == ["/train-000001.tar"]
+
+
+def test_index_cache_on_the_object_store(shards, tmp_path, s3):
+  base = _serve("s3", shards, s3)
+  pattern = _name(base, shards)[len("webdataset:"):]
+  cache = s3.url("index-cache")
+  first = webdataset.WebDatasetSource(pattern, index_cache=cache)
+  listed = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="index-cache/")
+  assert listed["KeyCount"] == len(shards["files"])
+  with FaultProxy(s3.host_port, fraction=0.0) as proxy:
+    second = webdataset.WebDatasetSource(pattern, index_cache=cache,
+                                         store=remote.Store(
+                                             {"s3": {"endpoint_url":
+                                                     proxy.url}}))
+  scans = [r for r in proxy.requests
+           if r[0] == "GET" and "/cc/shards/" in r[1]]
+  assert scans == []
+  assert second.keys == first.keys
+
+
+def test_secrets_in_urls_are_never_printed(shards, tmp_path, http_dir):
+  base = _serve("http", shards, None, http_dir)
+  secret = "SEKRET-42"
+  host = base.split("//")[1]
+  pattern = (f"http://user:{secret}@{host}/train-{{000000..000005}}.tar"
+             f"?X-Amz-Signature={secret}")
+  cache = tmp_path / "index"
+  source = webdataset.WebDatasetSource(pattern, index_cache=str(cache))
+  printed = [source.describe(), source.spec, *source.keys,
+             *(f"{w}: {r}" for w, r in source.bad_at_open),
+             *os.listdir(cache)]
+  for name in os.listdir(cache):
+    with open(cache / name) as f:
+      printed.append(f.read())
+  with pytest.raises(ValueError) as e:
+    webdataset.WebDatasetSource(pattern.replace("000005", "000009"))
+  printed.append(str(e.value))
+  assert "train-000006.tar" in str(e.value)
+  assert not [p for p in printed if secret in p]
+  assert source.keys[0].startswith("train-000000.tar:")
+
+
+def test_a_forbidden_shard_is_one_line(shards, tmp_path, http_dir):
+  base = _serve("http", shards, None, http_dir)
+  http_dir.forbidden.add("/train-000004.tar")
+  with pytest.raises(ValueError) as e:
+    webdataset.WebDatasetSource(
+        _name(base, shards)[len("webdataset:"):], index_cache="")
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert f"{base}/train-000004.tar" in msg and "403" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_a_remote_table_with_remote_images_equals_the_local_one(
+    fmt, tmp_path, s3):
+  corpus = corpus_lib.make_corpus(tmp_path / "c", num=32)
+  s3.put_dir(str(tmp_path / "c"), "t")
+  s3.put_dir(str(tmp_path / "c" / "images"), "t/images")
+  local = D.open_source(corpus_lib.data_config(f"{fmt}:{corpus.tables[fmt]}")
+                        .data, "train")
+  name = f"{fmt}:{s3.url('t/' + os.path.basename(corpus.tables[fmt]))}"
+  config = corpus_lib.data_config(name)
+  D.check_data_config(config)
+  got = D.open_source(config.data, "train")
+  assert got.keys == local.keys and got.bad_at_open == local.bad_at_open
+  for i in range(len(local)):
+    try:
+      want = local[i]
+    except BadExample as e:
+      with pytest.raises(BadExample) as b:
+        got[i]  # pylint: disable=pointless-statement
+      assert b.value.where == e.where
+      assert s3.url("t/images/") in b.value.reason
+      continue
+    assert got[i] == want
+
+
+def test_errors_are_classified():
+  import aiohttp  # pylint: disable=import-outside-toplevel
+  from botocore.exceptions import ClientError  # pylint: disable=import-outside-toplevel
+
+  def http(status):
+    return aiohttp.ClientResponseError(None, (), status=status)
+
+  def boto(code, status):
+    return ClientError({"Error": {"Code": code},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, "Get")
+
+  cases = [(http(503), "transient"), (http(500), "transient"),
+           (http(429), "transient"), (http(403), "permanent"),
+           (http(404), "missing"), (http(400), "permanent"),
+           (boto("SlowDown", 503), "transient"),
+           (boto("AccessDenied", 403), "permanent"),
+           (aiohttp.ClientPayloadError("cut"), "transient"),
+           (aiohttp.ServerDisconnectedError(), "transient"),
+           (TimeoutError(), "transient"), (ConnectionResetError(), "transient"),
+           (FileNotFoundError("x"), "missing"),
+           (PermissionError("x"), "permanent"), (ValueError("x"), "permanent")]
+  for e, want in cases:
+    assert remote.classify(e) == want, (e, want)
+  wrapped = OSError(16, "busy")
+  wrapped.__cause__ = boto("SlowDown", 503)
+  assert remote.classify(wrapped) == "transient"
+
+
+def test_scrub_leaves_no_secret():
+  for url, want in [
+      ("https://u:pw@host/a/b.tar?sig=x#f", "https://host/a/b.tar"),
+      ("s3://bucket/k/x.tar", "s3://bucket/k/x.tar"),
+      ("/local/path.tar", "/local/path.tar")]:
+    assert remote.scrub(url) == want
+  assert remote.basename("https://h/a/b.tar?token=x") == "b.tar"
+  assert remote.join("s3://b/t", "images/x.jpg") == "s3://b/t/images/x.jpg"
+  assert remote.join("s3://b/t", "/abs/x.jpg") == "/abs/x.jpg"
+
+
+def test_storage_options_are_checked_in_one_line():
+  config = corpus_lib.data_config("synthetic_shapes")
+  for bad in ("{not json", '["s3"]', '{"s3": 3}'):
+    config.data.storage_options = bad
+    with pytest.raises(ValueError, match="config.data.storage_options"):
+      remote.parse_storage_options(bad)
+  assert remote.parse_storage_options('{"gcs": {"token": "anon"}}') == {
+      "gs": {"token": "anon"}}
+  assert sources.index_cache_of(config.data) == remote.default_index_cache()
+  config.data.shard_index_cache = "none"
+  assert sources.index_cache_of(config.data) == ""
+
+
+def _train(workdir, name, env_extra=(), *extra):
+  cmd = [sys.executable, "-m", "train.main", "--config",
+         os.path.join(lit_fixtures.ROOT, "configs/lit_demo.py") + ":tiny",
+         "--workdir", str(workdir), f"--config.data.name={name}",
+         "--config.data.eval_split=", "--config.data.image_size=16",
+         "--config.data.max_bad_fraction=0.5", "--config.data.cache_max_mb=0",
+         "--config.precompute_image_embeddings=False", "--config.total_steps=6",
+         "--config.log_every_steps=1",
+         f"--config.data.shard_index_cache={workdir}-index", *extra]
+  env = dict(os.environ, PYTHONPATH=lit_fixtures.ROOT, JAX_PLATFORMS="cpu",
+             **dict(env_extra))
+  r = subprocess.run(cmd, cwd=lit_fixtures.ROOT, env=env, capture_output=True,
+                     text=True, timeout=600)
+  with open(workdir / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f if '"loss"' in line]
+  return r, rows
+
+
+@pytest.mark.slow
+def test_a_run_on_s3_with_faults_equals_the_local_run(shards, tmp_path, s3):
+  """train.main reading its shards from the S3 server through the fault
+  proxy: the same losses and bad counts as from local disk, retries > 0."""
+  base = _serve("s3", shards, s3)
+  local, local_rows = _train(tmp_path / "local", _name(shards["root"], shards))
+  assert local.returncode == 0, local.stderr[-3000:]
+  with FaultProxy(s3.host_port, seed=5, fraction=0.15, max_faults=8,
+                  kinds=("503", "reset"), methods=("GET",)) as proxy:
+    got, rows = _train(tmp_path / "s3", _name(base, shards),
+                       {"AWS_ENDPOINT_URL": proxy.url,
+                        "AWS_ENDPOINT_URL_S3": proxy.url})
+    proxy.settle()
+  assert got.returncode == 0, got.stderr[-3000:]
+  assert proxy.faults
+  keys = ("step", "loss", "temperature", "grad_norm", "data/bad_examples",
+          "data/bad_fraction")
+  assert [[r[k] for k in keys] for r in rows] == [
+      [r[k] for k in keys] for r in local_rows]
+  assert rows[-1]["data/retries"] >= 1 and local_rows[-1]["data/retries"] == 0
+  assert "caption is not valid UTF-8" in got.stderr

@@ -1,0 +1,471 @@
+"""Files on object storage: fsspec URLs read by byte range, with retries.
+
+    config.data.name = "webdataset:s3://bucket/cc3m/{00000..00331}.tar"
+    config.data.name = "webdataset:https://host/cc3m/{00000..00331}.tar"
+    config.data.name = "csv:gs://bucket/pairs.csv"   # image paths may be URLs
+
+A path with a scheme (``s3://``, ``gs://``, ``http(s)://``, any protocol
+fsspec knows) is read through fsspec (s3fs, gcsfs, aiohttp: the ``cloud``
+extra); a plain path (or ``file://``) stays on the local ``os.pread`` path.
+Credentials come from each store's standard environment (``AWS_*`` and
+``~/.aws``, ``GOOGLE_APPLICATION_CREDENTIALS``, fsspec's config files) and
+are never logged: a URL is printed without its user info and query string
+(``scrub``). ``config.data.storage_options`` (JSON, per protocol) is passed
+to the filesystem, e.g. ``{"s3": {"endpoint_url": "http://minio:9000"}}``;
+botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``.
+
+Every request goes through ``Store.call``: a transient failure (5xx, 408,
+429, a timeout, a reset connection, a truncated body) is retried with
+exponential backoff, up to ``retries`` times, and counted (``take_retries``:
+the pipeline carries the count to the trainer's ``data/retries``); a
+permanent one (403, 404, 400, a Range the server ignores) is raised at once
+as one line naming the URL. The stores' own hidden retries are turned off
+where they can be (s3fs, botocore), so that what is retried is counted.
+
+A remote shard's tar headers are scanned once and the result (the members'
+names, offsets and sizes) is kept in ``index_cache`` (a local directory or a
+URL), keyed by the URL and the object's size and ETag / modification time:
+a rerun, and any host sharing the directory, reads the index instead.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import re
+import tempfile
+import threading
+import time
+import urllib.parse
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+DEFAULT_RETRIES = 8
+# Backoff before retry i (0-based): BACKOFF_S * 2**i, at most MAX_BACKOFF_S,
+# times a random factor in [0.5, 1] (jitter: many readers do not retry in
+# step).
+BACKOFF_S = 0.1
+MAX_BACKOFF_S = 10.0
+# A request that sends nothing for this long is a transient failure.
+TIMEOUT_S = 60.0
+# Block size of the sequential reads that scan a remote shard's headers.
+SCAN_BLOCK = 8 << 20
+INDEX_VERSION = 1
+
+_lock = threading.Lock()
+_retries = 0
+
+
+def count_retry(n: int = 1) -> None:
+  global _retries
+  with _lock:
+    _retries += n
+
+
+def take_retries() -> int:
+  """The retries made in this process since the last call (and resets)."""
+  global _retries
+  with _lock:
+    n, _retries = _retries, 0
+  return n
+
+
+def is_url(path: str) -> bool:
+  """True for a path with a scheme other than file://."""
+  m = _SCHEME.match(path)
+  return bool(m) and m.group(1).lower() != "file"
+
+
+def local_path(path: str) -> str:
+  """A local path without a file:// scheme, ~ expanded."""
+  if path.lower().startswith("file://"):
+    path = path[len("file://"):]
+  return os.path.expanduser(path)
+
+
+def protocol(url: str) -> str:
+  p = _SCHEME.match(url).group(1).lower()
+  return {"gcs": "gs", "s3a": "s3", "https": "http"}.get(p, p)
+
+
+def scrub(url: str) -> str:
+  """``url`` as it may be printed: no user info, query or fragment (where
+  signed URLs and basic-auth keep their secrets)."""
+  if not is_url(url):
+    return url
+  parts = urllib.parse.urlsplit(url)
+  netloc = parts.netloc.rpartition("@")[2]
+  return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def scrub_pattern(pattern: str) -> str:
+  """A shard pattern ("a-{0..9}.tar::b-{0..3}.tar") with each URL
+  scrubbed: what a source's ``spec`` (logs, checkpoint fingerprints) holds."""
+  return "::".join(scrub(p) for p in pattern.split("::"))
+
+
+def basename(path: str) -> str:
+  """The file name of a path or URL (a URL's query left out)."""
+  return os.path.basename(scrub(path).rstrip("/") if is_url(path) else path)
+
+
+def dirname(path: str) -> str:
+  if not is_url(path):
+    return os.path.dirname(path)
+  parts = urllib.parse.urlsplit(path)
+  return urllib.parse.urlunsplit(
+      (parts.scheme, parts.netloc, parts.path.rpartition("/")[0], "", ""))
+
+
+def join(root: str, path: str) -> str:
+  """``path`` relative to the directory ``root`` (a URL or a local path);
+  an absolute path or a URL as it is."""
+  if is_url(path) or os.path.isabs(local_path(path)) or not root:
+    return path if is_url(path) else local_path(path)
+  if is_url(root):
+    return f"{root.rstrip('/')}/{path}"
+  return os.path.join(root, os.path.expanduser(path))
+
+
+class RemoteError(ValueError):
+  """A remote file that cannot be read: one line naming it (scrubbed)."""
+
+
+class NotFound(RemoteError):
+  pass
+
+
+class _ShortRead(OSError):
+  """A body shorter than asked for (a truncated response): transient."""
+
+
+_TRANSIENT_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+def _status(e: BaseException):
+  """The HTTP status an exception carries (aiohttp, botocore), or None."""
+  for attr in ("status", "code"):
+    v = getattr(e, attr, None)
+    if isinstance(v, int) and 100 <= v < 600:
+      return v
+  resp = getattr(e, "response", None)
+  if isinstance(resp, dict):
+    return resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+  return None
+
+
+def _chain(e: BaseException):
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def classify(e: BaseException) -> str:
+  """"transient", "missing" or "permanent"."""
+  if isinstance(e, _ShortRead):
+    return "transient"
+  names = {type(c).__name__ for c in _chain(e)}
+  # Timeouts, resets and truncated bodies, as aiohttp, botocore, urllib3
+  # and fsspec name them (not imported: each is optional; a truncated body's
+  # aiohttp error carries a 400 of its own, so these come first).
+  if names & {"ClientPayloadError", "ServerDisconnectedError", "ClientOSError",
+              "ClientConnectionError", "ServerTimeoutError",
+              "ClientConnectorError", "EndpointConnectionError",
+              "ConnectionClosedError", "ReadTimeoutError",
+              "ConnectTimeoutError", "IncompleteRead", "ResponseStreamingError",
+              "FSTimeoutError", "ProtocolError", "HTTPClientError",
+              "TransferEncodingError", "ContentLengthError"}:
+    return "transient"
+  for c in _chain(e):
+    status = _status(c)
+    if status is not None:
+      if status in _TRANSIENT_STATUS:
+        return "transient"
+      return "missing" if status in (404, 410) else "permanent"
+  if isinstance(e, FileNotFoundError):
+    return "missing"
+  if isinstance(e, PermissionError):
+    return "permanent"
+  if isinstance(e, (TimeoutError, ConnectionError)):
+    return "transient"
+  if isinstance(e, OSError) and e.errno in (errno.EBUSY, errno.EAGAIN,
+                                            errno.ETIMEDOUT, errno.EREMOTEIO,
+                                            errno.ECONNRESET, errno.EPIPE):
+    return "transient"
+  return "permanent"
+
+
+def _reason(e: BaseException) -> str:
+  status = next((_status(c) for c in _chain(e) if _status(c)), None)
+  if classify(e) == "transient" and status not in _TRANSIENT_STATUS:
+    status = None
+  text = str(e).splitlines()[0] if str(e) else ""
+  text = re.sub(r"\w+://\S+", lambda m: scrub(m.group(0)), text)
+  return (f"HTTP {status}: " if status else "") + (
+      f"{type(e).__name__}: {text}" if text else type(e).__name__)
+
+
+def _defaults(proto: str) -> dict:
+  """Options under the user's: the stores' own retries off (ours count),
+  timeouts set."""
+  if proto == "s3":
+    return {"config_kwargs": {"retries": {"total_max_attempts": 1},
+                              "connect_timeout": TIMEOUT_S,
+                              "read_timeout": TIMEOUT_S}}
+  if proto == "http":
+    import aiohttp  # pylint: disable=import-outside-toplevel
+    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(
+        total=None, connect=TIMEOUT_S, sock_read=TIMEOUT_S)}}
+  return {}
+
+
+def _merge(base: dict, over: dict) -> dict:
+  out = dict(base)
+  for k, v in over.items():
+    out[k] = (_merge(out[k], v) if isinstance(v, dict)
+              and isinstance(out.get(k), dict) else v)
+  return out
+
+
+def parse_storage_options(value, what: str = "config.data.storage_options"
+                          ) -> dict:
+  """config.data.storage_options (JSON text or a mapping) -> {protocol:
+  {option: value}}; ValueError in one line if it is not that."""
+  if not value:
+    return {}
+  if isinstance(value, str):
+    try:
+      value = json.loads(value)
+    except ValueError as e:
+      raise ValueError(f"{what}: not JSON ({e})") from None
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if not isinstance(value, dict) or not all(
+      isinstance(v, dict) for v in value.values()):
+    raise ValueError(f"{what} must map a protocol to its options, e.g. "
+                     '{"s3": {"endpoint_url": "http://host:9000"}}')
+  return {({"gcs": "gs", "https": "http"}.get(k, k)): v
+          for k, v in value.items()}
+
+
+class Store:
+  """fsspec filesystems by protocol (one per process, made on first use)
+  and the retrying calls every remote read goes through.
+
+  Picklable (grain's worker processes): the filesystems are made again in
+  each process.
+  """
+
+  def __init__(self, storage_options=None, *, retries: int = DEFAULT_RETRIES,
+               backoff_s: float = BACKOFF_S):
+    self.options = parse_storage_options(storage_options)
+    self.retries, self.backoff_s = retries, backoff_s
+    self._fs, self._pid = {}, None
+    self._lock = threading.Lock()
+    self.retries_made = 0  # By this store, in this process.
+
+  def __getstate__(self):
+    return {"options": self.options, "retries": self.retries,
+            "backoff_s": self.backoff_s}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._fs, self._pid = {}, None
+    self._lock = threading.Lock()
+    self.retries_made = 0
+
+  def filesystem(self, url: str):
+    """(fsspec filesystem, its path of ``url``)."""
+    proto = protocol(url)
+    with self._lock:
+      if self._pid != os.getpid():
+        self._fs, self._pid = {}, os.getpid()
+      fs = self._fs.get(proto)
+      if fs is None:
+        try:
+          import fsspec  # pylint: disable=import-outside-toplevel
+          cls = fsspec.get_filesystem_class(proto)
+        except (ImportError, ValueError) as e:
+          raise ValueError(
+              f"cannot read {scrub(url)}: {e} (pip install "
+              "'infcl-jax[cloud]' for s3://, gs:// and http(s)://)") from None
+        fs = cls(skip_instance_cache=True,
+                 **_merge(_defaults(proto), self.options.get(proto, {})))
+        if proto == "s3":
+          fs.retries = 1  # s3fs's own retry loop: one attempt (ours count).
+        self._fs[proto] = fs
+    if proto == "http":
+      return fs, url
+    return fs, fs._strip_protocol(url)  # pylint: disable=protected-access
+
+  def call(self, url: str, fn, what: str = "read"):
+    """``fn(fs, path)``, retried on transient failures (counted); a
+    permanent failure raises RemoteError (NotFound for 404) naming the URL."""
+    fs, path = self.filesystem(url)
+    for attempt in range(self.retries + 1):
+      try:
+        return fn(fs, path)
+      except Exception as e:  # pylint: disable=broad-except
+        kind = classify(e)
+        if kind == "missing":
+          raise NotFound(f"{scrub(url)} does not exist ({what}: "
+                         f"{_reason(e)})") from None
+        if kind == "permanent":
+          raise RemoteError(f"cannot {what} {scrub(url)}: {_reason(e)}"
+                            ) from None
+        if attempt == self.retries:
+          raise RemoteError(
+              f"cannot {what} {scrub(url)}: {self.retries + 1} attempts "
+              f"failed, the last with {_reason(e)}") from None
+        count_retry()
+        with self._lock:
+          self.retries_made += 1
+        time.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt)
+                   * random.uniform(0.5, 1.0))
+
+  def info(self, url: str) -> dict:
+    """{"size": int, "validator": str}: the size and what identifies this
+    version of the object (ETag, generation or modification time; "" when
+    the store gives none)."""
+    def get(fs, path):
+      try:
+        return fs.info(path)
+      except FileNotFoundError as e:
+        # fsspec's HTTP info turns every failure into FileNotFoundError:
+        # its cause has the status.
+        if e.__cause__ is not None and classify(e.__cause__) != "missing":
+          raise e.__cause__ from None
+        raise
+    return _summary(self.call(url, get, "stat"))
+
+  def read(self, url: str, start: int | None = None,
+           end: int | None = None) -> bytes:
+    """Bytes [start, end) of ``url`` (the whole object without a range)."""
+    def get(fs, path):
+      data = fs.cat_file(path, start=start, end=end)
+      if start is not None and end is not None and len(data) != end - start:
+        if len(data) > end - start:
+          raise PermissionError(f"the server ignores Range requests "
+                                f"(asked for {end - start} bytes, got "
+                                f"{len(data)})")
+        raise _ShortRead(f"short body: {len(data)} of {end - start} bytes "
+                         f"at offset {start}")
+      return data
+    return self.call(url, get)
+
+  def exists(self, url: str) -> bool:
+    try:
+      self.info(url)
+      return True
+    except NotFound:
+      return False
+
+  def write(self, url: str, data: bytes) -> None:
+    self.call(url, lambda fs, path: fs.pipe_file(path, data), "write")
+
+
+def _summary(info: dict) -> dict:
+  size = info.get("size")
+  validator = ""
+  for k in ("ETag", "etag", "generation", "md5Hash", "LastModified",
+            "Last-Modified", "mtime", "updated"):
+    if info.get(k):
+      validator = f"{k}={info[k]}"
+      break
+  return {"size": None if size is None else int(size),
+          "validator": validator}
+
+
+class RangeFile:
+  """A read-only, seekable file over ``store.read`` of one URL, read in
+  ``block``-sized ranges (one cached): what tarfile needs to scan headers
+  (a forward seek within the block costs no request)."""
+
+  def __init__(self, store: Store, url: str, size: int,
+               block: int = SCAN_BLOCK):
+    self.store, self.url, self.size, self.block = store, url, size, block
+    self.name = basename(url)
+    self.mode = "rb"
+    self._pos, self._start, self._data = 0, 0, b""
+
+  def seekable(self):
+    return True
+
+  def readable(self):
+    return True
+
+  def tell(self):
+    return self._pos
+
+  def seek(self, pos: int, whence: int = 0):
+    self._pos = {0: pos, 1: self._pos + pos, 2: self.size + pos}[whence]
+    return self._pos
+
+  def read(self, n: int = -1) -> bytes:
+    end = self.size if n is None or n < 0 else min(self.size, self._pos + n)
+    out = []
+    while self._pos < end:
+      rel = self._pos - self._start
+      if not 0 <= rel < len(self._data):
+        self._start = self._pos
+        self._data = self.store.read(self.url, self._pos,
+                                     min(self.size, self._pos + self.block))
+        rel = 0
+      piece = self._data[rel:rel + end - self._pos]
+      out.append(piece)
+      self._pos += len(piece)
+    return b"".join(out)
+
+  def close(self):
+    self._data = b""
+
+
+def default_index_cache() -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "infcl_jax",
+                      "shard_index")
+
+
+def _cache_name(url: str, info: dict) -> str:
+  key = json.dumps([INDEX_VERSION, scrub(url), info["size"],
+                    info["validator"]])
+  return f"{basename(url)}.{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def cached(store: Store, cache_dir: str, url: str, info: dict, compute):
+  """``compute()`` (a JSON-able value: a shard's index), kept in
+  ``cache_dir`` under a name made of the URL, size and validator. An object
+  without a validator is not cached (a new version could not be told
+  from the old); a cache that cannot be read or written is skipped with a
+  warning, never fatal."""
+  if not cache_dir or not info.get("validator") or info.get("size") is None:
+    return compute()
+  name = _cache_name(url, info)
+  target = join(cache_dir, name)
+  try:
+    if is_url(target):
+      text = store.read(target).decode()
+    else:
+      with open(target, encoding="utf-8") as f:
+        text = f.read()
+    return json.loads(text)["value"]
+  except (OSError, ValueError, KeyError):
+    pass  # Not there yet (or unreadable: written again below).
+  value = compute()
+  text = json.dumps({"url": scrub(url), **info, "value": value})
+  try:
+    if is_url(target):
+      store.write(target, text.encode())
+    else:
+      os.makedirs(cache_dir, exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-")
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+      os.replace(tmp, target)  # Atomic: readers see all of it or none.
+  except (OSError, ValueError) as e:
+    from absl import logging  # pylint: disable=import-outside-toplevel
+    logging.warning("shard index cache %s not written: %s", scrub(cache_dir),
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+  return value
