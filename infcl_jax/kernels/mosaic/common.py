@@ -17,6 +17,9 @@ by the producer and the consumers, so the ring needs no other handshake.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -318,16 +321,28 @@ def ring_scratch(dtype, *, bq, bk, bd, stages, split_rings):
   ]
 
 
+def _x32(body):
+  """``body`` traced with ``jax_enable_x64`` off (its operands are never
+  64-bit: the backends cast to float32 / int32 first)."""
+  @functools.wraps(body)
+  def run(*args, **kwargs):
+    with jax.enable_x64(False):
+      return body(*args, **kwargs)
+  return run
+
+
 def launch(body, *, operands, out_type, scratch, nprog, name, interpret,
            split_rings, reduction_scratch_bytes=None):
   """Runs ``body`` as a persistent kernel of ``nprog`` CTAs of three
   warpgroups (two consumers and the producer), on ``operands``; returns its
-  outputs (a list) typed device-varying like the operands."""
+  outputs (a list) typed device-varying like the operands. ``body`` is
+  traced with x64 off: its index arithmetic (program ids, loop counters,
+  Python int constants) is int32 by construction, as with x64 off."""
   cp = dict(approx_math=True)
   if reduction_scratch_bytes is not None:
     cp["reduction_scratch_bytes"] = reduction_scratch_bytes
   outs = plgpu.kernel(
-      body,
+      _x32(body),
       out_type=out_type,
       scratch_types=scratch,
       grid=(nprog,),
