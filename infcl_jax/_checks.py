@@ -27,7 +27,8 @@ def check_embeddings(image_emb, text_emb):
   """Checks rank, feature dim and dtype of the two embedding arrays.
 
   Returns:
-    The common compute dtype (the promoted input dtype).
+    The promoted input dtype (float64, under ``jax_enable_x64``, is
+    accepted and computed in float32).
   """
   for name, a in (("image_emb", image_emb), ("text_emb", text_emb)):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
@@ -37,8 +38,8 @@ def check_embeddings(image_emb, text_emb):
           f"{name} must have rank 2 (batch, dim), got shape {tuple(a.shape)}")
     if a.dtype not in _FLOAT_DTYPES:
       raise TypeError(
-          f"{name} must be float16, bfloat16 or float32, got dtype {a.dtype} "
-          f"(shape {tuple(a.shape)})")
+          f"{name} must be float16, bfloat16, float32 or float64 (computed "
+          f"in float32), got dtype {a.dtype} (shape {tuple(a.shape)})")
     if a.shape[0] < 1 or a.shape[1] < 1:
       raise ValueError(f"{name} must have a non-empty batch and dim, got "
                        f"shape {tuple(a.shape)}")
@@ -98,7 +99,19 @@ def check_labels(labels, direction, n_queries, *, n_keys=None, what="batch"):
       raise ValueError(
           f"labels must index the {n_keys} rows of {keys}: got "
           f"{values[bad][0]} at position {int(np.argmax(bad))}")
-  return jnp.asarray(labels, jnp.int32)
+  return _labels_int32(labels)
+
+
+def _labels_int32(labels):
+  """Key indices as int32. Where the dtype is wider, a value outside
+  int32 becomes -1 rather than wrapping onto a valid index (2**32 + 3 is
+  not key 3): out of range, as it was, so the loss is NaN."""
+  if _fits_int32_dtype(labels.dtype):
+    return jnp.asarray(labels).astype(jnp.int32)
+  xp = jnp if isinstance(labels, jax.core.Tracer) else np
+  labels = labels if xp is jnp else np.asarray(labels)
+  inside = (labels >= 0) & (labels <= _I32.max)
+  return jnp.asarray(xp.where(inside, labels, -1).astype(xp.int32))
 
 
 def check_scalar(name, value, *, allow_none=False):
@@ -213,17 +226,93 @@ def _int_vector(v, name, what, n, per):
   return v
 
 
-def _group_array(g, name, n, rows_of):
-  g = _int_vector(g, name, "group ids", n, f"one group id per row of {rows_of}")
-  return jnp.asarray(g).astype(jnp.int32)
+_I32 = np.iinfo(np.int32)
 
 
-def check_groups(groups, group_mode, n_x, n_y, *, labels=False):
+def _fits_int32_dtype(dtype):
+  """Whether every value of integer ``dtype`` is an int32 value."""
+  info = np.iinfo(dtype)
+  return info.min >= _I32.min and info.max <= _I32.max
+
+
+def _readable(v):
+  """Whether ``v``'s values can be read on the host now: a NumPy array or a
+  concrete, fully addressable ``jax.Array`` (not a tracer, not another
+  process's shards)."""
+  if isinstance(v, jax.core.Tracer):
+    return False
+  return not isinstance(v, jax.Array) or v.is_fully_addressable
+
+
+def _fits_int32(v):
+  """Whether the ids ``v`` are int32 values: by dtype, else by value
+  (read on the host, or reduced on the devices for another process's
+  shards). None when they cannot be read (traced)."""
+  if _fits_int32_dtype(v.dtype):
+    return True
+  if isinstance(v, jax.core.Tracer):
+    return None
+  if v.size == 0:
+    return True
+  if _readable(v):
+    a = np.asarray(v)
+    return bool(a.min() >= _I32.min and a.max() <= _I32.max)
+  return bool(jnp.min(v) >= _I32.min) and bool(jnp.max(v) <= _I32.max)
+
+
+def _dense_ids(arrays):
+  """The concrete ids ``arrays`` as dense int32 ids 0..K-1 (NumPy), one
+  numbering over all of them: equal ids stay equal, across the arrays too,
+  and distinct ones stay distinct."""
+  values = [np.asarray(a) for a in arrays]
+  common = np.result_type(*values)
+  if common.kind not in "iu":  # int64 with uint64: NumPy would use floats.
+    common = np.dtype(object)
+  joined = np.concatenate([v.astype(common).ravel() for v in values])
+  _, dense = np.unique(joined, return_inverse=True)
+  dense = dense.astype(np.int32)
+  return tuple(np.split(dense, np.cumsum([v.size for v in values])[:-1]))
+
+
+def _group_ids(arrays, names, *, sharded):
+  """Group id arrays (already shape-checked) as int32 arrays with the same
+  relation: cast where every id is an int32 value; else concrete ids are
+  renumbered on the host over all arrays (``_dense_ids``), and ids that
+  cannot be renumbered (traced, or one device's shard) are one error."""
+  # uint32 ids cast to int32 wrap (2**32 - 1 -> -1): one-to-one as long
+  # as no signed id of the other tower can meet a wrapped one.
+  all_u32 = all(jnp.dtype(a.dtype) == jnp.uint32 for a in arrays)
+  if all_u32 or all(_fits_int32(a) for a in arrays):
+    return tuple(jnp.asarray(a).astype(jnp.int32) for a in arrays)
+  where = " and ".join(f"{n} ({a.dtype})" for n, a in zip(names, arrays))
+  if sharded:
+    raise ValueError(
+        f"{where} with axis_name: ids beyond int32 (or traced ones of a "
+        "wider dtype) cannot be renumbered on one device's shard alone "
+        "(equal ids on two devices must stay equal); give int32 ids (e.g. "
+        "np.unique(ids, return_inverse=True) over the global batch), or "
+        "the global ids to sharded_contrastive_loss / sharded_sigmoid_loss")
+  if not all(map(_readable, arrays)):
+    raise ValueError(
+        f"{where}: ids of a dtype wider than int32 cannot be read here "
+        "(traced inside jit, or another process's shards), and casting "
+        "them to int32 could merge groups; pass them as a NumPy array, or "
+        "as int32 ids (e.g. np.unique(ids, return_inverse=True))")
+  return tuple(jnp.asarray(d) for d in _dense_ids(arrays))
+
+
+def check_groups(groups, group_mode, n_x, n_y, *, labels=False,
+                 sharded=False):
   """Checks ``groups=`` / ``group_mode=``; returns None or the (image,
   text) int32 group ids.
 
   One array when the batch is paired (n_x == n_y), else a pair
-  (image_groups, text_groups).
+  (image_groups, text_groups). Ids of any integer dtype keep their
+  relation (equal ids related, distinct ones not): ids that are all int32
+  values are cast; other concrete ids (int64 beyond int32) are renumbered
+  on the host, over both towers at once. Ids that cannot be renumbered
+  here give one ValueError: traced ones of a dtype wider than int32, and
+  with ``sharded`` (``axis_name``: one device's shard) any beyond int32.
   """
   if group_mode not in GROUP_MODES:
     raise ValueError(f"group_mode must be one of {GROUP_MODES}, got "
@@ -242,12 +331,18 @@ def check_groups(groups, group_mode, n_x, n_y, *, labels=False):
     if len(groups) != 2:
       raise ValueError(f"groups must be one array or a pair (image_groups, "
                        f"text_groups), got a sequence of {len(groups)}")
-    return (_group_array(groups[0], "image groups", n_x, "image_emb"),
-            _group_array(groups[1], "text groups", n_y, "text_emb"))
+    arrays = (_int_vector(groups[0], "image groups", "group ids", n_x,
+                          "one group id per row of image_emb"),
+              _int_vector(groups[1], "text groups", "group ids", n_y,
+                          "one group id per row of text_emb"))
+    return _group_ids(arrays, ("image groups", "text groups"),
+                      sharded=sharded)
   if n_x != n_y:
     raise ValueError(
         f"groups as one array needs a paired batch (image_emb and text_emb "
         f"with equal rows, got {n_x} and {n_y}); pass (image_groups, "
         f"text_groups)")
-  g = _group_array(groups, "groups", n_x, "image_emb")
+  g = _int_vector(groups, "groups", "group ids", n_x,
+                  "one group id per row of image_emb")
+  (g,) = _group_ids((g,), ("groups",), sharded=sharded)
   return g, g

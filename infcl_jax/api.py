@@ -112,8 +112,12 @@ def _checked_axes(axis_name):
 
 
 def _cast(image_emb, text_emb):
-  """Both towers in their promoted dtype."""
+  """Both towers in their promoted dtype; float64 (under
+  ``jax_enable_x64``) as float32, the widest dtype the losses compute in
+  (the gradients come back in float64, through the cast)."""
   dtype = jnp.promote_types(image_emb.dtype, text_emb.dtype)
+  if dtype == jnp.float64:
+    dtype = jnp.dtype(F32)
   return image_emb.astype(dtype), text_emb.astype(dtype)
 
 
@@ -178,7 +182,8 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   labels = _checks.check_labels(labels, direction, n_q,
                                 n_keys=None if axes else n_k)
   groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
-                                text_emb.shape[0], labels=labels is not None)
+                                text_emb.shape[0], labels=labels is not None,
+                                sharded=bool(axes))
   return _softmax(image_emb, text_emb, scale, bias, labels, groups,
                   direction=direction, axes=axes, strategy=strategy,
                   backend=name, block_sizes=block_sizes,
@@ -267,7 +272,7 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
   _checks.check_equal_batch(image_emb, text_emb, loss="sigmoid")
   axes = _checked_axes(axis_name)
   groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
-                                text_emb.shape[0])
+                                text_emb.shape[0], sharded=bool(axes))
   return _sigmoid(image_emb, text_emb, scale, bias, groups, axes=axes,
                   backend=name, block_sizes=block_sizes,
                   group_mode=group_mode)
