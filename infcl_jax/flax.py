@@ -52,6 +52,65 @@ def l2_normalize(x, eps=1e-6):
   return (x32 * inv).astype(x.dtype)
 
 
+def check_options(head):
+  """The head's options (of this module or ``infcl_jax.nnx``'s) make sense
+  together, else one ValueError."""
+  if head.loss not in LOSSES:
+    raise ValueError(f"loss must be one of {LOSSES}, got {head.loss!r}")
+  if head.loss == "sigmoid" and head.direction != "both":
+    raise ValueError("direction applies to the softmax loss only; the "
+                     f"sigmoid loss is symmetric, got {head.direction!r}")
+  if head.loss == "sigmoid" and head.strategy != "auto":
+    raise ValueError("strategy applies to the softmax loss only; the "
+                     f"sigmoid loss always runs the ring, got {head.strategy!r}")
+  if head.min_log_scale > head.max_log_scale:
+    raise ValueError(f"min_log_scale {head.min_log_scale} > max_log_scale "
+                     f"{head.max_log_scale}")
+
+
+def initial_values(head):
+  """(initial log-scale, initial bias or None when the head has none): the
+  head's own values, else the paper defaults of its ``loss``."""
+  init_t = (_DEFAULT_LOG_SCALE[head.loss] if head.init_log_scale is None
+            else float(head.init_log_scale))
+  use_bias = (_DEFAULT_USE_BIAS[head.loss] if head.use_bias is None
+              else head.use_bias)
+  if not use_bias:
+    return init_t, None
+  return init_t, (_DEFAULT_BIAS[head.loss] if head.init_bias is None
+                  else float(head.init_bias))
+
+
+def scale_of(head, log_scale):
+  """The scale: exp of the log-scale clamped to the head's limits."""
+  return jnp.exp(jnp.clip(log_scale, head.min_log_scale, head.max_log_scale))
+
+
+def head_loss(head, scale, bias, image_emb, text_emb, labels, groups):
+  """The loss a head with these options computes, given its scale and bias
+  (None: no bias)."""
+  if labels is not None and head.loss != "softmax":
+    raise ValueError("labels= applies to the softmax loss with a one-way "
+                     "direction; the sigmoid loss pairs i with i")
+  if head.normalize:
+    image_emb, text_emb = l2_normalize(image_emb), l2_normalize(text_emb)
+  if head.loss == "softmax":
+    return contrastive_loss(image_emb, text_emb, scale, logit_bias=bias,
+                            direction=head.direction, labels=labels,
+                            axis_name=head.axis_name, strategy=head.strategy,
+                            backend=head.backend,
+                            block_sizes=head.block_sizes, groups=groups,
+                            group_mode=head.group_mode,
+                            precision=head.precision)
+  if bias is None:
+    # SigLIP without a learnable bias: a fixed zero bias.
+    bias = jnp.zeros((), jnp.float32)
+  return sigmoid_loss(image_emb, text_emb, scale, bias,
+                      axis_name=head.axis_name, backend=head.backend,
+                      block_sizes=head.block_sizes, groups=groups,
+                      group_mode=head.group_mode, precision=head.precision)
+
+
 class ContrastiveLoss(nn.Module):
   """Learnable log-temperature (+ optional bias) in front of an exact loss.
 
@@ -90,39 +149,19 @@ class ContrastiveLoss(nn.Module):
   group_mode: str = "mask"
   precision: str | None = None
 
-  def _check(self):
-    if self.loss not in LOSSES:
-      raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
-    if self.loss == "sigmoid" and self.direction != "both":
-      raise ValueError("direction applies to the softmax loss only; the "
-                       f"sigmoid loss is symmetric, got {self.direction!r}")
-    if self.loss == "sigmoid" and self.strategy != "auto":
-      raise ValueError("strategy applies to the softmax loss only; the "
-                       f"sigmoid loss always runs the ring, got {self.strategy!r}")
-    if self.min_log_scale > self.max_log_scale:
-      raise ValueError(f"min_log_scale {self.min_log_scale} > max_log_scale "
-                       f"{self.max_log_scale}")
-
   def setup(self):
-    self._check()
-    init_t = (_DEFAULT_LOG_SCALE[self.loss] if self.init_log_scale is None
-              else float(self.init_log_scale))
+    check_options(self)
+    init_t, init_b = initial_values(self)
     self.log_scale = self.param("log_scale", nn.initializers.constant(init_t),
                                 (), jnp.float32)
-    use_bias = (_DEFAULT_USE_BIAS[self.loss] if self.use_bias is None
-                else self.use_bias)
     self.bias = None
-    if use_bias:
-      init_b = (_DEFAULT_BIAS[self.loss] if self.init_bias is None
-                else float(self.init_bias))
+    if init_b is not None:
       self.bias = self.param("bias", nn.initializers.constant(init_b), (),
                              jnp.float32)
 
   def _scalars(self):
     """(scale, bias or None); the scale is exp of the clamped log-scale."""
-    scale = jnp.exp(jnp.clip(self.log_scale, self.min_log_scale,
-                             self.max_log_scale))
-    return scale, self.bias
+    return scale_of(self, self.log_scale), self.bias
 
   def __call__(self, image_emb, text_emb, labels=None, groups=None):
     """Returns the scalar float32 loss of the (local shard of the) batch.
@@ -133,26 +172,7 @@ class ContrastiveLoss(nn.Module):
     ``group_mode``.
     """
     scale, bias = self._scalars()
-    if labels is not None and self.loss != "softmax":
-      raise ValueError("labels= applies to the softmax loss with a one-way "
-                       "direction; the sigmoid loss pairs i with i")
-    if self.normalize:
-      image_emb, text_emb = l2_normalize(image_emb), l2_normalize(text_emb)
-    if self.loss == "softmax":
-      return contrastive_loss(image_emb, text_emb, scale, logit_bias=bias,
-                              direction=self.direction, labels=labels,
-                              axis_name=self.axis_name, strategy=self.strategy,
-                              backend=self.backend,
-                              block_sizes=self.block_sizes, groups=groups,
-                              group_mode=self.group_mode,
-                              precision=self.precision)
-    if bias is None:
-      # SigLIP without a learnable bias: a fixed zero bias.
-      bias = jnp.zeros((), jnp.float32)
-    return sigmoid_loss(image_emb, text_emb, scale, bias,
-                        axis_name=self.axis_name, backend=self.backend,
-                        block_sizes=self.block_sizes, groups=groups,
-                        group_mode=self.group_mode, precision=self.precision)
+    return head_loss(self, scale, bias, image_emb, text_emb, labels, groups)
 
   def scale_and_bias(self):
     """The clamped scale ``t`` and the bias (0 when there is none).
