@@ -124,6 +124,24 @@ SMALL = BlockSizes(block_q=16, block_k=16, block_d=16, num_programs=2,
                    f32_precision="highest")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                         ids=lambda d: np.dtype(d).name)
+def test_x64_gives_the_x64_off_values(dtype):
+  """``jax_enable_x64=True`` (tests/test_x64.py has the other backends):
+  every path's loss and four gradients equal those with x64 off, and every
+  launch passes ``Launch.signature`` (no 64-bit array reaches a kernel)."""
+  from tests import test_x64  # pylint: disable=import-outside-toplevel
+  n, d = 37, 20
+  rng = np.random.default_rng(7)
+  x, y = rand_emb(rng, n, d, dtype), rand_emb(rng, n, d, dtype)
+  for name, make in test_x64._cases(n, d).items():  # pylint: disable=protected-access
+    fn = make("triton", SMALL)
+    off = test_x64._value_and_grads(fn, x, y)  # pylint: disable=protected-access
+    with test_x64.x64():
+      on = test_x64._value_and_grads(fn, x, y)  # pylint: disable=protected-access
+    test_x64._assert_same(on, off, name)  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("direction", ["image_to_text", "text_to_image"])
 def test_labels_match_xla(direction):
   """labels= (one positive key per query, one-way, more keys than queries)
