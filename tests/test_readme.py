@@ -135,6 +135,26 @@ def check_flax_step(ns, out, code):
   assert last < 0.1 * first
 
 
+def check_nnx_step(ns, out, code):
+  """The NNX twin of ``check_flax_step``: the first step's loss is the
+  float64 CLIP loss of a freshly made model's embeddings (the same Rngs give
+  the same initial parameters), and training lowers it."""
+  del code
+  first, last = map(float, out.split())
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  fresh = ns["TwoTowers"](nnx.Rngs(1))
+  dense = lambda layer, x: (np.asarray(x, np.float64)
+                            @ np.asarray(layer.kernel[...], np.float64)
+                            + np.asarray(layer.bias[...], np.float64))
+  assert fresh.head.bias is None   # softmax: no logit bias
+  ref = np_reference.clip_loss_and_grads(
+      _unit(dense(fresh.img, ns["images"])), _unit(dense(fresh.txt, ns["texts"])),
+      float(np.exp(np.float64(fresh.head.log_scale[...]))))[0]
+  assert first == pytest.approx(ref, rel=1e-4)
+  assert len(ns["losses"]) == 20 and last == ns["losses"][-1]
+  assert last < 0.1 * first
+
+
 def check_sigmoid(ns, out, code):
   del code
   loss, shapes = _printed_loss_and_shapes(out)
@@ -213,6 +233,7 @@ CHECKS = {
     "labels = jnp.array([0, 0, 2, 5])": check_labels_and_groups,
     'head = ContrastiveLoss(loss="sigmoid")': check_flax_head,
     "class TwoTowers(nn.Module):": check_flax_step,
+    "class TwoTowers(nnx.Module):": check_nnx_step,
     "sigmoid_loss(img, txt, jnp.exp(t_prime), b)": check_sigmoid,
     "one_device = contrastive_loss(": check_sharded,
     "def per_device(img_shard, txt_shard):": check_across_devices,
