@@ -182,6 +182,11 @@ def check_strategy(strategy):
 
 def check_mesh_batch(mesh, axis_name, image_emb, text_emb):
   """Validates the mesh axes and the batch split; returns the axis tuple."""
+  if getattr(mesh, "axis_names", None) is None:
+    raise TypeError(
+        f"mesh must be a jax.sharding.Mesh (the devices to shard the batch "
+        f"over, e.g. Mesh(jax.devices(), ('data',))), got "
+        f"{type(mesh).__name__}")
   axes = _axes.normalize(axis_name)
   if not axes:
     raise ValueError("axis_name must name a mesh axis, got None")

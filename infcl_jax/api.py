@@ -32,9 +32,9 @@ _AXIS_NAME_DOC = """\
 axis_name: mesh axis name (or tuple) when called inside ``jax.shard_map``.
       The arrays are then this device's shards, and the loss is the global
       loss over the shards concatenated in axis order (positives: global
-      pairs (i, i) unless ``labels`` says otherwise), the same on every
-      device. Each device's gradients are the exact partial derivatives of
-      that global loss w.r.t. its own shards, so a replicated parameter's
+      pairs (i, i)POSITIVES), the same on every device. Each device's
+      gradients are the exact partial derivatives of that global loss
+      w.r.t. its own shards, so a replicated parameter's
       gradient is the SUM over devices, never the mean. Under
       ``check_vma=True`` (the default) JAX adds that sum itself, whether
       ``jax.grad`` is taken inside or outside the ``shard_map`` (do not
@@ -43,8 +43,8 @@ axis_name: mesh axis name (or tuple) when called inside ``jax.shard_map``.
       gradients. Do NOT take ``jax.grad`` of a
       ``shard_map(..., check_vma=False)`` from outside it: JAX divides the
       cotangent of the unmapped loss by N there, so every gradient comes out
-      N times too small, and the loss cannot detect it. See README,
-      "Gradient convention"."""
+      N times too small, and the loss cannot detect it. See
+      docs/losses.md, "Gradient convention"."""
 
 
 _GROUPS_DOC = """\
@@ -52,7 +52,10 @@ groups: optional int group ids: one (B,) array when the batch is paired
       (B_x == B_y), or a pair (image_groups (B_x,), text_groups (B_y,));
       with ``axis_name``, this device's shard of them, like the embeddings.
       Image i and text j are *related* when their ids are equal (the other
-      captions of an image, duplicate images). Related pairs are handled
+      captions of an image, duplicate images). Any integer dtype: concrete
+      ids beyond int32 (int64) are renumbered on the host, over both
+      towers; traced ones of a wider dtype, and with ``axis_name`` any
+      beyond int32, are a ValueError (give int32 ids there). Related pairs are handled
       by ``group_mode`` without any B x B array (ids are O(B) and travel
       with their shard, so a related pair may span devices).
     group_mode: "mask" (default) or "positives"; see each loss. Only with
@@ -132,7 +135,8 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   similarities) and ``logit_scale`` is the multiplier itself, not its log.
 
   Args:
-    image_emb: (B_x, D) float16 / bfloat16 / float32.
+    image_emb: (B_x, D) float16 / bfloat16 / float32 (float64, under
+      ``jax_enable_x64``, is computed in float32; its gradients are float64).
     text_emb: (B_y, D), same D.
     logit_scale: scalar multiplier of the logits.
     logit_bias: optional scalar added to every logit.
@@ -162,7 +166,8 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
       131,072, the ring above (measured on 2 H200s: see
       ``infcl_jax.losses.strategy``). Exact either way.
     backend: "auto", "reference" (full matrix, O(B^2)) or a registered tiled
-      backend ("xla", "pallas", "mosaic").
+      backend: "xla", "pallas", "mosaic" or "triton" (docs/kernels.md: which
+      GPU runs which; "auto" picks by platform).
     block_sizes: optional ``BlockSizes`` for the tiled backends.
     PRECISION
 
@@ -245,7 +250,8 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
   ``t' = log 10`` and ``logit_bias = -10`` (``infcl_jax.flax`` does this).
 
   Args:
-    image_emb: (B, D) float16 / bfloat16 / float32.
+    image_emb: (B, D) float16 / bfloat16 / float32 (float64 is computed in
+      float32, as in ``contrastive_loss``).
     text_emb: (B, D), same B and D.
     logit_scale: scalar multiplier of the logits.
     logit_bias: scalar added to every logit (required: SigLIP learns it).
@@ -255,7 +261,8 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
       sum (neither positive nor negative); "positives" gives every related
       pair the label z = +1. The sum stays normalised by B either way.
     backend: "auto", "reference" (full matrix, O(B^2) memory) or a
-      registered tiled backend ("xla", "pallas", "mosaic").
+      registered tiled backend: "xla", "pallas", "mosaic" or "triton"
+      (docs/kernels.md: which GPU runs which; "auto" picks by platform).
     block_sizes: optional ``BlockSizes`` for the tiled backends.
     PRECISION
 
@@ -310,14 +317,21 @@ _PRECISION_DOC = """precision: float32 inputs only, the precision of the matmuls
       put back in float32: the fastest, within 1e-3 of float64 on most
       inputs but not on a very confident model at small D and large
       scale), "high" (3-pass TF32: float32-accurate logits) or "highest"
-      (IEEE float32, several times slower). None (the default): the
-      backend's exact default, "high" on the kernel backends, "highest"
-      on xla (``infcl_jax.backends.precision``). The same as
+      (IEEE float32, several times slower). None (the default): "highest"
+      where ``jax.default_matmul_precision`` asks for "highest" or
+      "float32"; else the backend's default: on the kernel backends
+      ("pallas", "mosaic", "triton") "default" from D = 64 on and "high"
+      below, "highest" on "xla" (``infcl_jax.backends.precision``). Off
+      the GPU every precision computes exact float32. The same as
       ``BlockSizes(f32_precision=...)``; no effect on 16-bit inputs."""
 
+# Softmax only: ``labels`` may say otherwise (the sigmoid loss takes none).
+_POSITIVES = {contrastive_loss: " unless ``labels`` says otherwise",
+              sigmoid_loss: ""}
 for _f in (contrastive_loss, sigmoid_loss):  # pylint: disable=invalid-name
   _f.__doc__ = _f.__doc__.replace("AXIS_NAME", _AXIS_NAME_DOC).replace(
-      "GROUPS", _GROUPS_DOC).replace("PRECISION", _PRECISION_DOC)
+      "GROUPS", _GROUPS_DOC).replace("PRECISION", _PRECISION_DOC).replace(
+          "POSITIVES", _POSITIVES[_f])
 
 
 # ------------------------------------------------ globally sharded arrays

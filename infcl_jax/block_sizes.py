@@ -69,9 +69,10 @@ class BlockSizes:
       passes) or "highest" (IEEE float32, several times slower); "tf32" is
       "default". ``None``: "highest" if JAX's own float32 switch
       (``jax.default_matmul_precision``) says "highest" or "float32", else
-      the backend's default: "highest" for xla, "high" for the kernel
-      backends (the one policy: ``infcl_jax.backends.precision``). The
-      losses' ``precision=`` sets this field.
+      the backend's default: "highest" for xla; for the kernel backends
+      "default" from D = 64 on and "high" below (the one policy:
+      ``infcl_jax.backends.precision``). The losses' ``precision=`` sets
+      this field.
     single_exp: Pallas: one exponential per logit where a tile's range
       allows (a shared shift for row and column terms; the kernels check
       this per tile and fall back to the exact two-exponential form).

@@ -81,3 +81,51 @@ def test_seam_guards_are_the_same_for_every_backend(name):
     with pytest.raises(ValueError, match=r"has_diagonal=True needs square "
                        r"block pairs.*5 rows.*7 rows"):
       op()
+
+
+@pytest.mark.parametrize("loss", ["softmax", "sigmoid"])
+def test_mesh_none_is_one_line(loss):
+  from infcl_jax import sharded_contrastive_loss, sharded_sigmoid_loss  # pylint: disable=import-outside-toplevel
+  call = ((lambda: sharded_contrastive_loss(X, X, 1.0, mesh=None))
+          if loss == "softmax" else
+          (lambda: sharded_sigmoid_loss(X, X, 1.0, -1.0, mesh=None)))
+  with pytest.raises(TypeError) as e:
+    call()
+  msg = str(e.value)
+  assert msg.startswith("mesh must be a jax.sharding.Mesh") and msg.endswith(
+      "got NoneType") and "\n" not in msg, msg
+
+
+def test_the_dtype_error_names_what_is_accepted():
+  with pytest.raises(TypeError) as e:
+    contrastive_loss(X, jnp.ones((4, 8), jnp.int8), 1.0)
+  assert str(e.value) == (
+      "text_emb must be float16, bfloat16, float32 or float64 (computed in "
+      "float32), got dtype int8 (shape (4, 8))"), str(e.value)
+
+
+def test_docstrings_say_what_the_code_does():
+  """The public losses' docs: every registered backend named, the sigmoid
+  loss's without ``labels`` (it takes none), the gradient convention's page
+  and section that exist, and the float32 defaults of backends.precision."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  from infcl_jax import sigmoid_loss  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import precision, registry  # pylint: disable=import-outside-toplevel
+  docs = {"contrastive_loss": contrastive_loss.__doc__,
+          "sigmoid_loss": sigmoid_loss.__doc__}
+  assert "labels" not in docs["sigmoid_loss"]
+  losses_md = (pathlib.Path(__file__).resolve().parents[1] / "docs" /
+               "losses.md").read_text()
+  for name, doc in docs.items():
+    for backend in registry.names():
+      assert f'"{backend}"' in doc, (name, backend)
+    flat = " ".join(doc.split())
+    page, section = re.search(r'See (docs/\w+\.md), "([^"]+)"', flat).groups()
+    assert page == "docs/losses.md" and f"\n## {section}\n" in losses_md
+    assert (f'"default" from D = {precision.TF32_MIN_DEPTH} on and "high" '
+            'below, "highest" on "xla"') in flat, name
+  # The defaults the text describes (triton's class needs its extra).
+  for backend in ("xla", "pallas", "mosaic"):
+    want = "highest" if backend == "xla" else precision.BY_DEPTH
+    assert registry.get(backend, "softmax").F32_DEFAULT == want, backend
