@@ -55,9 +55,9 @@ groups: optional int group ids: one (B,) array when the batch is paired
       captions of an image, duplicate images). Any integer dtype: concrete
       ids beyond int32 (int64) are renumbered on the host, over both
       towers; traced ones of a wider dtype, and with ``axis_name`` any
-      beyond int32, are a ValueError (give int32 ids there). Related pairs are handled
-      by ``group_mode`` without any B x B array (ids are O(B) and travel
-      with their shard, so a related pair may span devices).
+      beyond int32, are a ValueError (give int32 ids there). Related pairs
+      are handled by ``group_mode`` without any B x B array (ids are O(B)
+      and travel with their shard, so a related pair may span devices).
     group_mode: "mask" (default) or "positives"; see each loss. Only with
       ``groups``."""
 
