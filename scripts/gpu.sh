@@ -130,7 +130,7 @@ tests_kernels() {
   local k="not past_2_to_the_31" bg="&"
   [ "$dry" = 1 ] && bg=""
   eval "gpu_pytest tests-mosaic \"\$1\" 2 -k \"\$k\" tests/test_mosaic_kernels.py \
-    tests/test_mosaic_backend.py tests/test_groups_mosaic.py $bg"
+    tests/test_mosaic_backend.py tests/test_groups_mosaic.py tests/test_confident.py $bg"
   eval "gpu_pytest tests-pallas \"\$1\" 2 -k \"\$k\" tests/test_pallas.py tests/test_pallas_sigmoid.py \
     tests/test_groups.py tests/test_groups_kernels.py tests/test_auto.py tests/test_x64.py $bg"
   eval "gpu_pytest tests-triton \"\$1\" 2 -k \"\$k\" tests/test_native_triton.py \
