@@ -314,7 +314,7 @@ def stream_child(spec) -> dict:
     after = timing()
   host.__exit__()
   # decoder="gpu": the decode thread's seconds in the last step per stage,
-  # wall and CPU (train/data/decode.py Stopwatch).
+  # wall and CPU (train/data/stopwatch.py).
   out["stack_samples"] = sampler.top(16)
   if after:
     out["decode_thread"] = {

@@ -1,6 +1,6 @@
 """The batch-decoder path (config.data.decoder = "gpu") and its host twin.
 
-CPU tests run the GPU path's logic (train/data/decode.py: micro-batches of
+CPU tests run the GPU path's logic (train/data/batching.py: micro-batches of
 encoded images decoded in one call, topped up past the ones that fail, on
 a prefetch thread, resumable) with the GPU call swapped for the host
 decoder, against the host path on the same corpus (tests/corpus.py: a
@@ -19,8 +19,12 @@ from PIL import Image
 
 from tests import corpus as corpus_lib
 from train import data as D
+from train.data import batching
 from train.data import decode
+from train.data import decoders
+from train.data import image as image_lib
 from train.data import pipeline
+from train.data import stopwatch
 from train.data.source import BadExample
 from train.data.source import TooMuchBadData
 
@@ -89,32 +93,32 @@ def _images(seed=0):
 
 def test_every_cut_of_a_jpeg_is_found_and_whole_ones_pass():
   for data in _images():
-    assert decode.jpeg_problem(data) == ""
-    assert decode.jpeg_problem(data + b"trailing bytes") == ""
+    assert image_lib.jpeg_problem(data) == ""
+    assert image_lib.jpeg_problem(data + b"trailing bytes") == ""
     for cut in range(2, len(data) - 1):  # the last byte of EOI included
-      problem = decode.jpeg_problem(data[:cut])
+      problem = image_lib.jpeg_problem(data[:cut])
       assert problem.startswith(("truncated JPEG", "corrupt JPEG")), cut
-  assert decode.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
-  assert decode.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
+  assert image_lib.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
+  assert image_lib.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
 
 
 def test_host_decoders_agree_bitwise_with_pillow_and_name_bad_images():
   pytest.importorskip("simplejpeg")
   for data in _images():
     for size in (0, 16, 40, 64):
-      fast = decode.decode_host(data, "k", size, library="simplejpeg")
-      slow = decode.decode_host(data, "k", size, library="pillow")
+      fast = image_lib.decode_host(data, "k", size, library="simplejpeg")
+      slow = image_lib.decode_host(data, "k", size, library="pillow")
       assert fast.shape == slow.shape and np.array_equal(fast, slow), size
   png = io.BytesIO()
   Image.fromarray(np.zeros((5, 7, 3), np.uint8)).save(png, format="PNG")
-  assert decode.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
+  assert image_lib.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
   whole = _images()[0]
   for data, fragment in ((whole[:len(whole) // 3], "truncated JPEG"),
                          (whole[:-2], "no end-of-image marker"),
                          (b"<html>404</html>", "not an image"),
                          (b"", "not an image")):
     with pytest.raises(BadExample, match=fragment) as e:
-      decode.decode_host(data, "shard.tar:0042", 16)
+      image_lib.decode_host(data, "shard.tar:0042", 16)
     assert e.value.where == "shard.tar:0042"
     assert e.value.reason.startswith("undecodable image")
 
@@ -207,13 +211,13 @@ def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro,
   dec = _Failing()
   batch = D.make_train_iterator(config, batch_size=24, seed=3,
                                 microbatch_size=micro, batch_decoder=dec)
-  assert isinstance(batch, decode.Prefetch)
+  assert isinstance(batch, batching.Prefetch)
   n = 96 // micro  # 96 > an epoch's 58 or 61
   a, b = _take(host, n), _take(batch, n)
   assert _same(a, b)
   assert all(x["image"].dtype == np.uint8
              and x["image"].shape == (micro, S, S, 3) for x in b)
-  sharding = decode.data_sharding()
+  sharding = batching.data_sharding()
   for x in b:
     _check_shards(x, sharding, dec)
   assert batch.bad == host.bad and batch.seen == host.seen and host.bad > 0
@@ -279,7 +283,7 @@ def test_a_failed_decode_costs_only_itself_and_keeps_the_order(
   # devices before, as the host path's stream does; each device decodes
   # the members it gained, and every row is decoded where it is held.
   config = _config("webdataset:" + corpus.pattern)
-  sharding = _permuted_sharding() if permuted else decode.data_sharding()
+  sharding = _permuted_sharding() if permuted else batching.data_sharding()
   steps = 120 // micro
   whole = _flat(_take_and_close(D.make_train_iterator(
       config, batch_size=micro, seed=1, batch_decoder=_Failing()),
@@ -389,7 +393,7 @@ def test_decoder_config_errors_are_one_line(corpus):
   with pytest.raises(ValueError, match=r"config.data.decoder='cpu' must be "
                      "one of host, gpu, auto"):
     D.check_data_config(config)
-  why = decode.gpu_unavailable()
+  why = decoders.gpu_unavailable()
   if why:  # This machine: no extra or no GPU.
     config = _config("webdataset:" + corpus.pattern, decoder="gpu")
     with pytest.raises(ValueError) as e:
@@ -411,9 +415,9 @@ def test_decoder_config_errors_are_one_line(corpus):
   config = _config("webdataset:" + corpus.pattern, decoder="gpu")
   if not why:
     with pytest.raises(ValueError, match=r"decoded:0 delivers decoded ones"):
-      decode.make_batch_decoder(config.data, Decoded())
+      decoders.make_batch_decoder(config.data, Decoded())
   config.data.decoder = "auto"
-  assert decode.make_batch_decoder(config.data, Decoded()) is None
+  assert decoders.make_batch_decoder(config.data, Decoded()) is None
 
 
 # ------------------- GpuBatchDecoder itself, nvImageCodec's call on the host
@@ -429,7 +433,7 @@ def _fake_nvimgcodec(made):
 
   def one(data):
     data = bytes(data)
-    if decode.jpeg_problem(data) or not decode.is_jpeg(data) or (
+    if image_lib.jpeg_problem(data) or not image_lib.is_jpeg(data) or (
         b"\xff\xc2" in data[:data.find(b"\xff\xda")]):
       return None
     with Image.open(io.BytesIO(data)) as im:
@@ -515,12 +519,12 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   # config.data.gpu_decoder_* -> nvImageCodec's Decoder(...) of every
   # device's decoder, through the trainer's make_batch_decoder.
   import jax  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
 
   class Encoded:
     spec, encoded_images, bad_at_open = "webdataset:x", True, []
   config = _config("synthetic_shapes", decoder="gpu", eval_split="test")
-  dec = decode.make_batch_decoder(config.data, Encoded())
+  dec = decoders.make_batch_decoder(config.data, Encoded())
   assert dec._decoder.kwargs == {"options": ":fancy_upsampling=1"}  # pylint: disable=protected-access
   config.data.gpu_decoder_backend = "hw:0.7, hybrid"
   config.data.gpu_decoder_options = (
@@ -528,7 +532,7 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   config.data.gpu_decoder_cpu_threads = 3
   D.check_data_config(config)
   del fake_nvimgcodec[:]
-  dec = decode.make_batch_decoder(config.data, Encoded())
+  dec = decoders.make_batch_decoder(config.data, Encoded())
   other = dec.for_device(jax.devices()[-1])
   want = {"backends": [("hw", 0.7), ("hybrid", None)],
           "max_num_cpu_threads": 3,
@@ -602,7 +606,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
   # Pillow's full decode is the host path's, so the stream is the host
   # path's bitwise.
   import jax  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
   name = "webdataset:" + corpus.pattern
   host = D.make_train_iterator(_config(name), batch_size=16, seed=8)
   gpu = D.make_train_iterator(_config(name, decoder="gpu"), batch_size=16,
@@ -610,7 +614,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
   a, b = _take(host, 6), _take(gpu, 6)
   assert _same(a, b)
   for x in b:
-    _check_shards(x, decode.data_sharding())
+    _check_shards(x, batching.data_sharding())
   assert gpu.bad == host.bad and gpu.ledger.by_reason == host.ledger.by_reason
   assert gpu.get_state() == host.get_state()
   inner = gpu.iterator
@@ -628,7 +632,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
 
 def test_stopwatch_tells_waiting_from_working():
   import time  # pylint: disable=import-outside-toplevel
-  clock = decode.Stopwatch()
+  clock = stopwatch.Stopwatch()
   for _ in range(2):
     with clock("wait"):
       time.sleep(0.05)
@@ -657,7 +661,7 @@ def test_stopwatch_tells_waiting_from_working():
 
 # ------------------------------------------------------------------- GPU
 
-GPU_WHY = decode.gpu_unavailable()
+GPU_WHY = decoders.gpu_unavailable()
 # Measured on an H200 (nvImageCodec 0.9.0.20 with nvJPEG 13.2, fancy
 # upsampling, 256 px JPEGs at quality 90): the GPU's pixels against the
 # host path's (libjpeg-turbo): max |diff| 1 level and 0.01% of the pixels
@@ -757,7 +761,7 @@ class TestGpuDecoder:
           if not on_gpu[i]:
             assert np.array_equal(g[i], h[i]), (backend, size, i)
             continue
-          full = _rgb(decode.decode_host(data, "", 0))
+          full = _rgb(image_lib.decode_host(data, "", 0))
           ref = np.asarray(gpu_decode.resize_crop_batch(
               [jax.device_put(full, dec.device)], size))[0]
           d = np.abs(g[i].astype(np.int16) - ref)
@@ -796,7 +800,7 @@ class TestGpuDecoder:
     host = D.make_train_iterator(_config(name), batch_size=8, seed=5)
     gpu = D.make_train_iterator(_config(name, decoder="gpu"), batch_size=8,
                                 seed=5)
-    assert isinstance(gpu, decode.Prefetch)
+    assert isinstance(gpu, batching.Prefetch)
     a, b = _take(host, 12), _take(gpu, 12)
     for x, y in zip(a, b):
       assert np.array_equal(x["text"], y["text"])
@@ -821,7 +825,7 @@ class TestGpuDecoder:
                                 batch_size=8 * n, seed=7)
     for x, y in zip(_take(host, 4), _take(gpu, 4)):
       assert np.array_equal(x["text"], y["text"])
-      _check_shards(y, decode.data_sharding())
+      _check_shards(y, batching.data_sharding())
       for shard in y["image"].addressable_shards:
         d = np.abs(np.asarray(shard.data).astype(np.int16)
                    - x["image"][shard.index[0]])
@@ -876,14 +880,14 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   # The GPU call swapped for the host decoder: the trainer takes the batch
   # path's Prefetch iterator (state, ledger) and gets the same loss, bitwise.
   host = _step_one_loss(tmp_path / "host", "host")
-  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
   import train.data.gpu_decode as gpu_decode  # pylint: disable=import-outside-toplevel
   calls = []
 
   class Counted(decode.HostBatchDecoder):
-    def __init__(self, backend, options, cpu_threads):
+    def __init__(self, backend, options, cpu_threads, threads):
       # make_batch_decoder's call, the config's defaults.
-      assert (backend, options, cpu_threads) == ("auto", "", 0)
+      assert (backend, options, cpu_threads, threads) == ("auto", "", 0, 1)
       super().__init__()
 
     def decode(self, encoded, wheres, size):

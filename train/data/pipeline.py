@@ -36,10 +36,18 @@ import sys
 
 import numpy as np
 
-from train.data import decode as decode_lib
+from train.data import batching
+from train.data import decoders
 from train.data import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
+# The host's image ops, which the trainer, evaluation and tests also reach
+# here (train/data/image.py holds them).
+from train.data.image import decode_host
+from train.data.image import jpeg_problem
+from train.data.image import preprocess_image  # pylint: disable=unused-import
+from train.data.image import resize_crop
+from train.data.image import to_float  # pylint: disable=unused-import
 from train.data.source import Bad
 from train.data.source import BadDataLedger
 from train.data.source import CountsBadData
@@ -48,52 +56,10 @@ from train.data.source import start_of_check
 
 
 def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
-  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3].
-
-  With ``size``, a JPEG is decoded at the smallest DCT scale that keeps both
-  sides >= size (Pillow's draft mode: a large photo decodes several times
-  faster, and resize_crop then sees fewer pixels). BadExample if it does not
-  decode, fully (a truncated file fails here, not later). JPEGs go through
-  simplejpeg when it is installed (train/data/decode.py: Pillow's pixels,
-  about twice as fast).
-  """
-  return decode_lib.decode_host(data, where, size)
-
-
-def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
-  """uint8 [H, W, C] -> uint8 [size, size, 3].
-
-  Resizes the shorter side to `size` (bicubic, antialiased), then takes the
-  central square crop; grayscale is repeated to RGB and alpha dropped.
-  """
-  image = np.asarray(image)
-  if image.ndim == 2:
-    image = image[..., None]
-  if image.shape[-1] == 1:
-    image = np.repeat(image, 3, axis=-1)
-  image = image[..., :3]
-  h, w = image.shape[:2]
-  if (h, w) != (size, size):
-    from PIL import Image  # pylint: disable=import-outside-toplevel
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-    image = np.asarray(Image.fromarray(image).resize(
-        (nw, nh), Image.BICUBIC, reducing_gap=None if scale >= 1 else 2.0))
-    top, left = (nh - size) // 2, (nw - size) // 2
-    image = image[top:top + size, left:left + size]
-  return np.ascontiguousarray(image, dtype=np.uint8)
-
-
-def to_float(image: np.ndarray) -> np.ndarray:
-  """uint8 -> float32 in [-1, 1], bitwise as the towers' SYMMETRIC
-  normalisation computes it on the device (train/towers/tower.py)."""
-  return (image.astype(np.float32) - np.float32(127.5)) * np.float32(
-      1.0 / 127.5)
-
-
-def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
-  """uint8 [H, W, C] -> float32 [size, size, 3] in [-1, 1] (resize_crop)."""
-  return to_float(resize_crop(image, size))
+  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3]
+  (``image.decode_host``: with ``size``, a JPEG at the smallest DCT scale
+  that keeps both sides >= size; BadExample if it does not decode fully)."""
+  return decode_host(data, where, size)
 
 
 def host_size(data) -> int:
@@ -113,7 +79,7 @@ class Compact:
   the example's image (examples of one image share it; by default the
   example's index), the group id of ``config.loss.groups = "image"``.
 
-  With ``decode=False`` (a batch decoder downstream, train/data/decode.py)
+  With ``decode=False`` (a batch decoder downstream, train/data/batching.py)
   encoded images are only checked to be whole JPEGs and kept as
   "encoded" bytes, with the example's "key".
   """
@@ -134,7 +100,7 @@ class Compact:
         image = ex["image"]
         if (isinstance(image, (bytes, bytearray, memoryview))
             and not self.decode):
-          problem = decode_lib.jpeg_problem(image)
+          problem = jpeg_problem(image)
           if problem:
             raise BadExample(ex["key"], f"undecodable image ({problem})")
           out["encoded"], out["key"] = bytes(image), ex["key"]
@@ -544,12 +510,13 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     captions_per_image: ``config.captions_per_image``: each image at k
       consecutive stream positions with distinct captions (``each_k``).
     batch_decoder: decodes each micro-batch's encoded images in one call
-      (train/data/decode.py); default: config.data.decoder's ("host":
-      none, every example decoded where it is read). With one, the
-      iterator is a ``decode.Prefetch`` of a ``decode.DecodedIterator``.
+      (train/data/decoders.py); default: config.data.decoder's ("host":
+      none, every example decoded where it is read; "auto": by the image
+      tower of config.model). With one, the iterator is a
+      ``batching.Prefetch`` of a ``batching.DecodedIterator``.
     batch_sharding: with a batch decoder, the sharding of each
       micro-batch's images, each local device decoding its rows (default:
-      the trainer's, ``decode.data_sharding``).
+      the trainer's, ``batching.data_sharding``).
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
@@ -573,7 +540,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if not (isinstance(k, int) and k >= 1):
     raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   if batch_decoder is None:
-    batch_decoder = decode_lib.make_batch_decoder(data, source)
+    batch_decoder = decoders.make_batch_decoder(data, source,
+                                                config.get("model"))
   compact = Compact(source, host_size(data), decode=batch_decoder is None)
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
@@ -618,9 +586,9 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                      num_workers=data.num_workers, chunk=chunk)
   if batch_decoder is None:
     return it
-  return decode_lib.Prefetch(
-      decode_lib.DecodedIterator(it, batch_decoder, host_size(data),
-                                 sharding=batch_sharding),
+  return batching.Prefetch(
+      batching.DecodedIterator(it, batch_decoder, host_size(data),
+                               sharding=batch_sharding),
       depth=max(1, data.prefetch_batches))
 
 
