@@ -903,6 +903,53 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   assert batch == host
 
 
+def test_precompute_on_the_batch_path_writes_the_host_paths_shards(
+    corpus, tmp_path, monkeypatch, capsys):
+  # train.precompute with a batch decoder (the GPU's contract; here the
+  # host's decoder, so the pixels are the host path's): each local device
+  # decodes its rows of each batch; the shards (embeddings, keys, bad rows,
+  # content hashes) are the host path's, bitwise.
+  import jax  # pylint: disable=import-outside-toplevel
+  from tests import test_stream  # pylint: disable=import-outside-toplevel
+  from train import precompute as precompute_lib  # pylint: disable=import-outside-toplevel
+  from train import train as train_lib  # pylint: disable=import-outside-toplevel
+  from train.data import embeddings as emb_lib  # pylint: disable=import-outside-toplevel
+  config = test_stream._tiny(  # pylint: disable=protected-access
+      "webdataset:" + corpus.pattern, "", tmp_path / "tfds",
+      precompute_image_embeddings=False)
+  tower = train_lib.make_locked_tower(
+      config, train_lib.data_lib.make_tokenizer(config))
+  n_dev = len(jax.devices())
+  kw = dict(rows_per_shard=40, batch_size=2 * n_dev)
+  precompute_lib.precompute(config, str(tmp_path / "host"), tower, **kw)
+  calls = []
+
+  class Counted(decode.HostBatchDecoder):
+    def decode(self, encoded, wheres, size):
+      calls.append((self.device, len(encoded)))
+      return super().decode(encoded, wheres, size)
+  made = []
+  monkeypatch.setattr(decoders, "make_batch_decoder",
+                      lambda *a, **k: made.append(a) or Counted())
+  capsys.readouterr()
+  precompute_lib.precompute(config, str(tmp_path / "batch"), tower, **kw)
+  assert made and "images decoded by host" in capsys.readouterr().out
+  meta = emb_lib.read_meta(str(tmp_path / "batch"), "x")
+  assert meta["decoder"] == "host" and meta["num_shards"] >= 2
+  n_bad = 0
+  for k in range(meta["num_shards"]):
+    a, b = (emb_lib.shard_paths(str(tmp_path / d), k)
+            for d in ("host", "batch"))
+    assert open(a[0], "rb").read() == open(b[0], "rb").read(), k
+    ja, jb = (json.load(open(x[1])) for x in (a, b))
+    assert ja == jb, k
+    n_bad += len(ja["bad"])
+  assert n_bad > 0  # the corrupt JPEG and the empty captions among them
+  # Every device decoded its own rows, at most 2 a call (bad reads left out).
+  assert {d for d, _ in calls} == set(jax.devices())
+  assert max(n for _, n in calls) == 2
+
+
 def test_prefetch_closed_midway_continues_where_the_consumer_was(corpus):
   # The thread runs ahead; closing (as set_state and a checkpoint restore
   # do) must not lose or repeat the micro-batches it held.
