@@ -546,6 +546,53 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   assert "3 CPU threads" in other.describe()
 
 
+def test_several_gpu_decoders_split_a_shard_and_keep_its_order(
+    fake_nvimgcodec):
+  # gpu_decoder_threads: the shard in contiguous parts, each by its own
+  # nvImageCodec decoder on its own thread; the images, ok and bad members
+  # are one decoder's, bitwise, and the parts cover the shard once.
+  import threading  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  device = jax.devices()[-1]
+  png = io.BytesIO()
+  Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(png, "PNG")
+  jpgs = _images()
+  items = ([jpgs[0], b"<html>", jpgs[2], jpgs[1], png.getvalue(), jpgs[4],
+            jpgs[3], jpgs[0][:-2], jpgs[1]] * 3)[:23]
+  where = [f"k{i}" for i in range(len(items))]
+  one = gpu_decode.GpuBatchDecoder(device=device)
+  del fake_nvimgcodec[:]
+  four = gpu_decode.GpuBatchDecoder(device=device, threads=4)
+  assert fake_nvimgcodec == [device.local_hardware_id] * 4
+  assert "4 decoders on threads" in four.describe()
+  names = set()
+  for d in four._decoders:  # pylint: disable=protected-access
+    real = d.decode
+
+    def decode(src, params=None, real=real):
+      names.add(threading.current_thread().name)
+      return real(src, params=params)
+    d.decode = decode
+  for size in (16, 40):
+    g1, ok1, bad1 = one.decode(items, where, size)
+    g4, ok4, bad4 = four.decode(items, where, size)
+    assert g4.devices() == {device}
+    assert np.array_equal(np.asarray(g1), np.asarray(g4))
+    assert np.array_equal(ok1, ok4) and bad1 == bad4 and len(bad4) == 5
+  calls = [d.calls for d in four._decoders]  # pylint: disable=protected-access
+  assert [sum(c) for c in zip(*calls)] == [23, 23]  # each call's parts
+  assert all(len(c) == 2 and min(c) >= 5 for c in calls), calls
+  assert len(names) == 4 and all(n.startswith("decode-gpu") for n in names)
+  t = four.clock.add_to({})
+  assert {"nvimgcodec", "to_jax", "parts", "resize"} <= set(t)
+  # A shard smaller than the decoders: one part each, no empty call.
+  g, ok, _ = four.decode(items[:2], where[:2], 16)
+  assert g.shape[0] == 1 and list(ok) == [True, False]
+  four.close()
+  assert four._pool is None  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("key,value,says", [
     ("gpu_decoder_backend", "nvjpeg", "'nvjpeg' is not one of auto, hw"),
     ("gpu_decoder_backend", "", "must be 'auto' or comma-separated kinds"),
@@ -689,7 +736,11 @@ def _rgb(image):
 def _gpu_vs_host(jpgs, size, **kw):
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   where = [f"k{i}" for i in range(len(jpgs))]
-  g, gok, gbad = gpu_decode.GpuBatchDecoder(**kw).decode(jpgs, where, size)
+  dec = gpu_decode.GpuBatchDecoder(**kw)
+  try:
+    g, gok, gbad = dec.decode(jpgs, where, size)
+  finally:
+    dec.close()
   h, hok, hbad = decode.HostBatchDecoder().decode(jpgs, where, size)
   assert np.array_equal(gok, hok) and [b[:2] for b in gbad] == [
       b[:2] for b in hbad]
@@ -713,20 +764,24 @@ class TestGpuDecoder:
               f"{(d > 0).mean():.4f}")
         assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
 
-  @pytest.mark.parametrize("backend,options,cpu_threads", [
-      ("hybrid", "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0", 0),
-      ("hw:0.5,hybrid", ":num_cuda_streams=2", 4),
+  @pytest.mark.parametrize("backend,options,cpu_threads,threads", [
+      ("hybrid", "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0", 0, 1),
+      ("hw:0.5,hybrid", ":num_cuda_streams=2", 4, 1),
+      ("auto", "", 0, 4),
+      ("hw", "", 2, 2),
   ])
   def test_gpu_decoder_settings_keep_the_pixels(self, backend, options,
-                                                cpu_threads):
+                                                cpu_threads, threads):
     # The settings bench_train --gpu_variants tries (config.data.
     # gpu_decoder_*) are taken by nvImageCodec itself and decode the same
     # pixels within the bound: the Huffman stage on the GPU, a batch split
-    # between the engines and the CUDA decoder, fewer CPU threads.
+    # between the engines and the CUDA decoder, fewer CPU threads, several
+    # decoders on their threads.
     for size in (256, 224):
       d = _gpu_vs_host(_pool(), size, backend=backend, options=options,
-                       cpu_threads=cpu_threads)
-      print(f"{backend} {options!r} {cpu_threads} -> {size}: max |diff| "
+                       cpu_threads=cpu_threads, threads=threads)
+      print(f"{backend} {options!r} {cpu_threads} x{threads} -> {size}: "
+            "max |diff| "
             f"{d.max()}, mean {d.mean():.4f}")
       assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
 
