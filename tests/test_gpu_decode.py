@@ -420,6 +420,69 @@ def test_decoder_config_errors_are_one_line(corpus):
   assert decoders.make_batch_decoder(config.data, Decoded()) is None
 
 
+def test_auto_picks_by_tower_and_cores_per_gpu_and_says_so(monkeypatch):
+  # decoder="auto": the host path while it keeps pace with the tower, else
+  # the faster decoder, from BENCHMARKS' H200 figures; one line says which
+  # and why.
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  # The FLOP model against the rates measured on the H200: ViT-B/16 in the
+  # streamed step (8,151-8,508 img/s), ViT-B/32 from outside (36,576).
+  flops = lambda patch, w=768, d=12, mlp=3072: decoders.vit_flops(
+      224, patch, w, d, mlp)
+  assert 8151 <= decoders.VIT_FLOP_S / flops(16) <= 8508
+  assert 0.8 < decoders.VIT_FLOP_S / flops(32) / 36576 < 1.1
+  assert decoders.host_img_s(12, 16, 1) == 12 * 860  # 10,312 measured
+  assert decoders.host_img_s(16, 16, 1) == 12 * 860  # capped: cores - 4
+  assert decoders.host_img_s(12, 16, 2) == 12 * 860 / 2
+  assert decoders.host_img_s(0, 16, 1) == 1687  # threads alone
+
+  def model(patch, kind="vit"):
+    m = ml_collections.ConfigDict()
+    m.image = dict(kind=kind, patch_size=patch, width=768, depth=12,
+                   mlp_dim=3072)
+    return m
+
+  class Encoded:
+    spec, encoded_images, bad_at_open = "webdataset:x", True, []
+  data = _config("synthetic_shapes", decoder="auto", eval_split="test",
+                 num_workers=12, image_size=224).data
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+
+  def pick(m, cores, gpus=1):
+    lines = []
+    got = decoders.pick(data, Encoded(), m, cores=cores, gpus=gpus,
+                        log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"[data] decoder='auto': {got}: "), lines
+    return got, lines[0]
+
+  # ViT-B/16 on 16 cores per GPU: the host keeps pace (measured: 99-101%
+  # of the device alone at 1M).
+  got, line = pick(model(16), 16)
+  assert got == "host" and "keeps pace" in line and "16 cores per GPU" in line
+  # ViT-B/32: the host cannot keep pace, and today's GPU decoder in the
+  # step (~6k img/s) is slower than the host path (~10.3k): the host.
+  got, line = pick(model(32), 16)
+  assert got == "host" and "no faster" in line
+  # Fewer cores per GPU (two GPUs on 16 cores: ~5.2k each): the GPU.
+  assert pick(model(16), 16, gpus=2)[0] == "gpu"
+  # A GPU decoder at its ceiling (the goal: 18k in the step) takes B/32.
+  monkeypatch.setattr(decoders, "GPU_IMG_S", 18000)
+  assert pick(model(16), 16)[0] == "host"
+  got, line = pick(model(32), 16)
+  assert got == "gpu" and "cannot keep pace" in line
+  # An unknown tower: the faster decoder; no GPU decoder: the host.
+  assert pick(model(16, kind="cnn"), 16)[0] == "gpu"
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "no GPU here")
+  got, line = pick(model(32), 16)
+  assert got == "host" and "no GPU here" in line
+  # make_batch_decoder: "auto" -> host is no batch decoder.
+  lines = []
+  assert decoders.make_batch_decoder(data, Encoded(), model(16),
+                                     log=lines.append) is None
+  assert len(lines) == 1
+
+
 # ------------------- GpuBatchDecoder itself, nvImageCodec's call on the host
 
 def _fake_nvimgcodec(made):
