@@ -167,6 +167,9 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
       # Decoding runs on the reader threads, one batch ahead of the device.
       batches = [range(s, min(hi, s + bs)) for s in range(lo, hi, bs)]
       futures = [pool.submit(lambda r: [compact(i) for i in r], batches[0])]
+      # The last batch's embeddings, read once the next batch is decoded and
+      # dispatched: the device embeds one batch while the next decodes.
+      pending = None
       for j, rows in enumerate(batches):
         if j + 1 < len(batches):
           futures.append(pool.submit(lambda r: [compact(i) for i in r],
@@ -183,6 +186,9 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
               images[r] = item["image"]
         out_rows = embed(params, images)  # dispatched; the hashes meanwhile
         pixels = np.asarray(images)  # (the GPU's: copied back to hash them)
+        if pending is not None:
+          a, b = pending[0].start - lo, pending[0].stop - lo
+          emb[a:b] = np.asarray(pending[1], np.float32)[:b - a]
         # On the threads (hashlib lets go of the GIL): one thread hashes
         # ~5k 256 px images a second, less than the GPU decoder delivers.
         good = [r for r, item in enumerate(items) if not isinstance(item, Bad)]
@@ -203,8 +209,9 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
             labels.append(int(item["label"]))
             image_ids.append(int(item["image_id"]))
             hashes.append(digests[r])
-        out_rows = np.asarray(out_rows, np.float32)
-        emb[rows.start - lo:rows.stop - lo] = out_rows[:len(rows)]
+        pending = (rows, out_rows)
+      a, b = pending[0].start - lo, pending[0].stop - lo
+      emb[a:b] = np.asarray(pending[1], np.float32)[:b - a]
       if not np.all(np.isfinite(emb)):
         bad_rows = np.where(~np.all(np.isfinite(emb), axis=1))[0]
         for r in bad_rows:
