@@ -638,11 +638,12 @@ class GpuBatchDecoder:
                            self.options, self.cpu_threads, self.threads)
 
   def describe(self) -> str:
+    many = self.threads > 1
     return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
             f"{'' if self.fancy_upsampling else ', no fancy upsampling'}"
             f"{f', options {self.options!r}' if self.options else ''}"
             f"{f', {self.cpu_threads} CPU threads' if self.cpu_threads else ''}"
-            f"{f', {self.threads} decoders on threads' if self.threads > 1 else ''})")
+            f"{f', {self.threads} decoders on threads' if many else ''})")
 
   def close(self):
     """Stops the decoders' threads (a later decode starts them again)."""
