@@ -476,7 +476,8 @@ def run_case(spec, budget, timeout_s) -> dict:
 
 # --gpu_variants: what one stream case with decoder gpu may set, as
 # "key=value" words (a variant; variants separated by ";").
-_VARIANT_KEYS = ("backend", "option", "cpu_threads", "threads", "workers")
+_VARIANT_KEYS = ("backend", "option", "cpu_threads", "threads", "read_ahead",
+                 "workers")
 
 
 def gpu_variants(text: str) -> list:
@@ -484,7 +485,8 @@ def gpu_variants(text: str) -> list:
   row's name for it), "gpu_settings" (config.data.gpu_decoder_*) and
   "workers" when it sets them. "" is nvImageCodec's defaults; "option=" may
   repeat ("workers=4 option=:num_cuda_streams=2 cpu_threads=8");
-  "threads=N": N nvImageCodec decoders per GPU on their threads. A bad
+  "threads=N": N nvImageCodec decoders per GPU on their threads;
+  "read_ahead=N": N chunks read ahead on a thread of their own. A bad
   variant is a one-line error before any case runs."""
   from train.data import gpu_decode  # pylint: disable=g-import-not-at-top
   out = []
@@ -503,8 +505,7 @@ def gpu_variants(text: str) -> list:
       else:
         if not value.isdigit():
           raise ValueError(f"--gpu_variants: {w!r} needs an int")
-        (settings if key in ("cpu_threads", "threads") else extra)[key] = (
-            int(value))
+        (extra if key == "workers" else settings)[key] = int(value)
     if options:
       settings["options"] = " ".join(options)
     gpu_decode.check_settings(settings.get("backend", "auto"),

@@ -272,12 +272,13 @@ train_b32() {
   # ViT-B/32 (~4x B/16's rate: more than the host path can feed) streamed
   # at 65,536: the host path with 12 workers against the GPU decoder's
   # variants, 4 workers each (its host side only reads), one case each:
-  # nvImageCodec decoders per GPU on their threads (threads=N), the
-  # hardware engines alone, fewer of nvImageCodec's CPU threads.
+  # nvImageCodec decoders per GPU on their threads (threads=N), the chunks
+  # taken out of the workers on a thread of their own (read_ahead=N), the
+  # hardware engines alone.
   bench train-b32 "$1" benchmarks/bench_train.py --out "$out/train-b32" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
     --image_model b32 --decoders gpu,host \
-    --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 threads=2;workers=4 threads=4;workers=4 threads=2 backend=hw;workers=4 threads=4 cpu_threads=2}" \
+    --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 threads=2;workers=4 threads=4;workers=4 threads=4 read_ahead=32;workers=4 threads=2 read_ahead=32 backend=hw}" \
     --timeout_s 120 --budget_s $(($1 - 10))
 }
 train_b32_1m() {
@@ -291,7 +292,7 @@ train_b32_1m_gpu() {
   bench train-b32-1m-gpu "$1" benchmarks/bench_train.py --out "$out/train-b32-1m-gpu" \
     --step_batches "" --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 \
     --workers 12 --image_model b32 --decoders gpu \
-    --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4}" --timeout_s $(($1 - 10))
+    --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4 read_ahead=32}" --timeout_s $(($1 - 10))
 }
 train_precompute() {
   # train.precompute (a shard set embedded once) with ViT-B/32: 65,536
@@ -307,7 +308,7 @@ train_b16_few() {
   # GPU decoder against the host path with the same 4.
   bench train-b16-few "$1" benchmarks/bench_train.py --out "$out/train-b16-few" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 4 \
-    --decoders gpu,host --gpu_variants "${GPU_VARIANTS:-threads=4}" \
+    --decoders gpu,host --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
     --timeout_s 140 --budget_s $(($1 - 10))
 }
 

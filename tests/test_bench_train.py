@@ -195,12 +195,13 @@ def test_b32_and_precompute_cases_are_planned():
       step_batches="", modes="precomputed", microbatch=8192, reps=1,
       stream_batches="", decoders="gpu,host", stream_steps=1, workers=12,
       decode_size=256, quick=False, ladder="", image_model="b32",
-      gpu_host_threads=0, gpu_variants="workers=4 threads=4;threads=2",
+      gpu_host_threads=0,
+      gpu_variants="workers=4 threads=4 read_ahead=32;threads=2",
       precompute_images="65536"))()
   cases = bench_train.plan(args, bench_train.MODELS["b32"])
   assert [(c["kind"], c["decoder"], c["workers"], c.get("gpu_settings"))
           for c in cases] == [
-              ("precompute", "gpu", 4, {"threads": 4}),
+              ("precompute", "gpu", 4, {"threads": 4, "read_ahead": 32}),
               ("precompute", "gpu", 12, {"threads": 2}),
               ("precompute", "host", 12, None)]
   assert all(c["image_model"] == "b32" and c["microbatch"] == 8192

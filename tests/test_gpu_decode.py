@@ -380,6 +380,47 @@ def test_batch_path_resumes_bitwise_from_a_json_state(corpus):
     resumed.close()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_read_ahead_keeps_the_stream_the_state_and_resume(corpus, workers):
+  # gpu_decoder_read_ahead: chunks taken out of grain on a thread of their
+  # own; the micro-batches (a failed decode's top-ups among them), the
+  # states between them and a resume are those without it, and close stops
+  # the thread.
+  import threading  # pylint: disable=import-outside-toplevel
+  config = _config("webdataset:" + corpus.pattern, num_workers=workers,
+                   **({"cache_max_mb": 0} if workers else {}))
+  probe = _flat(_take_and_close(D.make_train_iterator(
+      config, batch_size=8, seed=2, batch_decoder=_Failing()), 4))
+  fail = {probe[5][0], probe[20][0]}
+
+  def run(ahead, state=None, n=7):
+    config.data.gpu_decoder_read_ahead = ahead
+    it = D.make_train_iterator(config, batch_size=8, seed=2,
+                               batch_decoder=_Failing(fail))
+    if state is not None:
+      it.set_state(state)
+    out = []
+    for _ in range(n):
+      out.append(next(it))
+      out.append(json.loads(json.dumps(it.get_state())))
+    running = [t for t in threading.enumerate()
+               if t.name == "decode-read-ahead"]
+    it.close()
+    return out, running
+  plain, none = run(0)
+  ahead, running = run(2)
+  assert not none and running
+  assert _same([x for x in plain if "image" in x],
+               [x for x in ahead if "image" in x])
+  assert [x for x in plain if "image" not in x] == [
+      x for x in ahead if "image" not in x]
+  assert plain[-1]["bad_data"] != plain[1]["bad_data"]  # it failed some
+  assert not any(t.is_alive() for t in running)
+  again, _ = run(2, state=plain[5], n=4)
+  assert _same([x for x in plain[6:] if "image" in x],
+               [x for x in again if "image" in x])
+
+
 def test_too_much_bad_data_stops_the_batch_path(corpus):
   config = _config("webdataset:" + corpus.pattern, max_bad_fraction=0.05)
   it = D.make_train_iterator(config, batch_size=8, seed=0,

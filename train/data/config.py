@@ -142,6 +142,9 @@ def default_data_config() -> ml_collections.ConfigDict:
   # nvImageCodec decoders per GPU, each on its own thread, each decoding a
   # contiguous part of the device's shard of a micro-batch.
   c.gpu_decoder_threads = 1
+  # Chunks (of 512 encoded images) a reader thread takes ahead out of the
+  # workers for the GPU decoder's thread (0 = that thread takes them).
+  c.gpu_decoder_read_ahead = 0
   # A process's shard is decoded and resized once and kept in memory when
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
   # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.

@@ -80,6 +80,11 @@ def check_decoder(data) -> None:
                             data.get("gpu_decoder_options", ""),
                             data.get("gpu_decoder_cpu_threads", 0),
                             data.get("gpu_decoder_threads", 1))
+  ahead = data.get("gpu_decoder_read_ahead", 0)
+  if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
+    raise ValueError(f"config.data.gpu_decoder_read_ahead={ahead!r} must be "
+                     "an int >= 0 (chunks read ahead for the GPU decoder; 0 "
+                     "= none)")
   if decoder == "gpu":
     why = gpu_unavailable()
     if why:

@@ -344,6 +344,59 @@ def _unflatten(chunk: dict) -> dict:
   return chunk
 
 
+class _ReadAhead:
+  """Chunks taken out of a grain iterator ``ahead`` at a time, on a thread.
+
+  What a batch decoder's thread would otherwise do before each decode:
+  wait for the workers' next chunk, open its shared memory and make its
+  encoded images bytes again (``_unflatten``). The chunks are the
+  iterator's, in its order, so the stream and the state (the position
+  consumed by ``take``) are those without it; what is ahead is dropped by
+  ``close``.
+  """
+
+  def __init__(self, iterator, ahead: int):
+    import queue  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+    self._queue = queue.Queue(maxsize=max(1, ahead))
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, args=(iterator,),
+                                    daemon=True, name="decode-read-ahead")
+    self._thread.start()
+
+  def _run(self, iterator):
+    import queue  # pylint: disable=import-outside-toplevel
+    while not self._stop.is_set():
+      try:
+        item = (_unflatten(next(iterator)), None)
+      except BaseException as e:  # pylint: disable=broad-except
+        item = (None, e)  # raised where the chunk would have been
+      while not self._stop.is_set():
+        try:
+          self._queue.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if item[1] is not None:
+        return
+
+  def next(self) -> dict:
+    chunk, error = self._queue.get()
+    if error is not None:
+      raise error
+    return chunk
+
+  def close(self):
+    import queue  # pylint: disable=import-outside-toplevel
+    self._stop.set()
+    while self._thread.is_alive():
+      try:  # a put waiting for room sees the stop within 0.1 s
+        self._queue.get_nowait()
+      except queue.Empty:
+        pass
+      self._thread.join(timeout=0.05)
+
+
 class TrainIterator(CountsBadData):
   """Infinite, deterministic, resumable iterator of per-process micro-batches.
 
@@ -360,7 +413,8 @@ class TrainIterator(CountsBadData):
 
   def __init__(self, dataset, read_options, fingerprint: dict, *,
                microbatch_size: int, ledger: BadDataLedger,
-               num_workers: int = 0, chunk: int = CHUNK):
+               num_workers: int = 0, chunk: int = CHUNK,
+               read_ahead: int = 0):
     self._dataset = dataset  # grain MapDataset of (position, element)
     self._read_options = read_options
     self._num_workers = num_workers
@@ -369,6 +423,9 @@ class TrainIterator(CountsBadData):
     self.microbatch_size = microbatch_size
     self.ledger = ledger
     self._iter = None
+    # With read_ahead > 0 a thread takes that many chunks ahead out of grain
+    # (the workers' shared memory) into a queue (``_ReadAhead``).
+    self._read_ahead, self._ahead = read_ahead, None
     self._next_position = 0
     self._chunk = None  # The chunk being consumed, and the cursor in it.
     self._cursor = 0
@@ -398,6 +455,8 @@ class TrainIterator(CountsBadData):
             grain.MultiprocessingOptions(num_workers=self._num_workers,
                                          per_worker_buffer_size=per_worker))
       self._iter = iter(ds)
+      if self._read_ahead:
+        self._ahead = _ReadAhead(self._iter, self._read_ahead)
 
   def __iter__(self):
     return self
@@ -418,7 +477,9 @@ class TrainIterator(CountsBadData):
     need, parts = n, []
     while need:
       if self._chunk is None or self._cursor >= len(self._chunk["good"]):
-        self._chunk, self._cursor = _unflatten(next(self._iter)), 0
+        self._chunk = (self._ahead.next() if self._ahead is not None
+                       else _unflatten(next(self._iter)))
+        self._cursor = 0
         self.ledger.add_retries(self._chunk["retries"] + remote.take_retries())
       chunk, k = self._chunk, self._cursor
       good = chunk["good"]
@@ -476,6 +537,9 @@ class TrainIterator(CountsBadData):
     self.close()
 
   def close(self):
+    if self._ahead is not None:
+      self._ahead.close()  # before the grain iterator it reads
+      self._ahead = None
     if self._iter is not None and hasattr(self._iter, "close"):
       self._iter.close()  # Stops worker processes.
     self._iter = None
@@ -583,7 +647,9 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     fingerprint["captions_per_image"] = k
   it = TrainIterator(ds, read_options, fingerprint,
                      microbatch_size=microbatch_size, ledger=ledger,
-                     num_workers=data.num_workers, chunk=chunk)
+                     num_workers=data.num_workers, chunk=chunk,
+                     read_ahead=(data.get("gpu_decoder_read_ahead", 0)
+                                 if batch_decoder is not None else 0))
   if batch_decoder is None:
     return it
   return batching.Prefetch(
