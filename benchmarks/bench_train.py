@@ -75,6 +75,7 @@ def image_tower(m):
 
 def _build(spec):
   """The trainer's step for ``spec`` plus functions making random inputs."""
+  from types import SimpleNamespace as NS  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
