@@ -207,3 +207,37 @@ def test_b32_and_precompute_cases_are_planned():
   assert all(c["image_model"] == "b32" and c["microbatch"] == 8192
              and c["jpeg_size"] == 256 for c in cases)
   assert len({tuple(c.get(k) for k in bench_train.KEY) for c in cases}) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stream", "precompute"])
+def test_gpu_decoder_cases_run_end_to_end_on_the_stand_in(kind, monkeypatch):
+  # A stream and a precompute case with decoder gpu and the variant words
+  # the GPU runs use (several decoders, read-ahead), in-process on the CPU
+  # devices with nvImageCodec's call made by test_gpu_decode's stand-in:
+  # the plumbing from --gpu_variants to the rows, before any GPU time.
+  import sys  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  from tests import test_gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data import decoders  # pylint: disable=import-outside-toplevel
+  made = []
+  module = test_gpu_decode._fake_nvimgcodec(made)  # pylint: disable=protected-access
+  monkeypatch.setitem(sys.modules, "nvidia",
+                      types.SimpleNamespace(nvimgcodec=module))
+  monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", module)
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+  variant, = bench_train.gpu_variants("threads=3 read_ahead=2")
+  spec = dict(kind=kind, mode=kind, batch=256, microbatch=32,
+              measure_loss=False, reps=1, steps=1, workers=1,
+              gpu_host_threads=1, decode_size=32, decoder="gpu", jpeg_size=40,
+              embed_reps=1, model=bench_train.QUICK, image_model="quick",
+              **variant)
+  r = bench_train.case_result(spec)
+  assert r["status"] == "ok", r["status"]
+  assert len(made) % 3 == 0 and made  # three decoders per device
+  if kind == "stream":
+    assert r["bad_examples"] == 0 and r["embed_img_s"] > 0
+    assert {"nvimgcodec", "to_jax", "parts", "resize"} <= set(
+        r["decode_thread"])
+  else:
+    assert r["precompute_img_s"] > 0 and r["workers"] == 1
