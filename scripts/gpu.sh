@@ -270,14 +270,14 @@ train_l14() {
 
 train_b32() {
   # ViT-B/32 (~4x B/16's rate: more than the host path can feed) streamed
-  # at 65,536: the host path with 12 workers against the GPU decoder's
-  # variants, 4 workers each (its host side only reads), one case each:
+  # at 65,536: the host path with 12 workers (first) against the GPU
+  # decoder's variants, 4 workers each (its host side only reads), one each:
   # nvImageCodec decoders per GPU on their threads (threads=N), the chunks
   # taken out of the workers on a thread of their own (read_ahead=N), the
   # hardware engines alone.
   bench train-b32 "$1" benchmarks/bench_train.py --out "$out/train-b32" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
-    --image_model b32 --decoders gpu,host \
+    --image_model b32 --decoders host,gpu \
     --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 threads=2;workers=4 threads=4;workers=4 threads=4 read_ahead=32;workers=4 threads=2 read_ahead=32 backend=hw}" \
     --timeout_s 120 --budget_s $(($1 - 10))
 }
@@ -300,7 +300,7 @@ train_precompute() {
   # GPU decoder (its threads only read).
   bench train-precompute "$1" benchmarks/bench_train.py --out "$out/train-precompute" \
     --step_batches "" --ladder "" --precompute_images 65536 --decode_size 256 --workers 12 \
-    --image_model b32 --decoders gpu,host --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4}" \
+    --image_model b32 --decoders host,gpu --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4}" \
     --timeout_s 180 --budget_s $(($1 - 10))
 }
 train_b16_few() {
@@ -308,7 +308,7 @@ train_b16_few() {
   # GPU decoder against the host path with the same 4.
   bench train-b16-few "$1" benchmarks/bench_train.py --out "$out/train-b16-few" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 4 \
-    --decoders gpu,host --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
+    --decoders host,gpu --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
     --timeout_s 140 --budget_s $(($1 - 10))
 }
 
