@@ -386,10 +386,14 @@ class _ReadAhead:
       raise error
     return chunk
 
-  def close(self):
+  def close(self, timeout_s: float = 60.0):
+    """Stops the thread: at once when it waits for room, after the chunk it
+    waits for otherwise (given up after ``timeout_s``: a daemon thread)."""
     import queue  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
     self._stop.set()
-    while self._thread.is_alive():
+    deadline = time.monotonic() + timeout_s
+    while self._thread.is_alive() and time.monotonic() < deadline:
       try:  # a put waiting for room sees the stop within 0.1 s
         self._queue.get_nowait()
       except queue.Empty:
