@@ -273,12 +273,12 @@ train_b32() {
   # at 65,536: the host path with 12 workers (first) against the GPU
   # decoder's variants, 4 workers each (its host side only reads), one each:
   # nvImageCodec decoders per GPU on their threads (threads=N), the chunks
-  # taken out of the workers on a thread of their own (read_ahead=N), the
-  # hardware engines alone.
+  # taken out of the workers on a thread of their own (read_ahead=N), fewer
+  # of nvImageCodec's own CPU threads per decoder (~90-110 s a case).
   bench train-b32 "$1" benchmarks/bench_train.py --out "$out/train-b32" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
     --image_model b32 --decoders host,gpu \
-    --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 threads=2;workers=4 threads=4;workers=4 threads=4 read_ahead=32;workers=4 threads=2 read_ahead=32 backend=hw}" \
+    --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 threads=4;workers=4 threads=4 read_ahead=32;workers=4 threads=8 read_ahead=32 cpu_threads=2}" \
     --timeout_s 120 --budget_s $(($1 - 10))
 }
 train_b32_1m() {
