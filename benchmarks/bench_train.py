@@ -401,6 +401,8 @@ def precompute_child(spec) -> dict:
 
   def log(line):
     print(line, flush=True)
+    if line.startswith("[precompute] decode stages"):
+      out["decode_stages"] = line.split(": ", 1)[1]
     if "[precompute] shard" in line:
       marks.append((time.perf_counter(), int(line.split(": ")[1].split()[0])))
   with tempfile.TemporaryDirectory() as d:
@@ -587,8 +589,9 @@ def _progress(r):
           + (f" {r['gpu_decoder']}" if r.get("gpu_decoder") else "") + "): "
           f"{r['precompute_img_s']:.0f} img/s after the first shard "
           f"({100 * r['embed_share']:.0f}% of the device alone, "
-          f"{r['device_embed_img_s']:.0f}); {r['precompute_s']:.1f} s in all",
-          flush=True)
+          f"{r['device_embed_img_s']:.0f}); {r['precompute_s']:.1f} s in all"
+          + (f"; decode stages (wall/cpu s) {r['decode_stages']}"
+             if r.get("decode_stages") else ""), flush=True)
   if r.get("decode_thread"):
     print("[bench_train]   decode thread (wall/cpu s): " + ", ".join(
         f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"

@@ -228,9 +228,16 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
           f"examples ({len(bad)} bad), {n_done / (time.time() - t0):.0f} "
           "img/s")
   if batch_decoder is not None:
+    totals = {}
     for d in {id(d): d for d in by_device.values()}.values():
+      if hasattr(d, "clock"):
+        d.clock.add_to(totals)
       if hasattr(d, "close"):
         d.close()  # the GPU decoder's threads
+    if totals:
+      log("[precompute] decode stages (wall/cpu s, summed over devices and "
+          "threads): " + ", ".join(f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"
+                                   for k, v in sorted(totals.items())))
   return out
 
 
