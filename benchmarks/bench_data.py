@@ -100,14 +100,14 @@ def host_library_rates(jpgs, image_size, reps):
   resize/crop to image_size (each library at its own DCT scale, then
   pipeline.resize_crop)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from train.data import decode  # pylint: disable=import-outside-toplevel
+  from train.data import image  # pylint: disable=import-outside-toplevel
   from train.data import pipeline  # pylint: disable=import-outside-toplevel
   libs = {}
-  libs["pillow"] = lambda j, s: decode.decode_host(j, "", s, "pillow")
+  libs["pillow"] = lambda j, s: image.decode_host(j, "", s, "pillow")
   try:
     import simplejpeg  # pylint: disable=import-outside-toplevel,unused-import
-    libs["simplejpeg"] = lambda j, s: decode.decode_host(j, "", s,
-                                                         "simplejpeg")
+    libs["simplejpeg"] = lambda j, s: image.decode_host(j, "", s,
+                                                        "simplejpeg")
   except ImportError as e:
     libs["simplejpeg"] = e
   try:
@@ -117,8 +117,8 @@ def host_library_rates(jpgs, image_size, reps):
         np.frombuffer(j, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
   except Exception as e:  # pylint: disable=broad-except
     libs["opencv"] = e
-  ref = [pipeline.resize_crop(decode.decode_host(j, "", image_size,
-                                                 "pillow"), image_size)
+  ref = [pipeline.resize_crop(image.decode_host(j, "", image_size,
+                                                "pillow"), image_size)
          for j in jpgs[:64]]
   for name, fn in libs.items():
     if isinstance(fn, Exception):
@@ -183,8 +183,8 @@ def gpu_beside_load_rates(jpgs, image_size, batch, reps):
   """GpuBatchDecoder.decode of one trainer micro-batch (``batch``), alone
   and beside a bf16 matmul load, and the load's rate alone and beside it:
   how much each slows the other (one row)."""
-  from train.data import decode  # pylint: disable=import-outside-toplevel
-  if decode.gpu_unavailable():
+  from train.data import decoders  # pylint: disable=import-outside-toplevel
+  if decoders.gpu_unavailable():
     return
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   batch_jpgs = [jpgs[i % len(jpgs)] for i in range(batch)]
@@ -212,7 +212,8 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps):
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from train.data import decode  # pylint: disable=import-outside-toplevel
-  why = decode.gpu_unavailable()
+  from train.data import decoders  # pylint: disable=import-outside-toplevel
+  why = decoders.gpu_unavailable()
   if why:
     yield {"kind": "gpu_decoder", "status": f"unavailable: {why}"}
     return

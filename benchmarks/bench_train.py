@@ -4,13 +4,16 @@
     python benchmarks/bench_train.py --quick --out /tmp/bench_train  # CPU smoke
 
 The trainer's own step (``train.step``) with ViT-B/16-size towers (or a
-ViT-L/14 image tower), softmax loss, ``backend="auto"``, synthetic inputs;
+ViT-B/32 or ViT-L/14 image tower: --image_model), softmax loss,
+``backend="auto"``, synthetic inputs;
 each case in a fresh process (``harness.run_child``: peak memory from zero,
 an out-of-memory or timed-out case costs only its row). Cases: ``step``
 (image embeddings precomputed, or the locked tower on the fly; the loss
 alone timed too, for its share), ``stream`` (the trainer's real input path
-from JPEG bytes through decode workers and the streamed tower) and the
-``max_batch`` ladder (one step each; stops at the first that does not fit).
+from JPEG bytes through decode workers and the streamed tower),
+``precompute`` (``train.precompute``: a JPEG shard set embedded once by the
+locked tower, img/s) and the ``max_batch`` ladder (one step each; stops at
+the first that does not fit).
 Rows go to bench_train.jsonl as each case ends (--resume runs only what is
 missing), bench_train.csv and bench_train.json after each.
 """
@@ -37,6 +40,10 @@ FULL = dict(embed_dim=768, text_len=16, vocab=32000, text_width=768,
 # ViT-L/14 image tower (Inf-CL's Table 2 model), the same text tower.
 LARGE = dict(FULL, vit_patch=14, vit_width=1024, vit_depth=24, vit_heads=16,
              vit_mlp=4096)
+# ViT-B/32 image tower (the smallest CLIP tower, ~4x B/16's rate), the same
+# text tower.
+B32 = dict(FULL, vit_patch=32)
+MODELS = {"b16": FULL, "b32": B32, "l14": LARGE}
 QUICK = dict(embed_dim=32, text_len=8, vocab=300, text_width=32, text_depth=1,
              text_heads=2, text_mlp=64, image_size=32, vit_patch=8,
              vit_width=32, vit_depth=1, vit_heads=2, vit_mlp=64,
@@ -46,6 +53,26 @@ QUICK = dict(embed_dim=32, text_len=8, vocab=300, text_width=32, text_depth=1,
 # ----------------------------------------------------------------- child
 
 
+def image_tower(m):
+  """The locked image tower of model sizes ``m`` (random weights): an own
+  ViT, uint8 in (``train.towers.Tower``)."""
+  from types import SimpleNamespace as NS  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from train.towers import own  # pylint: disable=g-import-not-at-top
+  from train.towers import tower as tower_lib  # pylint: disable=g-import-not-at-top
+  dtype = jnp.dtype(m["dtype"])
+  img = own.make_module(
+      NS(kind="vit", patch_size=m["vit_patch"], width=m["vit_width"],
+         depth=m["vit_depth"], num_heads=m["vit_heads"], mlp_dim=m["vit_mlp"]),
+      m["embed_dim"], dtype)
+  s = m["image_size"]
+  return tower_lib.Tower(
+      module=img, params=img.init(jax.random.key(2), jnp.zeros(
+          (1, s, s, 3)))["params"], image_size=s,
+      normalization=tower_lib.SYMMETRIC, embed_dim=m["embed_dim"], dtype=dtype)
+
+
 def _build(spec):
   """The trainer's step for ``spec`` plus functions making random inputs."""
   from types import SimpleNamespace as NS  # pylint: disable=g-import-not-at-top
@@ -53,27 +80,18 @@ def _build(spec):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
-  from train.towers import own  # pylint: disable=g-import-not-at-top
   from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
-  from train.towers import tower as tower_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
   m = spec["model"]
   dtype = jnp.dtype(m["dtype"])
-  img = own.make_module(
-      NS(kind="vit", patch_size=m["vit_patch"], width=m["vit_width"],
-         depth=m["vit_depth"], num_heads=m["vit_heads"], mlp_dim=m["vit_mlp"]),
-      m["embed_dim"], dtype)
+  tower = image_tower(m)
   txt = text_lib.from_scratch(
       NS(width=m["text_width"], depth=m["text_depth"],
          num_heads=m["text_heads"], mlp_dim=m["text_mlp"]),
       m["vocab"], m["text_len"], m["embed_dim"], dtype)
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
   s = m["image_size"]
-  tower = tower_lib.Tower(
-      module=img, params=img.init(jax.random.key(2), jnp.zeros(
-          (1, s, s, 3)))["params"], image_size=s,
-      normalization=tower_lib.SYMMETRIC, embed_dim=m["embed_dim"], dtype=dtype)
   precomputed = spec["mode"] in ("precomputed", "stream")
   train_step, state, head = harness.lit_step(
       mesh, tower, txt, spec["batch"], spec["microbatch"], precomputed)
@@ -146,7 +164,8 @@ def case_result(spec) -> dict:
   """A child's result: its case's row, or a status row for an exception
   (``harness.failure``: "oom", or the error in one line)."""
   try:
-    return (stream_child if spec["mode"] == "stream" else child)(spec)
+    return {"stream": stream_child, "precompute": precompute_child}.get(
+        spec["mode"], child)(spec)
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
     return dict(_row(spec), status=harness.failure(e))
@@ -195,20 +214,12 @@ def default_workers() -> int:
   return max(1, len(os.sched_getaffinity(0)) - 4)
 
 
-def stream_child(spec) -> dict:
-  """A stream case: the step on embeddings streamed from JPEG bytes through
-  the trainer's input path (train/stream.py), the host's time split into
-  waiting for the pipeline, device_put and the rest; and the device's
-  embedding rate alone."""
-  import jax  # pylint: disable=g-import-not-at-top
+def input_config(spec):
+  """The input path's config of a stream or precompute case: config.data
+  and config.tokenizer, checked (a decoder that cannot run here is a
+  one-line error before the towers are built)."""
   import ml_collections  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
   from train.data import config as data_config  # pylint: disable=g-import-not-at-top
-  from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  from train.data import synthetic  # pylint: disable=g-import-not-at-top
-  # The input path's settings first: a decoder that cannot run here is a
-  # one-line error before the towers are built.
   config = ml_collections.ConfigDict()
   config.data = data_config.default_data_config()
   config.tokenizer = data_config.default_tokenizer_config()
@@ -234,6 +245,20 @@ def stream_child(spec) -> dict:
   config.data.prefetch_batches = 2
   config.data.cache_max_mb = 0
   data_config.check_data_config(config)
+  return config
+
+
+def stream_child(spec) -> dict:
+  """A stream case: the step on embeddings streamed from JPEG bytes through
+  the trainer's input path (train/stream.py), the host's time split into
+  waiting for the pipeline, device_put and the rest; and the device's
+  embedding rate alone."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  from train.data import pipeline  # pylint: disable=g-import-not-at-top
+  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  config = input_config(spec)
   t0 = time.perf_counter()
   host = harness.HostMemory().__enter__()
   train_step, state, _, _, parts = _build(spec)
@@ -314,7 +339,7 @@ def stream_child(spec) -> dict:
     after = timing()
   host.__exit__()
   # decoder="gpu": the decode thread's seconds in the last step per stage,
-  # wall and CPU (train/data/decode.py Stopwatch).
+  # wall and CPU (train/data/stopwatch.py).
   out["stack_samples"] = sampler.top(16)
   if after:
     out["decode_thread"] = {
@@ -348,16 +373,77 @@ def stream_child(spec) -> dict:
   return _finish(out, host, t0)
 
 
+def precompute_child(spec) -> dict:
+  """A precompute case: ``train.precompute`` over ``batch`` JPEGs (a
+  JpegPool, 256 px) with the locked image tower, embedding ``microbatch``
+  images a call, into a scratch directory; img/s over the shards after the
+  first (which compiles), and the device's embedding rate alone."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  from train import precompute as precompute_lib  # pylint: disable=g-import-not-at-top
+  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from train.data import pipeline  # pylint: disable=g-import-not-at-top
+  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  config = input_config(spec)
+  # precompute reads (and with the host decoder decodes) on threads.
+  config.data.num_threads = spec.get("workers") or default_workers()
+  t0 = time.perf_counter()
+  host = harness.HostMemory().__enter__()
+  tower = image_tower(spec["model"])
+  out = dict(_row(spec), **harness.device_meta())
+  n, bs = spec["batch"], spec["microbatch"]
+  source = synthetic.JpegPool(n, size=spec["jpeg_size"], pool=1024)
+  shards = max(2, spec.get("shards", 4))
+  per_shard = -(-n // shards)
+  marks = []  # (time, images done) at each shard's end
+
+  def log(line):
+    print(line, flush=True)
+    if line.startswith("[precompute] decode stages"):
+      out["decode_stages"] = line.split(": ", 1)[1]
+    if "[precompute] shard" in line:
+      marks.append((time.perf_counter(), int(line.split(": ")[1].split()[0])))
+  with tempfile.TemporaryDirectory() as d:
+    t1 = time.perf_counter()
+    precompute_lib.precompute(config, d, tower, source=source,
+                              rows_per_shard=per_shard, batch_size=bs, log=log)
+    out["precompute_s"] = time.perf_counter() - t1
+  done = np.cumsum([k for _, k in marks])
+  out["first_shard_s"] = marks[0][0] - t1
+  out["precompute_img_s"] = float((done[-1] - done[0])
+                                   / (marks[-1][0] - marks[0][0]))
+  # The device alone: the embedding call on a fixed uint8 batch.
+  mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
+  embed = step_lib.make_embed_fn(mesh, tower)
+  params = jax.device_put(tower.params, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  c = pipeline.host_size(config.data)
+  x = np.random.default_rng(0).integers(0, 256, (bs, c, c, 3), dtype=np.uint8)
+  t = harness.timeit(lambda: embed(params, x), reps=spec.get("embed_reps", 2),
+                     warmup=1)
+  out["device_embed_img_s"] = bs / t.median
+  out["embed_share"] = out["precompute_img_s"] / out["device_embed_img_s"]
+  out["input_bound"] = bool(out["embed_share"] < 0.95)
+  out["workers"] = config.data.num_threads
+  out["host_image_size"] = c
+  out["peak_gib"] = _peak_gib()
+  host.__exit__()
+  return _finish(out, host, t0)
+
+
 # ----------------------------------------------------------------- parent
 
 # The CSV's columns (the JSONL rows hold every field).
 COLS = ["kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
-        "status", "step_s",
+        "status", "step_s", "precompute_img_s",
         "loss_s", "loss_share", "peak_gib", "host_peak_gib", "compile_s",
         "xla_total_gb", "host_wait_s", "host_put_s", "device_wait_s",
         "pipeline_img_s", "device_embed_img_s", "embed_img_s", "embed_share",
         "input_bound", "device_floor_s", "workers",
-        "decode_size", "loss_value", "device_kind", "n_devices", "jax", "date"]
+        "decode_size", "image_model", "loss_value", "device_kind", "n_devices",
+        "jax", "date"]
 # A case's identity, for --resume.
 KEY = ("kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
        "decode_size", "workers", "gpu_host_threads", "steps", "image_model")
@@ -393,14 +479,17 @@ def run_case(spec, budget, timeout_s) -> dict:
 
 # --gpu_variants: what one stream case with decoder gpu may set, as
 # "key=value" words (a variant; variants separated by ";").
-_VARIANT_KEYS = ("backend", "option", "cpu_threads", "workers")
+_VARIANT_KEYS = ("backend", "option", "cpu_threads", "threads", "read_ahead",
+                 "workers")
 
 
 def gpu_variants(text: str) -> list:
   """--gpu_variants -> one dict per variant: "gpu_decoder" (its words, the
   row's name for it), "gpu_settings" (config.data.gpu_decoder_*) and
   "workers" when it sets them. "" is nvImageCodec's defaults; "option=" may
-  repeat ("workers=4 option=:num_cuda_streams=2 cpu_threads=8"). A bad
+  repeat ("workers=4 option=:num_cuda_streams=2 cpu_threads=8");
+  "threads=N": N nvImageCodec decoders per GPU on their threads;
+  "read_ahead=N": N chunks read ahead on a thread of their own. A bad
   variant is a one-line error before any case runs."""
   from train.data import gpu_decode  # pylint: disable=g-import-not-at-top
   out = []
@@ -419,12 +508,13 @@ def gpu_variants(text: str) -> list:
       else:
         if not value.isdigit():
           raise ValueError(f"--gpu_variants: {w!r} needs an int")
-        (settings if key == "cpu_threads" else extra)[key] = int(value)
+        (extra if key == "workers" else settings)[key] = int(value)
     if options:
       settings["options"] = " ".join(options)
     gpu_decode.check_settings(settings.get("backend", "auto"),
                               settings.get("options", ""),
-                              settings.get("cpu_threads", 0))
+                              settings.get("cpu_threads", 0),
+                              settings.get("threads", 1))
     out.append(dict(extra, gpu_decoder=" ".join(words) or "default",
                     gpu_settings=settings))
   return out
@@ -449,6 +539,16 @@ def plan(args, model) -> list:
             **({"gpu_host_threads": args.gpu_host_threads}
                if decoder == "gpu" and args.gpu_host_threads else {}),
             decode_size=args.decode_size, decoder=decoder,
+            jpeg_size=args.decode_size or (64 if args.quick else 256),
+            embed_reps=1 if args.quick else 2), **variant))
+  for n in harness.ints(getattr(args, "precompute_images", "")):
+    for decoder in args.decoders.split(","):
+      for variant in variants if decoder == "gpu" else [{}]:
+        cases.append(dict(dict(
+            kind="precompute", batch=n, mode="precompute",
+            microbatch=min(args.microbatch, n), measure_loss=False, reps=1,
+            workers=args.workers, decode_size=args.decode_size,
+            decoder=decoder,
             jpeg_size=args.decode_size or (64 if args.quick else 256),
             embed_reps=1 if args.quick else 2), **variant))
   for b in harness.ints(args.ladder):
@@ -484,6 +584,14 @@ def _progress(r):
           + (" (input-bound)" if r["input_bound"] else "")
           + f", peak GPU {r['peak_gib']:.1f} GiB, host "
           f"{r['host_peak_gib']:.1f} GiB", flush=True)
+  if r.get("precompute_img_s"):
+    print(f"[bench_train]   precompute ({r.get('decoder', 'host')} decoder"
+          + (f" {r['gpu_decoder']}" if r.get("gpu_decoder") else "") + "): "
+          f"{r['precompute_img_s']:.0f} img/s after the first shard "
+          f"({100 * r['embed_share']:.0f}% of the device alone, "
+          f"{r['device_embed_img_s']:.0f}); {r['precompute_s']:.1f} s in all"
+          + (f"; decode stages (wall/cpu s) {r['decode_stages']}"
+             if r.get("decode_stages") else ""), flush=True)
   if r.get("decode_thread"):
     print("[bench_train]   decode thread (wall/cpu s): " + ", ".join(
         f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"
@@ -525,8 +633,13 @@ def main(argv=None):
                   f"{', '.join(_VARIANT_KEYS)} (config.data.gpu_decoder_*, "
                   "option= repeatable; workers= overrides --workers); '' "
                   "= the defaults")
-  ap.add_argument("--image_model", default="b16", choices=["b16", "l14"],
-                  help="ViT-B/16 or ViT-L/14 image tower")
+  ap.add_argument("--precompute_images", default="",
+                  help="comma-separated JPEG counts for precompute cases "
+                  "(train.precompute over them, --microbatch images a call, "
+                  "--workers reader threads, one case per --decoders and "
+                  "--gpu_variants)")
+  ap.add_argument("--image_model", default="b16", choices=sorted(MODELS),
+                  help="the image tower: ViT-B/16, ViT-B/32 or ViT-L/14")
   ap.add_argument("--modes", default="precomputed,image_tower",
                   help="step-case modes: precomputed, image_tower")
   ap.add_argument("--reps", type=int, default=3,
@@ -544,8 +657,7 @@ def main(argv=None):
     harness.print_result(case_result(json.loads(args.case)))
     return
 
-  model = QUICK if args.quick else (
-      LARGE if args.image_model == "l14" else FULL)
+  model = QUICK if args.quick else MODELS[args.image_model]
   budget = harness.Budget(args.budget_s or None)
   rows = harness.Rows(args.out, "bench_train",
                       key=lambda r: tuple(r.get(k) for k in KEY),

@@ -33,7 +33,7 @@ suite_parts() {
   tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
-  train) parts="step:420 ladder:560 stream:300 knobs:580 stream1m:300 stream1m_gpu:580 l14:150" ;;
+  train) parts="step:420 ladder:560 stream:300 knobs:580 stream1m:300 stream1m_gpu:580 l14:150 b32:580 b32_1m:420 b32_1m_gpu:420 precompute:400 b16_few:300" ;;
   data) parts="pipeline:200 bytes:200" ;;
   ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
   *) return 1 ;;
@@ -267,6 +267,51 @@ train_l14() {
     --stream_batches 65536 --microbatch 4096 --stream_steps 1 --decode_size 256 --workers 12 \
     --image_model l14 --timeout_s $(($1 - 10))
 }
+
+train_b32() {
+  # ViT-B/32 (~4x B/16's rate: more than the host path can feed) streamed
+  # at 65,536: the host path with 12 workers (first) against the GPU
+  # decoder's variants, 4 workers each (its host side only reads), one each:
+  # nvImageCodec decoders per GPU on their threads (threads=N), the chunks
+  # taken out of the workers on a thread of their own (read_ahead=N), fewer
+  # of nvImageCodec's own CPU threads per decoder (~90-110 s a case).
+  bench train-b32 "$1" benchmarks/bench_train.py --out "$out/train-b32" --step_batches "" \
+    --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 12 \
+    --image_model b32 --decoders host,gpu \
+    --gpu_variants "${GPU_VARIANTS:-workers=4;workers=4 threads=4;workers=4 threads=4 read_ahead=32;workers=4 threads=8 read_ahead=32 cpu_threads=2}" \
+    --timeout_s 120 --budget_s $(($1 - 10))
+}
+train_b32_1m() {
+  # ViT-B/32 streamed at 1,048,576, the host path (12 workers) ...
+  bench train-b32-1m "$1" benchmarks/bench_train.py --out "$out/train-b32-1m" --step_batches "" \
+    --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
+    --image_model b32 --decoders host --timeout_s $(($1 - 10))
+}
+train_b32_1m_gpu() {
+  # ... and the GPU decoder (GPU_VARIANTS: the best of part b32).
+  bench train-b32-1m-gpu "$1" benchmarks/bench_train.py --out "$out/train-b32-1m-gpu" \
+    --step_batches "" --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 \
+    --workers 12 --image_model b32 --decoders gpu \
+    --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4 read_ahead=32}" --timeout_s $(($1 - 10))
+}
+train_precompute() {
+  # train.precompute (a shard set embedded once) with ViT-B/32: 65,536
+  # JPEGs, 8192 a call; the host decoder in 12 reader threads against the
+  # GPU decoder (its threads only read).
+  bench train-precompute "$1" benchmarks/bench_train.py --out "$out/train-precompute" \
+    --step_batches "" --ladder "" --precompute_images 65536 --decode_size 256 --workers 12 \
+    --image_model b32 --decoders host,gpu --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4}" \
+    --timeout_s 180 --budget_s $(($1 - 10))
+}
+train_b16_few() {
+  # ViT-B/16 at 65,536 with at most 4 host workers (few cores per GPU): the
+  # GPU decoder against the host path with the same 4.
+  bench train-b16-few "$1" benchmarks/bench_train.py --out "$out/train-b16-few" --step_batches "" \
+    --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 4 \
+    --decoders host,gpu --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
+    --timeout_s 140 --budget_s $(($1 - 10))
+}
+
 
 data_pipeline() {
   bench data-pipeline "$1" benchmarks/bench_data.py --out "$out/data" --threads 8 \

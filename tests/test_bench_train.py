@@ -165,8 +165,9 @@ def test_gpu_variants_are_one_gpu_case_each_and_reach_the_child(capsys):
   assert "gpu_decoder" not in host and "gpu_decoder" in bench_train.KEY
   keys = {tuple(c.get(k) for k in bench_train.KEY) for c in cases}
   assert len(keys) == 3
-  for bad, says in (("threads=2", "'threads=2' in 'threads=2' is not "
+  for bad, says in (("streams=2", "'streams=2' in 'streams=2' is not "
                      "key=value"), ("cpu_threads=x", "needs an int"),
+                    ("threads=0", "gpu_decoder_threads=0 must be an int in"),
                     ("backend=gpu", "'gpu' is not one of"),
                     ("option=fancy", "is not [decoder_id]:option=value")):
     args.gpu_variants = bad
@@ -183,3 +184,60 @@ def test_gpu_variants_are_one_gpu_case_each_and_reach_the_child(capsys):
                          "threads=-2 must be an int >= 0 (0 = nvImageCodec's "
                          "default, one per core)"), r
   capsys.readouterr()
+
+
+def test_b32_and_precompute_cases_are_planned():
+  # --image_model b32: ViT-B/32 (patch 32, the rest B/16's); and
+  # --precompute_images: one train.precompute case per decoder and gpu
+  # variant, several nvImageCodec decoders per GPU (threads=N) among them.
+  assert bench_train.MODELS["b32"] == dict(bench_train.FULL, vit_patch=32)
+  args = type("A", (), dict(
+      step_batches="", modes="precomputed", microbatch=8192, reps=1,
+      stream_batches="", decoders="gpu,host", stream_steps=1, workers=12,
+      decode_size=256, quick=False, ladder="", image_model="b32",
+      gpu_host_threads=0,
+      gpu_variants="workers=4 threads=4 read_ahead=32;threads=2",
+      precompute_images="65536"))()
+  cases = bench_train.plan(args, bench_train.MODELS["b32"])
+  assert [(c["kind"], c["decoder"], c["workers"], c.get("gpu_settings"))
+          for c in cases] == [
+              ("precompute", "gpu", 4, {"threads": 4, "read_ahead": 32}),
+              ("precompute", "gpu", 12, {"threads": 2}),
+              ("precompute", "host", 12, None)]
+  assert all(c["image_model"] == "b32" and c["microbatch"] == 8192
+             and c["jpeg_size"] == 256 for c in cases)
+  assert len({tuple(c.get(k) for k in bench_train.KEY) for c in cases}) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stream", "precompute"])
+def test_gpu_decoder_cases_run_end_to_end_on_the_stand_in(kind, monkeypatch):
+  # A stream and a precompute case with decoder gpu and the variant words
+  # the GPU runs use (several decoders, read-ahead), in-process on the CPU
+  # devices with nvImageCodec's call made by test_gpu_decode's stand-in:
+  # the plumbing from --gpu_variants to the rows, before any GPU time.
+  import sys  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+  from tests import test_gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data import decoders  # pylint: disable=import-outside-toplevel
+  made = []
+  module = test_gpu_decode._fake_nvimgcodec(made)  # pylint: disable=protected-access
+  monkeypatch.setitem(sys.modules, "nvidia",
+                      types.SimpleNamespace(nvimgcodec=module))
+  monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", module)
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+  variant, = bench_train.gpu_variants("threads=3 read_ahead=2")
+  spec = dict(kind=kind, mode=kind, batch=256, microbatch=32,
+              measure_loss=False, reps=1, steps=1, workers=1,
+              gpu_host_threads=1, decode_size=32, decoder="gpu", jpeg_size=40,
+              embed_reps=1, model=bench_train.QUICK, image_model="quick",
+              **variant)
+  r = bench_train.case_result(spec)
+  assert r["status"] == "ok", r["status"]
+  assert len(made) % 3 == 0 and made  # three decoders per device
+  if kind == "stream":
+    assert r["bad_examples"] == 0 and r["embed_img_s"] > 0
+    assert {"nvimgcodec", "to_jax", "parts", "resize"} <= set(
+        r["decode_thread"])
+  else:
+    assert r["precompute_img_s"] > 0 and r["workers"] == 1

@@ -1,6 +1,6 @@
 """The batch-decoder path (config.data.decoder = "gpu") and its host twin.
 
-CPU tests run the GPU path's logic (train/data/decode.py: micro-batches of
+CPU tests run the GPU path's logic (train/data/batching.py: micro-batches of
 encoded images decoded in one call, topped up past the ones that fail, on
 a prefetch thread, resumable) with the GPU call swapped for the host
 decoder, against the host path on the same corpus (tests/corpus.py: a
@@ -19,8 +19,12 @@ from PIL import Image
 
 from tests import corpus as corpus_lib
 from train import data as D
+from train.data import batching
 from train.data import decode
+from train.data import decoders
+from train.data import image as image_lib
 from train.data import pipeline
+from train.data import stopwatch
 from train.data.source import BadExample
 from train.data.source import TooMuchBadData
 
@@ -89,32 +93,32 @@ def _images(seed=0):
 
 def test_every_cut_of_a_jpeg_is_found_and_whole_ones_pass():
   for data in _images():
-    assert decode.jpeg_problem(data) == ""
-    assert decode.jpeg_problem(data + b"trailing bytes") == ""
+    assert image_lib.jpeg_problem(data) == ""
+    assert image_lib.jpeg_problem(data + b"trailing bytes") == ""
     for cut in range(2, len(data) - 1):  # the last byte of EOI included
-      problem = decode.jpeg_problem(data[:cut])
+      problem = image_lib.jpeg_problem(data[:cut])
       assert problem.startswith(("truncated JPEG", "corrupt JPEG")), cut
-  assert decode.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
-  assert decode.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
+  assert image_lib.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
+  assert image_lib.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
 
 
 def test_host_decoders_agree_bitwise_with_pillow_and_name_bad_images():
   pytest.importorskip("simplejpeg")
   for data in _images():
     for size in (0, 16, 40, 64):
-      fast = decode.decode_host(data, "k", size, library="simplejpeg")
-      slow = decode.decode_host(data, "k", size, library="pillow")
+      fast = image_lib.decode_host(data, "k", size, library="simplejpeg")
+      slow = image_lib.decode_host(data, "k", size, library="pillow")
       assert fast.shape == slow.shape and np.array_equal(fast, slow), size
   png = io.BytesIO()
   Image.fromarray(np.zeros((5, 7, 3), np.uint8)).save(png, format="PNG")
-  assert decode.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
+  assert image_lib.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
   whole = _images()[0]
   for data, fragment in ((whole[:len(whole) // 3], "truncated JPEG"),
                          (whole[:-2], "no end-of-image marker"),
                          (b"<html>404</html>", "not an image"),
                          (b"", "not an image")):
     with pytest.raises(BadExample, match=fragment) as e:
-      decode.decode_host(data, "shard.tar:0042", 16)
+      image_lib.decode_host(data, "shard.tar:0042", 16)
     assert e.value.where == "shard.tar:0042"
     assert e.value.reason.startswith("undecodable image")
 
@@ -207,13 +211,13 @@ def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro,
   dec = _Failing()
   batch = D.make_train_iterator(config, batch_size=24, seed=3,
                                 microbatch_size=micro, batch_decoder=dec)
-  assert isinstance(batch, decode.Prefetch)
+  assert isinstance(batch, batching.Prefetch)
   n = 96 // micro  # 96 > an epoch's 58 or 61
   a, b = _take(host, n), _take(batch, n)
   assert _same(a, b)
   assert all(x["image"].dtype == np.uint8
              and x["image"].shape == (micro, S, S, 3) for x in b)
-  sharding = decode.data_sharding()
+  sharding = batching.data_sharding()
   for x in b:
     _check_shards(x, sharding, dec)
   assert batch.bad == host.bad and batch.seen == host.seen and host.bad > 0
@@ -279,7 +283,7 @@ def test_a_failed_decode_costs_only_itself_and_keeps_the_order(
   # devices before, as the host path's stream does; each device decodes
   # the members it gained, and every row is decoded where it is held.
   config = _config("webdataset:" + corpus.pattern)
-  sharding = _permuted_sharding() if permuted else decode.data_sharding()
+  sharding = _permuted_sharding() if permuted else batching.data_sharding()
   steps = 120 // micro
   whole = _flat(_take_and_close(D.make_train_iterator(
       config, batch_size=micro, seed=1, batch_decoder=_Failing()),
@@ -376,6 +380,47 @@ def test_batch_path_resumes_bitwise_from_a_json_state(corpus):
     resumed.close()
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_read_ahead_keeps_the_stream_the_state_and_resume(corpus, workers):
+  # gpu_decoder_read_ahead: chunks taken out of grain on a thread of their
+  # own; the micro-batches (a failed decode's top-ups among them), the
+  # states between them and a resume are those without it, and close stops
+  # the thread.
+  import threading  # pylint: disable=import-outside-toplevel
+  config = _config("webdataset:" + corpus.pattern, num_workers=workers,
+                   **({"cache_max_mb": 0} if workers else {}))
+  probe = _flat(_take_and_close(D.make_train_iterator(
+      config, batch_size=8, seed=2, batch_decoder=_Failing()), 4))
+  fail = {probe[5][0], probe[20][0]}
+
+  def run(ahead, state=None, n=7):
+    config.data.gpu_decoder_read_ahead = ahead
+    it = D.make_train_iterator(config, batch_size=8, seed=2,
+                               batch_decoder=_Failing(fail))
+    if state is not None:
+      it.set_state(state)
+    out = []
+    for _ in range(n):
+      out.append(next(it))
+      out.append(json.loads(json.dumps(it.get_state())))
+    running = [t for t in threading.enumerate()
+               if t.name == "decode-read-ahead"]
+    it.close()
+    return out, running
+  plain, none = run(0)
+  ahead, running = run(2)
+  assert not none and running
+  assert _same([x for x in plain if "image" in x],
+               [x for x in ahead if "image" in x])
+  assert [x for x in plain if "image" not in x] == [
+      x for x in ahead if "image" not in x]
+  assert plain[-1]["bad_data"] != plain[1]["bad_data"]  # it failed some
+  assert not any(t.is_alive() for t in running)
+  again, _ = run(2, state=plain[5], n=4)
+  assert _same([x for x in plain[6:] if "image" in x],
+               [x for x in again if "image" in x])
+
+
 def test_too_much_bad_data_stops_the_batch_path(corpus):
   config = _config("webdataset:" + corpus.pattern, max_bad_fraction=0.05)
   it = D.make_train_iterator(config, batch_size=8, seed=0,
@@ -389,7 +434,7 @@ def test_decoder_config_errors_are_one_line(corpus):
   with pytest.raises(ValueError, match=r"config.data.decoder='cpu' must be "
                      "one of host, gpu, auto"):
     D.check_data_config(config)
-  why = decode.gpu_unavailable()
+  why = decoders.gpu_unavailable()
   if why:  # This machine: no extra or no GPU.
     config = _config("webdataset:" + corpus.pattern, decoder="gpu")
     with pytest.raises(ValueError) as e:
@@ -411,9 +456,72 @@ def test_decoder_config_errors_are_one_line(corpus):
   config = _config("webdataset:" + corpus.pattern, decoder="gpu")
   if not why:
     with pytest.raises(ValueError, match=r"decoded:0 delivers decoded ones"):
-      decode.make_batch_decoder(config.data, Decoded())
+      decoders.make_batch_decoder(config.data, Decoded())
   config.data.decoder = "auto"
-  assert decode.make_batch_decoder(config.data, Decoded()) is None
+  assert decoders.make_batch_decoder(config.data, Decoded()) is None
+
+
+def test_auto_picks_by_tower_and_cores_per_gpu_and_says_so(monkeypatch):
+  # decoder="auto": the host path while it keeps pace with the tower, else
+  # the faster decoder, from BENCHMARKS' H200 figures; one line says which
+  # and why.
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  # The FLOP model against the rates measured on the H200: ViT-B/16 in the
+  # streamed step (8,151-8,508 img/s), ViT-B/32 from outside (36,576).
+  flops = lambda patch, w=768, d=12, mlp=3072: decoders.vit_flops(
+      224, patch, w, d, mlp)
+  assert 8151 <= decoders.VIT_FLOP_S / flops(16) <= 8508
+  assert 0.8 < decoders.VIT_FLOP_S / flops(32) / 36576 < 1.1
+  assert decoders.host_img_s(12, 16, 1) == 12 * 860  # 10,312 measured
+  assert decoders.host_img_s(16, 16, 1) == 12 * 860  # capped: cores - 4
+  assert decoders.host_img_s(12, 16, 2) == 12 * 860 / 2
+  assert decoders.host_img_s(0, 16, 1) == 1687  # threads alone
+
+  def model(patch, kind="vit"):
+    m = ml_collections.ConfigDict()
+    m.image = dict(kind=kind, patch_size=patch, width=768, depth=12,
+                   mlp_dim=3072)
+    return m
+
+  class Encoded:
+    spec, encoded_images, bad_at_open = "webdataset:x", True, []
+  data = _config("synthetic_shapes", decoder="auto", eval_split="test",
+                 num_workers=12, image_size=224).data
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+
+  def pick(m, cores, gpus=1):
+    lines = []
+    got = decoders.pick(data, Encoded(), m, cores=cores, gpus=gpus,
+                        log=lines.append)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"[data] decoder='auto': {got}: "), lines
+    return got, lines[0]
+
+  # ViT-B/16 on 16 cores per GPU: the host keeps pace (measured: 99-101%
+  # of the device alone at 1M).
+  got, line = pick(model(16), 16)
+  assert got == "host" and "keeps pace" in line and "16 cores per GPU" in line
+  # ViT-B/32: the host cannot keep pace, and today's GPU decoder in the
+  # step (~6k img/s) is slower than the host path (~10.3k): the host.
+  got, line = pick(model(32), 16)
+  assert got == "host" and "no faster" in line
+  # Fewer cores per GPU (two GPUs on 16 cores: ~5.2k each): the GPU.
+  assert pick(model(16), 16, gpus=2)[0] == "gpu"
+  # A GPU decoder at its ceiling (the goal: 18k in the step) takes B/32.
+  monkeypatch.setattr(decoders, "GPU_IMG_S", 18000)
+  assert pick(model(16), 16)[0] == "host"
+  got, line = pick(model(32), 16)
+  assert got == "gpu" and "cannot keep pace" in line
+  # An unknown tower: the faster decoder; no GPU decoder: the host.
+  assert pick(model(16, kind="cnn"), 16)[0] == "gpu"
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "no GPU here")
+  got, line = pick(model(32), 16)
+  assert got == "host" and "no GPU here" in line
+  # make_batch_decoder: "auto" -> host is no batch decoder.
+  lines = []
+  assert decoders.make_batch_decoder(data, Encoded(), model(16),
+                                     log=lines.append) is None
+  assert len(lines) == 1
 
 
 # ------------------- GpuBatchDecoder itself, nvImageCodec's call on the host
@@ -429,7 +537,7 @@ def _fake_nvimgcodec(made):
 
   def one(data):
     data = bytes(data)
-    if decode.jpeg_problem(data) or not decode.is_jpeg(data) or (
+    if image_lib.jpeg_problem(data) or not image_lib.is_jpeg(data) or (
         b"\xff\xc2" in data[:data.find(b"\xff\xda")]):
       return None
     with Image.open(io.BytesIO(data)) as im:
@@ -515,12 +623,12 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   # config.data.gpu_decoder_* -> nvImageCodec's Decoder(...) of every
   # device's decoder, through the trainer's make_batch_decoder.
   import jax  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
 
   class Encoded:
     spec, encoded_images, bad_at_open = "webdataset:x", True, []
   config = _config("synthetic_shapes", decoder="gpu", eval_split="test")
-  dec = decode.make_batch_decoder(config.data, Encoded())
+  dec = decoders.make_batch_decoder(config.data, Encoded())
   assert dec._decoder.kwargs == {"options": ":fancy_upsampling=1"}  # pylint: disable=protected-access
   config.data.gpu_decoder_backend = "hw:0.7, hybrid"
   config.data.gpu_decoder_options = (
@@ -528,7 +636,7 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   config.data.gpu_decoder_cpu_threads = 3
   D.check_data_config(config)
   del fake_nvimgcodec[:]
-  dec = decode.make_batch_decoder(config.data, Encoded())
+  dec = decoders.make_batch_decoder(config.data, Encoded())
   other = dec.for_device(jax.devices()[-1])
   want = {"backends": [("hw", 0.7), ("hybrid", None)],
           "max_num_cpu_threads": 3,
@@ -540,6 +648,53 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
                              jax.devices()[-1].local_hardware_id]
   assert "options ':num_cuda_streams=2 nvjpeg" in other.describe()
   assert "3 CPU threads" in other.describe()
+
+
+def test_several_gpu_decoders_split_a_shard_and_keep_its_order(
+    fake_nvimgcodec):
+  # gpu_decoder_threads: the shard in contiguous parts, each by its own
+  # nvImageCodec decoder on its own thread; the images, ok and bad members
+  # are one decoder's, bitwise, and the parts cover the shard once.
+  import threading  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  device = jax.devices()[-1]
+  png = io.BytesIO()
+  Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(png, "PNG")
+  jpgs = _images()
+  items = ([jpgs[0], b"<html>", jpgs[2], jpgs[1], png.getvalue(), jpgs[4],
+            jpgs[3], jpgs[0][:-2], jpgs[1]] * 3)[:23]
+  where = [f"k{i}" for i in range(len(items))]
+  one = gpu_decode.GpuBatchDecoder(device=device)
+  del fake_nvimgcodec[:]
+  four = gpu_decode.GpuBatchDecoder(device=device, threads=4)
+  assert fake_nvimgcodec == [device.local_hardware_id] * 4
+  assert "4 decoders on threads" in four.describe()
+  names = set()
+  for d in four._decoders:  # pylint: disable=protected-access
+    real = d.decode
+
+    def decode(src, params=None, real=real):
+      names.add(threading.current_thread().name)
+      return real(src, params=params)
+    d.decode = decode
+  for size in (16, 40):
+    g1, ok1, bad1 = one.decode(items, where, size)
+    g4, ok4, bad4 = four.decode(items, where, size)
+    assert g4.devices() == {device}
+    assert np.array_equal(np.asarray(g1), np.asarray(g4))
+    assert np.array_equal(ok1, ok4) and bad1 == bad4 and len(bad4) == 5
+  calls = [d.calls for d in four._decoders]  # pylint: disable=protected-access
+  assert [sum(c) for c in zip(*calls)] == [23, 23]  # each call's parts
+  assert all(len(c) == 2 and min(c) >= 5 for c in calls), calls
+  assert len(names) == 4 and all(n.startswith("decode-gpu") for n in names)
+  t = four.clock.add_to({})
+  assert {"nvimgcodec", "to_jax", "parts", "resize"} <= set(t)
+  # A shard smaller than the decoders: one part each, no empty call.
+  g, ok, _ = four.decode(items[:2], where[:2], 16)
+  assert g.shape[0] == 1 and list(ok) == [True, False]
+  four.close()
+  assert four._pool is None  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("key,value,says", [
@@ -602,7 +757,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
   # Pillow's full decode is the host path's, so the stream is the host
   # path's bitwise.
   import jax  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
   name = "webdataset:" + corpus.pattern
   host = D.make_train_iterator(_config(name), batch_size=16, seed=8)
   gpu = D.make_train_iterator(_config(name, decoder="gpu"), batch_size=16,
@@ -610,7 +765,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
   a, b = _take(host, 6), _take(gpu, 6)
   assert _same(a, b)
   for x in b:
-    _check_shards(x, decode.data_sharding())
+    _check_shards(x, batching.data_sharding())
   assert gpu.bad == host.bad and gpu.ledger.by_reason == host.ledger.by_reason
   assert gpu.get_state() == host.get_state()
   inner = gpu.iterator
@@ -628,7 +783,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
 
 def test_stopwatch_tells_waiting_from_working():
   import time  # pylint: disable=import-outside-toplevel
-  clock = decode.Stopwatch()
+  clock = stopwatch.Stopwatch()
   for _ in range(2):
     with clock("wait"):
       time.sleep(0.05)
@@ -657,7 +812,7 @@ def test_stopwatch_tells_waiting_from_working():
 
 # ------------------------------------------------------------------- GPU
 
-GPU_WHY = decode.gpu_unavailable()
+GPU_WHY = decoders.gpu_unavailable()
 # Measured on an H200 (nvImageCodec 0.9.0.20 with nvJPEG 13.2, fancy
 # upsampling, 256 px JPEGs at quality 90): the GPU's pixels against the
 # host path's (libjpeg-turbo): max |diff| 1 level and 0.01% of the pixels
@@ -685,7 +840,11 @@ def _rgb(image):
 def _gpu_vs_host(jpgs, size, **kw):
   from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
   where = [f"k{i}" for i in range(len(jpgs))]
-  g, gok, gbad = gpu_decode.GpuBatchDecoder(**kw).decode(jpgs, where, size)
+  dec = gpu_decode.GpuBatchDecoder(**kw)
+  try:
+    g, gok, gbad = dec.decode(jpgs, where, size)
+  finally:
+    dec.close()
   h, hok, hbad = decode.HostBatchDecoder().decode(jpgs, where, size)
   assert np.array_equal(gok, hok) and [b[:2] for b in gbad] == [
       b[:2] for b in hbad]
@@ -709,20 +868,24 @@ class TestGpuDecoder:
               f"{(d > 0).mean():.4f}")
         assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
 
-  @pytest.mark.parametrize("backend,options,cpu_threads", [
-      ("hybrid", "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0", 0),
-      ("hw:0.5,hybrid", ":num_cuda_streams=2", 4),
+  @pytest.mark.parametrize("backend,options,cpu_threads,threads", [
+      ("hybrid", "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0", 0, 1),
+      ("hw:0.5,hybrid", ":num_cuda_streams=2", 4, 1),
+      ("auto", "", 0, 4),
+      ("hw", "", 2, 2),
   ])
   def test_gpu_decoder_settings_keep_the_pixels(self, backend, options,
-                                                cpu_threads):
+                                                cpu_threads, threads):
     # The settings bench_train --gpu_variants tries (config.data.
     # gpu_decoder_*) are taken by nvImageCodec itself and decode the same
     # pixels within the bound: the Huffman stage on the GPU, a batch split
-    # between the engines and the CUDA decoder, fewer CPU threads.
+    # between the engines and the CUDA decoder, fewer CPU threads, several
+    # decoders on their threads.
     for size in (256, 224):
       d = _gpu_vs_host(_pool(), size, backend=backend, options=options,
-                       cpu_threads=cpu_threads)
-      print(f"{backend} {options!r} {cpu_threads} -> {size}: max |diff| "
+                       cpu_threads=cpu_threads, threads=threads)
+      print(f"{backend} {options!r} {cpu_threads} x{threads} -> {size}: "
+            "max |diff| "
             f"{d.max()}, mean {d.mean():.4f}")
       assert d.max() <= PIXEL_MAX and d.mean() <= PIXEL_MEAN
 
@@ -757,7 +920,7 @@ class TestGpuDecoder:
           if not on_gpu[i]:
             assert np.array_equal(g[i], h[i]), (backend, size, i)
             continue
-          full = _rgb(decode.decode_host(data, "", 0))
+          full = _rgb(image_lib.decode_host(data, "", 0))
           ref = np.asarray(gpu_decode.resize_crop_batch(
               [jax.device_put(full, dec.device)], size))[0]
           d = np.abs(g[i].astype(np.int16) - ref)
@@ -796,7 +959,7 @@ class TestGpuDecoder:
     host = D.make_train_iterator(_config(name), batch_size=8, seed=5)
     gpu = D.make_train_iterator(_config(name, decoder="gpu"), batch_size=8,
                                 seed=5)
-    assert isinstance(gpu, decode.Prefetch)
+    assert isinstance(gpu, batching.Prefetch)
     a, b = _take(host, 12), _take(gpu, 12)
     for x, y in zip(a, b):
       assert np.array_equal(x["text"], y["text"])
@@ -821,7 +984,7 @@ class TestGpuDecoder:
                                 batch_size=8 * n, seed=7)
     for x, y in zip(_take(host, 4), _take(gpu, 4)):
       assert np.array_equal(x["text"], y["text"])
-      _check_shards(y, decode.data_sharding())
+      _check_shards(y, batching.data_sharding())
       for shard in y["image"].addressable_shards:
         d = np.abs(np.asarray(shard.data).astype(np.int16)
                    - x["image"][shard.index[0]])
@@ -876,14 +1039,14 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   # The GPU call swapped for the host decoder: the trainer takes the batch
   # path's Prefetch iterator (state, ledger) and gets the same loss, bitwise.
   host = _step_one_loss(tmp_path / "host", "host")
-  monkeypatch.setattr(decode, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
   import train.data.gpu_decode as gpu_decode  # pylint: disable=import-outside-toplevel
   calls = []
 
   class Counted(decode.HostBatchDecoder):
-    def __init__(self, backend, options, cpu_threads):
+    def __init__(self, backend, options, cpu_threads, threads):
       # make_batch_decoder's call, the config's defaults.
-      assert (backend, options, cpu_threads) == ("auto", "", 0)
+      assert (backend, options, cpu_threads, threads) == ("auto", "", 0, 1)
       super().__init__()
 
     def decode(self, encoded, wheres, size):
@@ -897,6 +1060,53 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   assert {d for d, _ in calls} == set(jax.devices())
   assert {size for _, size in calls} == {8 // n_dev}
   assert batch == host
+
+
+def test_precompute_on_the_batch_path_writes_the_host_paths_shards(
+    corpus, tmp_path, monkeypatch, capsys):
+  # train.precompute with a batch decoder (the GPU's contract; here the
+  # host's decoder, so the pixels are the host path's): each local device
+  # decodes its rows of each batch; the shards (embeddings, keys, bad rows,
+  # content hashes) are the host path's, bitwise.
+  import jax  # pylint: disable=import-outside-toplevel
+  from tests import test_stream  # pylint: disable=import-outside-toplevel
+  from train import precompute as precompute_lib  # pylint: disable=import-outside-toplevel
+  from train import train as train_lib  # pylint: disable=import-outside-toplevel
+  from train.data import embeddings as emb_lib  # pylint: disable=import-outside-toplevel
+  config = test_stream._tiny(  # pylint: disable=protected-access
+      "webdataset:" + corpus.pattern, "", tmp_path / "tfds",
+      precompute_image_embeddings=False)
+  tower = train_lib.make_locked_tower(
+      config, train_lib.data_lib.make_tokenizer(config))
+  n_dev = len(jax.devices())
+  kw = dict(rows_per_shard=40, batch_size=2 * n_dev)
+  precompute_lib.precompute(config, str(tmp_path / "host"), tower, **kw)
+  calls = []
+
+  class Counted(decode.HostBatchDecoder):
+    def decode(self, encoded, wheres, size):
+      calls.append((self.device, len(encoded)))
+      return super().decode(encoded, wheres, size)
+  made = []
+  monkeypatch.setattr(decoders, "make_batch_decoder",
+                      lambda *a, **k: made.append(a) or Counted())
+  capsys.readouterr()
+  precompute_lib.precompute(config, str(tmp_path / "batch"), tower, **kw)
+  assert made and "images decoded by host" in capsys.readouterr().out
+  meta = emb_lib.read_meta(str(tmp_path / "batch"), "x")
+  assert meta["decoder"] == "host" and meta["num_shards"] >= 2
+  n_bad = 0
+  for k in range(meta["num_shards"]):
+    a, b = (emb_lib.shard_paths(str(tmp_path / d), k)
+            for d in ("host", "batch"))
+    assert open(a[0], "rb").read() == open(b[0], "rb").read(), k
+    ja, jb = (json.load(open(x[1])) for x in (a, b))
+    assert ja == jb, k
+    n_bad += len(ja["bad"])
+  assert n_bad > 0  # the corrupt JPEG and the empty captions among them
+  # Every device decoded its own rows, at most 2 a call (bad reads left out).
+  assert {d for d, _ in calls} == set(jax.devices())
+  assert max(n for _, n in calls) == 2
 
 
 def test_prefetch_closed_midway_continues_where_the_consumer_was(corpus):

@@ -12,6 +12,7 @@ from PIL import Image
 
 from tests.helpers import seed_of
 from train.data import decode
+from train.data import decoders
 from train.data import gpu_decode as G
 from train.data import pipeline
 
@@ -249,7 +250,7 @@ def test_counts_are_padded_to_powers_of_two_in_chunks():
 
 # ------------------------------------------------------------------- GPU
 
-GPU_WHY = decode.gpu_unavailable()
+GPU_WHY = decoders.gpu_unavailable()
 
 
 def _jpeg(image):

@@ -8,7 +8,9 @@ import pathlib
 import subprocess
 import sys
 
-PKG = pathlib.Path(__file__).resolve().parent.parent / "infcl_jax"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "infcl_jax"
+TRAIN = ROOT / "train"
 
 # Each layer may import only the layers below it (and the shared base
 # modules); the public API sits on top.
@@ -17,35 +19,42 @@ BASE = {"infcl_jax._axes", "infcl_jax._device", "infcl_jax._math",
         "infcl_jax.block_sizes"}
 
 
-def _module_name(path):
-  rel = path.relative_to(PKG.parent).with_suffix("")
+def _module_name(path, pkg=PKG):
+  rel = path.relative_to(pkg.parent).with_suffix("")
   parts = list(rel.parts)
   if parts[-1] == "__init__":
     parts.pop()
   return ".".join(parts)
 
 
-def _modules():
-  return {_module_name(p): p for p in PKG.rglob("*.py")}
+def _modules(pkg=PKG):
+  return {_module_name(p, pkg): p for p in pkg.rglob("*.py")}
 
 
-def _import_graph():
-  """{module: {infcl_jax modules it imports explicitly}}."""
-  mods = _modules()
+def _imports(path, mods, prefixes):
+  """The modules of ``mods`` (and any named by ``prefixes``) that the file
+  imports, at its top or inside functions, classes and branches."""
+  deps = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      targets = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      # `from a import b` imports module a.b if there is one, else a.
+      targets = [f"{node.module}.{a.name}"
+                 if f"{node.module}.{a.name}" in mods else node.module
+                 for a in node.names]
+    else:
+      continue
+    deps |= {t for t in targets if t.split(".")[0] in prefixes}
+  return deps
+
+
+def _import_graph(pkg=PKG):
+  """{module: {the package's modules it imports explicitly}}."""
+  mods = _modules(pkg)
   graph = {}
   for name, path in mods.items():
-    deps = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      if isinstance(node, ast.Import):
-        targets = [a.name for a in node.names]
-      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        # `from a import b` imports module a.b if there is one, else a.
-        targets = [f"{node.module}.{a.name}"
-                   if f"{node.module}.{a.name}" in mods else node.module
-                   for a in node.names]
-      else:
-        continue
-      deps |= {t for t in targets if t.split(".")[0] == "infcl_jax"}
+    deps = _imports(path, mods, {pkg.name})
     assert all(d in mods for d in deps), (name, deps - set(mods))
     graph[name] = deps - {name}
   return graph
@@ -86,6 +95,36 @@ def test_no_import_cycles():
   graph = _import_graph()
   assert len(graph) > 15  # The walk found the package.
   assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_no_import_cycles_in_the_trainer():
+  # train/ too, imports inside functions included: no module imports one
+  # that imports it back (train/data: sources, then the decoders, then the
+  # pipeline that batches, prefetches and places).
+  graph = _import_graph(TRAIN)
+  assert len(graph) > 40 and "train.data.gpu_decode" in graph
+  assert graph["train.data.pipeline"] >= {"train.data.batching",
+                                          "train.data.decoders"}
+  assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_the_decoders_import_neither_each_other_nor_the_pipeline():
+  # Each decoder is one file that changes without the other: they share
+  # only the lower modules (image, source, stopwatch).
+  graph = _import_graph(TRAIN)
+  upper = {"train.data.decode", "train.data.gpu_decode", "train.data.decoders",
+           "train.data.batching", "train.data.pipeline", "train.data"}
+  for mod in ("train.data.decode", "train.data.gpu_decode"):
+    assert not graph[mod] & upper, (mod, graph[mod] & upper)
+  assert not graph["train.data.batching"] & upper, graph["train.data.batching"]
+  assert not graph["train.data.image"] - {"train.data.source"}
+
+
+def test_the_library_imports_neither_the_trainer_nor_the_benchmarks():
+  mods = _modules()
+  bad = {name: deps for name, path in mods.items()
+         if (deps := _imports(path, mods, {"train", "benchmarks"}))}
+  assert not bad, bad
 
 
 def _layer(mod):

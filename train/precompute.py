@@ -20,6 +20,13 @@ process p of P writes shards p, p+P, ... (run the same command in every
 process of a ``jax.distributed`` job); the directory is complete when all
 are. Bad examples (an image that does not decode, an empty caption, ...)
 are recorded as bad rows and skipped by training.
+
+``config.data.decoder`` decides where the JPEGs are decoded, as in training
+(train/data/decoders.py): "host" in the reader threads (data.num_threads),
+"gpu" by nvImageCodec on each local device (its contiguous rows of each
+batch; the threads only read the bytes and check the JPEGs), "auto" by the
+measured rates. A directory holds one decoder's embeddings (the GPU's
+pixels are within a level or two of the host's, not equal).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train import step as step_lib
+from train.data import decoders
 from train.data import embeddings as emb_lib
 from train.data import pipeline
 from train.data import sources
@@ -121,6 +129,10 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   if sources.kind_of(source.spec) == "embeddings":
     raise ValueError("config.data.name already names precomputed embeddings")
   meta = _meta(source, tower, rows_per_shard, data.decode_size)
+  batch_decoder = decoders.make_batch_decoder(data, source, config.get("model"),
+                                              log=log)
+  if batch_decoder is not None:
+    meta["decoder"] = batch_decoder.name  # (absent: the host's)
   _check_or_write_meta(out, meta)
   local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
   n_local = local_mesh.size
@@ -131,7 +143,12 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   # The host delivers uint8 at host_size; Tower.embed resizes on the device
   # from config.data.decode_size, as in training.
   size = pipeline.host_size(data)
-  compact = pipeline.Compact(source, size)
+  compact = pipeline.Compact(source, size, decode=batch_decoder is None)
+  devices = list(local_mesh.devices.flat)
+  if batch_decoder is not None:
+    by_device = {d: batch_decoder.for_device(d) for d in devices}
+    log(f"[precompute] images decoded by {batch_decoder.describe()}, one "
+        f"per local device ({n_local})")
   todo = [k for k in range(process_index, meta["num_shards"], process_count)
           if not os.path.exists(emb_lib.shard_paths(out, k)[1])]
   done = len(range(process_index, meta["num_shards"], process_count)) - len(
@@ -150,13 +167,33 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
       # Decoding runs on the reader threads, one batch ahead of the device.
       batches = [range(s, min(hi, s + bs)) for s in range(lo, hi, bs)]
       futures = [pool.submit(lambda r: [compact(i) for i in r], batches[0])]
+      # The last batch's embeddings, read once the next batch is decoded and
+      # dispatched: the device embeds one batch while the next decodes.
+      pending = None
       for j, rows in enumerate(batches):
         if j + 1 < len(batches):
           futures.append(pool.submit(lambda r: [compact(i) for i in r],
                                      batches[j + 1]))
         items = futures[j].result()
         futures[j] = None
-        images = np.zeros((bs, size, size, 3), np.uint8)
+        if batch_decoder is not None:
+          images, items = _decode_on_devices(
+              by_device, devices, items, bs, size, local_mesh)
+        else:
+          images = np.zeros((bs, size, size, 3), np.uint8)
+          for r, item in enumerate(items):
+            if not isinstance(item, Bad):
+              images[r] = item["image"]
+        out_rows = embed(params, images)  # dispatched; the hashes meanwhile
+        pixels = np.asarray(images)  # (the GPU's: copied back to hash them)
+        if pending is not None:
+          a, b = pending[0].start - lo, pending[0].stop - lo
+          emb[a:b] = np.asarray(pending[1], np.float32)[:b - a]
+        # On the threads (hashlib lets go of the GIL): one thread hashes
+        # ~5k 256 px images a second, less than the GPU decoder delivers.
+        good = [r for r, item in enumerate(items) if not isinstance(item, Bad)]
+        digests = dict(zip(good, pool.map(content_hash,
+                                          [pixels[r] for r in good])))
         for r, (i, item) in enumerate(zip(rows, items)):
           keys.append(source.keys[i] if hasattr(source, "keys")
                       else f"{source.spec}#{i}")
@@ -167,14 +204,14 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
             image_ids.append(-1)
             hashes.append("")
           else:
-            images[r] = item["image"]
             captions.append([c.decode() if isinstance(c, bytes) else c
                              for c in item["captions"]])
             labels.append(int(item["label"]))
             image_ids.append(int(item["image_id"]))
-            hashes.append(content_hash(item["image"]))
-        out_rows = np.asarray(embed(params, images), np.float32)
-        emb[rows.start - lo:rows.stop - lo] = out_rows[:len(rows)]
+            hashes.append(digests[r])
+        pending = (rows, out_rows)
+      a, b = pending[0].start - lo, pending[0].stop - lo
+      emb[a:b] = np.asarray(pending[1], np.float32)[:b - a]
       if not np.all(np.isfinite(emb)):
         bad_rows = np.where(~np.all(np.isfinite(emb), axis=1))[0]
         for r in bad_rows:
@@ -190,6 +227,17 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
       log(f"[precompute] shard {k + 1}/{meta['num_shards']}: {hi - lo} "
           f"examples ({len(bad)} bad), {n_done / (time.time() - t0):.0f} "
           "img/s")
+  if batch_decoder is not None:
+    totals = {}
+    for d in {id(d): d for d in by_device.values()}.values():
+      if hasattr(d, "clock"):
+        d.clock.add_to(totals)
+      if hasattr(d, "close"):
+        d.close()  # the GPU decoder's threads
+    if totals:
+      log("[precompute] decode stages (wall/cpu s, summed over devices and "
+          "threads): " + ", ".join(f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"
+                                   for k, v in sorted(totals.items())))
   return out
 
 
@@ -241,3 +289,37 @@ if __name__ == "__main__":
                     "jax.distributed.initialize() first; process p writes "
                     "shards p, p+P, ...")
   app.run(main)
+
+
+def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
+                       size: int, mesh):
+  """A batch's encoded images (``Compact(decode=False)`` items, up to
+  ``bs``) decoded by each local device's decoder, device k its rows [k *
+  bs / n, (k + 1) * bs / n): (uint8 [bs, size, size, 3] global array in the
+  mesh's batch sharding, the items with each that did not decode replaced by
+  a Bad). A bad row, or one past the items, is zeros (its embedding is not
+  kept)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  per, items = bs // len(devices), list(items)
+  arrays = []
+  for k, device in enumerate(devices):
+    rows = [r for r in range(k * per, min((k + 1) * per, len(items)))
+            if not isinstance(items[r], Bad)]
+    shard = jnp.zeros((per, size, size, 3), jnp.uint8, device=device)
+    if rows:
+      images, ok, bad = by_device[device].decode(
+          [items[r]["encoded"] for r in rows],
+          [items[r]["key"] for r in rows], size)
+      for i, where, reason in bad:
+        items[rows[i]] = Bad(where, reason)
+      at = np.asarray(rows, np.int32)[np.asarray(ok, bool)] - k * per
+      if not isinstance(images, jax.Array):  # a host decoder's numpy
+        images = jax.device_put(np.asarray(images), device)
+      if len(at) == per:
+        shard = images
+      elif len(at):
+        shard = shard.at[jax.device_put(at, device)].set(images)
+    arrays.append(shard)
+  return jax.make_array_from_single_device_arrays(
+      (bs, size, size, 3), NamedSharding(mesh, P(step_lib.AXIS)),
+      arrays), items

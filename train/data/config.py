@@ -8,7 +8,7 @@ a single-line ValueError, so a bad config fails before any training starts.
 
 import ml_collections
 
-from train.data import decode as decode_lib
+from train.data import decoders as decoders_lib
 from train.data import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
@@ -123,10 +123,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.num_workers = 0
   # Micro-batches held ahead on the host, in all (workers included).
   c.prefetch_batches = 2
-  # Where JPEGs are decoded (train/data/decode.py): "host" (the reader
+  # Where JPEGs are decoded (train/data/decoders.py): "host" (the reader
   # threads / workers; simplejpeg when installed, else Pillow), "gpu"
   # (nvImageCodec on the device, per micro-batch: the gpu-decode extra;
-  # webdataset and table sources), "auto" (gpu when both are there).
+  # webdataset and table sources), "auto" (gpu where it can run and the
+  # host cannot keep pace with the image tower, by measured rates).
   c.decoder = "host"
   # decoder="gpu": nvImageCodec's settings (train/data/gpu_decode.py
   # GpuBatchDecoder). The backend: "auto" (nvImageCodec's choice), "hw",
@@ -138,6 +139,12 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.gpu_decoder_backend = "auto"
   c.gpu_decoder_options = ""
   c.gpu_decoder_cpu_threads = 0
+  # nvImageCodec decoders per GPU, each on its own thread, each decoding a
+  # contiguous part of the device's shard of a micro-batch.
+  c.gpu_decoder_threads = 1
+  # Chunks (of 512 encoded images) a reader thread takes ahead out of the
+  # workers for the GPU decoder's thread (0 = that thread takes them).
+  c.gpu_decoder_read_ahead = 0
   # A process's shard is decoded and resized once and kept in memory when
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
   # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.
@@ -214,4 +221,4 @@ def check_data_config(config) -> None:
                      " must be a number in [0, 1]")
   remote.parse_storage_options(data.storage_options)
   sources.check_sources(data)
-  decode_lib.check_decoder(data)
+  decoders_lib.check_decoder(data)

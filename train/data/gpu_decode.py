@@ -1,14 +1,18 @@
 """JPEG decoding on the GPU: nvImageCodec (nvJPEG) -> jax, resized on device.
 
-``GpuBatchDecoder`` meets the batch contract of train/data/decode.py
-(``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3] of the k
-that decode, which did, and the others named) for one local device: each
-device's shard of a micro-batch (``decode.DecodedIterator``) goes to that
-device's decoder, nvImageCodec on that GPU, in one call (faster beside the
-tower than sub-batches: BENCHMARKS.md, data path); each decoded image is
+``GpuBatchDecoder`` meets the batch contract of train/data/decode.py's
+module doc (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3]
+of the k that decode, which did, and the others named) for one local
+device: each device's shard of a micro-batch (``batching.DecodedIterator``)
+goes to that device's decoder, nvImageCodec on that GPU, in one call
+(faster beside the tower than sub-batches: BENCHMARKS.md, data path), or
+with ``threads`` > 1 split in that many contiguous parts, each decoded by
+its own nvImageCodec decoder on its own thread (nvImageCodec's call sets
+each image up on the calling thread: one thread's setup, not the GPU,
+bounded the decoder in the streamed step); each decoded image is
 handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
-(``pipeline.resize_crop``: shorter side to ``size``, Pillow's reduce and
+(``image.resize_crop``: shorter side to ``size``, Pillow's reduce and
 separable antialiased bicubic, each step rounded to whole levels, then the
 central square), and the result stays uint8 until the tower normalises it.
 The resize (``resize_crop_batch``, see the comment above it) takes any mix
@@ -23,7 +27,7 @@ file that is no image) is decoded on the host instead, so the kept
 examples are the host path's: only what the host cannot decode either is
 bad, with the host's reason. Truncated JPEGs, which nvJPEG decodes
 silently into an image, never get here: the reader threads check every
-JPEG's markers first (decode.jpeg_problem).
+JPEG's markers first (image.jpeg_problem).
 
 Needs the ``gpu-decode`` extra (nvidia-nvimgcodec-cu13 with nvidia-nvjpeg:
 CUDA 13, as the jax CUDA plugin beside it) and a CUDA device; importing
@@ -31,11 +35,17 @@ this module needs neither.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import NamedTuple
 
 import jax
 import numpy as np
+
+from train.data import image as image_lib
+from train.data.image import crop_geometry
+from train.data.source import BadExample
+from train.data.stopwatch import Stopwatch
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")
 # nvImageCodec's backend kinds. Its nvJPEG CUDA decoder registers as
@@ -44,6 +54,7 @@ BACKENDS = ("auto", "hw", "cuda", "hybrid")
 # threads (its executor's, max_num_cpu_threads, plus the caller), above it
 # on the GPU. "hw" is the hardware JPEG engines alone.
 _KINDS = {"hw": "HW_GPU_ONLY", "cuda": "GPU_ONLY", "hybrid": "HYBRID_CPU_GPU"}
+MAX_THREADS = 32  # nvImageCodec decoders per GPU (gpu_decoder_threads)
 
 
 def parse_backends(spec: str) -> tuple:
@@ -101,14 +112,20 @@ def check_options(options: str) -> str:
   return " ".join(options.split())
 
 
-def check_settings(backend: str, options: str, cpu_threads: int) -> tuple:
-  """The three config.data.gpu_decoder_* settings, checked (one-line
+def check_settings(backend: str, options: str, cpu_threads: int,
+                   threads: int = 1) -> tuple:
+  """The config.data.gpu_decoder_* settings, checked (one-line
   ValueError): (parse_backends(backend), check_options(options))."""
   if (not isinstance(cpu_threads, int) or isinstance(cpu_threads, bool)
       or cpu_threads < 0):
     raise ValueError(f"config.data.gpu_decoder_cpu_threads={cpu_threads!r} "
                      "must be an int >= 0 (0 = nvImageCodec's default, one "
                      "per core)")
+  if not isinstance(threads, int) or isinstance(threads, bool) or not (
+      1 <= threads <= MAX_THREADS):
+    raise ValueError(f"config.data.gpu_decoder_threads={threads!r} must be "
+                     f"an int in [1, {MAX_THREADS}] (nvImageCodec decoders "
+                     "per GPU, each on its own thread)")
   return parse_backends(backend), check_options(options)
 
 # ------------------------------------------------------------ the device resize
@@ -120,7 +137,7 @@ def check_settings(backend: str, options: str, cpu_threads: int) -> tuple:
 # count: every group compiled a new stack and a new resize. Here the
 # resize is Pillow's arithmetic written as data, not as shapes:
 #
-# * Pillow's bicubic (the host path, pipeline.resize_crop) is two separable
+# * Pillow's bicubic (the host path, image.resize_crop) is two separable
 #   passes, each out = clip(floor(X · K^T / 2^22 + 1/2)) with K its integer
 #   (22-bit) coefficients (Resample.c: precompute_coeffs,
 #   normalize_coeffs_8bpc). The coefficients and the pass order are computed
@@ -220,13 +237,6 @@ def _coeffs(in_size: int, in1: float, out_size: int):
   return first, count, k
 
 
-def crop_geometry(h: int, w: int, size: int):
-  """(resized h, resized w, top, left) of ``pipeline.resize_crop``."""
-  scale = size / min(h, w)
-  nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-  return nh, nw, (nh - size) // 2, (nw - size) // 2
-
-
 class _Axis(NamedTuple):
   """One side of an image's plan (see ``plan``)."""
   factor: int  # Pillow's box-reduce factor on this side (1: none).
@@ -290,7 +300,7 @@ class Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=1 << 16)
 def plan(h: int, w: int, size: int) -> Plan:
-  """The plan of ``pipeline.resize_crop`` for an (h, w) image."""
+  """The plan of ``image.resize_crop`` for an (h, w) image."""
   nh, nw, top, left = crop_geometry(h, w, size)
   gap = size / min(h, w) < 1  # reducing_gap=2.0 only when shrinking.
   fx = (int(w / nw / 2.0) or 1) if gap else 1
@@ -461,7 +471,7 @@ def _pass_taps(p: Plan):
 
 
 def resize_crop_into(out, images: list, rows: list):
-  """Writes ``pipeline.resize_crop`` of each uint8 [h, w, 3] device array
+  """Writes ``image.resize_crop`` of each uint8 [h, w, 3] device array
   in images to its row of out (uint8 [k, size, size, 3], on the images'
   device), returning the new out (the old one is donated).
 
@@ -516,7 +526,7 @@ def resize_crop_into(out, images: list, rows: list):
 def resize_crop_batch(images: list, size: int, device=None):
   """uint8 [h_i, w_i, 3] device arrays (any mix of shapes) -> uint8
   [len(images), size, size, 3] on ``device`` (default: the first image's),
-  each as ``pipeline.resize_crop`` makes it (see the comment above)."""
+  each as ``image.resize_crop`` makes it (see the comment above)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   if device is None:
     device = next(iter(images[0].devices())) if images else jax.devices()[0]
@@ -555,20 +565,27 @@ class GpuBatchDecoder:
     options: more of nvImageCodec's decoder options (check_options), after
       ":fancy_upsampling=1".
     cpu_threads: nvImageCodec's executor threads (max_num_cpu_threads; 0 =
-      its default, one per core). Its CUDA decoder's Huffman stage runs
-      there for small images, beside the data workers and the tower's
-      dispatch, so this and the workers share the host's cores.
+      its default, one per core), of each of its decoders. Its CUDA
+      decoder's Huffman stage runs there for small images, beside the data
+      workers and the tower's dispatch, so this and the workers share the
+      host's cores.
+    threads: nvImageCodec decoders on this device, each on its own thread:
+      a shard is split in that many contiguous parts, decoded and handed to
+      jax side by side (nvImageCodec sets every image of a call up on the
+      calling thread, and releases the GIL while it decodes), then resized
+      together. The images, their order and the bad members are those of
+      one decoder.
   """
 
   name = "gpu"
 
   def __init__(self, backend: str = "auto", device=None,
                fancy_upsampling: bool = True, options: str = "",
-               cpu_threads: int = 0):
+               cpu_threads: int = 0, threads: int = 1):
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel
-    kinds, options = check_settings(backend, options, cpu_threads)
+    kinds, options = check_settings(backend, options, cpu_threads, threads)
     self.backend, self.options = backend, options
-    self.cpu_threads = cpu_threads
+    self.cpu_threads, self.threads = cpu_threads, threads
     self.device = device or jax.local_devices()[0]
     self._fancy_asked = fancy_upsampling
     hw_id = getattr(self.device, "local_hardware_id", None)
@@ -599,11 +616,17 @@ class GpuBatchDecoder:
         raise ValueError(f"nvImageCodec cannot create a decoder for "
                          f"backend {backend!r} on {self.device}: {e}"
                          ) from None
+    # The others as the first was made (its options taken or not).
+    opts = " ".join(([":fancy_upsampling=1"] if self.fancy_upsampling
+                     else []) + ([self.options] if self.options else []))
+    self._decoders = [self._decoder] + [
+        nvimgcodec.Decoder(**kwargs, **({"options": opts} if opts else {}))
+        for _ in range(threads - 1)]
+    self._pool = None  # the decoders' threads, made on first use
     # The host path does not apply EXIF orientation (Pillow's Image.open
     # leaves it), so neither does this one.
     self.zero_copy = True
-    from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
-    self.clock = decode_lib.Stopwatch()
+    self.clock = Stopwatch()
     self._params = nvimgcodec.DecodeParams(
         apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
         allow_any_depth=False)
@@ -612,27 +635,59 @@ class GpuBatchDecoder:
     if device == self.device:
       return self
     return GpuBatchDecoder(self.backend, device, self._fancy_asked,
-                           self.options, self.cpu_threads)
+                           self.options, self.cpu_threads, self.threads)
 
   def describe(self) -> str:
+    many = self.threads > 1
     return (f"gpu (nvImageCodec, backend {self.backend}, {self.device}"
             f"{'' if self.fancy_upsampling else ', no fancy upsampling'}"
             f"{f', options {self.options!r}' if self.options else ''}"
-            f"{f', {self.cpu_threads} CPU threads' if self.cpu_threads else ''})")
+            f"{f', {self.cpu_threads} CPU threads' if self.cpu_threads else ''}"
+            f"{f', {self.threads} decoders on threads' if many else ''})")
 
-  def _decode_all(self, encoded: list) -> list:
+  def close(self):
+    """Stops the decoders' threads (a later decode starts them again)."""
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
+
+  def _decode_all(self, encoded: list, decoder=None) -> list:
+    decoder = decoder or self._decoder
     try:
-      return list(self._decoder.decode(encoded, params=self._params))
+      return list(decoder.decode(encoded, params=self._params))
     except Exception:  # pylint: disable=broad-except
       # One bad stream can fail the whole batch call: decode one by one,
       # so that only it is lost.
       out = []
       for data in encoded:
         try:
-          out.append(self._decoder.decode(data, params=self._params))
+          out.append(decoder.decode(data, params=self._params))
         except Exception:  # pylint: disable=broad-except
           out.append(None)
       return out
+
+  def _decode_part(self, decoder, encoded: list) -> list:
+    """nvImageCodec's images of ``encoded`` as jax arrays on the device (or
+    None: the host decodes it), by ``decoder`` on the calling thread."""
+    with self.clock("nvimgcodec"):
+      outs = self._decode_all(encoded, decoder)
+    with self.clock("to_jax"):
+      return [self._usable(img) for img in outs]
+
+  def _decode_parts(self, encoded: list) -> list:
+    """``_decode_part`` of the whole shard: in one call, or with several
+    decoders in contiguous parts on their threads, in order."""
+    k = min(len(self._decoders), len(encoded))
+    if k <= 1:
+      return self._decode_part(self._decoder, encoded)
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          len(self._decoders), thread_name_prefix="decode-gpu")
+    bounds = np.linspace(0, len(encoded), k + 1).round().astype(int)
+    with self.clock("parts"):  # the caller's wall time for all of them
+      futures = [self._pool.submit(self._decode_part, d, encoded[a:b])
+                 for d, a, b in zip(self._decoders, bounds[:-1], bounds[1:])]
+      return [a for f in futures for a in f.result()]
 
   def _to_jax(self, img):
     if self.zero_copy:
@@ -658,9 +713,6 @@ class GpuBatchDecoder:
 
   def decode(self, encoded: list, wheres: list, size: int):
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from train.data import decode as decode_lib  # pylint: disable=import-outside-toplevel
-    from train.data import pipeline  # pylint: disable=import-outside-toplevel
-    from train.data.source import BadExample  # pylint: disable=import-outside-toplevel
     n = len(encoded)
     ok, bad = np.zeros(n, bool), []
     # Rows for every member, so that the resize's executables key on the
@@ -668,17 +720,14 @@ class GpuBatchDecoder:
     # among the kept, so the bad ones' rows are the tail cut off at the end.
     images = jnp.zeros((n, size, size, 3), jnp.uint8, device=self.device)
     decoded, rows = [], []  # uint8 [h, w, 3] on the device, any shape
-    with self.clock("nvimgcodec"):
-      outs = self._decode_all(encoded)
-    with self.clock("to_jax"):
-      usable = [self._usable(img) for img in outs]
+    usable = self._decode_parts(encoded)
     for i, a in enumerate(usable):
       if a is None:
         try:
           # Decoded and resized on the host: on the device, it is a
           # (size, size) image that the resize only places.
-          a = jax.device_put(pipeline.resize_crop(
-              decode_lib.decode_host(encoded[i], wheres[i], size), size),
+          a = jax.device_put(image_lib.resize_crop(
+              image_lib.decode_host(encoded[i], wheres[i], size), size),
                              self.device)
         except BadExample as e:
           bad.append((i, e.where, e.reason))

@@ -36,10 +36,18 @@ import sys
 
 import numpy as np
 
-from train.data import decode as decode_lib
+from train.data import batching
+from train.data import decoders
 from train.data import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
+# The host's image ops, which the trainer, evaluation and tests also reach
+# here (train/data/image.py holds them).
+from train.data.image import decode_host
+from train.data.image import jpeg_problem
+from train.data.image import preprocess_image  # pylint: disable=unused-import
+from train.data.image import resize_crop
+from train.data.image import to_float  # pylint: disable=unused-import
 from train.data.source import Bad
 from train.data.source import BadDataLedger
 from train.data.source import CountsBadData
@@ -48,52 +56,10 @@ from train.data.source import start_of_check
 
 
 def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
-  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3].
-
-  With ``size``, a JPEG is decoded at the smallest DCT scale that keeps both
-  sides >= size (Pillow's draft mode: a large photo decodes several times
-  faster, and resize_crop then sees fewer pixels). BadExample if it does not
-  decode, fully (a truncated file fails here, not later). JPEGs go through
-  simplejpeg when it is installed (train/data/decode.py: Pillow's pixels,
-  about twice as fast).
-  """
-  return decode_lib.decode_host(data, where, size)
-
-
-def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
-  """uint8 [H, W, C] -> uint8 [size, size, 3].
-
-  Resizes the shorter side to `size` (bicubic, antialiased), then takes the
-  central square crop; grayscale is repeated to RGB and alpha dropped.
-  """
-  image = np.asarray(image)
-  if image.ndim == 2:
-    image = image[..., None]
-  if image.shape[-1] == 1:
-    image = np.repeat(image, 3, axis=-1)
-  image = image[..., :3]
-  h, w = image.shape[:2]
-  if (h, w) != (size, size):
-    from PIL import Image  # pylint: disable=import-outside-toplevel
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-    image = np.asarray(Image.fromarray(image).resize(
-        (nw, nh), Image.BICUBIC, reducing_gap=None if scale >= 1 else 2.0))
-    top, left = (nh - size) // 2, (nw - size) // 2
-    image = image[top:top + size, left:left + size]
-  return np.ascontiguousarray(image, dtype=np.uint8)
-
-
-def to_float(image: np.ndarray) -> np.ndarray:
-  """uint8 -> float32 in [-1, 1], bitwise as the towers' SYMMETRIC
-  normalisation computes it on the device (train/towers/tower.py)."""
-  return (image.astype(np.float32) - np.float32(127.5)) * np.float32(
-      1.0 / 127.5)
-
-
-def preprocess_image(image: np.ndarray, size: int) -> np.ndarray:
-  """uint8 [H, W, C] -> float32 [size, size, 3] in [-1, 1] (resize_crop)."""
-  return to_float(resize_crop(image, size))
+  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3]
+  (``image.decode_host``: with ``size``, a JPEG at the smallest DCT scale
+  that keeps both sides >= size; BadExample if it does not decode fully)."""
+  return decode_host(data, where, size)
 
 
 def host_size(data) -> int:
@@ -113,7 +79,7 @@ class Compact:
   the example's image (examples of one image share it; by default the
   example's index), the group id of ``config.loss.groups = "image"``.
 
-  With ``decode=False`` (a batch decoder downstream, train/data/decode.py)
+  With ``decode=False`` (a batch decoder downstream, train/data/batching.py)
   encoded images are only checked to be whole JPEGs and kept as
   "encoded" bytes, with the example's "key".
   """
@@ -134,7 +100,7 @@ class Compact:
         image = ex["image"]
         if (isinstance(image, (bytes, bytearray, memoryview))
             and not self.decode):
-          problem = decode_lib.jpeg_problem(image)
+          problem = jpeg_problem(image)
           if problem:
             raise BadExample(ex["key"], f"undecodable image ({problem})")
           out["encoded"], out["key"] = bytes(image), ex["key"]
@@ -378,6 +344,63 @@ def _unflatten(chunk: dict) -> dict:
   return chunk
 
 
+class _ReadAhead:
+  """Chunks taken out of a grain iterator ``ahead`` at a time, on a thread.
+
+  What a batch decoder's thread would otherwise do before each decode:
+  wait for the workers' next chunk, open its shared memory and make its
+  encoded images bytes again (``_unflatten``). The chunks are the
+  iterator's, in its order, so the stream and the state (the position
+  consumed by ``take``) are those without it; what is ahead is dropped by
+  ``close``.
+  """
+
+  def __init__(self, iterator, ahead: int):
+    import queue  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+    self._queue = queue.Queue(maxsize=max(1, ahead))
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, args=(iterator,),
+                                    daemon=True, name="decode-read-ahead")
+    self._thread.start()
+
+  def _run(self, iterator):
+    import queue  # pylint: disable=import-outside-toplevel
+    while not self._stop.is_set():
+      try:
+        item = (_unflatten(next(iterator)), None)
+      except BaseException as e:  # pylint: disable=broad-except
+        item = (None, e)  # raised where the chunk would have been
+      while not self._stop.is_set():
+        try:
+          self._queue.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if item[1] is not None:
+        return
+
+  def next(self) -> dict:
+    chunk, error = self._queue.get()
+    if error is not None:
+      raise error
+    return chunk
+
+  def close(self, timeout_s: float = 60.0):
+    """Stops the thread: at once when it waits for room, after the chunk it
+    waits for otherwise (given up after ``timeout_s``: a daemon thread)."""
+    import queue  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+    self._stop.set()
+    deadline = time.monotonic() + timeout_s
+    while self._thread.is_alive() and time.monotonic() < deadline:
+      try:  # a put waiting for room sees the stop within 0.1 s
+        self._queue.get_nowait()
+      except queue.Empty:
+        pass
+      self._thread.join(timeout=0.05)
+
+
 class TrainIterator(CountsBadData):
   """Infinite, deterministic, resumable iterator of per-process micro-batches.
 
@@ -394,7 +417,8 @@ class TrainIterator(CountsBadData):
 
   def __init__(self, dataset, read_options, fingerprint: dict, *,
                microbatch_size: int, ledger: BadDataLedger,
-               num_workers: int = 0, chunk: int = CHUNK):
+               num_workers: int = 0, chunk: int = CHUNK,
+               read_ahead: int = 0):
     self._dataset = dataset  # grain MapDataset of (position, element)
     self._read_options = read_options
     self._num_workers = num_workers
@@ -403,6 +427,9 @@ class TrainIterator(CountsBadData):
     self.microbatch_size = microbatch_size
     self.ledger = ledger
     self._iter = None
+    # With read_ahead > 0 a thread takes that many chunks ahead out of grain
+    # (the workers' shared memory) into a queue (``_ReadAhead``).
+    self._read_ahead, self._ahead = read_ahead, None
     self._next_position = 0
     self._chunk = None  # The chunk being consumed, and the cursor in it.
     self._cursor = 0
@@ -432,6 +459,8 @@ class TrainIterator(CountsBadData):
             grain.MultiprocessingOptions(num_workers=self._num_workers,
                                          per_worker_buffer_size=per_worker))
       self._iter = iter(ds)
+      if self._read_ahead:
+        self._ahead = _ReadAhead(self._iter, self._read_ahead)
 
   def __iter__(self):
     return self
@@ -452,7 +481,9 @@ class TrainIterator(CountsBadData):
     need, parts = n, []
     while need:
       if self._chunk is None or self._cursor >= len(self._chunk["good"]):
-        self._chunk, self._cursor = _unflatten(next(self._iter)), 0
+        self._chunk = (self._ahead.next() if self._ahead is not None
+                       else _unflatten(next(self._iter)))
+        self._cursor = 0
         self.ledger.add_retries(self._chunk["retries"] + remote.take_retries())
       chunk, k = self._chunk, self._cursor
       good = chunk["good"]
@@ -510,6 +541,9 @@ class TrainIterator(CountsBadData):
     self.close()
 
   def close(self):
+    if self._ahead is not None:
+      self._ahead.close()  # before the grain iterator it reads
+      self._ahead = None
     if self._iter is not None and hasattr(self._iter, "close"):
       self._iter.close()  # Stops worker processes.
     self._iter = None
@@ -544,12 +578,13 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     captions_per_image: ``config.captions_per_image``: each image at k
       consecutive stream positions with distinct captions (``each_k``).
     batch_decoder: decodes each micro-batch's encoded images in one call
-      (train/data/decode.py); default: config.data.decoder's ("host":
-      none, every example decoded where it is read). With one, the
-      iterator is a ``decode.Prefetch`` of a ``decode.DecodedIterator``.
+      (train/data/decoders.py); default: config.data.decoder's ("host":
+      none, every example decoded where it is read; "auto": by the image
+      tower of config.model). With one, the iterator is a
+      ``batching.Prefetch`` of a ``batching.DecodedIterator``.
     batch_sharding: with a batch decoder, the sharding of each
       micro-batch's images, each local device decoding its rows (default:
-      the trainer's, ``decode.data_sharding``).
+      the trainer's, ``batching.data_sharding``).
   """
   import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
@@ -573,7 +608,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if not (isinstance(k, int) and k >= 1):
     raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   if batch_decoder is None:
-    batch_decoder = decode_lib.make_batch_decoder(data, source)
+    batch_decoder = decoders.make_batch_decoder(data, source,
+                                                config.get("model"))
   compact = Compact(source, host_size(data), decode=batch_decoder is None)
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
@@ -615,12 +651,14 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     fingerprint["captions_per_image"] = k
   it = TrainIterator(ds, read_options, fingerprint,
                      microbatch_size=microbatch_size, ledger=ledger,
-                     num_workers=data.num_workers, chunk=chunk)
+                     num_workers=data.num_workers, chunk=chunk,
+                     read_ahead=(data.get("gpu_decoder_read_ahead", 0)
+                                 if batch_decoder is not None else 0))
   if batch_decoder is None:
     return it
-  return decode_lib.Prefetch(
-      decode_lib.DecodedIterator(it, batch_decoder, host_size(data),
-                                 sharding=batch_sharding),
+  return batching.Prefetch(
+      batching.DecodedIterator(it, batch_decoder, host_size(data),
+                               sharding=batch_sharding),
       depth=max(1, data.prefetch_batches))
 
 
