@@ -227,7 +227,7 @@ def softmax_grad(x, y, scale, bias, row_lse, col_lse, row_coef, col_coef, *,
 
 def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
                  panel=None, groups=None, group_mode="mask",
-                 diagonal_outside=False, gemm_dtype=None):
+                 diagonal_outside=False):
   """``sigmoid_grad`` of a kernel backend: (dx, dy, dscale, dbias), float32.
 
   G = (-z) sigmoid(-z s) lies in [-1, 1]; coef (~1/B) is applied after the
@@ -248,23 +248,17 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   logit, which a latency-bound panel pays in full) and the diagonal's G is
   written here afterwards, with the scalar sums corrected by the
   difference: O(B * D) beside the panels' O(B^2 * D).
-
-  ``gemm_dtype`` float16 (float32 inputs on TF32 tiles, as in
-  ``softmax_grad``): the panels are float16, scanned and divided by their
-  largest |G| like a float16 input's, and the GEMMs run on 16-bit tensor
-  cores with float32 accumulation (``panel_backward``).
   """
   n, d = x.shape
   m = y.shape[0]
   scale = jnp.asarray(scale, F32)
   bias = jnp.asarray(bias, F32)
   coef = jnp.asarray(coef, F32)
-  rescale = jnp.float16 in (jnp.dtype(x.dtype), gemm_dtype)
+  rescale = jnp.dtype(x.dtype) == jnp.float16
   rid = row_ids(n, layout.n_pad)
   kw = dict(m=m, mask=layout.n_pad != n or layout.m_pad != m, scaled=rescale,
             has_diagonal=has_diagonal)
-  panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision,
-                                     g_dtype=gemm_dtype)
+  panel = panel or functools.partial(_xla_sigmoid_panel, precision=precision)
   gx, gy = _padded_groups(groups, layout)
   outside = diagonal_outside and has_diagonal and groups is not None
   row_extras = () if groups is None else (gx,)
@@ -297,7 +291,7 @@ def sigmoid_grad(x, y, scale, bias, coef, *, has_diagonal, layout, precision,
   dx, dy, dsc, dbi = panel_backward(
       x, y, rid, g_panel, layout=layout, precision=precision,
       refs=(scale, bias) + (() if groups is None else (gy,)),
-      row_extras=row_extras, gemm_dtype=gemm_dtype)
+      row_extras=row_extras)
   if outside:
     dsc, dbi = dsc + dsc_fix, dbi + dbi_fix
   return dx * (scale * coef), dy * (scale * coef), dsc * coef, dbi * coef
@@ -370,7 +364,7 @@ def _xla_softmax_panel(x_p, yp, r2, c2, params, *, rows, cols, mask,
 
 def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,
                        precision, has_diagonal, groups=None,
-                       group_mode="mask", g_dtype=None):
+                       group_mode="mask"):
   s0 = dot(x_p, yp, ((1,), (1,)), precision)
   s = s0 * params[0] + params[1]
   cid = jnp.arange(yp.shape[0], dtype=jnp.int32)
@@ -390,4 +384,4 @@ def _xla_sigmoid_panel(x_p, yp, rid, params, mode, *, m, mask, scaled,
   if mode == "max":
     return jnp.max(jnp.abs(g))
   gs = g * params[2] if scaled else g
-  return gs.astype(g_dtype or x_p.dtype), jnp.sum(g * s0), jnp.sum(g)
+  return gs.astype(x_p.dtype), jnp.sum(g * s0), jnp.sum(g)

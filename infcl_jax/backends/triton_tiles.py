@@ -139,7 +139,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         **self._kernel_kw())
 
   def _half_panels(self, x, bs) -> bool:
-    """Whether the panels of ``x`` (both families) are float16 with 16-bit GEMMs
+    """Whether the softmax panels of ``x`` are float16 with 16-bit GEMMs
     (``panel_backward.softmax_grad``'s ``gemm_dtype``): float32 on TF32
     tiles, compiled. G's float16 rounding (~3e-4 of the gradients) sits
     beside TF32's own error there; where float32 is asked to be exact
@@ -186,16 +186,12 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
                     groups=None, group_mode="mask"):
     prec = self.precision(bs, x.dtype, x.shape[-1])
     kprec = self._kernel_precision(prec)
-    # float32 on TF32 tiles: float16 panels (scanned for their largest |G|,
-    # as a float16 input's) and 16-bit GEMMs, as the softmax's.
-    half = self._half_panels(x, bs)
     x, y = self._operands(x, y, bs)
     kernel, kernel_kw = self.kernels().sigmoid_panel, self._kernel_kw()
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return kernel(
-          x_p, yp, rid_p, params, mode=mode,
-          g_dtype=jnp.float16 if half else x.dtype,
+          x_p, yp, rid_p, params, mode=mode, g_dtype=x.dtype,
           block_q=bs.bwd_block_q, block_k=bs.bwd_block_k, block_d=bs.block_d,
           num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
           precision=kprec, **kernel_kw, **kw)
@@ -204,7 +200,6 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         layout=layout(bs, x, y), precision=prec,
         panel=None if bs.bwd_impl == "xla" else panel,
-        gemm_dtype=jnp.float16 if half else None,
         **({} if groups is None else {
             "groups": groups, "group_mode": group_mode,
             "diagonal_outside": self.GROUP_DIAGONAL_OUTSIDE}))
