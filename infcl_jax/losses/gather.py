@@ -94,7 +94,7 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   me = lax.axis_index(axes)
   b_q = q.shape[0]
   cols = mode == "both"
-  row_w, col_w, pos_w = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
+  row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
   tile_groups, rel_pos, multi, nan = _groups(
       groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
@@ -104,17 +104,13 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   if multi is not None:
     pos = groups_lib.positives_term(q, keys, scale, bias, *multi)
     local = row_w * jnp.sum(row) - pos
-  elif rel_pos is not None:
+  else:
     # The positive outside the log-sum-exp (``terms.confident``).
     s_pos, _ = terms.positive_logits(q, keys, scale, bias,
                                      *_positives(keys, labels, me, b_q))
     row, u_r, row_loss = terms.confident(row, s_pos, rel_pos)
     local = row_w * jnp.sum(row_loss)
     margins = (u_r, None)
-  else:
-    pos, _ = terms.positive_sum(q, keys, scale, bias,
-                                *_positives(keys, labels, me, b_q))
-    local = row_w * jnp.sum(row) - pos_w * pos
   col = None
   if cols:
     if rel_pos is not None:
@@ -145,11 +141,10 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
   b_q = q.shape[0]
-  row_w, col_w, pos_w = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
+  row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
   tile_groups, rel_pos, multi, nan = _groups(
       groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
   g = g.astype(F32)
-  w_pos = g * pos_w
   row_coef, col_coef = g * row_w, g * col_w
   if rel_pos is not None:
     # As ``losses.softmax``: 1 - p in float32, the tiles' G scaled to <= 1.

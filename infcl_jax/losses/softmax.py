@@ -162,7 +162,7 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
   cols = mode == "both"
-  row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
+  row_w, col_w, _ = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
   grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
 
@@ -212,8 +212,6 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   c_home = ring.hop_home(c_out) if cols else None
   if s_home is not None:
     pos = s_home
-  elif pos_labels is None and not grp.multi:
-    pos, _ = terms.positive_sum(q, k, scale, bias)
   if grp.masked:
     # The positive stays out of the log-sum-exp: each term is
     # softplus(negatives' LSE - positive), which keeps its relative accuracy
@@ -227,8 +225,8 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
       c_last = None if c_last is None else c_last[0]
       local = local + col_w * jnp.sum(col_loss)
     margins = (u_r, u_c)
-  else:
-    local = row_w * jnp.sum(r) - (1.0 if grp.multi else pos_w) * jnp.sum(pos)
+  else:  # "positives": the plain LSEs less the grouped positive terms.
+    local = row_w * jnp.sum(r) - jnp.sum(pos)
     if cols:
       local = local + col_w * jnp.sum(c_home)
     margins = None
@@ -245,11 +243,10 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
-  row_w, col_w, pos_w = terms.weights(mode, ring.size * b_q, ring.size * b_k)
+  row_w, col_w, _ = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
   grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
   g = g.astype(F32)
-  w_pos = g * pos_w
   row_coef, col_coef = g * row_w, g * col_w
   if grp.masked:
     # The positive entries of G, -(1 - p), as sigmoid(negatives' LSE -
