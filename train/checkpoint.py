@@ -46,6 +46,33 @@ def _gather_json(obj) -> list:
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
 
 
+REMOTE_SCHEMES = ("gs://", "s3://")
+
+
+def is_remote(directory: str) -> bool:
+  return "://" in directory
+
+
+def check_directory(directory: str, what: str = "config.checkpoint.directory"
+                    ) -> None:
+  """One-line ValueError unless orbax can hold checkpoints at ``directory``
+  (a local path, or a store of REMOTE_SCHEMES with its filesystem
+  installed)."""
+  if not directory or not is_remote(directory):
+    return
+  scheme = directory.split("://", 1)[0]
+  if not directory.startswith(REMOTE_SCHEMES):
+    raise ValueError(
+        f"{what}={directory}: orbax cannot write checkpoints to {scheme}:// "
+        f"(it writes to local or mounted directories and to "
+        f"{', '.join(REMOTE_SCHEMES)})")
+  module = {"gs": "gcsfs", "s3": "s3fs"}[scheme]
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec(module) is None:
+    raise ValueError(f"{what}={directory}: {scheme}:// needs {module} "
+                     "(pip install 'infcl-jax[cloud]')")
+
+
 class Checkpointer:
   """Periodic + final saves, keep-last-K, resume from the newest checkpoint.
 
@@ -58,7 +85,8 @@ class Checkpointer:
   def __init__(self, directory: str, *, every_steps: int, keep: int,
                asynchronous: bool = True):
     self.every_steps = every_steps
-    self.directory = os.path.abspath(directory)
+    self.directory = (directory if is_remote(directory)
+                      else os.path.abspath(directory))
     self._closed = False
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True,
@@ -74,10 +102,12 @@ class Checkpointer:
   def finalized_steps(self) -> list[int]:
     """The steps whose checkpoints are complete on disk (orbax renames a
     checkpoint to its plain step number only when it is complete)."""
-    if not os.path.isdir(self.directory):
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    path = epath.Path(self.directory)
+    if not path.is_dir():
       return []
-    return sorted(int(d) for d in os.listdir(self.directory)
-                  if re.fullmatch(r"\d+", d))
+    return sorted(int(d.name) for d in path.iterdir()
+                  if re.fullmatch(r"\d+", d.name))
 
   def wait_until_finished(self) -> None:
     """Blocks until the save in flight (if any) is written and finalized."""
@@ -120,9 +150,18 @@ class Checkpointer:
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         like_state)
-    out = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract),
-        data=ocp.args.JsonRestore()))
+    try:
+      out = self._mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract),
+          data=ocp.args.JsonRestore()))
+    except ValueError as e:
+      if "tree structures do not match" not in str(e):
+        raise
+      raise ValueError(
+          f"the checkpoint of step {step} in {self.directory} does not fit "
+          "this config's train state (a key that shapes the towers, the loss "
+          "head or the optimizer differs from the run that wrote it): use a "
+          "new --workdir, or that run's config") from None
     data = out["data"]
     # A checkpoint without "processes" predates per-process data states.
     per_process = data["processes"] if "processes" in data else [data]

@@ -15,7 +15,9 @@ import math
 import ml_collections
 from ml_collections import config_dict
 
+from train import checkpoint as checkpoint_lib
 from train import data as data_lib
+from train import preemption
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -131,6 +133,23 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100
   c.checkpoint.keep = 3         # Keep the last K checkpoints.
+  # Also a checkpoint whenever this many minutes have passed since the last
+  # one (0 = steps only): for steps of minutes, where every_steps is hours.
+  # With several processes, process 0's clock decides (train/preemption.py).
+  c.checkpoint.every_minutes = 0.0
+  # Where checkpoints go: "" = <workdir>/checkpoints; or a directory
+  # elsewhere, e.g. on object storage (gs://bucket/run; docs/cluster.md).
+  c.checkpoint.directory = ""
+
+  # Signals that preempt the run: the step in progress finishes, a
+  # checkpoint of it is saved, and train.main exits with status 75
+  # (docs/cluster.md). SLURM and Kubernetes send SIGTERM; `#SBATCH
+  # --signal=USR1@120` sends SIGUSR1 ahead of the end. () = default actions.
+  c.preemption_signals = ("SIGTERM", "SIGUSR1")
+  # A rerun on a workdir whose config.json differs in keys that change the
+  # train state or the data stream stops with one line naming them; True
+  # resumes anyway (the checkpoint must still fit the new train state).
+  c.resume_despite_changes = False
 
   c.log_every_steps = 10
   c.progress_bar = True
@@ -257,3 +276,9 @@ def check_config(config) -> None:
   need((config.loss.block_q > 0) == (config.loss.block_k > 0),
        "config.loss.block_q and block_k must both be set (> 0) or both be 0")
   need(config.checkpoint.keep >= 1, "config.checkpoint.keep must be >= 1")
+  minutes = config.checkpoint.every_minutes
+  need(isinstance(minutes, (int, float)) and math.isfinite(minutes)
+       and minutes >= 0, f"config.checkpoint.every_minutes={minutes!r} must "
+       "be a finite number >= 0 (0 = only every_steps)")
+  preemption.check_signal_names(config.preemption_signals)
+  checkpoint_lib.check_directory(config.checkpoint.directory)

@@ -24,6 +24,16 @@ Ctrl-C finishes the checkpoint being written (Ctrl-C again abandons it),
 prints "interrupted at step N; last checkpoint step M; rerun to resume" and
 exits with status 130. A rerun of a finished run trains nothing and says so;
 ``--reevaluate`` evaluates its final checkpoint again.
+
+Preemption: SIGTERM and SIGUSR1 (``config.preemption_signals``) let the step
+in progress finish; a checkpoint of it is saved, "[lit] preempted at step N;
+checkpoint saved; rerun to resume" is printed and the exit status is 75
+(EXIT_PREEMPTED, sysexits' EX_TEMPFAIL): rerun the same command to resume.
+With several processes, a signal to any one of them stops all of them at the
+same step (train/preemption.py, docs/cluster.md).
+
+The workdir records each run: config.json (the resolved config), command.txt
+(the command lines) and train.log (what process 0 printed).
 """
 from __future__ import annotations
 
@@ -180,6 +190,17 @@ def _config():
 
 
 def main(argv) -> None:
+  from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  # What the run prints goes to <workdir>/train.log too (once the config
+  # has been validated and the workdir made).
+  run_log = workdir_lib.RunLog.capture()
+  try:
+    _main(argv)
+  finally:
+    run_log.close()
+
+
+def _main(argv) -> None:
   if len(argv) > 1:
     _error(f"unexpected arguments: {' '.join(argv[1:])}")
   config = _config()
@@ -188,23 +209,48 @@ def main(argv) -> None:
   if not FLAGS.workdir:
     _error("--workdir is required")
   _check_distributed_flags()
+  from train import preemption  # pylint: disable=g-import-not-at-top
   from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   try:
     # Before any work, creating nothing: the workdir is made once the
     # config has been validated (train.train_and_evaluate).
     workdir_lib.check_workdir(FLAGS.workdir, create=False)
+    signals = config.get("preemption_signals", ())
+    preemption.check_signal_names(signals)
   except ValueError as e:
     _error(str(e))
+  # From the start: a preemption while JAX starts is acted on after the
+  # first step, not lost.
+  preemption.catch(signals)
   if not FLAGS["verbosity"].present:
     # orbax logs every save at INFO; the trainer's own progress is printed.
     logging.set_verbosity(logging.WARNING)
   _set_xla_flags()
   if FLAGS.jax_distributed:
     _init_distributed()
+    # jax.distributed installs its own SIGTERM handler (its preemption
+    # notifier): the trainer's agreement replaces it (train/preemption.py).
+    preemption.catch(signals)
   try:
     from train import train  # pylint: disable=g-import-not-at-top
     train.train_and_evaluate(config, FLAGS.workdir,
-                             reevaluate=FLAGS.reevaluate)
+                             reevaluate=FLAGS.reevaluate,
+                             command=workdir_lib.command_line(sys.argv))
+  except preemption.Preempted:
+    # The checkpoint of the step reached is complete and the message is
+    # printed. Exit at once (the grace period is short), after leaving the
+    # other processes cleanly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if FLAGS.jax_distributed:
+      try:
+        import jax  # pylint: disable=g-import-not-at-top
+        jax.distributed.shutdown()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    if workdir_lib.RunLog.active is not None:
+      workdir_lib.RunLog.active.close()
+    os._exit(preemption.EXIT_PREEMPTED)  # pylint: disable=protected-access
   except (ValueError, FileNotFoundError) as e:
     if os.environ.get("INFCL_TRACEBACK"):
       raise
@@ -218,6 +264,8 @@ def main(argv) -> None:
     # wait for (or abort) threads that the interrupt left behind.
     sys.stdout.flush()
     sys.stderr.flush()
+    if workdir_lib.RunLog.active is not None:
+      workdir_lib.RunLog.active.close()
     os._exit(130)  # pylint: disable=protected-access
 
 

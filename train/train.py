@@ -44,6 +44,7 @@ from train import diagnostics
 from train import evaluate
 from train import model as model_lib
 from train import optim
+from train import preemption
 from train import precompute as precompute_lib
 from train import step as step_lib
 from train import stream as stream_lib
@@ -225,7 +226,9 @@ def _last_train_row(workdir: str) -> dict:
 
 def train_and_evaluate(config, workdir: str, *,
                        on_metrics: Callable[[int, dict], None] | None = None,
-                       reevaluate: bool = False) -> dict:
+                       reevaluate: bool = False,
+                       command: str | None = None,
+                       clock: Callable[[], float] = time.monotonic) -> dict:
   """Trains (or resumes) the LiT model of ``config`` in ``workdir``.
 
   Args:
@@ -254,8 +257,15 @@ def train_and_evaluate(config, workdir: str, *,
   validate(config)
   workdir_lib.check_workdir(workdir)  # Created only for a valid config.
   is_main = jax.process_index() == 0
+  # The run's record: its config against the one that made the workdir,
+  # then config.json, the command line and train.log (process 0).
+  workdir_lib.check_resume(workdir, config, log=print if is_main else None)
+  if is_main:
+    workdir_lib.record_run(workdir, config, command)
+  if workdir_lib.RunLog.active is not None:
+    workdir_lib.RunLog.active.attach(workdir, keep=is_main)
   ckpt = checkpoint_lib.Checkpointer(
-      os.path.join(workdir, "checkpoints"),
+      checkpoint_dir(config, workdir),
       every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
   latest = ckpt.latest_step()
   if latest is not None and latest >= config.total_steps:
@@ -266,18 +276,53 @@ def train_and_evaluate(config, workdir: str, *,
 
   # The last step done, and what to close however the run ends.
   progress = {"step": latest or 0, "pbar": None, "writer": None}
+  # Preemption signals are recorded from here on (train.main catches them
+  # from its start), and acted on after each step (_train).
+  catching = _catch_signals(config.preemption_signals)
   try:
     return _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-                  progress)
+                  progress, clock=clock)
   except KeyboardInterrupt as e:
     _stop_after_interrupt(ckpt, progress, is_main)
     e.reported = True  # train.main: the message above is printed.
     raise
   finally:
+    if catching:
+      preemption.release()
     for k in ("pbar", "writer"):
       if progress[k] is not None:
         progress[k].close()
     ckpt.close()  # After an error: lets the save in flight finish.
+
+
+def checkpoint_dir(config, workdir: str) -> str:
+  """config.checkpoint.directory, or <workdir>/checkpoints."""
+  return config.checkpoint.directory or os.path.join(workdir, "checkpoints")
+
+
+def _catch_signals(names) -> bool:
+  """Records ``names`` instead of their default action while the run
+  trains (only the main thread may install signal handlers: elsewhere,
+  e.g. a run started from a thread, the signals keep their action)."""
+  import threading  # pylint: disable=g-import-not-at-top
+  if not names or threading.current_thread() is not threading.main_thread():
+    return False
+  preemption.catch(names)
+  return True
+
+
+def _stop_for_preemption(ckpt, step: int, signal_name: str, progress: dict,
+                         is_main: bool):
+  """Waits for the checkpoint of ``step`` (already started) to be
+  finalized, says so, and raises Preempted."""
+  if progress["pbar"] is not None:
+    progress["pbar"].close()
+    progress["pbar"] = None
+  ckpt.close()  # Waits for the save: further signals are only recorded.
+  if is_main:
+    print(f"[lit] preempted at step {step}; checkpoint saved; rerun to "
+          "resume", flush=True)
+  raise preemption.Preempted(step, signal_name)
 
 
 class _DropInterrupts(std_logging.Filter):
@@ -363,7 +408,7 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
 
 
 def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-           progress) -> dict:
+           progress, clock=time.monotonic) -> dict:
   """The training run of ``train_and_evaluate``. Keeps ``progress["step"]``
   (the last step done, for the interrupt message) and hands its progress bar
   and metric writer to the caller via ``progress`` (closed however the run
@@ -487,11 +532,22 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   say = pbar.write if pbar is not None else functools.partial(print,
                                                               flush=True)
   train_metrics = {}
+  # Preemption signals and the clock of time-based checkpoints, agreed by
+  # all processes (train/preemption.py).
+  triggers = preemption.SaveTriggers(
+      every_minutes=config.checkpoint.every_minutes, clock=clock,
+      enabled=bool(config.preemption_signals))
   t_loop, steps_run = time.time(), 0
   for step in range(start_step + 1, config.total_steps + 1):
     state, metrics = train_step(state, next_inputs())
     progress["step"] = step
     steps_run += 1
+    preempted, timed = triggers.poll(step)
+    if preempted:
+      # Before the step's logging and evaluation: the grace period is short.
+      ckpt.save(step, state, train_iter.get_state())
+      _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
+                           is_main)
     if pbar is not None:
       pbar.update(1)
     if step % config.log_every_steps == 0 or step == config.total_steps:
@@ -513,13 +569,22 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
       if is_main:
         say(_eval_line(step, eval_metrics))
-    if ckpt.should_save(step) or step == config.total_steps:
+    if timed or ckpt.should_save(step) or step == config.total_steps:
       ckpt.save(step, state, train_iter.get_state())
+      triggers.saved()
+    triggers.launch()
   if pbar is not None:
     pbar.close()
     progress["pbar"] = None
   ckpt.save(config.total_steps, state, train_iter.get_state())
   ckpt.close()  # Waits for the last save.
+  # A signal after the last step's check: the final checkpoint is complete;
+  # the evaluation is left to the rerun (it evaluates a finished run whose
+  # summary is missing).
+  name = triggers.final_agreement()
+  if name is not None:
+    _stop_for_preemption(ckpt, config.total_steps, name, progress, is_main)
+  preemption.release()  # During the final evaluation a signal ends the run.
 
   eval_metrics = run_eval()
   writer.write(config.total_steps, {f"eval/{k}": v

@@ -2,8 +2,12 @@
 before it imports JAX)."""
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import sys
 import tempfile
+import time
 
 
 def _nearest_existing(path: str) -> str:
@@ -59,3 +63,215 @@ def _probe(workdir: str, path: str) -> None:
   except OSError as e:
     raise ValueError(f"workdir {workdir} is not writable: "
                      f"{e.strerror or e}") from None
+
+
+# ------------------------------------------------------- the run's record
+#
+# A workdir holds, beside checkpoints and metrics:
+#   config.json   the resolved config of the latest run (all keys);
+#   command.txt   every run's command line, one per line after a "# <UTC
+#                 time>" line (appended by each rerun);
+#   train.log     what the runs printed (stdout and stderr; with several
+#                 processes, process 0's), appended by each rerun.
+# A rerun checks its config against config.json first (``check_resume``).
+
+CONFIG_FILE = "config.json"
+COMMAND_FILE = "command.txt"
+LOG_FILE = "train.log"
+
+# Keys that may change between the runs of one workdir without a word: how
+# long, how often to evaluate, log and checkpoint, the held-out sets, and
+# how the data is read (not which data).
+_FREE = ("total_steps", "log_every_steps", "progress_bar", "eval.",
+         "checkpoint.every_steps", "checkpoint.every_minutes",
+         "checkpoint.keep", "preemption_signals", "resume_despite_changes",
+         "data.eval_split", "data.num_eval_examples", "data.zeroshot_",
+         "data.num_threads", "data.num_workers", "data.prefetch_batches",
+         "data.cache_max_mb", "data.gpu_decoder_cpu_threads")
+# Keys that change the numbers from here on but neither the train state's
+# structure nor the data stream: a one-line note, and the run goes on.
+_NOTED = ("optim.lr", "optim.weight_decay", "optim.weight_decay_scale",
+          "optim.b1", "optim.b2", "optim.eps", "optim.warmup_steps",
+          "optim.end_lr_ratio", "optim.grad_clip_norm", "optim.lr_mults",
+          "optim.adafactor_decay_rate", "optim.adafactor_eps",
+          "optim.adafactor_clipping_threshold", "loss.backend",
+          "loss.block_q", "loss.block_k", "loss.min_log_scale",
+          "loss.max_log_scale", "loss.init_log_scale", "loss.init_bias",
+          "model.dtype", "data.data_dir", "data.decoder",
+          "data.gpu_decoder_backend", "data.gpu_decoder_options",
+          "data.max_bad_fraction", "checkpoint.directory")
+# Every other key (the seed, the batch, the towers, the loss and its head,
+# the optimizer's kind, the data and the tokenizer) changes the train
+# state's structure or the data stream: the rerun stops unless
+# config.resume_despite_changes is set.
+
+
+def _matches(key: str, names) -> bool:
+  return any(key == n or (n.endswith((".", "_")) and key.startswith(n))
+             for n in names)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_as_json(config) -> dict:
+  """The config as plain JSON values (tuples become lists)."""
+  return json.loads(json.dumps(config.to_dict(), default=str))
+
+
+def config_changes(recorded: dict, current: dict):
+  """(blocking, noted) keys whose values differ, each as "key (old -> new)";
+  a key only one side has counts as changed (None on the other)."""
+  old, new = flatten(recorded), flatten(current)
+  blocking, noted = [], []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if a == b or _matches(key, _FREE):
+      continue
+    (noted if _matches(key, _NOTED) else blocking).append(
+        f"{key} ({a!r} -> {b!r})")
+  return blocking, noted
+
+
+def check_resume(workdir: str, config, log=print) -> None:
+  """One-line ValueError when ``workdir`` was made by a config that differs
+  from ``config`` in keys that change the train state or the data stream
+  (unless config.resume_despite_changes); one note line for keys that only
+  change the numbers from here on. Nothing without a config.json."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  try:
+    with open(path) as f:
+      recorded = json.load(f)
+  except (OSError, ValueError):
+    return
+  blocking, noted = config_changes(recorded, config_as_json(config))
+  if blocking and not config.get("resume_despite_changes", False):
+    raise ValueError(
+        f"workdir {workdir} holds a run whose config ({path}) differs in "
+        f"keys that change the train state or the data stream: "
+        f"{', '.join(blocking)}; use a new --workdir, or resume anyway with "
+        "--config.resume_despite_changes=True")
+  changed = blocking + noted
+  if changed and log is not None:
+    log(f"[lit] resuming {workdir} with changed config keys: "
+        f"{', '.join(changed)}")
+
+
+def command_line(argv) -> str:
+  """``argv`` as a shell line; ``python -m train.main`` for the trainer."""
+  argv = list(argv)
+  if argv and argv[0].endswith(os.path.join("train", "main.py")):
+    argv = [sys.executable, "-m", "train.main"] + argv[1:]
+  return shlex.join(argv)
+
+
+def record_run(workdir: str, config, command: str | None) -> None:
+  """Writes config.json (atomically) and appends the command line."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(config_as_json(config), f, indent=1, sort_keys=True)
+    f.write("\n")
+  os.replace(tmp, path)
+  stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+  with open(os.path.join(workdir, COMMAND_FILE), "a") as f:
+    f.write(f"# {stamp}\n{command or '(in-process train.train_and_evaluate)'}"
+            "\n")
+
+
+class _Tee:
+  """A text stream that also writes to the run log."""
+
+  def __init__(self, stream, log: "RunLog"):
+    self._stream = stream
+    self._log = log
+
+  def write(self, s):
+    n = self._stream.write(s)
+    self._log.write(s)
+    return n
+
+  def flush(self):
+    self._stream.flush()
+    self._log.flush()
+
+  def __getattr__(self, name):
+    return getattr(self._stream, name)
+
+
+class RunLog:
+  """train.log: sys.stdout and sys.stderr copied, from ``capture`` on
+  (buffered until ``attach`` names the workdir, which exists only once the
+  config is valid). Progress-bar redraws (carriage returns) keep their last
+  state only."""
+
+  active: "RunLog | None" = None
+
+  def __init__(self):
+    self._buffer: list[str] = []
+    self._file = None
+    self._partial = ""
+    self._saved = None
+    self._dropped = False
+
+  @classmethod
+  def capture(cls) -> "RunLog":
+    log = cls()
+    log._saved = (sys.stdout, sys.stderr)
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    cls.active = log
+    return log
+
+  def attach(self, workdir: str, keep: bool = True) -> None:
+    """From now on into ``workdir``/train.log (appended), the text so far
+    first; ``keep=False`` (a process other than 0): nothing is kept."""
+    if self._file is not None or self._dropped:
+      return
+    if not keep:
+      self._dropped = True
+      self._buffer.clear()
+      return
+    self._file = open(os.path.join(workdir, LOG_FILE), "a",
+                      encoding="utf-8", errors="replace")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    self._file.write(f"# run started {stamp}\n")
+    text, self._buffer = "".join(self._buffer), []
+    self.write(text)
+    self.flush()
+
+  def write(self, s: str) -> None:
+    if self._dropped or not s:
+      return
+    if self._file is None:
+      self._buffer.append(s)
+      return
+    *lines, self._partial = (self._partial + s).split("\n")
+    for line in lines:
+      # A redrawn line: its last non-empty state.
+      parts = [p for p in line.split("\r") if p.strip()]
+      self._file.write((parts[-1] if parts else "") + "\n")
+    if lines:
+      self._file.flush()
+
+  def flush(self) -> None:
+    if self._file is not None:
+      self._file.flush()
+
+  def close(self) -> None:
+    if self._saved is not None:
+      sys.stdout, sys.stderr = self._saved
+      self._saved = None
+    if self._file is not None:
+      if self._partial.strip():
+        self.write("\n")
+      self._file.close()
+      self._file = None
+    if RunLog.active is self:
+      RunLog.active = None
