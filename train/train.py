@@ -542,12 +542,6 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     state, metrics = train_step(state, next_inputs())
     progress["step"] = step
     steps_run += 1
-    preempted, timed = triggers.poll(step)
-    if preempted:
-      # Before the step's logging and evaluation: the grace period is short.
-      ckpt.save(step, state, train_iter.get_state())
-      _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
-                           is_main)
     if pbar is not None:
       pbar.update(1)
     if step % config.log_every_steps == 0 or step == config.total_steps:
@@ -569,9 +563,17 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
       if is_main:
         say(_eval_line(step, eval_metrics))
-    if timed or ckpt.should_save(step) or step == config.total_steps:
+    # The step is done (with its logging and evaluation, so that the log
+    # of a resumed run reads like one uninterrupted run): save it if a
+    # signal (on any process) or the clock asks for it.
+    preempted, timed = triggers.poll(step)
+    if (preempted or timed or ckpt.should_save(step)
+        or step == config.total_steps):
       ckpt.save(step, state, train_iter.get_state())
       triggers.saved()
+    if preempted:
+      _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
+                           is_main)
     triggers.launch()
   if pbar is not None:
     pbar.close()
