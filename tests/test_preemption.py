@@ -110,9 +110,16 @@ def _steps(workdir):
 
 
 def _state(workdir, step):
+  """The train state of a checkpoint as host arrays, whatever processes
+  and devices wrote it."""
+  import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  with ocp.PyTreeCheckpointer() as c:
-    return c.restore(os.path.join(workdir, "checkpoints", str(step), "state"))
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+    state = c.restore(
+        os.path.join(workdir, "checkpoints", str(step), "state"),
+        args=ocp.args.StandardRestore(fallback_sharding=device))
+  return jax.tree.map(np.asarray, state)
 
 
 def _data_state(workdir, step):
