@@ -46,7 +46,11 @@ def _gather_json(obj) -> list:
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
 
 
-REMOTE_SCHEMES = ("gs://", "s3://")
+# Object stores orbax writes checkpoints to: its arrays go through
+# TensorStore, whose spec orbax builds for local paths and gs:// only (an
+# s3:// path becomes a relative local path "s3:/..." and is refused); its
+# metadata through etils.epath (fsspec: gcsfs for gs://).
+REMOTE_SCHEMES = ("gs://",)
 
 
 def is_remote(directory: str) -> bool:
@@ -56,21 +60,24 @@ def is_remote(directory: str) -> bool:
 def check_directory(directory: str, what: str = "config.checkpoint.directory"
                     ) -> None:
   """One-line ValueError unless orbax can hold checkpoints at ``directory``
-  (a local path, or a store of REMOTE_SCHEMES with its filesystem
-  installed)."""
+  (a local or mounted path, or gs:// with gcsfs installed)."""
   if not directory or not is_remote(directory):
     return
   scheme = directory.split("://", 1)[0]
+  if scheme == "s3":
+    raise ValueError(
+        f"{what}={directory}: orbax-checkpoint cannot write checkpoints to "
+        "s3:// (it builds TensorStore specs for local paths and gs:// "
+        "only); use gs://, or a local or mounted directory (e.g. an S3 "
+        "bucket mounted with mountpoint-s3 or s3fs-fuse)")
   if not directory.startswith(REMOTE_SCHEMES):
     raise ValueError(
-        f"{what}={directory}: orbax cannot write checkpoints to {scheme}:// "
-        f"(it writes to local or mounted directories and to "
-        f"{', '.join(REMOTE_SCHEMES)})")
-  module = {"gs": "gcsfs", "s3": "s3fs"}[scheme]
+        f"{what}={directory}: orbax-checkpoint cannot write checkpoints to "
+        f"{scheme}:// (it writes to local or mounted directories and gs://)")
   import importlib.util  # pylint: disable=g-import-not-at-top
-  if importlib.util.find_spec(module) is None:
-    raise ValueError(f"{what}={directory}: {scheme}:// needs {module} "
-                     "(pip install 'infcl-jax[cloud]')")
+  if importlib.util.find_spec("gcsfs") is None:
+    raise ValueError(f"{what}={directory}: gs:// needs gcsfs (pip install "
+                     "'infcl-jax[cloud]')")
 
 
 class Checkpointer:

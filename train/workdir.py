@@ -31,6 +31,12 @@ def check_workdir(workdir: str, *, create: bool = True) -> None:
   """
   if not workdir:
     raise ValueError("the workdir is empty: pass --workdir DIR")
+  if "://" in workdir:
+    raise ValueError(
+        f"workdir {workdir}: a workdir is a local or mounted directory (its "
+        "logs, metrics and config are files); put the checkpoints on object "
+        "storage with --config.checkpoint.directory=gs://BUCKET/PATH "
+        "(docs/cluster.md)")
   path = os.path.abspath(os.path.expanduser(workdir))
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"workdir {workdir} is an existing file, not a "
