@@ -133,15 +133,17 @@ def config_as_json(config) -> dict:
 
 
 def config_changes(recorded: dict, current: dict):
-  """(blocking, noted) keys whose values differ, each as "key (old -> new)";
-  a key only one side has counts as changed (None on the other)."""
+  """(blocking, noted) keys whose values differ, each as "key (old -> new)".
+  A key only one side has (one added to or removed from the trainer since
+  the workdir was made; its default keeps the old behaviour) is noted."""
   old, new = flatten(recorded), flatten(current)
   blocking, noted = [], []
   for key in sorted(set(old) | set(new)):
     a, b = old.get(key), new.get(key)
     if a == b or _matches(key, _FREE):
       continue
-    (noted if _matches(key, _NOTED) else blocking).append(
+    one_sided = key not in old or key not in new
+    (noted if one_sided or _matches(key, _NOTED) else blocking).append(
         f"{key} ({a!r} -> {b!r})")
   return blocking, noted
 
