@@ -269,6 +269,9 @@ def train_and_evaluate(config, workdir: str, *,
       every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
   latest = ckpt.latest_step()
   if latest is not None and latest >= config.total_steps:
+    # Nothing to train, nothing to save: signals take their default action
+    # (train.main caught them from its start).
+    preemption.release()
     try:
       return _finished_run(config, workdir, ckpt, latest, reevaluate, is_main)
     finally:
