@@ -19,6 +19,10 @@
 A workdir already at ``config.total_steps`` trains nothing (its summary is
 printed; ``reevaluate=True`` evaluates it again). Ctrl-C finishes the
 checkpoint in flight and says where to resume (``_stop_after_interrupt``).
+A preemption signal (``config.preemption_signals``) saves the step reached
+and raises ``preemption.Preempted`` (train/preemption.py). The workdir
+records the run (config.json, command.txt, train.log: train/workdir.py) and
+a rerun's config is checked against it first.
 """
 from __future__ import annotations
 
@@ -243,6 +247,10 @@ def train_and_evaluate(config, workdir: str, *,
       ``config.total_steps``, evaluate its final checkpoint again and update
       the eval metrics of summary.json. Without it a finished run is left as
       it is (its summary is printed and returned).
+    command: the command line, recorded in ``workdir``/command.txt
+      (``train.main`` passes its own).
+    clock: monotonic seconds for config.checkpoint.every_minutes (tests
+      inject one).
 
   Returns:
     The final metrics: last train metrics, eval metrics, steps, wall time.
@@ -252,6 +260,10 @@ def train_and_evaluate(config, workdir: str, *,
       flight is finished (a second interrupt abandons it) and the line
       "interrupted at step N; last checkpoint step M; rerun to resume" is
       printed.
+    preemption.Preempted: after a signal of config.preemption_signals (to
+      any process), once the checkpoint of the step reached is saved and
+      "[lit] preempted at step N; checkpoint saved; rerun to resume" is
+      printed (``train.main`` exits with status 75).
   """
   t_start = time.time()
   validate(config)
