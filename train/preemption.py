@@ -97,15 +97,6 @@ def release() -> None:
     signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-def received() -> list[tuple[str, float]]:
-  return list(_received)
-
-
-def forget() -> None:
-  """Clears the record (a new run in the same process)."""
-  _received.clear()
-
-
 class SaveTriggers:
   """Per step: must the run save now for a preemption, or for the clock?
 
