@@ -183,3 +183,32 @@ def test_a_checkpoint_that_does_not_fit_is_one_line(tmp_path):
   assert len(lines) == 1 and "does not fit this config's train state" in (
       lines[0]) and str(work / "checkpoints") in lines[0], r.stderr[-3000:]
   assert "Traceback" not in r.stderr
+
+
+def test_secrets_never_reach_the_workdir(tmp_path):
+  """A URL's user:password@, a signed URL's query string and credentials in
+  storage options are redacted in config.json and command.txt."""
+  config = _tiny()
+  config.data.name = ("webdataset:https://user:hunter2@host/s-{0..3}.tar"
+                      "?X-Amz-Signature=abc123&X-Amz-Credential=AKIA")
+  with config.data.unlocked():
+    config.data.storage_options = json.dumps(
+        {"key": "AKIA", "secret": "s3cr3t", "client_kwargs": {
+            "endpoint_url": "http://127.0.0.1:9000"}, "token": "t0k"})
+  main = os.path.join(ROOT, "train", "main.py")
+  command = workdir_lib.command_line(
+      [main, f"--config.data.name={config.data.name}",
+       f"--config.data.storage_options={config.data.storage_options}"])
+  workdir_lib.record_run(str(tmp_path), config, command)
+  written = ((tmp_path / "config.json").read_text()
+             + (tmp_path / "command.txt").read_text())
+  for secret in ("hunter2", "abc123", "AKIA", "s3cr3t", "t0k"):
+    assert secret not in written, secret
+  recorded = json.loads((tmp_path / "config.json").read_text())
+  assert recorded["data"]["name"] == (
+      "webdataset:https://***@host/s-{0..3}.tar?***")
+  assert json.loads(recorded["data"]["storage_options"])["client_kwargs"] == {
+      "endpoint_url": "http://127.0.0.1:9000"}
+  # A rerun with a re-signed URL is the same data.
+  config.data.name = "webdataset:https://user:hunter2@host/s-{0..3}.tar?X=1"
+  workdir_lib.check_resume(str(tmp_path), config, log=None)

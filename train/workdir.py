@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -93,7 +94,9 @@ _FREE = ("total_steps", "log_every_steps", "progress_bar", "eval.",
          "checkpoint.keep", "preemption_signals", "resume_despite_changes",
          "data.eval_split", "data.num_eval_examples", "data.zeroshot_",
          "data.num_threads", "data.num_workers", "data.prefetch_batches",
-         "data.cache_max_mb", "data.gpu_decoder_cpu_threads")
+         "data.cache_max_mb", "data.gpu_decoder_cpu_threads",
+         "data.storage_options", "data.remote_retries",
+         "data.shard_index_cache")
 # Keys that change the numbers from here on but neither the train state's
 # structure nor the data stream: a one-line note, and the run goes on.
 _NOTED = ("optim.lr", "optim.weight_decay", "optim.weight_decay_scale",
@@ -127,9 +130,46 @@ def flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
+# Secrets a config or a command line may carry: a URL's user:password@, a
+# signed URL's query string, credentials in storage options. They are never
+# written to the workdir.
+_USERINFO = re.compile(r"(?<=://)[^/@\s'\"]+@")
+_QUERY = re.compile(r"((?:https?|s3|gs)://[^\s?#'\"]*)\?[^\s#'\"]*")
+_SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|^key$"
+                         r"|access_key|private", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+  """``text`` without URL credentials or query strings."""
+  return _QUERY.sub(r"\1?***", _USERINFO.sub("***@", text))
+
+
+def _redact_options(value: str) -> str:
+  """storage options (JSON) with the values of secret-looking keys hidden."""
+  try:
+    options = json.loads(value)
+  except ValueError:
+    return "***" if value else value
+  if not isinstance(options, dict):
+    return "***"
+  def hide(d):
+    return {k: ("***" if _SECRET_KEY.search(str(k)) else
+                hide(v) if isinstance(v, dict) else v) for k, v in d.items()}
+  return json.dumps(hide(options), sort_keys=True)
+
+
 def config_as_json(config) -> dict:
-  """The config as plain JSON values (tuples become lists)."""
-  return json.loads(json.dumps(config.to_dict(), default=str))
+  """The config as plain JSON values (tuples become lists), secrets
+  redacted (``redact``)."""
+  def clean(v, key=""):
+    if isinstance(v, dict):
+      return {k: clean(x, k) for k, x in v.items()}
+    if isinstance(v, list):
+      return [clean(x) for x in v]
+    if isinstance(v, str):
+      return _redact_options(v) if key == "storage_options" else redact(v)
+    return v
+  return clean(json.loads(json.dumps(config.to_dict(), default=str)))
 
 
 def config_changes(recorded: dict, current: dict):
@@ -177,7 +217,10 @@ def command_line(argv) -> str:
   argv = list(argv)
   if argv and argv[0].endswith(os.path.join("train", "main.py")):
     argv = [sys.executable, "-m", "train.main"] + argv[1:]
-  return shlex.join(argv)
+  argv = [a if not a.startswith("--config.data.storage_options=") else
+          "--config.data.storage_options=" + _redact_options(
+              a.split("=", 1)[1]) for a in argv]
+  return redact(shlex.join(argv))
 
 
 def record_run(workdir: str, config, command: str | None) -> None:
