@@ -281,6 +281,7 @@ def test_checkpoint_and_preemption_keys_are_checked(overrides, match):
                                     "preemption_signals": ()}))
 
 
+@pytest.mark.slow
 def test_a_workdir_on_object_storage_is_one_line_at_start_up(tmp_path):
   r = subprocess.run(
       [sys.executable, "-m", "train.main", "--config",
