@@ -364,7 +364,8 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(
   """SIGUSR1 (SLURM's --signal=USR1@...) to process 1 only: both save the
   same step and exit 75; the rerun ends exactly as an uninterrupted
   2-process run. (SIGUSR1, not SIGTERM: jax.distributed's own notifier
-  listens to SIGTERM only.)"""
+  listens to SIGTERM only.) Time-based checkpoints on process 0's clock
+  are taken by both processes on the way."""
   n = 2
   ref = tmp_path / "ref" / "w"
   ref.parent.mkdir()
@@ -373,9 +374,17 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(
 
   work = tmp_path / "run" / "w"
   work.parent.mkdir()
-  codes, outs = _launch(work, data_dir, n, signal_to=1, sig=signal.SIGUSR1)
+  # Also time-based checkpoints, due at every check (0.06 s) on process 0's
+  # clock: every process must take part in each save (orbax gathers the
+  # data states from all), so a disagreement would hang.
+  codes, outs = _launch(work, data_dir, n, "--config.checkpoint.every_steps=3",
+                        "--config.checkpoint.every_minutes=0.001",
+                        "--config.checkpoint.keep=20", signal_to=1,
+                        sig=signal.SIGUSR1)
   report = "\n---\n".join(o[-2000:] for o in outs)
   assert codes == [75] * n, report
+  # Step 2: neither every_steps' nor the preemption's, the clock's.
+  assert {2, 3} <= set(_steps(work)), (_steps(work), report)
   lines = [l for l in outs[0].splitlines() if "[lit] preempted at" in l]
   assert len(lines) == 1, report
   step = int(lines[0].split("step ")[1].split(";")[0])
