@@ -88,16 +88,19 @@ def test_run_log_keeps_the_last_state_of_redrawn_lines(tmp_path, capsys):
     log.attach(str(tmp_path))
     print("after", end="")
     print(" attach")
+    log.log_only("Traceback (most recent call last): ...")
     print("unfinished", end="")
   finally:
     log.close()
   text = (tmp_path / "train.log").read_text().splitlines()
   assert text[0].startswith("# run started ")
   assert text[1:] == ["before the workdir exists", "100%|####| 8/8",
-                      "after attach", "unfinished"]
+                      "after attach", "Traceback (most recent call last): ...",
+                      "unfinished"]
   # The console saw everything, unchanged.
   out = capsys.readouterr()
   assert "before the workdir exists" in out.out and "4/8" in out.err
+  assert "Traceback" not in out.out + out.err
   # A process other than 0 keeps nothing.
   other = workdir_lib.RunLog.capture()
   try:

@@ -196,6 +196,10 @@ def main(argv) -> None:
   run_log = workdir_lib.RunLog.capture()
   try:
     _main(argv)
+  except Exception:  # A crash: its traceback (printed by absl) in the log too.
+    import traceback  # pylint: disable=g-import-not-at-top
+    run_log.log_only(traceback.format_exc())
+    raise
   finally:
     run_log.close()
 

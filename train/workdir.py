@@ -311,6 +311,12 @@ class RunLog:
     if lines:
       self._file.flush()
 
+  def log_only(self, text: str) -> None:
+    """``text`` into train.log only (not on the console)."""
+    if self._file is not None:
+      self.write(text if text.endswith("\n") else text + "\n")
+      self.flush()
+
   def flush(self) -> None:
     if self._file is not None:
       self._file.flush()
