@@ -399,3 +399,8 @@ def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(
   assert codes == [0] * n, "\n---\n".join(o[-2000:] for o in outs)
   assert all(f"resumed from the checkpoint of step {step}" in o for o in outs)
   _assert_same_run(work, ref, f"2 processes, preempted at step {step}")
+  # train.log holds process 0's output only (both print these lines).
+  log = (work / "train.log").read_text()
+  assert log.count("# run started") == 2
+  assert log.count("[lit] preempted at step") == 1
+  assert log.count("resumed from the checkpoint of step") == 1
