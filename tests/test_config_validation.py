@@ -15,6 +15,7 @@ import pytest
 
 from tests import helpers
 from tests import lit_fixtures
+from tests.netservers import moto_endpoint, s3  # noqa: F401  pylint: disable=unused-import
 
 ROOT = lit_fixtures.ROOT
 sys.path.insert(0, ROOT)
@@ -296,30 +297,7 @@ def test_a_workdir_on_object_storage_is_one_line_at_start_up(tmp_path):
   assert "--config.checkpoint.directory=gs://" in lines[0]
 
 
-@pytest.fixture
-def s3_bucket(monkeypatch):
-  """A moto S3 server on 127.0.0.1 with one bucket, and the environment
-  boto and s3fs read (test credentials, no ~/.aws files)."""
-  from moto.server import ThreadedMotoServer  # pylint: disable=g-import-not-at-top
-  server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-  server.start()
-  try:
-    host, port = server.get_host_and_port()
-    for k, v in {"AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                 "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                 "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_CONFIG_FILE": os.devnull,
-                 "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():
-      monkeypatch.setenv(k, v)
-    import boto3  # pylint: disable=g-import-not-at-top
-    boto3.client("s3").create_bucket(Bucket="ckpt")
-    yield "ckpt"
-  finally:
-    server.stop()
-
-
-def test_orbax_cannot_write_checkpoints_to_s3(s3_bucket, tmp_path,
-                                              monkeypatch):
+def test_orbax_cannot_write_checkpoints_to_s3(s3, tmp_path, monkeypatch):
   """Why config.checkpoint.directory refuses s3://: orbax writes the
   metadata through s3fs but builds the arrays' TensorStore spec for a local
   path, and refuses it. (When an orbax release writes to S3, this fails:
@@ -328,7 +306,7 @@ def test_orbax_cannot_write_checkpoints_to_s3(s3_bucket, tmp_path,
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   monkeypatch.chdir(tmp_path)  # It would make a local "s3:" folder.
   mngr = ocp.CheckpointManager(
-      f"s3://{s3_bucket}/run", item_names=("state",),
+      s3.url("run"), item_names=("state",),
       options=ocp.CheckpointManagerOptions(create=True,
                                            enable_async_checkpointing=False))
   with pytest.raises(ValueError, match="Checkpoint path should be absolute"):

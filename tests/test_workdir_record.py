@@ -194,10 +194,9 @@ def test_secrets_never_reach_the_workdir(tmp_path):
   config = _tiny()
   config.data.name = ("webdataset:https://user:hunter2@host/s-{0..3}.tar"
                       "?X-Amz-Signature=abc123&X-Amz-Credential=AKIA")
-  with config.data.unlocked():
-    config.data.storage_options = json.dumps(
-        {"key": "AKIA", "secret": "s3cr3t", "client_kwargs": {
-            "endpoint_url": "http://127.0.0.1:9000"}, "token": "t0k"})
+  config.data.storage_options = json.dumps({"s3": {
+      "key": "AKIA", "secret": "s3cr3t", "token": "t0k",
+      "endpoint_url": "http://127.0.0.1:9000"}})
   main = os.path.join(ROOT, "train", "main.py")
   command = workdir_lib.command_line(
       [main, f"--config.data.name={config.data.name}",
@@ -210,8 +209,9 @@ def test_secrets_never_reach_the_workdir(tmp_path):
   recorded = json.loads((tmp_path / "config.json").read_text())
   assert recorded["data"]["name"] == (
       "webdataset:https://***@host/s-{0..3}.tar?***")
-  assert json.loads(recorded["data"]["storage_options"])["client_kwargs"] == {
-      "endpoint_url": "http://127.0.0.1:9000"}
+  assert json.loads(recorded["data"]["storage_options"]) == {"s3": {
+      "key": "***", "secret": "***", "token": "***",
+      "endpoint_url": "http://127.0.0.1:9000"}}
   # A rerun with a re-signed URL is the same data.
   config.data.name = "webdataset:https://user:hunter2@host/s-{0..3}.tar?X=1"
   workdir_lib.check_resume(str(tmp_path), config, log=None)

@@ -144,6 +144,11 @@ def redact(text: str) -> str:
   return _QUERY.sub(r"\1?***", _USERINFO.sub("***@", text))
 
 
+def _hide(d: dict) -> dict:
+  return {k: ("***" if _SECRET_KEY.search(str(k)) else
+              _hide(v) if isinstance(v, dict) else v) for k, v in d.items()}
+
+
 def _redact_options(value: str) -> str:
   """storage options (JSON) with the values of secret-looking keys hidden."""
   try:
@@ -152,16 +157,15 @@ def _redact_options(value: str) -> str:
     return "***" if value else value
   if not isinstance(options, dict):
     return "***"
-  def hide(d):
-    return {k: ("***" if _SECRET_KEY.search(str(k)) else
-                hide(v) if isinstance(v, dict) else v) for k, v in d.items()}
-  return json.dumps(hide(options), sort_keys=True)
+  return json.dumps(_hide(options), sort_keys=True)
 
 
 def config_as_json(config) -> dict:
   """The config as plain JSON values (tuples become lists), secrets
   redacted (``redact``)."""
   def clean(v, key=""):
+    if key == "storage_options" and isinstance(v, dict):
+      return _hide(v)
     if isinstance(v, dict):
       return {k: clean(x, k) for k, x in v.items()}
     if isinstance(v, list):
