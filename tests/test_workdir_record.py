@@ -169,6 +169,18 @@ def test_the_workdir_records_each_run_and_checks_a_rerun(tmp_path):
   assert log.count("# run started") == 2 and "[lit] done: 4 steps" in log
   assert "[lit] done: 6 steps in" in log
 
+  # Checkpoints kept outside the workdir: load_params finds them through
+  # config.json.
+  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  elsewhere = tmp_path / "elsewhere"
+  r = _run(tmp_path / "w2", data, "--config.total_steps=2",
+           f"--config.checkpoint.directory={elsewhere}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert not (tmp_path / "w2" / "checkpoints").exists()
+  assert sorted(os.listdir(elsewhere)) == ["2"]
+  assert set(train_lib.load_params(str(tmp_path / "w2"))) == {
+      "img", "txt", "head"}
+
 
 @pytest.mark.slow
 def test_a_checkpoint_that_does_not_fit_is_one_line(tmp_path):

@@ -621,10 +621,13 @@ def load_params(workdir: str, step: int | None = None) -> dict:
 
   Reads the newest checkpoint (or ``step``'s) without rebuilding the train
   state, as host-side arrays, e.g. to evaluate or inspect a finished run
-  with the towers of ``make_models``.
+  with the towers of ``make_models``. Checkpoints kept elsewhere
+  (config.checkpoint.directory) are found through the workdir's config.json.
   """
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
+  recorded = _read_json(os.path.join(workdir, workdir_lib.CONFIG_FILE)) or {}
+  directory = (recorded.get("checkpoint", {}).get("directory")
+               or os.path.join(workdir, "checkpoints"))
+  if not checkpoint_lib.is_remote(directory) and not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints in {workdir} (train it first)")
   ckpt = checkpoint_lib.Checkpointer(directory, every_steps=0, keep=1)
   try:
