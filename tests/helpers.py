@@ -107,6 +107,18 @@ def run_processes(cmds, *, env, timeout_s, cwd=None):
   return [p.returncode for p in procs], outputs, timed_out
 
 
+def subjaxprs(v):
+  """The jaxprs held by an equation's parameter ``v`` (a jaxpr, a closed
+  jaxpr, or tuples and lists of them)."""
+  if hasattr(v, "eqns"):
+    yield v
+  elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+    yield v.jaxpr
+  elif isinstance(v, (tuple, list)):
+    for u in v:
+      yield from subjaxprs(u)
+
+
 def kernel_calls(closed_jaxpr):
   """[(name, interpret)] of every kernel call in a jaxpr, nested ones too.
 
@@ -114,15 +126,6 @@ def kernel_calls(closed_jaxpr):
   format changes between JAX versions.
   """
   found = []
-
-  def subjaxprs(v):
-    if hasattr(v, "eqns"):
-      yield v
-    elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-      yield v.jaxpr
-    elif isinstance(v, (tuple, list)):
-      for u in v:
-        yield from subjaxprs(u)
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:

@@ -24,7 +24,7 @@ from infcl_jax import sharded_contrastive_loss
 from infcl_jax import sharded_sigmoid_loss
 from infcl_jax import sigmoid_loss
 from tests import np_reference
-from tests.helpers import assert_rel_close, rand_emb, seed_of
+from tests.helpers import assert_rel_close, rand_emb, seed_of, subjaxprs
 
 # Several row blocks, programs and panels at these sizes (the Pallas
 # kernels); the Mosaic GPU kernels' smallest tiles.
@@ -87,15 +87,6 @@ def _assert_same(a, b, what):
 def _kernel_64bit(closed):
   """{kernel name: [64-bit value types]} of every kernel in the jaxpr."""
   found = {}
-
-  def subjaxprs(v):
-    if hasattr(v, "eqns"):
-      yield v
-    elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-      yield v.jaxpr
-    elif isinstance(v, (tuple, list)):
-      for u in v:
-        yield from subjaxprs(u)
 
   def walk(jaxpr, kernel):
     for eqn in jaxpr.eqns:
