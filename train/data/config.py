@@ -66,6 +66,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   # "none" = not kept).
   c.storage_options = ""
   c.remote_retries = 8
+  # Remote examples read at once per process (1..256): a chunk's examples
+  # are requested together, this many in flight, on a pool the reader
+  # threads share (a chunk of n takes ~ceil(n / this) round trips).
+  c.remote_parallelism = 32
   c.shard_index_cache = ""
   # Bad examples (undecodable image, empty caption, member without its pair,
   # truncated shard) are skipped and counted, once each; more than this
@@ -200,6 +204,10 @@ def check_data_config(config) -> None:
                        "remote_retries") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
+  par = data.get("remote_parallelism", remote.DEFAULT_PARALLELISM)
+  if not (isinstance(par, int) and 1 <= par <= remote.MAX_PARALLELISM):
+    raise ValueError(f"config.data.remote_parallelism={par!r} must be an "
+                     f"int in [1, {remote.MAX_PARALLELISM}]")
   if 0 < data.decode_size < data.image_size:
     raise ValueError(f"config.data.decode_size={data.decode_size} is smaller "
                      f"than image_size={data.image_size}: the device only "

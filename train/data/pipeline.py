@@ -12,6 +12,10 @@
       -> map_with_index: pick one caption (random per stream position, so it
          varies across epochs; distinct for the k copies), tokenize; with
          config.loss.groups, the example's group id (image or content id)
+         (a remote source's examples are read a chunk at a time instead,
+         remote_parallelism requests in flight per process: the shuffle,
+         repeat and each_k below then run on example indices, and the
+         chunk's read and finalized examples are bitwise the same)
       -> prefetch: grain's reader threads (num_threads), in num_workers
          worker processes when set (decoding is CPU-bound Python-level
          work: threads stop scaling at a few cores, processes do not)
@@ -52,6 +56,7 @@ from train.data.source import Bad
 from train.data.source import BadDataLedger
 from train.data.source import CountsBadData
 from train.data.source import BadExample
+from train.data.source import read_many
 from train.data.source import start_of_check
 
 
@@ -90,6 +95,21 @@ class Compact:
   def __call__(self, index: int):
     try:
       ex = self.source[int(index)]
+    except BadExample as e:
+      return Bad(e.where, e.reason)
+    return self.finish(index, ex)
+
+  def many(self, indices: list, parallelism: int) -> list:
+    """``self(i)`` for each index, the examples read together (a remote
+    source's ``read_many``: up to ``parallelism`` requests at a time)."""
+    return [Bad(ex.where, ex.reason) if isinstance(ex, BadExample)
+            else self.finish(i, ex)
+            for i, ex in zip(indices, read_many(self.source, indices,
+                                                parallelism))]
+
+  def finish(self, index: int, ex: dict):
+    """The compact form of example ``index`` read as ``ex``."""
+    try:
       out = {"captions": ex["captions"], "label": ex["label"],
              "image_id": int(ex.get("image_id", index))}
       if "content_id" in ex:
@@ -331,6 +351,40 @@ def _pack_flat(items: list) -> dict:
   return _pack(items, flat=True)
 
 
+def _tag(position: int, index: int) -> tuple:
+  """A remote source's stream element before it is read: (position, the
+  example's index)."""
+  return (position, int(index))
+
+
+class _ReadChunk:
+  """(position, index) x n -> (position, element or Bad) x n: the examples
+  of a chunk read together (``Compact.many``; an index met twice, as the k
+  copies of ``each_k``, read once), then finalized one by one. The elements
+  are those of ``finalize(p, compact(i))``: the stream of the per-example
+  path, bitwise."""
+
+  def __init__(self, compact, finalize, parallelism: int):
+    self.compact, self.finalize = compact, finalize
+    self.parallelism = parallelism
+
+  def __call__(self, items: list) -> list:
+    unique = list(dict.fromkeys(i for _, i in items))
+    got = dict(zip(unique, self.compact.many(unique, self.parallelism)))
+    return [self.finalize(p, got[i]) for p, i in items]
+
+
+class _PackRead:
+  """grain's batch_fn of a remote source's chunk: read it, then ``_pack``
+  (after the reads: their retries travel with the chunk)."""
+
+  def __init__(self, read_chunk, flat: bool):
+    self.read_chunk, self.flat = read_chunk, flat
+
+  def __call__(self, items: list) -> dict:
+    return _pack(self.read_chunk(items), flat=self.flat)
+
+
 def _unflatten(chunk: dict) -> dict:
   """A ``_pack_flat`` chunk with its encoded images as bytes again."""
   arrays = chunk["arrays"]
@@ -418,8 +472,12 @@ class TrainIterator(CountsBadData):
   def __init__(self, dataset, read_options, fingerprint: dict, *,
                microbatch_size: int, ledger: BadDataLedger,
                num_workers: int = 0, chunk: int = CHUNK,
-               read_ahead: int = 0):
-    self._dataset = dataset  # grain MapDataset of (position, element)
+               read_ahead: int = 0, read_chunk=None):
+    # grain MapDataset of (position, element); with ``read_chunk`` (a
+    # remote source, ``_ReadChunk``) of (position, example index), each
+    # chunk's examples read together by it.
+    self._dataset = dataset
+    self._read_chunk = read_chunk
     self._read_options = read_options
     self._num_workers = num_workers
     self._chunk_size = chunk
@@ -439,8 +497,12 @@ class TrainIterator(CountsBadData):
     if self._iter is None:
       # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
-      ds = self._dataset[self._next_position:].batch(
-          self._chunk_size, batch_fn=_pack_flat if self._num_workers else _pack)
+      if self._read_chunk is not None:
+        batch_fn = _PackRead(self._read_chunk, flat=bool(self._num_workers))
+      else:
+        batch_fn = _pack_flat if self._num_workers else _pack
+      ds = self._dataset[self._next_position:].batch(self._chunk_size,
+                                                     batch_fn=batch_fn)
       if not self._num_workers:
         ds = ds.to_iter_dataset(self._read_options)
       else:
@@ -615,16 +677,27 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   precomputed = sources.kind_of(source.spec) == "embeddings"
   example_bytes = (4 * source.dim if precomputed
                    else host_size(data) ** 2 * 3)
+  # A remote source's examples are read a chunk at a time, concurrently
+  # (``_ReadChunk``); a local one's one by one where grain asks for them.
+  parallelism = (data.get("remote_parallelism", remote.DEFAULT_PARALLELISM)
+                 if getattr(source, "is_remote", False) else 0)
+  read_chunk = None
+  finalize = Finalize(tokenizer, seed=seed, stream=process_index,
+                      groups=groups, captions_per_image=k)
   if len(shard) * example_bytes <= data.cache_max_mb * 2**20:
     ds = grain.MapDataset.source(_InMemorySource(
-        _read_all(compact, shard, data.num_threads)))
+        _read_all(compact, shard, data.num_threads, parallelism)))
+  elif parallelism:
+    # The stream of example indices: shuffled and repeated as the examples
+    # themselves would be (map commutes with shuffle and repeat).
+    ds = grain.MapDataset.source(_Indices(shard))
+    read_chunk = _ReadChunk(compact, finalize, parallelism)
   else:
     ds = grain.MapDataset.source(_Indices(shard)).map(compact)
   ds = ds.shuffle(seed=seed).repeat(None)
   if k > 1:
     ds = each_k(ds, k)
-  ds = ds.map_with_index(Finalize(tokenizer, seed=seed, stream=process_index,
-                                  groups=groups, captions_per_image=k))
+  ds = ds.map_with_index(_tag if read_chunk is not None else finalize)
   chunk = CHUNK if batch_decoder is None else CHUNK_ENCODED
   read_options = grain.ReadOptions(
       num_threads=data.num_threads,
@@ -653,7 +726,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                      microbatch_size=microbatch_size, ledger=ledger,
                      num_workers=data.num_workers, chunk=chunk,
                      read_ahead=(data.get("gpu_decoder_read_ahead", 0)
-                                 if batch_decoder is not None else 0))
+                                 if batch_decoder is not None else 0),
+                     read_chunk=read_chunk)
   if batch_decoder is None:
     return it
   return batching.Prefetch(
@@ -679,8 +753,14 @@ def check_groups(source, groups: str) -> None:
         "train.precompute` into a new directory")
 
 
-def _read_all(compact, shard: range, num_threads: int) -> list:
-  """compact(i) for every i of the shard, in order, on reader threads."""
+def _read_all(compact, shard: range, num_threads: int,
+              parallelism: int = 0) -> list:
+  """compact(i) for every i of the shard, in order, on reader threads (a
+  remote source's, with ``parallelism``, a chunk's reads at a time)."""
   import concurrent.futures  # pylint: disable=import-outside-toplevel
+  if parallelism:
+    step = max(CHUNK_ENCODED, parallelism)
+    return [c for a in range(0, len(shard), step)
+            for c in compact.many(shard[a:a + step], parallelism)]
   with concurrent.futures.ThreadPoolExecutor(max(1, num_threads)) as pool:
     return list(pool.map(compact, shard, chunksize=64))

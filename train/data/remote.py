@@ -22,6 +22,11 @@ permanent one (403, 404, 400, a Range the server ignores) is raised at once
 as one line naming the URL. The stores' own hidden retries are turned off
 where they can be (s3fs, botocore), so that what is retried is counted.
 
+The examples of a chunk are read together (``parallel_map``): at most
+``config.data.remote_parallelism`` requests in flight per process, on a
+thread pool the process's readers share, so a chunk of n examples from a
+store with round trip t takes about ceil(n / parallelism) * t, not n * t.
+
 A remote shard's tar headers are scanned once and the result (the members'
 names, offsets and sizes) is kept in ``index_cache`` (a local directory or a
 URL), keyed by the URL and the object's size and ETag / modification time:
@@ -52,6 +57,11 @@ TIMEOUT_S = 60.0
 # Block size of the sequential reads that scan a remote shard's headers.
 SCAN_BLOCK = 8 << 20
 INDEX_VERSION = 1
+# Requests in flight per process (config.data.remote_parallelism), and the
+# most it may be (also the S3 client's connection pool: botocore's default
+# of 10 would cap it).
+DEFAULT_PARALLELISM = 32
+MAX_PARALLELISM = 256
 
 _lock = threading.Lock()
 _retries = 0
@@ -213,6 +223,7 @@ def _defaults(proto: str) -> dict:
   timeouts set."""
   if proto == "s3":
     return {"config_kwargs": {"retries": {"total_max_attempts": 1},
+                              "max_pool_connections": MAX_PARALLELISM,
                               "connect_timeout": TIMEOUT_S,
                               "read_timeout": TIMEOUT_S}}
   if proto == "http":
@@ -365,6 +376,44 @@ class Store:
 
   def write(self, url: str, data: bytes) -> None:
     self.call(url, lambda fs, path: fs.pipe_file(path, data), "write")
+
+
+_pools: dict = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(parallelism: int):
+  """This process's thread pool of ``parallelism`` readers (made on first
+  use, again in a forked child)."""
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  key = (os.getpid(), parallelism)
+  with _pools_lock:
+    pool = _pools.get(key)
+    if pool is None:
+      for k in [k for k in _pools if k[0] != os.getpid()]:
+        del _pools[k]  # A parent's pool: its threads are not in this child.
+      pool = _pools[key] = concurrent.futures.ThreadPoolExecutor(
+          parallelism, thread_name_prefix=f"remote-read-{parallelism}")
+  return pool
+
+
+def parallel_map(fn, items, parallelism: int) -> list:
+  """``[fn(x) for x in items]``, at most ``parallelism`` at a time on a
+  thread pool shared by this process's callers (every reader thread's
+  chunk: the requests in flight per process stay bounded). The results are
+  in the order of ``items``; the first item's exception (in that order) is
+  raised, and the items not yet started are cancelled. Retries inside
+  ``fn`` (``Store.call``) are counted as anywhere else."""
+  items = list(items)
+  if parallelism <= 1 or len(items) <= 1:
+    return [fn(x) for x in items]
+  pool = _pool(min(int(parallelism), MAX_PARALLELISM))
+  futures = [pool.submit(fn, x) for x in items]
+  try:
+    return [f.result() for f in futures]
+  finally:
+    for f in futures:
+      f.cancel()  # Those not started, after an exception.
 
 
 def _summary(info: dict) -> dict:

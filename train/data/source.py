@@ -22,6 +22,11 @@ Every source has ``spec`` (what config.data.name said, for checkpoint
 fingerprints) and ``describe()`` (one line for the log). Random access makes
 the order of a stream a pure function of (seed, position), so a position is
 all a resumed run needs.
+
+A source whose examples sit on object storage (``is_remote``) also has
+``read_many(indices, parallelism)``: ``source[i]`` for each index, in order,
+each the example or the ``BadExample`` it raised, read up to
+``parallelism`` at a time (``read_many`` below is that for any source).
 """
 from __future__ import annotations
 
@@ -44,6 +49,23 @@ class Bad:
   """A skipped example as it travels through the pipeline (not an error)."""
   where: str
   reason: str
+
+
+def get_or_bad(source, index: int):
+  """``source[index]``, or the BadExample it raised."""
+  try:
+    return source[index]
+  except BadExample as e:
+    return e
+
+
+def read_many(source, indices, parallelism: int = 1) -> list:
+  """[``get_or_bad(source, i)`` for i in indices]: through the source's
+  ``read_many`` (concurrent requests) where it is remote, else one after
+  another (a local source's path as it is)."""
+  if getattr(source, "is_remote", False):
+    return source.read_many(indices, parallelism)
+  return [get_or_bad(source, int(i)) for i in indices]
 
 
 class TooMuchBadData(ValueError):

@@ -26,6 +26,7 @@ import json
 import os
 
 from train.data import remote
+from train.data import source as source_lib
 from train.data.source import BadExample
 
 PREFIXES = ("csv:", "tsv:", "jsonl:")
@@ -167,6 +168,7 @@ class TableSource:
     first = {}
     self._image_ids = [first.setdefault(p, i)
                        for i, p in enumerate(self._images)]
+    self.is_remote = any(remote.is_url(p) for p in self._images)
 
   def __len__(self):
     return len(self.keys)
@@ -178,6 +180,12 @@ class TableSource:
   def label_of(self, index: int) -> int:
     """The label of example ``index`` without reading its image."""
     return self._labels[index]
+
+  def read_many(self, indices, parallelism: int) -> list:
+    """``source[i]`` (or the BadExample it raised) for each index, in order,
+    up to ``parallelism`` images read at a time (``remote.parallel_map``)."""
+    return remote.parallel_map(
+        lambda i: source_lib.get_or_bad(self, int(i)), indices, parallelism)
 
   def __getitem__(self, index: int) -> dict:
     key, path = self.keys[index], self._images[index]

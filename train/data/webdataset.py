@@ -29,6 +29,7 @@ import tarfile
 import numpy as np
 
 from train.data import remote
+from train.data import source as source_lib
 from train.data.source import BadExample
 
 PREFIX = "webdataset:"
@@ -226,6 +227,7 @@ class WebDatasetSource:
     self.paths, infos = _expand(pattern, what, self.store,
                                 max(num_threads, 16))
     self._remote = [remote.is_url(p) for p in self.paths]
+    self.is_remote = any(self._remote)
     self.image_exts = tuple(e.strip().lower().lstrip(".")
                             for e in image_exts.split(";") if e.strip())
     self.caption_ext = caption_ext.lower().lstrip(".")
@@ -326,6 +328,12 @@ class WebDatasetSource:
       return -1
     js = (self._members(index, (2,))[0] if self._has_json(index) else None)
     return self._label(index, js)
+
+  def read_many(self, indices, parallelism: int) -> list:
+    """``source[i]`` (or the BadExample it raised) for each index, in order,
+    up to ``parallelism`` requests at a time (``remote.parallel_map``)."""
+    return remote.parallel_map(
+        lambda i: source_lib.get_or_bad(self, int(i)), indices, parallelism)
 
   def __getitem__(self, index: int) -> dict:
     key = self.keys[index]
