@@ -218,6 +218,117 @@ def test_retries_in_worker_processes_reach_the_ledger(
   assert 1 <= got[1]["bad_data"]["retries"] <= len(proxy.faults)
 
 
+def _through_slow_proxy(kind, shards, tmp_path, s3, http_dir, delay_s,
+                        **proxy):
+  """(proxy, pattern, store): the served shards through a FaultProxy that
+  answers every GET ``delay_s`` late (a remote store's round trip), or
+  with the faults of ``proxy``."""
+  base = _serve(kind, shards, s3, http_dir)
+  upstream = s3.host_port if kind == "s3" else ("127.0.0.1", http_dir.port)
+  plan = proxy or dict(fraction=1.0, kinds=("slow",), max_faults=10**6)
+  p = FaultProxy(upstream, delay_s=delay_s, methods=("GET",), **plan)
+  pattern = _name(base, shards)[len("webdataset:"):]
+  if kind == "s3":
+    store = remote.Store({"s3": {"endpoint_url": p.url}}, backoff_s=0.01)
+  else:
+    store = remote.Store(backoff_s=0.01)
+    pattern = pattern.replace(base, p.url)
+  return p, pattern, store
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_a_chunk_takes_about_n_over_parallelism_round_trips(
+    kind, shards, tmp_path, s3, http_dir):
+  """Every GET answered 0.25 s late: a chunk of n examples read together
+  takes >= ceil(n / parallelism) round trips (at most parallelism in
+  flight) and far less than n (one after another), with the examples, bad
+  ones included, those of the local shards."""
+  import math  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  delay, parallelism = 0.25, 8
+  local = webdataset.WebDatasetSource(
+      _name(shards["root"], shards)[len("webdataset:"):])
+  proxy, pattern, store = _through_slow_proxy(kind, shards, tmp_path, s3,
+                                              http_dir, delay)
+  with proxy:
+    source = webdataset.WebDatasetSource(pattern, store=store,
+                                         index_cache="")
+    assert source.is_remote and not local.is_remote
+    indices = np.random.default_rng(5).permutation(len(local)).tolist()
+    del proxy.requests[:]
+    t0 = time.perf_counter()
+    got = source.read_many(indices, parallelism)
+    elapsed = time.perf_counter() - t0
+    gets = [r for r in proxy.requests if r[0] == "GET"]
+  n = len(indices)
+  assert len(gets) == n  # One ranged GET per example, none retried.
+  assert [_as_tuple(x) for x in got] == [_example(local, i) for i in indices]
+  trips = math.ceil(n / parallelism)
+  assert elapsed >= 0.9 * trips * delay, (elapsed, trips)
+  assert elapsed < 0.4 * n * delay, (elapsed, n)  # Serial: n * delay.
+
+
+def _as_tuple(x):
+  return (x.where, x.reason) if isinstance(x, BadExample) else x
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_read_many_retries_each_failed_request_once(
+    kind, shards, tmp_path, s3, http_dir):
+  """Faults (503, reset mid-body) on a chunk's concurrent reads: each is
+  retried once and counted, and no example is dropped or repeated."""
+  local = webdataset.WebDatasetSource(
+      _name(shards["root"], shards)[len("webdataset:"):])
+  proxy, pattern, store = _through_slow_proxy(
+      kind, shards, tmp_path, s3, http_dir, 0.0, seed=4, fraction=0.3,
+      max_faults=10, kinds=("503", "reset"))
+  with proxy:
+    source = webdataset.WebDatasetSource(pattern, store=store,
+                                         index_cache="")
+    indices = list(range(len(local))) * 2  # Each index in two places.
+    got = source.read_many(indices, 6)
+  assert [_as_tuple(x) for x in got] == [_example(local, i) for i in indices]
+  assert len(proxy.faults) >= 5, proxy.faults
+  assert store.retries_made == len(proxy.faults), proxy.faults
+
+
+@pytest.mark.parametrize("kind,parallelism,k", [("http", 1, 1), ("s3", 5, 2),
+                                                ("http", 64, 3)])
+def test_the_stream_is_the_local_one_at_any_parallelism(
+    kind, parallelism, k, shards, tmp_path, s3, http_dir):
+  """The pipeline's stream from a remote source (chunks read together, an
+  image of captions_per_image k read once for its k copies) equals the
+  local-disk stream, bad examples and state included."""
+  def stream(name, **data):
+    remote.take_retries()
+    it = D.make_train_iterator(_config(name, tmp_path, **data), batch_size=8,
+                               seed=3, captions_per_image=k)
+    # A remote source's chunks are read together (pylint: disable=protected-access).
+    assert (it._read_chunk is not None) == remote.is_url(name.split(":", 1)[1])
+    try:
+      return ([next(it) for _ in range(10)], it.get_state(),
+              it.ledger.retries + remote.take_retries())
+    finally:
+      it.close()
+  want = stream(_name(shards["root"], shards))
+  base = _serve(kind, shards, s3, http_dir)
+  got = stream(_name(base, shards), remote_parallelism=parallelism)
+  if kind == "http":
+    http_dir.settle()
+  _same_stream(got, want)
+  assert got[2] == 0
+
+
+def test_remote_parallelism_is_checked_in_one_line():
+  for bad in (0, -3, 257):
+    config = corpus_lib.data_config("synthetic_shapes", remote_parallelism=1)
+    config.data.remote_parallelism = bad
+    with pytest.raises(ValueError) as e:
+      D.check_data_config(config)
+    assert "config.data.remote_parallelism" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_a_missing_shard_is_one_line_naming_its_url(shards, tmp_path, s3):
   base = _serve("s3", shards, s3)
   s3.delete("cc/shards/train-000003.tar")
@@ -348,6 +459,14 @@ def test_a_remote_table_with_remote_images_equals_the_local_one(
       assert s3.url("t/images/") in b.value.reason
       continue
     assert got[i] == want
+  # Read together: the same examples, a missing image bad in its place.
+  assert got.is_remote and not local.is_remote
+  indices = list(range(len(local)))[::-1]
+  assert [_as_tuple(x) for x in got.read_many(indices, 7)] == [
+      _as_tuple(x) for x in got.read_many(indices, 1)]
+  assert [x["key"] if isinstance(x, dict) else x.where
+          for x in got.read_many(indices, 7)] == [local.keys[i]
+                                                  for i in indices]
 
 
 def test_errors_are_classified():
