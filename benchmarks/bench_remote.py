@@ -12,8 +12,10 @@ headers scanned, then again with the index cached), examples/s of
 ``data.num_threads``), and examples/s of the trainer's pipeline
 (``make_train_iterator``, nothing decoded: the host side of
 ``decoder="gpu"``; reader threads in this process and with --workers worker
-processes), with this process's CPU time per example (the client's cost of
-a remote read; the servers' CPU is theirs). ``--latency_ms`` puts a proxy
+processes; a remote source's chunks read together, --parallelism requests
+in flight per process: ``config.data.remote_parallelism``), with this
+process's CPU time per example (the client's cost of a remote read; the
+servers' CPU is theirs). ``--cases pipeline`` leaves out the others. ``--latency_ms`` puts a proxy
 answering every request that late in front of the S3 server (a remote
 store's round trip; the proxy is Python, so on few cores it bounds the rate
 too). Rows go to bench_remote.jsonl, the summary to bench_remote.json.
@@ -97,7 +99,7 @@ def _random_reads(source, threads, measure_s):
 
 
 def _pipeline(name, options, threads, workers, microbatch, measure_s,
-              index_cache):
+              index_cache, parallelism):
   import ml_collections  # pylint: disable=import-outside-toplevel
   from train.data import config as data_config  # pylint: disable=import-outside-toplevel
   from train.data import pipeline  # pylint: disable=import-outside-toplevel
@@ -110,6 +112,7 @@ def _pipeline(name, options, threads, workers, microbatch, measure_s,
   config.data.decode_size = 256
   config.data.num_threads = threads
   config.data.num_workers = workers
+  config.data.remote_parallelism = parallelism
   config.data.cache_max_mb = 0
   config.data.shard_index_cache = index_cache
   config.data.storage_options = options
@@ -141,12 +144,19 @@ def main(argv=None):
   ap.add_argument("--latency_ms", type=float, default=0.0,
                   help="also read S3 through a proxy adding this latency")
   ap.add_argument("--stores", default="local,s3,http")
+  ap.add_argument("--parallelism", default="32",
+                  help="data.remote_parallelism values for the pipeline "
+                  "cases of remote stores")
+  ap.add_argument("--cases", default="open,source,pipeline")
   args = harness.parse_quick(ap, dict(num=512, per_shard=128, threads="2,8",
                                       microbatch=64, measure_s=1.0), argv)
   threads, workers = harness.ints(args.threads), harness.ints(args.workers)
   rows = harness.Rows(args.out, "bench_remote",
                       key=lambda r: (r.get("store"), r.get("case"),
-                                     r.get("threads"), r.get("workers")))
+                                     r.get("threads"), r.get("workers"),
+                                     r.get("parallelism")))
+  cases = args.cases.split(",")
+  parallelisms = harness.ints(args.parallelism)
   env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
          "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
          "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
@@ -200,19 +210,22 @@ def main(argv=None):
                                           num_threads=8,
                                           store=remote.Store(options))
         cached_s = time.perf_counter() - t0
-        rows.add({"store": store, "case": "open", "open_s": open_s,
-                  "open_cached_s": cached_s, "examples": len(src), **meta})
-        for t in threads:
+        if "open" in cases:
+          rows.add({"store": store, "case": "open", "open_s": open_s,
+                    "open_cached_s": cached_s, "examples": len(src), **meta})
+        for t in (threads if "source" in cases else []):
           rate, cpu = _random_reads(src, t, args.measure_s)
           rows.add({"store": store, "case": "source", "threads": t,
                     "examples_s": rate, "client_cpu_us": cpu, **meta})
-        for w in [0] + workers:
+        for w in ([0] + workers if "pipeline" in cases else []):
           for t in (threads if w == 0 else [8]):
-            rate, cpu = _pipeline("webdataset:" + pat, options, t, w,
-                                  args.microbatch, args.measure_s, cache)
-            rows.add({"store": store, "case": "pipeline", "threads": t,
-                      "workers": w, "examples_s": rate,
-                      "main_cpu_us": cpu, **meta})
+            for par in (parallelisms if src.is_remote else [0]):
+              rate, cpu = _pipeline("webdataset:" + pat, options, t, w,
+                                    args.microbatch, args.measure_s, cache,
+                                    par or 1)
+              rows.add({"store": store, "case": "pipeline", "threads": t,
+                        "workers": w, "parallelism": par, "examples_s": rate,
+                        "main_cpu_us": cpu, **meta})
   finally:
     for p in procs:
       p.kill()
@@ -221,11 +234,11 @@ def main(argv=None):
     json.dump({"meta": meta, "rows": rows.rows}, f, indent=1)
   print(f"\n{cores} cores, {args.num} JPEGs 256 px in "
         f"{meta['shard_mib']:.0f} MiB of shards")
-  print(f"{'store':>12}{'case':>10}{'threads':>8}{'workers':>8}"
+  print(f"{'store':>12}{'case':>10}{'threads':>8}{'workers':>8}{'par':>5}"
         f"{'ex/s':>9}{'cpu us/ex':>10}{'open s':>8}{'cached s':>9}")
   for r in rows.rows:
     print(f"{r['store']:>12}{r['case']:>10}{r.get('threads', ''):>8}"
-          f"{r.get('workers', ''):>8}"
+          f"{r.get('workers', ''):>8}{r.get('parallelism', ''):>5}"
           + (f"{r['examples_s']:>9.0f}"
              f"{r.get('client_cpu_us', r.get('main_cpu_us')):>10.0f}"
              if "examples_s" in r else f"{'':>19}")
