@@ -16,7 +16,7 @@ processes; a remote source's chunks read together, --parallelism requests
 in flight per process: ``config.data.remote_parallelism``), with this
 process's CPU time per example (the client's cost of a remote read; the
 servers' CPU is theirs). ``--cases pipeline`` leaves out the others. ``--latency_ms`` puts a proxy
-answering every request that late in front of the S3 server (a remote
+answering every request (each time it is made) that late in front of the S3 server (a remote
 store's round trip; the proxy is Python, so on few cores it bounds the rate
 too). Rows go to bench_remote.jsonl, the summary to bench_remote.json.
 """
@@ -53,9 +53,13 @@ elif kind == "http":
   port = server.port
 else:  # proxy: every request answered late by arg ms
   from tests.netservers import FaultProxy
+  class Late(FaultProxy):
+    # Every request, again each time (FaultProxy's own plan delays a
+    # request once: a range read twice, by two cases, would be fast).
+    def decide(self, method, path, rng_header):
+      return "slow"
   up, ms = arg.split(",")
-  server = FaultProxy(("127.0.0.1", int(up)), fraction=1.0, kinds=("slow",),
-                      max_faults=10**9, delay_s=float(ms) / 1e3)
+  server = Late(("127.0.0.1", int(up)), delay_s=float(ms) / 1e3)
   port = server.port
 print(port, flush=True)
 while True:
@@ -219,7 +223,8 @@ def main(argv=None):
                     "examples_s": rate, "client_cpu_us": cpu, **meta})
         for w in ([0] + workers if "pipeline" in cases else []):
           for t in (threads if w == 0 else [8]):
-            for par in (parallelisms if src.is_remote else [0]):
+            for par in (parallelisms if any(map(remote.is_url, src.paths))
+                        else [0]):
               rate, cpu = _pipeline("webdataset:" + pat, options, t, w,
                                     args.microbatch, args.measure_s, cache,
                                     par or 1)
