@@ -75,9 +75,17 @@ def check(out, ref, dtype, what):
   assert not bad, f"{what}: true loss {ref[0]:.2e}, errors over {bound}: {bad}"
 
 
-def loss_and_grads(x, y, t, **kw):
-  f = lambda x, y, t: contrastive_loss(x, y, t, **kw)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, y, t)
+def loss_and_grads(x, y, t, labels=None, groups=None, **kw):
+  """The loss and its gradients w.r.t. (x, y, t); one compiled program per
+  static setting, shared by the confidence levels (only t changes)."""
+  return _grad_fn(**kw)(x, y, t, labels, groups)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_fn(**kw):
+  f = lambda x, y, t, labels, groups: contrastive_loss(
+      x, y, t, labels=labels, groups=groups, **kw)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
 
 # ------------------------------------------------------------ xla, reference
