@@ -248,7 +248,7 @@ def test_encoded_images_cross_from_workers_flat_and_come_back_whole():
            (11, Bad("b", "why")),
            (12, {"encoded": blobs[1], "key": "c", "label": np.int32(2)}),
            (13, {"encoded": blobs[2], "key": "d", "label": np.int32(3)})]
-  flat = pipeline._pack_flat(items)  # pylint: disable=protected-access
+  flat = pipeline._pack(items, flat=True)  # pylint: disable=protected-access
   assert "encoded" not in flat["arrays"]
   assert flat["arrays"]["encoded_flat"].dtype == np.uint8
   back = pipeline._unflatten(flat)  # pylint: disable=protected-access
@@ -259,7 +259,7 @@ def test_encoded_images_cross_from_workers_flat_and_come_back_whole():
   assert np.array_equal(back["arrays"]["label"], [1, 2, 3])
   assert back["bad"] == plain["bad"] == [(1, "b", "why")]
   assert np.array_equal(back["good"], plain["good"])
-  none = pipeline._pack_flat([(0, Bad("x", "y"))])  # pylint: disable=protected-access
+  none = pipeline._pack([(0, Bad("x", "y"))], flat=True)  # pylint: disable=protected-access
   assert pipeline._unflatten(none)["arrays"] is None  # pylint: disable=protected-access
 
 

@@ -317,7 +317,7 @@ def _stack(values: list) -> np.ndarray:
   return np.stack(values)
 
 
-def _pack(items: list, flat: bool = False) -> dict:
+def _pack(items: list, flat: bool = False, store=None) -> dict:
   """(position, element or Bad) x n -> one chunk: the good elements stacked,
   which local positions were good, and the bad ones named.
 
@@ -339,16 +339,12 @@ def _pack(items: list, flat: bool = False) -> dict:
       arrays["encoded_ends"] = np.cumsum([len(b) for b in encoded],
                                          dtype=np.int64)
       arrays["encoded_flat"] = np.frombuffer(b"".join(encoded), np.uint8)
-  # Retries of remote reads in this process (a worker's travel with its
-  # chunk to the training process's ledger: data/retries).
+  # Retries of the source's remote reads in this process (a worker's travel
+  # with its chunk to the training process's ledger: data/retries).
   return {"pos0": items[0][0], "good": good, "arrays": arrays,
-          "retries": remote.take_retries(),
+          "retries": store.take_retries() if store is not None else 0,
           "bad": [(i, e.where, e.reason) for i, (_, e) in enumerate(items)
                   if isinstance(e, Bad)]}
-
-
-def _pack_flat(items: list) -> dict:
-  return _pack(items, flat=True)
 
 
 def _tag(position: int, index: int) -> tuple:
@@ -374,19 +370,24 @@ class _ReadChunk:
     return [self.finalize(p, got[i]) for p, i in items]
 
 
-class _PackRead:
-  """grain's batch_fn of a remote source's chunk: read it, then ``_pack``
-  (after the reads: their retries travel with the chunk)."""
+class _Pack:
+  """grain's batch_fn: a chunk of (position, element or Bad) -> ``_pack``;
+  with ``read_chunk`` (a remote source, ``_ReadChunk``) the chunk's
+  examples are read first, so that their retries travel with it. ``store``
+  is the source's (its copy in a worker process: pickled with the source,
+  one object)."""
 
-  def __init__(self, read_chunk, flat: bool):
-    self.read_chunk, self.flat = read_chunk, flat
+  def __init__(self, store, flat: bool, read_chunk=None):
+    self.store, self.flat, self.read_chunk = store, flat, read_chunk
 
   def __call__(self, items: list) -> dict:
-    return _pack(self.read_chunk(items), flat=self.flat)
+    if self.read_chunk is not None:
+      items = self.read_chunk(items)
+    return _pack(items, flat=self.flat, store=self.store)
 
 
 def _unflatten(chunk: dict) -> dict:
-  """A ``_pack_flat`` chunk with its encoded images as bytes again."""
+  """A chunk packed ``flat`` with its encoded images as bytes again."""
   arrays = chunk["arrays"]
   if arrays and "encoded_flat" in arrays:
     # A memoryview: slices of grain's shared-memory array subclass run
@@ -472,12 +473,13 @@ class TrainIterator(CountsBadData):
   def __init__(self, dataset, read_options, fingerprint: dict, *,
                microbatch_size: int, ledger: BadDataLedger,
                num_workers: int = 0, chunk: int = CHUNK,
-               read_ahead: int = 0, read_chunk=None):
+               read_ahead: int = 0, read_chunk=None, store=None):
     # grain MapDataset of (position, element); with ``read_chunk`` (a
     # remote source, ``_ReadChunk``) of (position, example index), each
     # chunk's examples read together by it.
     self._dataset = dataset
     self._read_chunk = read_chunk
+    self._store = store  # The source's remote.Store (None: a local source).
     self._read_options = read_options
     self._num_workers = num_workers
     self._chunk_size = chunk
@@ -497,10 +499,8 @@ class TrainIterator(CountsBadData):
     if self._iter is None:
       # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
-      if self._read_chunk is not None:
-        batch_fn = _PackRead(self._read_chunk, flat=bool(self._num_workers))
-      else:
-        batch_fn = _pack_flat if self._num_workers else _pack
+      batch_fn = _Pack(self._store, flat=bool(self._num_workers),
+                       read_chunk=self._read_chunk)
       ds = self._dataset[self._next_position:].batch(self._chunk_size,
                                                      batch_fn=batch_fn)
       if not self._num_workers:
@@ -546,7 +546,10 @@ class TrainIterator(CountsBadData):
         self._chunk = (self._ahead.next() if self._ahead is not None
                        else _unflatten(next(self._iter)))
         self._cursor = 0
-        self.ledger.add_retries(self._chunk["retries"] + remote.take_retries())
+        # The chunk's retries, and the training process's own since the
+        # last chunk (with workers: its reads while opening the source).
+        self.ledger.add_retries(self._chunk["retries"] + (
+            self._store.take_retries() if self._store is not None else 0))
       chunk, k = self._chunk, self._cursor
       good = chunk["good"]
       ahead = np.flatnonzero(good[k:]) + k  # local positions of goods
@@ -727,7 +730,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                      num_workers=data.num_workers, chunk=chunk,
                      read_ahead=(data.get("gpu_decoder_read_ahead", 0)
                                  if batch_decoder is not None else 0),
-                     read_chunk=read_chunk)
+                     read_chunk=read_chunk,
+                     store=getattr(source, "store", None))
   if batch_decoder is None:
     return it
   return batching.Prefetch(

@@ -16,8 +16,10 @@ botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``.
 
 Every request goes through ``Store.call``: a transient failure (5xx, 408,
 429, a timeout, a reset connection, a truncated body) is retried with
-exponential backoff, up to ``retries`` times, and counted (``take_retries``:
-the pipeline carries the count to the trainer's ``data/retries``); a
+exponential backoff, up to ``retries`` times, and counted by the store
+(``Store.take_retries``: the pipeline of the store's source carries the
+count to the trainer's ``data/retries``; another pipeline's reads, an eval
+split's or a closed one's, never mix in); a
 permanent one (403, 404, 400, a Range the server ignores) is raised at once
 as one line naming the URL. The stores' own hidden retries are turned off
 where they can be (s3fs, botocore), so that what is retried is counted.
@@ -62,24 +64,6 @@ INDEX_VERSION = 1
 # of 10 would cap it).
 DEFAULT_PARALLELISM = 32
 MAX_PARALLELISM = 256
-
-_lock = threading.Lock()
-_retries = 0
-
-
-def count_retry(n: int = 1) -> None:
-  global _retries
-  with _lock:
-    _retries += n
-
-
-def take_retries() -> int:
-  """The retries made in this process since the last call (and resets)."""
-  global _retries
-  with _lock:
-    n, _retries = _retries, 0
-  return n
-
 
 def is_url(path: str) -> bool:
   """True for a path with a scheme other than file://."""
@@ -277,6 +261,14 @@ class Store:
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
     self.retries_made = 0  # By this store, in this process.
+    self._retries_taken = 0
+
+  def take_retries(self) -> int:
+    """The retries this store made in this process since the last call."""
+    with self._lock:
+      n = self.retries_made - self._retries_taken
+      self._retries_taken = self.retries_made
+    return n
 
   def __getstate__(self):
     return {"options": self.options, "retries": self.retries,
@@ -286,7 +278,7 @@ class Store:
     self.__dict__.update(state)
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
-    self.retries_made = 0
+    self.retries_made = self._retries_taken = 0
 
   def filesystem(self, url: str):
     """(fsspec filesystem, its path of ``url``)."""
@@ -331,7 +323,6 @@ class Store:
           raise RemoteError(
               f"cannot {what} {scrub(url)}: {self.retries + 1} attempts "
               f"failed, the last with {_reason(e)}") from None
-        count_retry()
         with self._lock:
           self.retries_made += 1
         time.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt)
