@@ -432,6 +432,10 @@ def test_ctrl_c_during_an_async_save_finishes_it_and_resumes(
   with open(work / "summary.json") as f:
     summary = f.read()
   tb_files = sorted(os.listdir(work / "tb"))
+  # TensorBoard's scalars reached the disk in both runs (the interrupted one
+  # closes its writer too: they are not flushed per row).
+  assert len(tb_files) == 2 and all(
+      b"loss" in (work / "tb" / f).read_bytes() for f in tb_files), tb_files
   again = _run(_cmd(work, data_dir))
   assert again.returncode == 0, again.stderr[-3000:]
   assert "is already at config.total_steps=8: nothing to train" in again.stdout

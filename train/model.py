@@ -86,11 +86,11 @@ def init_params(config, image_tower, text_tower, head, tokenizer):
     txt = jax.tree.map(jnp.asarray, txt)
     logging.info("text tower loaded from %s", config.model.text.init)
   else:
-    txt = text_tower.init(
+    txt = jax.jit(text_tower.init)(  # Jitted: see towers.build.
         rng_txt, jnp.ones((1, tokenizer.max_len), jnp.int32))["params"]
   e = jnp.zeros((2, text_tower.embed_dim))
   # A grouped head is called with groups (group_mode "positives" needs them).
   g = ({} if config.loss.groups == "none"
        else {"groups": jnp.arange(2, dtype=jnp.int32)})
-  hp = head.init(rng_head, e, e, **g)["params"]
+  hp = jax.jit(head.init)(rng_head, e, e, **g)["params"]
   return {"img": image_tower.params, "txt": txt, "head": hp}

@@ -125,11 +125,11 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
   tower = own.make_module(config.model.image, config.model.embed_dim,
                           jnp.float32)
   model = _Classifier(tower, num_classes)
-  params = model.init(jax.random.key(seed), images[:1])["params"]
+  params = jax.jit(model.init)(jax.random.key(seed), images[:1])["params"]
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, lr, min(100, steps // 10), max(steps, 1))
   tx = optax.adamw(schedule, weight_decay=1e-4)
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
 
   def ce(logits, y, keys):
     return sum(optax.softmax_cross_entropy_with_integer_labels(

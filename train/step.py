@@ -211,7 +211,7 @@ def init_state(mesh, params, optimizer) -> dict[str, Any]:
   """A fresh train state, replicated over the mesh (as the step returns it,
   so the first and later steps share one compiled program)."""
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
-           "opt_state": optimizer.init(params)}
+           "opt_state": jax.jit(optimizer.init)(params)}
   return jax.device_put(state, NamedSharding(mesh, P()))
 
 

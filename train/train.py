@@ -65,6 +65,9 @@ init_params = model_lib.init_params
 # ----------------------------------------------------------------- logging
 
 
+TB_FLUSH_S = 10
+
+
 class MetricWriter:
   """metrics.jsonl (one JSON object per line) + TensorBoard scalars.
 
@@ -90,7 +93,11 @@ class MetricWriter:
         f.writelines(keep)
     try:
       import tensorboardX  # pylint: disable=g-import-not-at-top
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
+      # Written by tensorboardX's thread every flush_secs and at close, not
+      # flushed per row: its flush fsyncs (0.1-1 s on a slow or network
+      # disk, in the training loop). metrics.jsonl is the record.
+      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"),
+                                            flush_secs=TB_FLUSH_S)
     except ImportError:
       logging.warning("tensorboardX not installed: no TensorBoard scalars")
 
@@ -103,7 +110,6 @@ class MetricWriter:
     if self._tb is not None:
       for k, v in metrics.items():
         self._tb.add_scalar(k, float(v), step)
-      self._tb.flush()
     if self.on_write is not None:
       self.on_write(int(step), row)
 
