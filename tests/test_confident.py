@@ -353,6 +353,49 @@ def test_across_8_devices(strategy, loss):
       x, y, t, jnp.asarray(labels)), ref, jnp.float32, f"{strategy} labels")
 
 
+@pytest.mark.parametrize("loss", [10.0, 1e-9, 1e-30])
+@pytest.mark.parametrize("strategy", ["ring", "gather"])
+def test_positives_across_8_devices(strategy, loss):
+  """"positives" on 8 devices (7 rows each): groups across the shards, a
+  pair of id arrays (an id of two images and one text, whose pairs live on
+  different devices than that text); then one-way with extra keys."""
+  _mesh(8)
+  n = 56
+  g_x, g_y, near = mixed_ids(n, pair=True)
+  both = _sharded_positives(strategy, "both")
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x, y, t, ref, layout = make_positives(loss, n, n, 16, dtype, g_x, g_y,
+                                          near=near)
+    out = both(x, y, t, jnp.asarray(g_x), jnp.asarray(g_y))
+    check_positives(out, ref, dtype, f"{strategy} positives both", layout)
+
+  g_q = mixed_ids(n)
+  g_k = np.concatenate([g_q, 1000 + np.arange(8)])
+  g_k[60] = g_q[9]  # Query 9 (device 1) gains a key on device 7.
+  x, y, t, ref, layout = make_positives(loss, n, n + 8, 16, jnp.float32, g_q,
+                                        g_k, direction="image_to_text")
+  out = _sharded_positives(strategy, "image_to_text")(
+      x, y, t, jnp.asarray(g_q), jnp.asarray(g_k))
+  check_positives(out, ref, jnp.float32, f"{strategy} positives one-way",
+                  layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_positives(strategy, direction):
+  """The loss and gradients of "positives" on 8 devices, one compiled
+  program per setting (shared by the confidence levels)."""
+  @functools.partial(jax.shard_map, mesh=_mesh(8),
+                     in_specs=(P("data"), P("data"), P(), P("data"),
+                               P("data")), out_specs=P())
+  def f(x, y, t, gx, gy):
+    return contrastive_loss(x, y, t, groups=(gx, gy), group_mode="positives",
+                            direction=direction, axis_name="data",
+                            strategy=strategy, backend="xla",
+                            block_sizes=XLA_TILES)
+
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+
 # ------------------------------------------------------------------ kernels
 
 
@@ -375,6 +418,19 @@ class TestConfidentKernels:
                          block_sizes=None if ON_GPU else self.TILES)
     check(out, ref, dtype, f"{self.NAME} {direction}")
 
+  def _run_positives(self, loss, dtype, n=None):
+    """group_mode="positives", both directions, a pair of id arrays with
+    singletons, groups of 2 and 3 and an id of two images and one text."""
+    n = n or self.N
+    g_x, g_y, near = mixed_ids(n, pair=True)
+    x, y, t, ref, layout = make_positives(loss, n, n, 16, dtype, g_x, g_y,
+                                          near=near)
+    out = loss_and_grads(x, y, t, groups=(jnp.asarray(g_x),
+                                          jnp.asarray(g_y)),
+                         group_mode="positives", backend=self.NAME,
+                         block_sizes=None if ON_GPU else self.TILES)
+    check_positives(out, ref, dtype, f"{self.NAME} positives", layout)
+
   @pytest.mark.skipif(ON_GPU, reason="the GPU runs test_gpu_levels")
   @pytest.mark.parametrize("loss", [1e-4, 1e-30])
   def test_interpret(self, loss):
@@ -382,6 +438,7 @@ class TestConfidentKernels:
     self._run(loss, jnp.bfloat16)
     labels = np.random.default_rng(3).permutation(self.N + 6)[:self.N]
     self._run(loss, jnp.float32, "image_to_text", labels)
+    self._run_positives(loss, jnp.float32)
 
   @pytest.mark.gpu
   @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
@@ -395,6 +452,7 @@ class TestConfidentKernels:
       # the float16 the caller gets back, whatever the kernel did.
       pytest.skip("float16 gradients underflow below a loss of ~1e-4")
     self._run(loss, dtype, n=1031)
+    self._run_positives(loss, dtype, n=1031)
     if loss in (1e-4, 1e-30):
       self._run(loss, dtype, "image_to_text", None, n=517)
 
