@@ -113,7 +113,8 @@ def _positive_labels(ring, labels, b_q, b_k):
 class _Groups:
   """What the tiles and the positive terms of one device need from
   ``groups`` (``losses.groups``): the ids of each tile, the positives'
-  relatedness ("mask") or the weights of the positives ("positives")."""
+  relatedness ("mask") or the split of ``groups_lib.Positives``
+  ("positives")."""
 
   def __init__(self, groups, group_mode, ring, labels, b_q, b_k, mode):
     self.multi = groups is not None and group_mode == "positives"
