@@ -193,7 +193,10 @@ def exact_positive_ids(b_q, n_k, labels, axes):
 # well when the id also has >= 2 queries, always so for one (B,) id array;
 # an id with one query and several keys, possible with an (images, texts)
 # pair of id arrays, leaves that query's columns plain although each has one
-# related query).
+# related query). A plain query's related entries of G, p - 1/k, are as
+# precise as the tiles' G panel relative to 1/k (docs/losses.md, "A
+# confident model"): taking them outside too would need its k related
+# logits, k gathers of the key rows per key shard rather than one.
 
 
 class Positives:
