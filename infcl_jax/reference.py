@@ -53,19 +53,30 @@ def _grouped_clip(s, rel, direction, labels, group_mode):
     if direction != "both":
       return jnp.mean(rows)
     return 0.5 * (jnp.mean(rows) + jnp.mean(_cross_entropy(sm.T, pos.T)))
-  if group_mode == "positives":
-    sm = s
-    e_row = rel / jnp.sum(rel, axis=1, keepdims=True)
-    e_col = rel / jnp.sum(rel, axis=0, keepdims=True)
-  else:
+  if group_mode != "positives":
     raise ValueError(f"unknown group_mode {group_mode!r}")
-  rows = jax.nn.logsumexp(sm, axis=1) - jnp.sum(jnp.where(e_row > 0, e_row * s,
-                                                          0.0), axis=1)
+  rows = _multi_positive(s, rel)
   if direction != "both":
     return jnp.mean(rows)
-  cols = jax.nn.logsumexp(sm, axis=0) - jnp.sum(jnp.where(e_col > 0, e_col * s,
-                                                          0.0), axis=0)
-  return 0.5 * (jnp.mean(rows) + jnp.mean(cols))
+  return 0.5 * (jnp.mean(rows) + jnp.mean(_multi_positive(s.T, rel.T)))
+
+
+def _multi_positive(s, rel):
+  """Per query row of ``s``: LSE over all keys less the mean of its related
+  logits (``rel``), as softplus(N - R) + (R - mean) with N the LSE of the
+  unrelated keys and R of the related ones. The second part is exactly 0
+  (value and gradient) for a row with one related key, which leaves the
+  confident form of ``_cross_entropy``; otherwise it is at least log 2, and
+  the sum does not cancel."""
+  k = jnp.sum(rel, axis=1)
+  # A row related to every key has no N (-inf); its LSE is not taken over
+  # nothing, whose gradient would be NaN.
+  some = k < s.shape[1]
+  unrel = jnp.where(some, jax.nn.logsumexp(
+      jnp.where(rel & some[:, None], -jnp.inf, s), axis=1), -jnp.inf)
+  r = jax.nn.logsumexp(jnp.where(rel, s, -jnp.inf), axis=1)
+  mean = jnp.sum(jnp.where(rel, s, 0.0), axis=1) / k
+  return softplus(unrel - r) + jnp.where(k == 1, 0.0, r - mean)
 
 
 def contrastive_loss_reference(image_emb, text_emb, logit_scale, *,

@@ -14,13 +14,15 @@ def _lse(a, axis):
 
 
 def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
-                        related=None):
+                        related=None, group_mode="mask"):
   """Returns (loss, dx, dy, dscale, dbias) in float64.
 
   ``labels`` (one-way directions): query i's positive is key labels[i]
   (texts for image_to_text, images for text_to_image) instead of key i.
   ``related``: optional (B_x, B_y) bool, the pairs left out of every
-  log-sum-exp but the positive's (``groups=`` in "mask" mode).
+  log-sum-exp but the positive's (``groups=`` in "mask" mode), or with
+  ``group_mode="positives"`` every query's positives (multi-positive
+  InfoNCE: ``_multi_positive``; no labels).
   """
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
@@ -30,6 +32,11 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
   s = scale * s0 + bias
   bx, by = s.shape
   n = min(bx, by)
+  if group_mode == "positives":
+    return _positives_loss_and_grads(s, s0, x, y, scale,
+                                     np.asarray(related, bool), direction)
+  if group_mode != "mask":
+    raise ValueError(group_mode)
   e = np.zeros_like(s)
   if labels is None:
     e[np.arange(n), np.arange(n)] = 1.0
@@ -57,6 +64,50 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
   dx = scale * g @ y
   dy = scale * g.T @ x
   return loss, dx, dy, np.sum(g * s0), np.sum(g)
+
+
+def _positives_loss_and_grads(s, s0, x, y, scale, rel, direction):
+  bx, by = s.shape
+  if direction == "both":
+    l_r, g_r = _multi_positive(s, rel)
+    l_c, g_c = _multi_positive(s.T, rel.T)
+    loss = 0.5 * (np.mean(l_r) + np.mean(l_c))
+    g = g_r / (2 * bx) + g_c.T / (2 * by)
+  elif direction == "image_to_text":
+    l_r, g_r = _multi_positive(s, rel)
+    loss, g = np.mean(l_r), g_r / bx
+  elif direction == "text_to_image":
+    l_c, g_c = _multi_positive(s.T, rel.T)
+    loss, g = np.mean(l_c), g_c.T / by
+  else:
+    raise ValueError(direction)
+  return loss, scale * g @ y, scale * g.T @ x, np.sum(g * s0), np.sum(g)
+
+
+def _multi_positive(s, rel):
+  """Per query row of ``s`` with related keys ``rel`` (k of them): the loss
+  LSE_j s_ij - mean over the related of s_ij, and d loss / d s.
+
+  With N the LSE of the unrelated keys, R of the related ones and
+  q = exp(s - R) (the softmax within the related), the loss is
+  softplus(N - R) + (R - mean), the second part exactly 0 for k = 1 and
+  >= log k otherwise; d loss / d s is exp(s - LSE) at an unrelated key and
+  (q - 1/k) - q sigmoid(N - R) at a related one (-sigmoid(N - s_pos) for
+  k = 1: ``_cross_entropy``'s form). Nothing cancels, whatever the
+  confidence.
+  """
+  k = np.sum(rel, axis=1)
+  n = _lse(np.where(rel, -np.inf, s), 1)
+  r = _lse(np.where(rel, s, -np.inf), 1)
+  mean = np.sum(np.where(rel, s, 0.0), axis=1) / k
+  u = n - r
+  loss = np.logaddexp(0.0, u) + np.where(k == 1, 0.0, r - mean)
+  sig = np.exp(-np.logaddexp(0.0, -u))
+  full = r + np.logaddexp(0.0, u)
+  q = np.exp(np.where(rel, s, -np.inf) - r[:, None])
+  p = np.exp(np.where(rel, -np.inf, s) - full[:, None])
+  g_rel = (q - 1.0 / k[:, None]) - q * sig[:, None]
+  return loss, np.where(rel, g_rel, p)
 
 
 def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
@@ -97,6 +148,58 @@ def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
   while f(lo) < loss:
     lo, hi = 2 * lo, lo
   for _ in range(50):  # Bisection on the (decreasing) loss.
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
+  return x, y, 0.5 * (lo + hi)
+
+
+def positives_inputs(rng, n_x, n_y, d, loss, g_x, g_y, *, direction="both",
+                     near=None, noise=0.05, spread=0.2):
+  """Float64 unit embeddings of a confident model for "positives" groups
+  (``g_x``, ``g_y``: the ids of the images and of the texts) and the scale
+  at which the mean term of the queries (and, both directions, keys) with
+  ONE related partner is ``loss``; the others' terms are at least log 2.
+
+  The keys of an id sit near one centre (``spread`` apart per dimension),
+  as the captions of one image; query i sits near key ``near[i]`` (default
+  i), ``noise`` apart.
+  Returns (x, y, scale).
+  """
+  def unit(a):
+    return a / np.linalg.norm(a, axis=-1, keepdims=True)
+
+  flip = direction == "text_to_image"
+  n_q, n_k = (n_y, n_x) if flip else (n_x, n_y)
+  g_k = np.asarray(g_x if flip else g_y)
+  ids, at = np.unique(g_k, return_inverse=True)
+  centres = unit(rng.standard_normal((len(ids), d)))
+  keys = unit(centres[at] + spread * rng.standard_normal((n_k, d)))
+  idx = np.arange(n_q) if near is None else np.asarray(near)
+  queries = unit(keys[idx] + noise * rng.standard_normal((n_q, d)))
+  x, y = (keys, queries) if flip else (queries, keys)
+  rel = np.equal.outer(np.asarray(g_x), np.asarray(g_y))
+
+  def f(t):
+    s = t * (x @ y.T)
+    terms = []
+    if direction != "text_to_image":
+      l_r, _ = _multi_positive(s, rel)
+      terms.append(l_r[rel.sum(1) == 1])
+    if direction != "image_to_text":
+      l_c, _ = _multi_positive(s.T, rel.T)
+      terms.append(l_c[rel.sum(0) == 1])
+    return np.mean(np.concatenate(terms))
+
+  # As ``confident_inputs``: above the loss at scale 0, a negative scale.
+  lo, hi = (0.0, 8.0) if f(0.0) > loss else (-8.0, 0.0)
+  while f(hi) > loss:
+    if hi > 1e5:
+      raise ValueError(f"no scale reaches a loss of {loss:g}: some query "
+                       f"is not closest to its positive")
+    lo, hi = hi, 2 * hi
+  while f(lo) < loss:
+    lo, hi = 2 * lo, lo
+  for _ in range(60):  # Bisection on the (decreasing) loss.
     mid = 0.5 * (lo + hi)
     lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
   return x, y, 0.5 * (lo + hi)

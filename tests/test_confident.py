@@ -135,6 +135,171 @@ def test_groups_mask(loss):
     check(out, ref, dtype, "groups mask")
 
 
+# ------------------------------------------------------ "positives" groups
+#
+# Multi-positive InfoNCE: most queries have one related key (an image
+# without duplicates), whose term is the confident form of the plain loss;
+# a few groups of 2 and 3 have terms of at least log 2. Their gradients
+# dominate the batch's, so beside the loss and the gradients' norms the
+# rows of dx and dy that only the one-partner terms touch are checked on
+# their own, relative to their own (tiny) true norm.
+
+
+def mixed_ids(n, pair=False):
+  """Group ids of n pairs: singletons, groups of 2 and 3, one across the
+  8 devices' shards of 7 (rows 6, 7). ``pair``: (image ids, text ids,
+  near) where also images 30 and 31 share text 30 alone (an id with two
+  queries and one key), text 31 joins texts 40, 41 of images 40, 41, and
+  images 3 and n - 6 swap their texts (a one-partner pair across
+  devices); each image sits near its first related text (``near``)."""
+  g = np.arange(n)
+  for members in ([6, 7], [20, 21, 22], [n - 3, n - 2]):
+    g[members] = members[0]
+  if not pair:
+    return g
+  g_x, g_y = g.copy(), g.copy()
+  g_x[31] = 30
+  g_x[[40, 41]] = g_y[[31, 40, 41]] = 40
+  g_y[[3, n - 6]] = g_y[[n - 6, 3]]
+  near = np.arange(n)
+  near[[31, 3, n - 6]] = 30, n - 6, 3
+  return g_x, g_y, near
+
+
+def make_positives(loss, n_x, n_y, d, dtype, g_x, g_y, *, direction="both",
+                   near=None):
+  rng = np.random.default_rng(seed_of("positives", loss, n_x, n_y, d,
+                                      direction, near is None))
+  x, y, t = np_reference.positives_inputs(rng, n_x, n_y, d, loss, g_x, g_y,
+                                          direction=direction, near=near)
+  x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+  rel = np.equal.outer(g_x, g_y)
+  ref = np_reference.clip_loss_and_grads(as64(x), as64(y), t, 0.0, direction,
+                                         None, rel, group_mode="positives")
+  return x, y, jnp.float32(t), ref, (rel, direction)
+
+
+def check_positives(out, ref, dtype, what, layout):
+  """``check``, and the rows of dx (dy) whose every entry of G is a
+  one-partner term's (``one_partner_rows``) within the bound relative to
+  their own true norm."""
+  check(out, ref, dtype, what)
+  rel = layout[0]
+  if dtype == jnp.float16 and ON_GPU and max(rel.sum(0).max(),
+                                             rel.sum(1).max()) > 1:
+    # The kernels' float16 G panels share one scale with the batch's
+    # largest entries (``terms.confident_scale``), O(1) for a query with
+    # several related keys: next to them a confident one-partner row's
+    # entries fall below float16's range (docs/losses.md). Within the
+    # bound relative to the whole gradient (above), not row by row.
+    return
+  one_x, one_y = one_partner_rows(*layout)
+  bound = BOUND[dtype]
+  for name, got, want, rows in (("d image", out[1][0], ref[1], one_x),
+                                ("d text", out[1][1], ref[2], one_y)):
+    assert rows.sum() >= 10, f"{what}: too few one-partner rows to check"
+    err = rel_err(np.asarray(jnp.asarray(got, jnp.float32))[rows],
+                  want[rows])
+    assert err <= bound, (f"{what}: {name} of the one-partner rows, error "
+                          f"{err:.2e} > {bound} (true loss {ref[0]:.2e})")
+
+
+def one_partner_rows(rel, direction):
+  """(images, texts): bool, those whose gradient comes only from terms of
+  one related partner (tiny when confident): every term that counts and
+  touches the row (its own, and its related partners') has one partner."""
+  k_x, k_y = rel.sum(1), rel.sum(0)
+  rows, cols = direction != "text_to_image", direction != "image_to_text"
+  one_x = np.ones(len(k_x), bool)
+  one_y = np.ones(len(k_y), bool)
+  if rows:
+    one_x &= k_x == 1
+    one_y &= ~np.any(rel & (k_x[:, None] > 1), axis=0)
+  if cols:
+    one_y &= k_y == 1
+    one_x &= ~np.any(rel & (k_y[None, :] > 1), axis=1)
+  return one_x, one_y
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_positives(backend, dtype, loss):
+  """group_mode="positives": mixed groups (one id array, then a pair of id
+  arrays with an id of two images and one text), and every id distinct,
+  where the loss is the plain one and every term is confident."""
+  tiles = XLA_TILES if backend == "xla" else None
+  n = 59
+  g_x, g_y, near = mixed_ids(n, pair=True)
+  for what, ids, nr in (("mixed", (mixed_ids(n),) * 2, None),
+                        ("pair ids", (g_x, g_y), near),
+                        ("distinct", (np.arange(n),) * 2, None)):
+    x, y, t, ref, layout = make_positives(loss, n, n, 16, dtype, *ids,
+                                          near=nr)
+    out = loss_and_grads(x, y, t, groups=tuple(map(jnp.asarray, ids)),
+                         group_mode="positives", backend=backend,
+                         block_sizes=tiles)
+    check_positives(out, ref, dtype, f"{backend} positives {what}", layout)
+
+
+@pytest.mark.parametrize("loss", [1e-4, 1e-30])
+@pytest.mark.parametrize("direction", ["image_to_text", "text_to_image"])
+def test_positives_one_way(direction, loss):
+  """One-way "positives" with extra keys: one of them joins a query's
+  group (its query then has two related keys), the others are related to
+  no query."""
+  n_q, n_k = 37, 70
+  g_q = mixed_ids(n_q)
+  g_k = np.concatenate([g_q, 1000 + np.arange(n_k - n_q)])
+  g_k[45] = g_q[3]
+  ids = (g_k, g_q) if direction == "text_to_image" else (g_q, g_k)
+  n_x, n_y = (n_k, n_q) if direction == "text_to_image" else (n_q, n_k)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x, y, t, ref, layout = make_positives(loss, n_x, n_y, 16, dtype, *ids,
+                                          direction=direction)
+    out = loss_and_grads(x, y, t, groups=tuple(map(jnp.asarray, ids)),
+                         group_mode="positives", direction=direction,
+                         backend="xla", block_sizes=XLA_TILES)
+    check_positives(out, ref, dtype, f"positives {direction}", layout)
+
+
+def test_positives_oracle():
+  """The float64 "positives" oracle: its loss is LSE - mean of the related
+  logits, its gradients match central differences."""
+  rng = np.random.default_rng(11)
+  g_x = np.array([0, 1, 1, 2, 3, 3, 3, 4, 5, 6, 7, 8])
+  g_y = g_x.copy()
+  g_x[9], g_y[9] = 7, 2  # A pair of id arrays: ids of 1 : 2 and 2 : 1.
+  rel = np.equal.outer(g_x, g_y)
+  x, y = rng.standard_normal((12, 5)), rng.standard_normal((12, 5))
+
+  def plain(x, y, t, direction):
+    s = t * (x @ y.T)
+    term = lambda s, rel: np.mean(np.log(np.exp(s).sum(1)) - np.sum(
+        np.where(rel, s, 0.0), 1) / rel.sum(1))
+    r, c = term(s, rel), term(s.T, rel.T)
+    return {"both": 0.5 * (r + c), "image_to_text": r,
+            "text_to_image": c}[direction]
+
+  for direction in ("both", "image_to_text", "text_to_image"):
+    loss, dx, dy, dt, _ = np_reference.clip_loss_and_grads(
+        x, y, 1.7, 0.0, direction, None, rel, group_mode="positives")
+    assert abs(loss - plain(x, y, 1.7, direction)) < 1e-12
+    eps = 1e-6
+    for a, grad in ((x, dx), (y, dy)):
+      num = np.zeros_like(a)
+      for i in np.ndindex(a.shape):
+        a[i] += eps
+        up = plain(x, y, 1.7, direction)
+        a[i] -= 2 * eps
+        num[i] = (up - plain(x, y, 1.7, direction)) / (2 * eps)
+        a[i] += eps
+      np.testing.assert_allclose(grad, num, atol=1e-8)
+    num_t = (plain(x, y, 1.7 + eps, direction)
+             - plain(x, y, 1.7 - eps, direction)) / (2 * eps)
+    assert abs(dt - num_t) < 1e-8
+
+
 def test_cancelling_form_would_fail():
   """The check has teeth: LSE - s_pos in float32 (the form this replaced)
   is far off at the same confident inputs where the library is within
@@ -199,6 +364,49 @@ def test_across_8_devices(strategy, loss):
       x, y, t, jnp.asarray(labels)), ref, jnp.float32, f"{strategy} labels")
 
 
+@pytest.mark.parametrize("loss", [10.0, 1e-9, 1e-30])
+@pytest.mark.parametrize("strategy", ["ring", "gather"])
+def test_positives_across_8_devices(strategy, loss):
+  """"positives" on 8 devices (7 rows each): groups across the shards, a
+  pair of id arrays (an id of two images and one text, whose pairs live on
+  different devices than that text); then one-way with extra keys."""
+  _mesh(8)
+  n = 56
+  g_x, g_y, near = mixed_ids(n, pair=True)
+  both = _sharded_positives(strategy, "both")
+  for dtype in (jnp.float32, jnp.bfloat16):
+    x, y, t, ref, layout = make_positives(loss, n, n, 16, dtype, g_x, g_y,
+                                          near=near)
+    out = both(x, y, t, jnp.asarray(g_x), jnp.asarray(g_y))
+    check_positives(out, ref, dtype, f"{strategy} positives both", layout)
+
+  g_q = mixed_ids(n)
+  g_k = np.concatenate([g_q, 1000 + np.arange(8)])
+  g_k[60] = g_q[9]  # Query 9 (device 1) gains a key on device 7.
+  x, y, t, ref, layout = make_positives(loss, n, n + 8, 16, jnp.float32, g_q,
+                                        g_k, direction="image_to_text")
+  out = _sharded_positives(strategy, "image_to_text")(
+      x, y, t, jnp.asarray(g_q), jnp.asarray(g_k))
+  check_positives(out, ref, jnp.float32, f"{strategy} positives one-way",
+                  layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_positives(strategy, direction):
+  """The loss and gradients of "positives" on 8 devices, one compiled
+  program per setting (shared by the confidence levels)."""
+  @functools.partial(jax.shard_map, mesh=_mesh(8),
+                     in_specs=(P("data"), P("data"), P(), P("data"),
+                               P("data")), out_specs=P())
+  def f(x, y, t, gx, gy):
+    return contrastive_loss(x, y, t, groups=(gx, gy), group_mode="positives",
+                            direction=direction, axis_name="data",
+                            strategy=strategy, backend="xla",
+                            block_sizes=XLA_TILES)
+
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+
 # ------------------------------------------------------------------ kernels
 
 
@@ -221,6 +429,19 @@ class TestConfidentKernels:
                          block_sizes=None if ON_GPU else self.TILES)
     check(out, ref, dtype, f"{self.NAME} {direction}")
 
+  def _run_positives(self, loss, dtype, n=None):
+    """group_mode="positives", both directions, a pair of id arrays with
+    singletons, groups of 2 and 3 and an id of two images and one text."""
+    n = n or self.N
+    g_x, g_y, near = mixed_ids(n, pair=True)
+    x, y, t, ref, layout = make_positives(loss, n, n, 16, dtype, g_x, g_y,
+                                          near=near)
+    out = loss_and_grads(x, y, t, groups=(jnp.asarray(g_x),
+                                          jnp.asarray(g_y)),
+                         group_mode="positives", backend=self.NAME,
+                         block_sizes=None if ON_GPU else self.TILES)
+    check_positives(out, ref, dtype, f"{self.NAME} positives", layout)
+
   @pytest.mark.skipif(ON_GPU, reason="the GPU runs test_gpu_levels")
   @pytest.mark.parametrize("loss", [1e-4, 1e-30])
   def test_interpret(self, loss):
@@ -228,6 +449,7 @@ class TestConfidentKernels:
     self._run(loss, jnp.bfloat16)
     labels = np.random.default_rng(3).permutation(self.N + 6)[:self.N]
     self._run(loss, jnp.float32, "image_to_text", labels)
+    self._run_positives(loss, jnp.float32)
 
   @pytest.mark.gpu
   @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
@@ -241,6 +463,7 @@ class TestConfidentKernels:
       # the float16 the caller gets back, whatever the kernel did.
       pytest.skip("float16 gradients underflow below a loss of ~1e-4")
     self._run(loss, dtype, n=1031)
+    self._run_positives(loss, dtype, n=1031)
     if loss in (1e-4, 1e-30):
       self._run(loss, dtype, "image_to_text", None, n=517)
 

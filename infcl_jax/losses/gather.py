@@ -10,7 +10,10 @@ queries only; the column LSE over all queries is their log-sum-exp across
 devices (``pmax`` + ``psum`` of B_k floats, next to nothing beside B_k x D).
 With "mask" groups each device puts its own queries' positives back into
 that partial column LSE (the columns' positives are (i, i)) before the
-combine; "positives" adds the grouped sums of the gathered keys.
+combine; "positives" leaves out the pairs of the queries with one related
+key, as "mask" (``groups.Positives``; the keys of those pairs take their
+queries' logits from an O(B) all_gather), and adds the grouped sums of the
+gathered keys for the other related pairs.
 
 Backward: the keys are gathered again (rather than kept as a B_k x D
 residual between forward and backward), one ``lse_grad`` gives dq and the
@@ -68,23 +71,25 @@ def _positives(keys, labels, me, b_q):
 
 
 def _groups(groups, group_mode, axes, labels, me, b_q, b_k, n_dev, mode):
-  """(tile groups, rel_pos, positives-term args, nan) of ``groups``."""
+  """(tile groups, rel_pos, positives-term args, nan, split) of ``groups``
+  (``split``: "positives" mode's ``groups.Positives``, else None)."""
   if groups is None:
     # The positive alone is left out of the tiles, as a related pair.
     g_q, g_k_all = groups_lib.exact_positive_ids(b_q, n_dev * b_k, labels,
                                                  axes)
-    return (g_q, g_k_all), jnp.ones((b_q,), bool), None, 0.0
+    return (g_q, g_k_all), jnp.ones((b_q,), bool), None, 0.0, None
   g_q, g_k = groups
   g_k_all = groups_lib.gather_ids(g_k, axes)
   if group_mode == "mask":
     pos = (terms.default_labels(me, b_q) if labels is None
            else jnp.clip(labels, 0, g_k_all.shape[0] - 1))
-    return (g_q, g_k_all), g_q == g_k_all[pos], None, 0.0
+    return (g_q, g_k_all), g_q == g_k_all[pos], None, 0.0, None
   row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * b_k)
-  w_q, w_k, nan = groups_lib.weights(
-      g_q, g_k_all, groups_lib.gather_ids(g_q, axes), g_k_all, row_w,
-      col_w if mode == "both" else 0.0)
-  return None, None, (g_q, g_k_all, w_q, w_k), nan
+  split = groups_lib.Positives(
+      g_q, g_k_all, groups_lib.gather_ids(g_q, axes), row_w,
+      col_w if mode == "both" else 0.0, me)
+  return ((split.q_ids, split.k_ids), None,
+          (g_q, g_k_all, split.w_q, split.w_k), split.nan, split)
 
 
 def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
@@ -95,15 +100,22 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   b_q = q.shape[0]
   cols = mode == "both"
   row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
-  tile_groups, rel_pos, multi, nan = _groups(
+  tile_groups, rel_pos, multi, nan, split = _groups(
       groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   row, col_part = tiles.lse(q, keys, scale, bias, rows=True, cols=cols,
                              block_sizes=block_sizes, groups=tile_groups)
   s_pos = margins = None
   if multi is not None:
-    pos = groups_lib.positives_term(q, keys, scale, bias, *multi)
-    local = row_w * jnp.sum(row) - pos
+    # The queries with one related key as in "mask", the others' plain LSE
+    # less the grouped positive terms.
+    s_pos, _ = terms.positive_logits(
+        q, keys, scale, bias, *terms.shard_positives(split.labels, 0,
+                                                     keys.shape[0]))
+    row, u_r, row_loss = terms.confident(row, s_pos, split.one)
+    local = row_w * jnp.sum(row_loss) - groups_lib.positives_term(
+        q, keys, scale, bias, *multi)
+    margins = (u_r, None, None)
   else:
     # The positive outside the log-sum-exp (``terms.confident``).
     s_pos, _ = terms.positive_logits(q, keys, scale, bias,
@@ -127,11 +139,20 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
       local = local + col_w * jnp.sum(col_loss)
       margins = (u_r, u_c)
     else:
-      col = _global_lse(col_part, axes)  # Identical on every device.
+      # "positives". Every key's statistics are here: the left-out keys'
+      # terms from all queries' logits (``groups.column_positives``); each
+      # device adds the terms of its own keys.
+      col_r, col_mean = groups_lib.column_positives(
+          groups_lib.gather_ids(s_pos, axes), split.labels_all,
+          keys.shape[0])
+      col, u_c, col_loss = terms.confident_group(
+          _global_lse(col_part, axes), col_r, col_mean, split.masked_k)
+      local = local + col_w * jnp.sum(
+          lax.dynamic_slice_in_dim(col_loss, me * k.shape[0], k.shape[0]))
+      margins = (u_r, u_c, groups_lib.column_pair_weight(
+          s_pos, split.labels, col_r, u_c, split.n_q))
   local = local + terms.nan_if_out_of_range(labels, keys.shape[0]) + nan
   loss = lax.psum(local, axes)
-  if cols and rel_pos is None:
-    loss = loss + col_w * jnp.sum(col)
   return loss, (q, k, scale, bias, labels, groups, row, col, s_pos, margins)
 
 
@@ -142,7 +163,7 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   me = lax.axis_index(axes)
   b_q = q.shape[0]
   row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
-  tile_groups, rel_pos, multi, nan = _groups(
+  tile_groups, rel_pos, multi, nan, split = _groups(
       groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
   g = g.astype(F32)
   row_coef, col_coef = g * row_w, g * col_w
@@ -154,6 +175,18 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
     row = row + log_factor
     col = None if col is None else col + log_factor
     row_coef, col_coef = row_coef * factor, col_coef * factor
+  elif split is not None:
+    # "positives": the pairs left out as in "mask", each with its column
+    # part (``groups.Positives``).
+    u_r, u_c, col_pos = margins
+    sig_r, _, log_factor, factor = terms.confident_scale(
+        u_r, u_c, split.one, lambda v: lax.pmax(v, axes),
+        rel_c=split.masked_k)
+    w_pos = g * row_w * sig_r + (0.0 if col_pos is None
+                                 else g * col_w * col_pos)
+    row = row + log_factor
+    col = None if col is None else col + log_factor
+    row_coef, col_coef = row_coef * factor, col_coef * factor
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   dq, dkeys, dsc, dbi = tiles.lse_grad(q, keys, scale, bias, row, col,
                                         row_coef, col_coef,
@@ -162,6 +195,11 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   if multi is not None:
     pq, pk, psc, pbi = groups_lib.positives_term_grads(q, keys, scale, bias,
                                                        *multi, -g)
+    dq, dkeys, dsc, dbi = dq + pq, dkeys + pk, dsc + psc, dbi + pbi
+    idx, valid = terms.shard_positives(split.labels, 0, keys.shape[0])
+    _, k_rows = terms.positive_sum(q, keys, scale, bias, idx, valid)
+    pq, pk, psc, pbi = terms.positive_grads(q, keys, scale, w_pos, k_rows,
+                                            idx, valid)
   else:
     idx, valid = _positives(keys, labels, me, b_q)
     _, k_rows = terms.positive_sum(q, keys, scale, bias, idx, valid)

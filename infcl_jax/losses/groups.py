@@ -15,11 +15,14 @@ Two modes (``MODES``):
   plain loss up to float rounding (the positive enters the LSE last).
 * ``"positives"`` (multi-positive InfoNCE, SupCon's L_out): every related
   pair is a positive, a query's term is ``lse - mean over its positives of
-  s``; the LSE is the plain one, and the positive term
+  s``. A query with k >= 2 related keys keeps the plain LSE (its term is
+  at least log k, so LSE - mean does not cancel), and the positive term
   ``sum over related (i, j) of (w_q[i] + w_k[j]) s_ij``, with ``w_q = row
   weight / (number of keys related to i)`` and likewise for the keys, is
   O(B * D): per key shard, sums of the related keys grouped by id
-  (``related_sum``), no B x B anything.
+  (``related_sum``), no B x B anything. A query with one related key (most
+  of them: an image without duplicates) is the confident form of "mask"
+  mode instead (``Positives``).
 """
 from __future__ import annotations
 
@@ -28,13 +31,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import _axes
+from infcl_jax import _math
 
 F32 = jnp.float32
 MODES = ("mask", "positives")
 
 
 def gather_ids(g, axes):
-  """All devices' group ids in axis order (this device's when axes == ())."""
+  """All devices' group ids (or any per-row values) in axis order (this
+  device's when axes == ())."""
   if not axes:
     return g
   return lax.all_gather(g, axes, axis=0, tiled=True)
@@ -165,3 +170,114 @@ def exact_positive_ids(b_q, n_k, labels, axes):
   g_q = (me * b_q + jnp.arange(b_q, dtype=jnp.int32) if labels is None
          else labels.astype(jnp.int32))
   return g_q, jnp.arange(n_k, dtype=jnp.int32)
+
+
+# ------------------------------------- "positives": one related key, exact
+#
+# With N_i the LSE over the keys unrelated to query i (what "mask" tiles
+# give) and R_i the LSE over its k_i related keys, the multi-positive term
+# is
+#   LSE_i - mean_related s = softplus(N_i - R_i) + (R_i - mean_related s),
+# the second part exactly 0 for k_i = 1 (R_i is the one related logit) and
+# at least log k_i otherwise. For k_i = 1 that is the confident form of the
+# softmax (``terms.confident``): softplus(N - s_pos), gradient -sigmoid(N -
+# s_pos) at the positive. Those pairs are enumerable in O(B): the pairs of
+# an id held by exactly one key (the key of each of its queries). The tiles
+# leave them out (as "mask" does), and the loss takes them outside in
+# float32; every other related pair stays in the tiles, under the plain
+# LSE - mean. A key whose related queries all have it as their only key
+# (the column of such an id) gets the same split, with R' the LSE of
+# those queries' logits: softplus(N' - R') + (R' - mean), exact for any
+# number of them. What stays plain: ids with >= 2 keys (queries with
+# k >= 2: a term >= log 2) and, with columns, their keys (>= log 2 as
+# well when the id also has >= 2 queries, always so for one (B,) id array;
+# an id with one query and several keys, possible with an (images, texts)
+# pair of id arrays, leaves that query's columns plain although each has one
+# related query). A plain query's related entries of G, p - 1/k, are as
+# precise as the tiles' G panel relative to 1/k (docs/losses.md, "A
+# confident model"): taking them outside too would need its k related
+# logits, k gathers of the key rows per key shard rather than one.
+
+
+class Positives:
+  """The split of "positives" mode on one device (see above).
+
+  Args:
+    g_q: (b_q,) ids of the local queries; ``me``: this device's index.
+    g_k_all, g_q_all: the ids of all keys and of all queries.
+    row_w, col_w: the loss weights of rows and columns (col_w 0: no
+      columns).
+
+  Attributes:
+    one: (b_q,) bool, local queries with exactly one related key.
+    labels: (b_q,) int32, that key's global index, -1 for the others (no
+      positive pair: ``terms.shard_positives`` never finds it).
+    q_ids, k_ids: the tiles' ids (queries (b_q,), all keys): pair (i, j) is
+      left out iff j is query i's one related key (labels and key indices,
+      -1 and -2 where nothing is left out).
+    masked_k: all keys, bool: those whose related pairs the tiles leave out
+      (the only key of their id).
+    w_q, w_k: ``positives_term``'s weights, 0 for what is taken outside.
+    labels_all, n_q: with columns, ``labels`` of all queries and each key's
+      number of related queries (float32).
+    nan: 0.0, or NaN when a query (with columns, a key) has no related
+      partner (``weights``).
+  """
+
+  def __init__(self, g_q, g_k_all, g_q_all, row_w, col_w, me):
+    n_k = g_k_all.shape[0]
+    b_q = g_q.shape[0]
+    keys = jnp.arange(n_k, dtype=jnp.int32)
+
+    def labels_of(g):
+      one = count(g, g_k_all) == 1
+      return one, jnp.where(one, related_sum(g, g_k_all, keys), -1)
+
+    self.w_q, w_k, self.nan = weights(g_q, g_k_all, g_q_all, g_k_all, row_w,
+                                      col_w)
+    if col_w:
+      _, self.labels_all = labels_of(g_q_all)
+      self.labels = lax.dynamic_slice_in_dim(self.labels_all, me * b_q, b_q)
+      self.one = self.labels >= 0
+      self.n_q = count(g_k_all, g_q_all)
+    else:
+      self.one, self.labels = labels_of(g_q)
+      self.labels_all = self.n_q = None
+    self.masked_k = count(g_k_all, g_k_all) == 1
+    self.q_ids = self.labels
+    self.k_ids = jnp.where(self.masked_k, keys, -2)
+    self.w_q = jnp.where(self.one, 0.0, self.w_q)
+    self.w_k = jnp.where(self.masked_k, 0.0, w_k)
+
+
+def column_positives(s_all, labels_all, n_keys):
+  """(R', mean'), each (n_keys,) float32: per key, the LSE and the mean of
+  the positive logits ``s_all`` of the queries whose one related key it is
+  (``Positives.labels_all``; -inf and 0 for a key without such queries).
+  R' is exactly s and R' - mean' exactly 0 for a key with one of them."""
+  seg = jnp.where(labels_all >= 0, labels_all, n_keys)  # n_keys: dropped
+  at = jnp.minimum(seg, n_keys - 1)
+  shift = _math.safe_max(jax.ops.segment_max(s_all, seg,
+                                             num_segments=n_keys))
+  tot = jax.ops.segment_sum(jnp.exp(s_all - shift[at]), seg,
+                            num_segments=n_keys)
+  cnt = jax.ops.segment_sum(jnp.ones_like(s_all), seg, num_segments=n_keys)
+  mean = jax.ops.segment_sum(s_all, seg, num_segments=n_keys) / jnp.maximum(
+      cnt, 1.0)
+  return shift + jnp.log(tot), mean
+
+
+def column_pair_weight(s_pos, labels, col_r, u_c_all, n_q):
+  """Per local query with one related key j: minus the column part of
+  d loss / d s_ij (per unit column weight), float32:
+
+      (1 / k'_j - q') + q' sigmoid(u'_j),   q' = exp(s_ij - R'_j),
+
+  k'_j = ``n_q[j]``, u' = N' - R' (``terms.confident_group``). With k' = 1,
+  q' = 1 exactly and it is sigmoid(u'), the confident form's. 0 for the
+  other queries."""
+  j = jnp.maximum(labels, 0)
+  q = jnp.exp(s_pos - col_r[j])
+  w = (1.0 / jnp.maximum(n_q[j], 1.0) - q) + q * jnp.exp(
+      -_math.softplus(-u_c_all[j]))
+  return jnp.where(labels >= 0, w, 0.0)

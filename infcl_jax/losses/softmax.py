@@ -33,8 +33,12 @@ Groups (``losses.groups``): every device holds all group ids (O(B)
 integers); each tile takes the ids of its rows and of the key shard it
 holds. "mask" tiles leave related pairs out and the positive is put back:
 the rows' at the end, the columns' in the home tile, so that the column
-statistics that travel are complete. "positives" keeps the plain LSE and
-replaces the positive term by the grouped sums of each key shard held.
+statistics that travel are complete. "positives" (``groups_lib.Positives``)
+leaves out the pairs of each query that has one related key, which then
+works like "mask" with that key as its positive (the keys of those pairs
+get their column terms at the end, when all their queries' logits are
+known: an O(B) all_gather); the other related pairs stay in the tiles under
+the plain LSE, less the grouped sums of each key shard held.
 
 Positives. Global query i pairs with global key ``labels[i]``, by default
 global key i. By default and when b_q == b_k (or on one device) they all
@@ -109,7 +113,8 @@ def _positive_labels(ring, labels, b_q, b_k):
 class _Groups:
   """What the tiles and the positive terms of one device need from
   ``groups`` (``losses.groups``): the ids of each tile, the positives'
-  relatedness ("mask") or the weights of the positives ("positives")."""
+  relatedness ("mask") or the split of ``groups_lib.Positives``
+  ("positives")."""
 
   def __init__(self, groups, group_mode, ring, labels, b_q, b_k, mode):
     self.multi = groups is not None and group_mode == "positives"
@@ -135,9 +140,11 @@ class _Groups:
     else:
       row_w, col_w, _ = terms.weights(mode, ring.size * b_q, ring.size * b_k)
       g_q_all = groups_lib.gather_ids(self.g_q, ring.axes)
-      self.w_q, self.w_k_all, self.nan = groups_lib.weights(
-          self.g_q, self.g_k_all, g_q_all, self.g_k_all, row_w,
-          col_w if mode == "both" else 0.0)
+      self.split = groups_lib.Positives(
+          self.g_q, self.g_k_all, g_q_all, row_w,
+          col_w if mode == "both" else 0.0, ring.me)
+      self.w_q, self.w_k_all, self.nan = (self.split.w_q, self.split.w_k,
+                                          self.split.nan)
 
   def tile(self, src, home):
     """The keywords (``groups=``, ``diagonal=``) of the tile against the
@@ -146,7 +153,8 @@ class _Groups:
     if self.diagonal:
       return {"diagonal": home}
     if not self.masked:
-      return {}
+      return {"groups": (self.split.q_ids, groups_lib.shard(
+          self.split.k_ids, src, self.b_k))}
     return {"groups": (self.g_q, groups_lib.shard(self.g_k_all, src,
                                                   self.b_k))}
 
@@ -171,8 +179,12 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
                          block_sizes=block_sizes, **grp.tile(src, home))
     pos = jnp.zeros((), F32)
     if grp.multi:
-      pos = groups_lib.positives_term(q, kc, scale, bias,
-                                      *grp.term_args(src))
+      # The plain pairs' grouped sums, and the positive logit of each query
+      # with one related key, if that key is here.
+      idx, valid = terms.shard_positives(grp.split.labels, src, b_k)
+      pos = (groups_lib.positives_term(q, kc, scale, bias,
+                                       *grp.term_args(src)),
+             terms.positive_logits(q, kc, scale, bias, idx, valid)[0])
     elif pos_labels is not None:
       idx, valid = terms.shard_positives(pos_labels, src, b_k)
       if grp.masked:  # Per row: the positive is put back into its LSE.
@@ -191,7 +203,8 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
     k_next = kc if last else k_next
     row, col, pos_t = tile(k_held, ring.source(n))
     c_out = jnp.logaddexp(c_in, col) if cols else None
-    return k_next, (jnp.logaddexp(r, row), c_out, pos + pos_t)
+    return k_next, (jnp.logaddexp(r, row), c_out,
+                    jax.tree.map(jnp.add, pos, pos_t))
 
   home = tile(k, ring.me, home=True)
   s_home = None
@@ -225,11 +238,32 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
       c_last = None if c_last is None else c_last[0]
       local = local + col_w * jnp.sum(col_loss)
     margins = (u_r, u_c)
-  else:  # "positives": the plain LSEs less the grouped positive terms.
-    local = row_w * jnp.sum(r) - jnp.sum(pos)
+  else:
+    # "positives": the queries with one related key as in "mask", the
+    # others' plain LSEs less the grouped positive terms.
+    split = grp.split
+    term, pos = pos
+    r, u_r, row_loss = terms.confident(r, pos, split.one)
+    local = row_w * jnp.sum(row_loss) - term
+    u_c = pair_col = None
     if cols:
-      local = local + col_w * jnp.sum(c_home)
-    margins = None
+      # The left-out keys' related queries, from every device.
+      col_r, col_mean = groups_lib.column_positives(
+          groups_lib.gather_ids(pos, axes), split.labels_all,
+          ring.size * b_k)
+      mine = lambda v, src: groups_lib.shard(v, src, b_k)
+      c_home, u_c, col_loss = terms.confident_group(
+          c_home, mine(col_r, ring.me), mine(col_mean, ring.me),
+          mine(split.masked_k, ring.me))
+      local = local + col_w * jnp.sum(col_loss)
+      if c_last is not None:  # The shard of device me + 1, before its hop.
+        nxt = ring.source(ring.size - 1)
+        c_last = jnp.where(mine(split.masked_k, nxt),
+                           jnp.logaddexp(c_last, mine(col_r, nxt)), c_last)
+      pair_col = groups_lib.column_pair_weight(
+          pos, split.labels, col_r, groups_lib.gather_ids(u_c, axes),
+          split.n_q)
+    margins = (u_r, u_c, pair_col)
   local = local + terms.nan_if_out_of_range(labels, ring.size * b_k)
   if grp.multi:
     local = local + grp.nan
@@ -252,14 +286,22 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
     # The positive entries of G, -(1 - p), as sigmoid(negatives' LSE -
     # positive) in float32; the tiles give the rest, scaled so that the
     # largest of them is near 1 (``terms.confident_scale``).
-    sig_r, sig_c, log_factor, factor = terms.confident_scale(
+    sig_r, col_pos, log_factor, factor = terms.confident_scale(
         *margins, grp.rel_pos, ring.pmax)
-    w_pos = g * row_w * sig_r + (0.0 if sig_c is None else g * col_w * sig_c)
-    # exp(s - (lse + log factor)) = exp(s - lse) / factor <= 1.
-    r = r + log_factor
-    c_home = None if c_home is None else c_home + log_factor
-    c_last = None if c_last is None else c_last + log_factor
-    row_coef, col_coef = row_coef * factor, col_coef * factor
+  else:
+    # "positives": the pairs left out (one related key) as in "mask", with
+    # the column part of each pair's entry (``groups_lib.Positives``).
+    u_r, u_c, col_pos = margins
+    sig_r, _, log_factor, factor = terms.confident_scale(
+        u_r, u_c, grp.split.one, ring.pmax,
+        rel_c=groups_lib.shard(grp.split.masked_k, ring.me, b_k))
+  w_pos = g * row_w * sig_r + (0.0 if col_pos is None
+                               else g * col_w * col_pos)
+  # exp(s - (lse + log factor)) = exp(s - lse) / factor <= 1.
+  r = r + log_factor
+  c_home = None if c_home is None else c_home + log_factor
+  c_last = None if c_last is None else c_last + log_factor
+  row_coef, col_coef = row_coef * factor, col_coef * factor
 
   def tile(kc, cc, src, home=False):
     dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, row_coef,
@@ -268,6 +310,11 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
     if grp.multi:
       pq, pk, psc, pbi = groups_lib.positives_term_grads(
           q, kc, scale, bias, *grp.term_args(src), -g)
+      dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
+      idx, valid = terms.shard_positives(grp.split.labels, src, b_k)
+      _, k_rows = terms.positive_sum(q, kc, scale, bias, idx, valid)
+      pq, pk, psc, pbi = terms.positive_grads(q, kc, scale, w_pos, k_rows,
+                                              idx, valid)
       dq, dk, dsc, dbi = dq + pq, dk + pk, dsc + psc, dbi + pbi
     elif pos_labels is not None:
       # The positive term -w_pos * s_il of the pairs whose key is here.

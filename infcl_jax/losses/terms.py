@@ -162,13 +162,27 @@ def confident(neg_lse, pos, rel, full=None):
   return full, u, loss
 
 
+def confident_group(neg_lse, rel_lse, rel_mean, rel):
+  """``confident`` for keys (or queries) that may have several related
+  partners, all left out of the tiles where ``rel``: with their LSE
+  ``rel_lse`` = R and mean logit ``rel_mean``, the term LSE - mean is
+  softplus(n - R) + (R - mean), the second part exactly 0 for one partner
+  and at least log 2 otherwise (``groups.Positives``). Elsewhere
+  ``neg_lse`` is the plain LSE and the term is that LSE (the mean is
+  taken elsewhere). Returns (full LSE, u = n - R, terms)."""
+  u = neg_lse - rel_lse
+  loss = jnp.where(rel, _math.softplus(u) + (rel_lse - rel_mean), neg_lse)
+  full = jnp.where(rel, jnp.logaddexp(neg_lse, rel_lse), neg_lse)
+  return full, u, loss
+
+
 def sigmoid(u):
   """1 / (1 + e^-u), to full relative precision for u << 0 (where it is the
   tiny 1 - p of a confident row)."""
   return jnp.exp(-_math.softplus(-u))
 
 
-def confident_scale(u_r, u_c, rel, pmax):
+def confident_scale(u_r, u_c, rel, pmax, rel_c=None):
   """What the backward needs from the margins of ``confident``.
 
   Returns (sig_r, sig_c, log_factor, factor):
@@ -183,13 +197,16 @@ def confident_scale(u_r, u_c, rel, pmax):
       the coefficients times ``factor`` = max sig, so that their G is
       scaled to at most 1 and scaled back after the float32-accumulated
       matmuls.
-  ``pmax`` is the max across devices (the identity on one).
+  ``pmax`` is the max across devices (the identity on one). ``rel_c``:
+  the columns' own ``rel`` where it is not the rows' (``groups.Positives``;
+  the bound holds there too: a column's entries are at most
+  sigmoid(N' - R')).
   """
   sig_r = jnp.where(rel, sigmoid(u_r), 1.0)
   top = jnp.max(sig_r, initial=0.0)
   sig_c = None
   if u_c is not None:
-    sig_c = jnp.where(rel, sigmoid(u_c), 1.0)
+    sig_c = jnp.where(rel if rel_c is None else rel_c, sigmoid(u_c), 1.0)
     top = jnp.maximum(top, jnp.max(sig_c, initial=0.0))
   top = pmax(top)
   # No negatives anywhere (all sig 0): nothing to scale.
