@@ -276,10 +276,15 @@ def train_and_evaluate(config, workdir: str, *,
   workdir_lib.check_workdir(workdir)  # Created only for a valid config.
   is_main = jax.process_index() == 0
   # The run's record: its config against the one that made the workdir,
-  # then config.json, the command line and train.log (process 0).
+  # then (once its checkpoint has restored into this config's state: a run
+  # that cannot resume leaves the record as it was) config.json and the
+  # command line, and train.log (process 0).
   workdir_lib.check_resume(workdir, config, log=print if is_main else None)
-  if is_main:
-    workdir_lib.record_run(workdir, config, command)
+
+  def record():
+    if is_main:
+      workdir_lib.record_run(workdir, config, command)
+
   if workdir_lib.RunLog.active is not None:
     workdir_lib.RunLog.active.attach(workdir, keep=is_main)
   ckpt = checkpoint_lib.Checkpointer(
@@ -290,6 +295,7 @@ def train_and_evaluate(config, workdir: str, *,
     # Nothing to train, nothing to save: signals take their default action
     # (train.main caught them from its start).
     preemption.release()
+    record()
     try:
       return _finished_run(config, workdir, ckpt, latest, reevaluate, is_main)
     finally:
@@ -302,7 +308,7 @@ def train_and_evaluate(config, workdir: str, *,
   catching = _catch_signals(config.preemption_signals)
   try:
     return _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-                  progress, clock=clock)
+                  progress, record, clock=clock)
   except KeyboardInterrupt as e:
     _stop_after_interrupt(ckpt, progress, is_main)
     e.reported = True  # train.main: the message above is printed.
@@ -429,11 +435,12 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
 
 
 def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-           progress, clock=time.monotonic) -> dict:
+           progress, record, clock=time.monotonic) -> dict:
   """The training run of ``train_and_evaluate``. Keeps ``progress["step"]``
   (the last step done, for the interrupt message) and hands its progress bar
   and metric writer to the caller via ``progress`` (closed however the run
-  ends)."""
+  ends). ``record()`` writes the workdir's record once the state is built
+  (and restored)."""
   # Model, params, optimizer, state.
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
   tokenizer = data_lib.make_tokenizer(config)
@@ -490,6 +497,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     progress["step"] = start_step
     print(f"[lit] resumed from the checkpoint of step {start_step} in "
           f"{workdir}", flush=True)
+  record()
 
   # The step. With more than one device the loss runs the ring. Streamed:
   # the locked tower embeds each micro-batch as it arrives (train/stream.py)
