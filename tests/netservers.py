@@ -1,7 +1,8 @@
 """Network servers for tests, on 127.0.0.1 only, started and stopped by the
 tests: an S3-compatible server (moto's server mode, which s3fs's own tests
-run against), an HTTP file server with Range support, and a proxy that puts
-a bounded, seeded number of faults between a client and either.
+run against), a GCS-compatible one (gcp-storage-emulator's JSON API), an
+HTTP file server with Range support, and a proxy that puts a bounded,
+seeded number of faults between a client and any of them.
 
 Fixtures (import them into a test module, ``from tests.netservers import
 s3, http_dir``; pytest finds fixtures imported into a module):
@@ -9,6 +10,10 @@ s3, http_dir``; pytest finds fixtures imported into a module):
 - ``s3``: an ``S3`` (session-wide moto server) with a fresh bucket per
   test, the environment set for boto/s3fs (``AWS_ENDPOINT_URL``, test
   credentials, no ~/.aws files), ``s3.url(key)`` and ``s3.put(key, data)``;
+- ``gcs``: a ``GCS`` (session-wide emulator) with a fresh bucket per test,
+  the environment set for gcsfs and TensorStore (``gcs_env``: the
+  endpoint, anonymous credentials, no metadata-server lookups),
+  ``gcs.url(key)``, ``gcs.put(key, data)``, ``gcs.list(prefix)``;
 - ``http_dir``: an ``HTTPDir`` serving a fresh temporary directory over
   HTTP with Range (``.url(name)``, ``.root``, ``.requests``);
 - ``FaultProxy(upstream, ...)``: a reverse proxy with fault injection
@@ -29,6 +34,7 @@ import re
 import socket
 import struct
 import threading
+import urllib.parse
 import uuid
 
 import pytest
@@ -391,6 +397,158 @@ def s3(moto_endpoint, monkeypatch):
   for k, v in s3_env(moto_endpoint).items():
     monkeypatch.setenv(k, v)
   return S3(moto_endpoint, f"test-{uuid.uuid4().hex[:12]}")
+
+
+class _GCSServer:
+  """gcp-storage-emulator's JSON API (in memory) on 127.0.0.1, in a
+  thread: its request handler on a threading server whose requests are
+  handled one at a time (its storage is not thread-safe); each request is
+  recorded in ``requests`` as (method, path, Range header)."""
+
+  def __init__(self):
+    from gcp_storage_emulator import server as emulator  # pylint: disable=import-outside-toplevel
+    from gcp_storage_emulator.storage import Storage  # pylint: disable=import-outside-toplevel
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    self.storage = Storage(use_memory_fs=True)
+    self.requests = []
+    lock, log, storage = threading.Lock(), self.requests, self.storage
+
+    class Handler(emulator.RequestHandler):
+      def __init__(self, *args, **kwargs):
+        super().__init__(storage, *args, **kwargs)
+
+      def _serialized(self, method):
+        log.append((self.command, self.path, self.headers.get("Range")))
+        with lock:
+          getattr(super(), method)()
+
+      def do_GET(self):  # pylint: disable=invalid-name
+        self._serialized("do_GET")
+
+      def do_POST(self):  # pylint: disable=invalid-name
+        self._serialized("do_POST")
+
+      def do_PUT(self):  # pylint: disable=invalid-name
+        self._serialized("do_PUT")
+
+      def do_PATCH(self):  # pylint: disable=invalid-name
+        self._serialized("do_PATCH")
+
+      def do_DELETE(self):  # pylint: disable=invalid-name
+        self._serialized("do_DELETE")
+
+      def log_message(self, *args):  # pylint: disable=arguments-differ
+        pass
+
+    class Server(_Server):
+      def handle_error(self, request, client_address):
+        pass  # A client that hung up (gcsfs cancels a losing request).
+
+    self._server = Server((HOST, 0), Handler)
+    self._thread = threading.Thread(target=self._server.serve_forever,
+                                    daemon=True,
+                                    kwargs={"poll_interval": 0.05})
+    self._thread.start()
+    self.host_port = (HOST, self._server.server_address[1])
+    self.endpoint = f"http://{HOST}:{self.host_port[1]}"
+
+  def create_bucket(self, name: str) -> None:
+    from gcp_storage_emulator.handlers import buckets  # pylint: disable=import-outside-toplevel
+    buckets.create_bucket(name, self.storage)
+
+  def close(self):
+    self._server.close()
+    self._thread.join(5)
+
+
+class GCS:
+  """A bucket on the GCS emulator. Objects are put, listed and deleted
+  through the emulator's JSON API over HTTP (not gcsfs, the client under
+  test)."""
+
+  def __init__(self, server: _GCSServer, bucket: str):
+    self.server, self.bucket = server, bucket
+    self.endpoint, self.host_port = server.endpoint, server.host_port
+    self.requests = server.requests
+    server.create_bucket(bucket)
+
+  def url(self, key: str) -> str:
+    return f"gs://{self.bucket}/{key}"
+
+  def _call(self, method, path, body=None, ok=(200,)):
+    import json  # pylint: disable=import-outside-toplevel
+    conn = http.client.HTTPConnection(*self.host_port, timeout=30)
+    try:
+      conn.request(method, path, body=body)
+      resp = conn.getresponse()
+      data = resp.read()
+    finally:
+      conn.close()
+    assert resp.status in ok, (method, path, resp.status, data[:200])
+    return json.loads(data) if data else None
+
+  def put(self, key: str, data: bytes) -> str:
+    q = urllib.parse.quote(key, safe="")
+    self._call("POST", f"/upload/storage/v1/b/{self.bucket}/o"
+               f"?uploadType=media&name={q}", data)
+    return self.url(key)
+
+  def put_dir(self, local_dir: str, prefix: str) -> str:
+    """Uploads the files of ``local_dir`` under ``prefix``; its URL."""
+    for name in sorted(os.listdir(local_dir)):
+      path = os.path.join(local_dir, name)
+      if os.path.isfile(path):
+        with open(path, "rb") as f:
+          self.put(f"{prefix}/{name}", f.read())
+    return self.url(prefix)
+
+  def list(self, prefix: str = "") -> list:
+    q = urllib.parse.quote(prefix, safe="")
+    out = self._call("GET", f"/storage/v1/b/{self.bucket}/o?prefix={q}")
+    return sorted(o["name"] for o in out.get("items") or [])
+
+  def delete(self, key: str) -> None:
+    q = urllib.parse.quote(key, safe="")
+    self._call("DELETE", f"/storage/v1/b/{self.bucket}/o/{q}",
+               ok=(200, 204))
+
+
+# The environment of the GCS clients under test (gcsfs, TensorStore): the
+# emulator's endpoint and anonymous credentials; no credential files and no
+# metadata-server lookups. gcsfs's default class asks a bucket's layout over
+# gRPC, which the emulator does not serve: the JSON API class instead.
+def gcs_env(endpoint: str) -> dict:
+  return {"STORAGE_EMULATOR_HOST": endpoint,
+          "FSSPEC_GS_TOKEN": "anon",
+          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+          "TENSORSTORE_GCS_HTTP_URL": endpoint,
+          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+          "NO_GCE_CHECK": "True",
+          "GCE_METADATA_HOST": f"{HOST}:9", "GCE_METADATA_IP": f"{HOST}:9",
+          "GCE_METADATA_ROOT": f"{HOST}:9"}
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+  """The session's GCS emulator on 127.0.0.1 (a free port)."""
+  pytest.importorskip("gcp_storage_emulator",
+                      reason="the dev extra (gcp-storage-emulator)")
+  server = _GCSServer()
+  yield server
+  server.close()
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+  """A fresh bucket on the GCS emulator, with the environment of a GCS
+  client pointed at it (see ``gcs_env``; fsspec's config read from the
+  environment at its import, so its anonymous token is set here too)."""
+  pytest.importorskip("gcsfs", reason="the cloud extra")
+  import fsspec.config  # pylint: disable=import-outside-toplevel
+  for k, v in gcs_env(gcs_server.endpoint).items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setitem(fsspec.config.conf, "gs", {"token": "anon"})
+  return GCS(gcs_server, f"test-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture
