@@ -33,6 +33,7 @@ import random
 import re
 import socket
 import struct
+import sys
 import threading
 import urllib.parse
 import uuid
@@ -60,6 +61,11 @@ class _Server(http.server.ThreadingHTTPServer):
     finally:
       with self.conns_lock:
         self.open_conns.discard(request)
+
+  def handle_error(self, request, client_address):
+    if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+      return  # The client hung up (gcsfs drops a request it no longer needs).
+    super().handle_error(request, client_address)
 
   def close(self):
     self.shutdown()
@@ -399,11 +405,20 @@ def s3(moto_endpoint, monkeypatch):
   return S3(moto_endpoint, f"test-{uuid.uuid4().hex[:12]}")
 
 
+_GCS_OBJECT = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
+
+
 class _GCSServer:
   """gcp-storage-emulator's JSON API (in memory) on 127.0.0.1, in a
   thread: its request handler on a threading server whose requests are
   handled one at a time (its storage is not thread-safe); each request is
-  recorded in ``requests`` as (method, path, Range header)."""
+  recorded in ``requests`` as (method, path, Range header).
+
+  An object's content is answered with its generation in
+  ``x-goog-generation``, as GCS does (TensorStore's GCS driver, which
+  orbax writes through, reads an object's version from it; the emulator
+  leaves it out).
+  """
 
   def __init__(self):
     from gcp_storage_emulator import server as emulator  # pylint: disable=import-outside-toplevel
@@ -419,8 +434,24 @@ class _GCSServer:
 
       def _serialized(self, method):
         log.append((self.command, self.path, self.headers.get("Range")))
+        self.status_sent = None
         with lock:
           getattr(super(), method)()
+
+      def send_response(self, code, message=None):
+        self.status_sent = code
+        super().send_response(code, message)
+
+      def end_headers(self):
+        if self.command == "GET" and self.status_sent in (200, 206):
+          parts = urllib.parse.urlsplit(self.path)
+          m = _GCS_OBJECT.match(parts.path)
+          if m and "alt=media" in parts.query:
+            obj = storage.objects.get(m.group(1), {}).get(
+                urllib.parse.unquote(m.group(2)))
+            if obj:
+              self.send_header("x-goog-generation", obj["generation"])
+        super().end_headers()
 
       def do_GET(self):  # pylint: disable=invalid-name
         self._serialized("do_GET")
@@ -440,11 +471,7 @@ class _GCSServer:
       def log_message(self, *args):  # pylint: disable=arguments-differ
         pass
 
-    class Server(_Server):
-      def handle_error(self, request, client_address):
-        pass  # A client that hung up (gcsfs cancels a losing request).
-
-    self._server = Server((HOST, 0), Handler)
+    self._server = _Server((HOST, 0), Handler)
     self._thread = threading.Thread(target=self._server.serve_forever,
                                     daemon=True,
                                     kwargs={"poll_interval": 0.05})
@@ -541,14 +568,22 @@ def gcs_server():
 @pytest.fixture
 def gcs(gcs_server, monkeypatch):
   """A fresh bucket on the GCS emulator, with the environment of a GCS
-  client pointed at it (see ``gcs_env``; fsspec's config read from the
-  environment at its import, so its anonymous token is set here too)."""
+  client pointed at it (see ``gcs_env``). What gcsfs and fsspec read from
+  the environment when they are imported (the anonymous token, gcsfs's
+  JSON API class for gs://) is set here too, for this test."""
   pytest.importorskip("gcsfs", reason="the cloud extra")
+  import fsspec  # pylint: disable=import-outside-toplevel
   import fsspec.config  # pylint: disable=import-outside-toplevel
+  import gcsfs.core  # pylint: disable=import-outside-toplevel
   for k, v in gcs_env(gcs_server.endpoint).items():
     monkeypatch.setenv(k, v)
   monkeypatch.setitem(fsspec.config.conf, "gs", {"token": "anon"})
-  return GCS(gcs_server, f"test-{uuid.uuid4().hex[:12]}")
+  previous = {p: fsspec.get_filesystem_class(p) for p in ("gs", "gcs")}
+  for p in previous:
+    fsspec.register_implementation(p, gcsfs.core.GCSFileSystem, clobber=True)
+  yield GCS(gcs_server, f"test-{uuid.uuid4().hex[:12]}")
+  for p, cls in previous.items():
+    fsspec.register_implementation(p, cls, clobber=True)
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ Credentials come from each store's standard environment (``AWS_*`` and
 are never logged: a URL is printed without its user info and query string
 (``scrub``). ``config.data.storage_options`` (JSON, per protocol) is passed
 to the filesystem, e.g. ``{"s3": {"endpoint_url": "http://minio:9000"}}``;
-botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``.
+botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``, gcsfs
+``STORAGE_EMULATOR_HOST`` (``{"gs": {"endpoint_url": ...}}``).
 
 Every request goes through ``Store.call``: a transient failure (5xx, 408,
 429, a timeout, a reset connection, a truncated body) is retried with
@@ -22,7 +23,8 @@ count to the trainer's ``data/retries``; another pipeline's reads, an eval
 split's or a closed one's, never mix in); a
 permanent one (403, 404, 400, a Range the server ignores) is raised at once
 as one line naming the URL. The stores' own hidden retries are turned off
-where they can be (s3fs, botocore), so that what is retried is counted.
+where they can be (s3fs, botocore, gcsfs), so that what is retried is
+counted.
 
 The examples of a chunk are read together (``parallel_map``): at most
 ``config.data.remote_parallelism`` requests in flight per process, on a
