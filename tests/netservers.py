@@ -270,7 +270,8 @@ class _ProxyHandler(_Quiet):
 class FaultProxy:
   """A reverse proxy to ``upstream`` ((host, port) on 127.0.0.1) that
   answers a seeded fraction of the requests of ``methods`` (GET, HEAD)
-  with a fault.
+  with a fault (only those whose path and query match the regex ``paths``,
+  if given).
 
   Whether a request is faulted is a pure function of (seed, method, path,
   Range): the same requests fail on every run, whatever the order they
@@ -283,12 +284,14 @@ class FaultProxy:
 
   def __init__(self, upstream, *, seed: int = 0, fraction: float = 0.0,
                kinds=("503", "reset", "slow"), max_faults: int = 20,
-               delay_s: float = 0.2, methods=("GET", "HEAD")):
+               delay_s: float = 0.2, methods=("GET", "HEAD"),
+               paths: str | None = None):
     host, port = upstream
     assert host in (HOST, "localhost"), "the proxy forwards to 127.0.0.1 only"
     self.upstream = (HOST, port)
     self.seed, self.fraction, self.kinds = seed, fraction, tuple(kinds)
     self.methods = tuple(methods)
+    self.paths = re.compile(paths) if paths else None
     self.max_faults, self.delay_s = max_faults, min(delay_s, 5.0)
     self.requests, self.faults = [], []
     self._faulted = set()
@@ -302,7 +305,8 @@ class FaultProxy:
     request = (method, path, rng_header)
     with self._lock:
       self.requests.append(request)
-      if method not in self.methods or request in self._faulted:
+      if method not in self.methods or request in self._faulted or (
+          self.paths and not self.paths.search(path)):
         return None
       if len(self.faults) >= self.max_faults:
         return None
