@@ -25,6 +25,7 @@ if [ "${1:-}" = "jax012" ]; then
           --ignore-glob="tests/test_data.py"
           --ignore-glob="tests/test_bad_data.py"
           --ignore-glob="tests/test_remote_data.py"
+          --ignore-glob="tests/test_gcs_checkpoint.py"
           --ignore-glob="tests/test_gpu_decode*.py"
           --ignore-glob="tests/test_config_validation.py"
           --ignore-glob="tests/test_preemption.py"

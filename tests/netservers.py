@@ -1,7 +1,8 @@
 """Network servers for tests, on 127.0.0.1 only, started and stopped by the
 tests: an S3-compatible server (moto's server mode, which s3fs's own tests
-run against), an HTTP file server with Range support, and a proxy that puts
-a bounded, seeded number of faults between a client and either.
+run against), a GCS-compatible one (gcp-storage-emulator's JSON API), an
+HTTP file server with Range support, and a proxy that puts a bounded,
+seeded number of faults between a client and any of them.
 
 Fixtures (import them into a test module, ``from tests.netservers import
 s3, http_dir``; pytest finds fixtures imported into a module):
@@ -9,6 +10,10 @@ s3, http_dir``; pytest finds fixtures imported into a module):
 - ``s3``: an ``S3`` (session-wide moto server) with a fresh bucket per
   test, the environment set for boto/s3fs (``AWS_ENDPOINT_URL``, test
   credentials, no ~/.aws files), ``s3.url(key)`` and ``s3.put(key, data)``;
+- ``gcs``: a ``GCS`` (session-wide emulator) with a fresh bucket per test,
+  the environment set for gcsfs and TensorStore (``gcs_env``: the
+  endpoint, anonymous credentials, no metadata-server lookups),
+  ``gcs.url(key)``, ``gcs.put(key, data)``, ``gcs.list(prefix)``;
 - ``http_dir``: an ``HTTPDir`` serving a fresh temporary directory over
   HTTP with Range (``.url(name)``, ``.root``, ``.requests``);
 - ``FaultProxy(upstream, ...)``: a reverse proxy with fault injection
@@ -28,7 +33,9 @@ import random
 import re
 import socket
 import struct
+import sys
 import threading
+import urllib.parse
 import uuid
 
 import pytest
@@ -54,6 +61,11 @@ class _Server(http.server.ThreadingHTTPServer):
     finally:
       with self.conns_lock:
         self.open_conns.discard(request)
+
+  def handle_error(self, request, client_address):
+    if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+      return  # The client hung up (gcsfs drops a request it no longer needs).
+    super().handle_error(request, client_address)
 
   def close(self):
     self.shutdown()
@@ -258,7 +270,8 @@ class _ProxyHandler(_Quiet):
 class FaultProxy:
   """A reverse proxy to ``upstream`` ((host, port) on 127.0.0.1) that
   answers a seeded fraction of the requests of ``methods`` (GET, HEAD)
-  with a fault.
+  with a fault (only those whose path and query match the regex ``paths``,
+  if given).
 
   Whether a request is faulted is a pure function of (seed, method, path,
   Range): the same requests fail on every run, whatever the order they
@@ -271,12 +284,14 @@ class FaultProxy:
 
   def __init__(self, upstream, *, seed: int = 0, fraction: float = 0.0,
                kinds=("503", "reset", "slow"), max_faults: int = 20,
-               delay_s: float = 0.2, methods=("GET", "HEAD")):
+               delay_s: float = 0.2, methods=("GET", "HEAD"),
+               paths: str | None = None):
     host, port = upstream
     assert host in (HOST, "localhost"), "the proxy forwards to 127.0.0.1 only"
     self.upstream = (HOST, port)
     self.seed, self.fraction, self.kinds = seed, fraction, tuple(kinds)
     self.methods = tuple(methods)
+    self.paths = re.compile(paths) if paths else None
     self.max_faults, self.delay_s = max_faults, min(delay_s, 5.0)
     self.requests, self.faults = [], []
     self._faulted = set()
@@ -290,7 +305,8 @@ class FaultProxy:
     request = (method, path, rng_header)
     with self._lock:
       self.requests.append(request)
-      if method not in self.methods or request in self._faulted:
+      if method not in self.methods or request in self._faulted or (
+          self.paths and not self.paths.search(path)):
         return None
       if len(self.faults) >= self.max_faults:
         return None
@@ -391,6 +407,187 @@ def s3(moto_endpoint, monkeypatch):
   for k, v in s3_env(moto_endpoint).items():
     monkeypatch.setenv(k, v)
   return S3(moto_endpoint, f"test-{uuid.uuid4().hex[:12]}")
+
+
+_GCS_OBJECT = re.compile(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$")
+
+
+class _GCSServer:
+  """gcp-storage-emulator's JSON API (in memory) on 127.0.0.1, in a
+  thread: its request handler on a threading server whose requests are
+  handled one at a time (its storage is not thread-safe); each request is
+  recorded in ``requests`` as (method, path, Range header).
+
+  An object's content is answered with its generation in
+  ``x-goog-generation``, as GCS does (TensorStore's GCS driver, which
+  orbax writes through, reads an object's version from it; the emulator
+  leaves it out).
+  """
+
+  def __init__(self):
+    from gcp_storage_emulator import server as emulator  # pylint: disable=import-outside-toplevel
+    from gcp_storage_emulator.storage import Storage  # pylint: disable=import-outside-toplevel
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    self.storage = Storage(use_memory_fs=True)
+    self.requests = []
+    lock, log, storage = threading.Lock(), self.requests, self.storage
+
+    class Handler(emulator.RequestHandler):
+      def __init__(self, *args, **kwargs):
+        super().__init__(storage, *args, **kwargs)
+
+      def _serialized(self, method):
+        log.append((self.command, self.path, self.headers.get("Range")))
+        self.status_sent = None
+        with lock:
+          getattr(super(), method)()
+
+      def send_response(self, code, message=None):
+        self.status_sent = code
+        super().send_response(code, message)
+
+      def end_headers(self):
+        if self.command == "GET" and self.status_sent in (200, 206):
+          parts = urllib.parse.urlsplit(self.path)
+          m = _GCS_OBJECT.match(parts.path)
+          if m and "alt=media" in parts.query:
+            obj = storage.objects.get(m.group(1), {}).get(
+                urllib.parse.unquote(m.group(2)))
+            if obj:
+              self.send_header("x-goog-generation", obj["generation"])
+        super().end_headers()
+
+      def do_GET(self):  # pylint: disable=invalid-name
+        self._serialized("do_GET")
+
+      def do_POST(self):  # pylint: disable=invalid-name
+        self._serialized("do_POST")
+
+      def do_PUT(self):  # pylint: disable=invalid-name
+        self._serialized("do_PUT")
+
+      def do_PATCH(self):  # pylint: disable=invalid-name
+        self._serialized("do_PATCH")
+
+      def do_DELETE(self):  # pylint: disable=invalid-name
+        self._serialized("do_DELETE")
+
+      def log_message(self, *args):  # pylint: disable=arguments-differ
+        pass
+
+    self._server = _Server((HOST, 0), Handler)
+    self._thread = threading.Thread(target=self._server.serve_forever,
+                                    daemon=True,
+                                    kwargs={"poll_interval": 0.05})
+    self._thread.start()
+    self.host_port = (HOST, self._server.server_address[1])
+    self.endpoint = f"http://{HOST}:{self.host_port[1]}"
+
+  def create_bucket(self, name: str) -> None:
+    from gcp_storage_emulator.handlers import buckets  # pylint: disable=import-outside-toplevel
+    buckets.create_bucket(name, self.storage)
+
+  def close(self):
+    self._server.close()
+    self._thread.join(5)
+
+
+class GCS:
+  """A bucket on the GCS emulator. Objects are put, listed and deleted
+  through the emulator's JSON API over HTTP (not gcsfs, the client under
+  test)."""
+
+  def __init__(self, server: _GCSServer, bucket: str):
+    self.server, self.bucket = server, bucket
+    self.endpoint, self.host_port = server.endpoint, server.host_port
+    self.requests = server.requests
+    server.create_bucket(bucket)
+
+  def url(self, key: str) -> str:
+    return f"gs://{self.bucket}/{key}"
+
+  def _call(self, method, path, body=None, ok=(200,)):
+    import json  # pylint: disable=import-outside-toplevel
+    conn = http.client.HTTPConnection(*self.host_port, timeout=30)
+    try:
+      conn.request(method, path, body=body)
+      resp = conn.getresponse()
+      data = resp.read()
+    finally:
+      conn.close()
+    assert resp.status in ok, (method, path, resp.status, data[:200])
+    return json.loads(data) if data else None
+
+  def put(self, key: str, data: bytes) -> str:
+    q = urllib.parse.quote(key, safe="")
+    self._call("POST", f"/upload/storage/v1/b/{self.bucket}/o"
+               f"?uploadType=media&name={q}", data)
+    return self.url(key)
+
+  def put_dir(self, local_dir: str, prefix: str) -> str:
+    """Uploads the files of ``local_dir`` under ``prefix``; its URL."""
+    for name in sorted(os.listdir(local_dir)):
+      path = os.path.join(local_dir, name)
+      if os.path.isfile(path):
+        with open(path, "rb") as f:
+          self.put(f"{prefix}/{name}", f.read())
+    return self.url(prefix)
+
+  def list(self, prefix: str = "") -> list:
+    q = urllib.parse.quote(prefix, safe="")
+    out = self._call("GET", f"/storage/v1/b/{self.bucket}/o?prefix={q}")
+    return sorted(o["name"] for o in out.get("items") or [])
+
+  def delete(self, key: str) -> None:
+    q = urllib.parse.quote(key, safe="")
+    self._call("DELETE", f"/storage/v1/b/{self.bucket}/o/{q}",
+               ok=(200, 204))
+
+
+# The environment of the GCS clients under test (gcsfs, TensorStore): the
+# emulator's endpoint and anonymous credentials; no credential files and no
+# metadata-server lookups. gcsfs's default class asks a bucket's layout over
+# gRPC, which the emulator does not serve: the JSON API class instead.
+def gcs_env(endpoint: str) -> dict:
+  return {"STORAGE_EMULATOR_HOST": endpoint,
+          "FSSPEC_GS_TOKEN": "anon",
+          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+          "TENSORSTORE_GCS_HTTP_URL": endpoint,
+          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+          "NO_GCE_CHECK": "True",
+          "GCE_METADATA_HOST": f"{HOST}:9", "GCE_METADATA_IP": f"{HOST}:9",
+          "GCE_METADATA_ROOT": f"{HOST}:9"}
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+  """The session's GCS emulator on 127.0.0.1 (a free port)."""
+  pytest.importorskip("gcp_storage_emulator",
+                      reason="the dev extra (gcp-storage-emulator)")
+  server = _GCSServer()
+  yield server
+  server.close()
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+  """A fresh bucket on the GCS emulator, with the environment of a GCS
+  client pointed at it (see ``gcs_env``). What gcsfs and fsspec read from
+  the environment when they are imported (the anonymous token, gcsfs's
+  JSON API class for gs://) is set here too, for this test."""
+  pytest.importorskip("gcsfs", reason="the cloud extra")
+  import fsspec  # pylint: disable=import-outside-toplevel
+  import fsspec.config  # pylint: disable=import-outside-toplevel
+  import gcsfs.core  # pylint: disable=import-outside-toplevel
+  for k, v in gcs_env(gcs_server.endpoint).items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.setitem(fsspec.config.conf, "gs", {"token": "anon"})
+  previous = {p: fsspec.get_filesystem_class(p) for p in ("gs", "gcs")}
+  for p in previous:
+    fsspec.register_implementation(p, gcsfs.core.GCSFileSystem, clobber=True)
+  yield GCS(gcs_server, f"test-{uuid.uuid4().hex[:12]}")
+  for p, cls in previous.items():
+    fsspec.register_implementation(p, cls, clobber=True)
 
 
 @pytest.fixture

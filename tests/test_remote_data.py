@@ -1,9 +1,10 @@
 """Shards and tables on object storage read like the same files on disk.
 
 The same webdataset shards (with planted bad members, and a caption that is
-not UTF-8) are served by a local S3 server (moto) and over HTTP with Range
-(tests/netservers.py, 127.0.0.1 only): the training stream read from either
-equals the local-disk stream bitwise, with the same bad examples named; with
+not UTF-8) are served by a local S3 server (moto), a local GCS server
+(gcp-storage-emulator) and over HTTP with Range (tests/netservers.py,
+127.0.0.1 only): the training stream read from any of them equals the
+local-disk stream bitwise, with the same bad examples named; with
 faults injected between the reader and the server (503s, resets mid-body,
 slow answers; seeded, bounded) it still does, and the retries are counted. A
 shard that is missing, or deleted mid-run, gives one line naming its URL;
@@ -24,6 +25,8 @@ import pytest
 from tests import corpus as corpus_lib
 from tests import lit_fixtures
 from tests.netservers import FaultProxy
+from tests.netservers import gcs  # noqa: F401  (fixture)
+from tests.netservers import gcs_server  # noqa: F401  (fixture)
 from tests.netservers import http_dir  # noqa: F401  (fixture)
 from tests.netservers import moto_endpoint  # noqa: F401  (fixture)
 from tests.netservers import s3  # noqa: F401  (fixture)
@@ -122,19 +125,55 @@ def local_stream(shards, tmp_path_factory):
   return out
 
 
-def _serve(kind, shards, s3=None, http_dir=None):
-  """The shards on the S3 server or the HTTP server: their base URL."""
-  if kind == "s3":
-    return s3.put_dir(shards["root"], "cc/shards")
+def _server(request, kind):
+  """The server of ``kind`` ("s3", "gs", "http"): its fixture, started for
+  this test (only the one a case needs)."""
+  return request.getfixturevalue({"s3": "s3", "gs": "gcs",
+                                  "http": "http_dir"}[kind])
+
+
+def _serve(kind, shards, server):
+  """The shards on ``server`` (of ``kind``): their base URL."""
+  if kind in ("s3", "gs"):
+    return server.put_dir(shards["root"], "cc/shards")
   for f in shards["files"]:
-    shutil.copy(os.path.join(shards["root"], f), http_dir.root)
-  return http_dir.base
+    shutil.copy(os.path.join(shards["root"], f), server.root)
+  return server.base
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
+def _upstream(kind, server):
+  return ("127.0.0.1", server.port) if kind == "http" else server.host_port
+
+
+def _via(kind, proxy_url, name, base):
+  """(storage options, ``name``): ``name`` read through the proxy at
+  ``proxy_url``: an object store's endpoint in the storage options (not the
+  environment), an HTTP URL rewritten."""
+  if kind == "http":
+    return {}, name.replace(base, proxy_url)
+  return {kind: {"endpoint_url": proxy_url}}, name
+
+
+def _exact(kind):
+  """FaultProxy options under which each fault costs exactly one retry.
+  gcsfs's stat sends the object's GET twice at once (its own, and its
+  directory check's when a listing comes back empty) and uses one answer:
+  which of the two a fault hits is a race. On gs:// only the objects'
+  contents are faulted there (a stat's faults: the other fault tests)."""
+  return {"paths": r"alt=media"} if kind == "gs" else {}
+
+
+def _retried(kind, faults):
+  """The faults a reader retries: each one, except a failed HEAD (fsspec's
+  HTTP stat answers it with a GET of its own)."""
+  return [f for f in faults if kind != "http" or f[1] == "GET"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs", "http"])
 def test_remote_stream_equals_the_local_disk_stream(
-    kind, shards, local_stream, tmp_path, s3, http_dir):
-  base = _serve(kind, shards, s3, http_dir)
+    kind, shards, local_stream, tmp_path, request):
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
   # Another store's retries in this process (an eval split's, a closed
   # pipeline's readers) are not this pipeline's.
   other, calls = remote.Store(backoff_s=0.0), []
@@ -145,26 +184,23 @@ def test_remote_stream_equals_the_local_disk_stream(
     return b"ok"
   assert other.call(base + "/other", flaky) == b"ok" and other.retries_made == 1
   got = _stream(_config(_name(base, shards), tmp_path))
-  http_dir.settle()
+  if kind == "http":
+    server.settle()
   _same_stream(got, local_stream)
   assert got[2] == 0  # No retries without faults.
   assert other.take_retries() == 1 and other.take_retries() == 0
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
+@pytest.mark.parametrize("kind", ["s3", "gs", "http"])
 def test_faults_are_retried_counted_and_change_nothing(
-    kind, shards, local_stream, tmp_path, s3, http_dir):
-  base = _serve(kind, shards, s3, http_dir)
-  upstream = s3.host_port if kind == "s3" else ("127.0.0.1", http_dir.port)
-  with FaultProxy(upstream, seed=7, fraction=0.2, max_faults=12,
-                  delay_s=0.3) as proxy:
-    if kind == "s3":  # The endpoint from storage_options (not the env).
-      options = json.dumps({"s3": {"endpoint_url": proxy.url}})
-      name = _name(base, shards)
-    else:
-      options = ""
-      name = _name(proxy.url, shards)
-    got = _stream(_config(name, tmp_path, storage_options=options))
+    kind, shards, local_stream, tmp_path, request):
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
+  with FaultProxy(_upstream(kind, server), seed=7, fraction=0.2,
+                  max_faults=12, delay_s=0.3) as proxy:
+    options, name = _via(kind, proxy.url, _name(base, shards), base)
+    got = _stream(_config(name, tmp_path,
+                          storage_options=json.dumps(options)))
     proxy.settle()
   _same_stream(got, local_stream)
   assert [f for f in proxy.faults if f[0] != "slow"], proxy.faults
@@ -181,35 +217,27 @@ def _example(source, i):
     return (e.where, e.reason)
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
+@pytest.mark.parametrize("kind", ["s3", "gs", "http"])
 def test_every_failed_request_is_retried_once_and_counted(
-    kind, shards, tmp_path, s3, http_dir):
-  base = _serve(kind, shards, s3, http_dir)
-  pattern = _name(base, shards)[len("webdataset:"):]
+    kind, shards, tmp_path, request):
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
   local = webdataset.WebDatasetSource(
       _name(shards["root"], shards)[len("webdataset:"):])
-  upstream = s3.host_port if kind == "s3" else ("127.0.0.1", http_dir.port)
-  with FaultProxy(upstream, seed=3, fraction=0.3, max_faults=12,
-                  kinds=("503", "reset")) as proxy:
-    if kind == "s3":
-      store = remote.Store({"s3": {"endpoint_url": proxy.url}}, backoff_s=0.01)
-    else:
-      store = remote.Store(backoff_s=0.01)
-      pattern = pattern.replace(base, proxy.url)
+  with FaultProxy(_upstream(kind, server), seed=3, fraction=0.3,
+                  max_faults=12, kinds=("503", "reset"),
+                  **_exact(kind)) as proxy:
+    options, pattern = _via(kind, proxy.url,
+                            _name(base, shards)[len("webdataset:"):], base)
+    store = remote.Store(options, backoff_s=0.01)
     source = webdataset.WebDatasetSource(pattern, store=store,
                                          index_cache="")
     for i in range(len(local)):
       assert _example(source, i) == _example(local, i)
   assert source.bad_at_open == local.bad_at_open
-  retries = store.retries_made
-  failed_get = [f for f in proxy.faults if f[1] == "GET"]
-  # S3: each fault costs one retry. HTTP: fsspec's stat answers a failed
-  # HEAD with a GET of its own (not a retry).
-  assert len(proxy.faults) >= 6
-  if kind == "s3":
-    assert retries == len(proxy.faults), proxy.faults
-  else:
-    assert retries == len(failed_get), proxy.faults
+  # Each fault costs exactly one retry.
+  assert len(_retried(kind, proxy.faults)) >= 6, proxy.faults
+  assert store.retries_made == len(_retried(kind, proxy.faults)), proxy.faults
 
 
 @pytest.mark.slow
@@ -232,27 +260,22 @@ def test_retries_in_worker_processes_reach_the_ledger(
   assert 1 <= got[1]["bad_data"]["retries"] <= len(proxy.faults)
 
 
-def _through_slow_proxy(kind, shards, tmp_path, s3, http_dir, delay_s,
-                        **proxy):
-  """(proxy, pattern, store): the served shards through a FaultProxy that
-  answers every GET ``delay_s`` late (a remote store's round trip), or
-  with the faults of ``proxy``."""
-  base = _serve(kind, shards, s3, http_dir)
-  upstream = s3.host_port if kind == "s3" else ("127.0.0.1", http_dir.port)
+def _through_slow_proxy(kind, shards, server, delay_s, **proxy):
+  """(proxy, pattern, store): the shards served by ``server`` through a
+  FaultProxy that answers every GET ``delay_s`` late (a remote store's
+  round trip), or with the faults of ``proxy``."""
+  base = _serve(kind, shards, server)
   plan = proxy or dict(fraction=1.0, kinds=("slow",), max_faults=10**6)
-  p = FaultProxy(upstream, delay_s=delay_s, methods=("GET",), **plan)
-  pattern = _name(base, shards)[len("webdataset:"):]
-  if kind == "s3":
-    store = remote.Store({"s3": {"endpoint_url": p.url}}, backoff_s=0.01)
-  else:
-    store = remote.Store(backoff_s=0.01)
-    pattern = pattern.replace(base, p.url)
-  return p, pattern, store
+  p = FaultProxy(_upstream(kind, server), delay_s=delay_s, methods=("GET",),
+                 **plan)
+  options, pattern = _via(kind, p.url,
+                          _name(base, shards)[len("webdataset:"):], base)
+  return p, pattern, remote.Store(options, backoff_s=0.01)
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
+@pytest.mark.parametrize("kind", ["s3", "gs", "http"])
 def test_a_chunk_takes_about_n_over_parallelism_round_trips(
-    kind, shards, tmp_path, s3, http_dir):
+    kind, shards, request):
   """Every GET answered 0.25 s late: a chunk of n examples read together
   takes >= ceil(n / parallelism) round trips (at most parallelism in
   flight) and far less than n (one after another), with the examples, bad
@@ -262,8 +285,8 @@ def test_a_chunk_takes_about_n_over_parallelism_round_trips(
   delay, parallelism = 0.25, 8
   local = webdataset.WebDatasetSource(
       _name(shards["root"], shards)[len("webdataset:"):])
-  proxy, pattern, store = _through_slow_proxy(kind, shards, tmp_path, s3,
-                                              http_dir, delay)
+  proxy, pattern, store = _through_slow_proxy(
+      kind, shards, _server(request, kind), delay)
   with proxy:
     source = webdataset.WebDatasetSource(pattern, store=store,
                                          index_cache="")
@@ -282,34 +305,57 @@ def test_a_chunk_takes_about_n_over_parallelism_round_trips(
   assert elapsed < 0.4 * n * delay, (elapsed, n)  # Serial: n * delay.
 
 
+@pytest.mark.parametrize("kind", ["s3", "gs", "http"])
+def test_a_stalled_request_times_out_and_is_retried(kind, shards, request,
+                                                    monkeypatch):
+  """A request the server sits on for longer than the read timeout fails
+  as transient and is retried (once, counted), instead of waiting: the
+  stores' clients take our timeouts."""
+  import time  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(remote, "TIMEOUT_S", 1.0)
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
+  with FaultProxy(_upstream(kind, server), fraction=1.0, kinds=("slow",),
+                  max_faults=1, delay_s=5.0, methods=("GET",)) as proxy:
+    options, url = _via(kind, proxy.url, f"{base}/train-000001.tar", base)
+    store = remote.Store(options, backoff_s=0.01)
+    t0 = time.perf_counter()
+    got = store.read(url, 512, 4096)
+    elapsed = time.perf_counter() - t0
+  with open(os.path.join(shards["root"], "train-000001.tar"), "rb") as f:
+    assert got == f.read()[512:4096]
+  assert [f[0] for f in proxy.faults] == ["slow"]
+  assert store.retries_made == 1
+  assert elapsed < 4.0, elapsed  # Not the 5 s stall.
+
+
 def _as_tuple(x):
   return (x.where, x.reason) if isinstance(x, BadExample) else x
 
 
-@pytest.mark.parametrize("kind", ["s3", "http"])
-def test_read_many_retries_each_failed_request_once(
-    kind, shards, tmp_path, s3, http_dir):
+@pytest.mark.parametrize("kind", ["s3", "gs", "http"])
+def test_read_many_retries_each_failed_request_once(kind, shards, request):
   """Faults (503, reset mid-body) on a chunk's concurrent reads: each is
   retried once and counted, and no example is dropped or repeated."""
   local = webdataset.WebDatasetSource(
       _name(shards["root"], shards)[len("webdataset:"):])
   proxy, pattern, store = _through_slow_proxy(
-      kind, shards, tmp_path, s3, http_dir, 0.0, seed=4, fraction=0.3,
-      max_faults=10, kinds=("503", "reset"))
+      kind, shards, _server(request, kind), 0.0, seed=4, fraction=0.3,
+      max_faults=10, kinds=("503", "reset"), **_exact(kind))
   with proxy:
     source = webdataset.WebDatasetSource(pattern, store=store,
                                          index_cache="")
     indices = list(range(len(local))) * 2  # Each index in two places.
     got = source.read_many(indices, 6)
   assert [_as_tuple(x) for x in got] == [_example(local, i) for i in indices]
-  assert len(proxy.faults) >= 5, proxy.faults
-  assert store.retries_made == len(proxy.faults), proxy.faults
+  assert len(_retried(kind, proxy.faults)) >= 5, proxy.faults
+  assert store.retries_made == len(_retried(kind, proxy.faults)), proxy.faults
 
 
 @pytest.mark.parametrize("kind,parallelism,k", [("http", 1, 1), ("s3", 5, 2),
-                                                ("http", 64, 3)])
+                                                ("gs", 7, 2), ("http", 64, 3)])
 def test_the_stream_is_the_local_one_at_any_parallelism(
-    kind, parallelism, k, shards, tmp_path, s3, http_dir):
+    kind, parallelism, k, shards, tmp_path, request):
   """The pipeline's stream from a remote source (chunks read together, an
   image of captions_per_image k read once for its k copies) equals the
   local-disk stream, bad examples and state included."""
@@ -323,10 +369,11 @@ def test_the_stream_is_the_local_one_at_any_parallelism(
     finally:
       it.close()
   want = stream(_name(shards["root"], shards))
-  base = _serve(kind, shards, s3, http_dir)
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
   got = stream(_name(base, shards), remote_parallelism=parallelism)
   if kind == "http":
-    http_dir.settle()
+    server.settle()
   _same_stream(got, want)
   assert got[2] == 0
 
@@ -341,25 +388,31 @@ def test_remote_parallelism_is_checked_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_a_missing_shard_is_one_line_naming_its_url(shards, tmp_path, s3):
-  base = _serve("s3", shards, s3)
-  s3.delete("cc/shards/train-000003.tar")
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_missing_shard_is_one_line_naming_its_url(kind, shards, tmp_path,
+                                                    request):
+  store = _server(request, kind)
+  base = _serve(kind, shards, store)
+  store.delete("cc/shards/train-000003.tar")
   config = _config(_name(base, shards), tmp_path)
   with pytest.raises(ValueError) as e:
     D.check_data_config(config)
   msg = str(e.value)
   assert "\n" not in msg
-  assert f"shard 's3://{s3.bucket}/cc/shards/train-000003.tar' does not exist" \
-      in msg, msg
+  assert (f"shard '{kind}://{store.bucket}/cc/shards/train-000003.tar' does "
+          "not exist") in msg, msg
 
 
-def test_a_shard_deleted_mid_run_stops_it_in_one_line(shards, tmp_path, s3):
-  base = _serve("s3", shards, s3)
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_shard_deleted_mid_run_stops_it_in_one_line(kind, shards, tmp_path,
+                                                      request):
+  store = _server(request, kind)
+  base = _serve(kind, shards, store)
   it = D.make_train_iterator(_config(_name(base, shards), tmp_path),
                              batch_size=8, seed=3)
   try:
     next(it)
-    s3.delete("cc/shards/train-000002.tar")
+    store.delete("cc/shards/train-000002.tar")
     with pytest.raises(remote.RemoteError) as e:
       for _ in range(100):  # Past what was read ahead before the delete.
         next(it)
@@ -367,7 +420,8 @@ def test_a_shard_deleted_mid_run_stops_it_in_one_line(shards, tmp_path, s3):
     it.close()
   msg = str(e.value)
   assert "\n" not in msg
-  assert f"s3://{s3.bucket}/cc/shards/train-000002.tar does not exist" in msg
+  assert (f"{kind}://{store.bucket}/cc/shards/train-000002.tar does not "
+          "exist") in msg, msg
   assert isinstance(e.value, ValueError)  # train.main: one "error:" line
 
 
@@ -377,7 +431,7 @@ def _gets(server):
 
 def test_the_index_is_scanned_once_per_shard_version(shards, tmp_path,
                                                      http_dir):
-  base = _serve("http", shards, None, http_dir)
+  base = _serve("http", shards, http_dir)
   pattern = _name(base, shards)[len("webdataset:"):]
   cache = str(tmp_path / "index")
   first = webdataset.WebDatasetSource(pattern, index_cache=cache)
@@ -397,26 +451,35 @@ def test_the_index_is_scanned_once_per_shard_version(shards, tmp_path,
   assert [r[1] for r in _gets(http_dir)] == ["/train-000001.tar"]
 
 
-def test_index_cache_on_the_object_store(shards, tmp_path, s3):
-  base = _serve("s3", shards, s3)
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_index_cache_on_the_object_store(kind, shards, request):
+  store = _server(request, kind)
+  base = _serve(kind, shards, store)
   pattern = _name(base, shards)[len("webdataset:"):]
-  cache = s3.url("index-cache")
-  first = webdataset.WebDatasetSource(pattern, index_cache=cache)
-  listed = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix="index-cache/")
-  assert listed["KeyCount"] == len(shards["files"])
-  with FaultProxy(s3.host_port, fraction=0.0) as proxy:
-    second = webdataset.WebDatasetSource(pattern, index_cache=cache,
-                                         store=remote.Store(
-                                             {"s3": {"endpoint_url":
-                                                     proxy.url}}))
-  scans = [r for r in proxy.requests
-           if r[0] == "GET" and "/cc/shards/" in r[1]]
-  assert scans == []
-  assert second.keys == first.keys
+  cache = store.url("index-cache")
+  with FaultProxy(store.host_port, fraction=0.0) as proxy:
+    first = webdataset.WebDatasetSource(
+        pattern, index_cache=cache, store=remote.Store(
+            {kind: {"endpoint_url": proxy.url}}))
+  scans = [r for r in proxy.requests if r[0] == "GET" and r[2]]  # Ranged.
+  assert len(scans) == len(shards["files"])  # One scan each.
+  if kind == "s3":
+    listed = store.client.list_objects_v2(Bucket=store.bucket,
+                                          Prefix="index-cache/")
+    assert listed["KeyCount"] == len(shards["files"])
+  else:
+    assert len(store.list("index-cache/")) == len(shards["files"])
+  with FaultProxy(store.host_port, fraction=0.0) as proxy:
+    second = webdataset.WebDatasetSource(
+        pattern, index_cache=cache, store=remote.Store(
+            {kind: {"endpoint_url": proxy.url}}))
+  scans = [r for r in proxy.requests if r[0] == "GET" and r[2]]
+  assert scans == []  # Sizes, versions and the cached indexes only.
+  assert second.keys == first.keys and second.bad_at_open == first.bad_at_open
 
 
 def test_secrets_in_urls_are_never_printed(shards, tmp_path, http_dir):
-  base = _serve("http", shards, None, http_dir)
+  base = _serve("http", shards, http_dir)
   secret = "SEKRET-42"
   host = base.split("//")[1]
   pattern = (f"http://user:{secret}@{host}/train-{{000000..000005}}.tar"
@@ -438,7 +501,7 @@ def test_secrets_in_urls_are_never_printed(shards, tmp_path, http_dir):
 
 
 def test_a_forbidden_shard_is_one_line(shards, tmp_path, http_dir):
-  base = _serve("http", shards, None, http_dir)
+  base = _serve("http", shards, http_dir)
   http_dir.forbidden.add("/train-000004.tar")
   with pytest.raises(ValueError) as e:
     webdataset.WebDatasetSource(
@@ -448,15 +511,17 @@ def test_a_forbidden_shard_is_one_line(shards, tmp_path, http_dir):
   assert f"{base}/train-000004.tar" in msg and "403" in msg, msg
 
 
-@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+@pytest.mark.parametrize("kind,fmt", [("s3", "csv"), ("s3", "jsonl"),
+                                      ("gs", "csv")])
 def test_a_remote_table_with_remote_images_equals_the_local_one(
-    fmt, tmp_path, s3):
+    kind, fmt, tmp_path, request):
+  store = _server(request, kind)
   corpus = corpus_lib.make_corpus(tmp_path / "c", num=32)
-  s3.put_dir(str(tmp_path / "c"), "t")
-  s3.put_dir(str(tmp_path / "c" / "images"), "t/images")
+  store.put_dir(str(tmp_path / "c"), "t")
+  store.put_dir(str(tmp_path / "c" / "images"), "t/images")
   local = D.open_source(corpus_lib.data_config(f"{fmt}:{corpus.tables[fmt]}")
                         .data, "train")
-  name = f"{fmt}:{s3.url('t/' + os.path.basename(corpus.tables[fmt]))}"
+  name = f"{fmt}:{store.url('t/' + os.path.basename(corpus.tables[fmt]))}"
   config = corpus_lib.data_config(name)
   D.check_data_config(config)
   got = D.open_source(config.data, "train")
@@ -468,7 +533,7 @@ def test_a_remote_table_with_remote_images_equals_the_local_one(
       with pytest.raises(BadExample) as b:
         got[i]  # pylint: disable=pointless-statement
       assert b.value.where == e.where
-      assert s3.url("t/images/") in b.value.reason
+      assert store.url("t/images/") in b.value.reason
       continue
     assert got[i] == want
   # Read together: the same examples, a missing image bad in its place.
@@ -507,6 +572,19 @@ def test_errors_are_classified():
   wrapped = OSError(16, "busy")
   wrapped.__cause__ = boto("SlowDown", 503)
   assert remote.classify(wrapped) == "transient"
+  # What gcsfs raises for a JSON API answer of each status.
+  from gcsfs.retry import validate_response  # pylint: disable=import-outside-toplevel
+  for status, want in [(500, "transient"), (502, "transient"),
+                       (503, "transient"), (504, "transient"),
+                       (408, "transient"), (429, "transient"),
+                       (404, "missing"), (403, "permanent"),
+                       (401, "permanent"), (400, "permanent"),
+                       (412, "permanent")]:
+    body = json.dumps({"error": {"code": status, "message": "Invalid x"
+                                 if status == 400 else "no"}}).encode()
+    with pytest.raises(Exception) as e:
+      validate_response(status, body, "b/bkt/o/x")
+    assert remote.classify(e.value) == want, (status, e.value, want)
 
 
 def test_scrub_leaves_no_secret():

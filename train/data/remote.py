@@ -12,7 +12,8 @@ Credentials come from each store's standard environment (``AWS_*`` and
 are never logged: a URL is printed without its user info and query string
 (``scrub``). ``config.data.storage_options`` (JSON, per protocol) is passed
 to the filesystem, e.g. ``{"s3": {"endpoint_url": "http://minio:9000"}}``;
-botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``.
+botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``, gcsfs
+``STORAGE_EMULATOR_HOST`` (``{"gs": {"endpoint_url": ...}}``).
 
 Every request goes through ``Store.call``: a transient failure (5xx, 408,
 429, a timeout, a reset connection, a truncated body) is retried with
@@ -22,7 +23,8 @@ count to the trainer's ``data/retries``; another pipeline's reads, an eval
 split's or a closed one's, never mix in); a
 permanent one (403, 404, 400, a Range the server ignores) is raised at once
 as one line naming the URL. The stores' own hidden retries are turned off
-where they can be (s3fs, botocore), so that what is retried is counted.
+where they can be (s3fs, botocore, gcsfs), so that what is retried is
+counted.
 
 The examples of a chunk are read together (``parallel_map``): at most
 ``config.data.remote_parallelism`` requests in flight per process, on a
@@ -171,7 +173,8 @@ def classify(e: BaseException) -> str:
               "ConnectionClosedError", "ReadTimeoutError",
               "ConnectTimeoutError", "IncompleteRead", "ResponseStreamingError",
               "FSTimeoutError", "ProtocolError", "HTTPClientError",
-              "TransferEncodingError", "ContentLengthError"}:
+              "TransferEncodingError", "ContentLengthError",
+              "ProxyError"}:  # gcsfs's name for a 502.
     return "transient"
   for c in _chain(e):
     status = _status(c)
@@ -214,7 +217,38 @@ def _defaults(proto: str) -> dict:
     import aiohttp  # pylint: disable=import-outside-toplevel
     return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(
         total=None, connect=TIMEOUT_S, sock_read=TIMEOUT_S)}}
+  if proto == "gs":
+    import aiohttp  # pylint: disable=import-outside-toplevel
+    return {"requests_timeout": aiohttp.ClientTimeout(
+        total=None, connect=TIMEOUT_S, sock_read=TIMEOUT_S)}
   return {}
+
+
+def _gcs_endpoint(options: dict) -> str:
+  """The GCS endpoint other than Google's that gcsfs will use, or ""."""
+  url = options.get("endpoint_url") or os.environ.get(
+      "STORAGE_EMULATOR_HOST", "")
+  return "" if url in ("", "default") else url
+
+
+def _gcs_class(default, options: dict):
+  """gcsfs's filesystem class for ``options``. gcsfs's default class asks
+  each bucket's layout (zonal, hierarchical) over gRPC at the JSON API's
+  host, and again on every call while it gets no answer (60 s of retries
+  each): a custom endpoint (an emulator, a GCS-compatible store) serves the
+  JSON API only, so there it is gcsfs's JSON API class."""
+  if not _gcs_endpoint(options):
+    return default
+  import gcsfs.core  # pylint: disable=import-outside-toplevel
+  return gcsfs.core.GCSFileSystem
+
+
+def _gcs_one_attempt(fs) -> None:
+  """gcsfs's own retry loop (6 attempts, 1-17 s apart, fixed when its class
+  is defined) off for ``fs``: each request is made once (ours count)."""
+  request = getattr(type(fs)._request, "__wrapped__", None)  # pylint: disable=protected-access
+  if request is not None:
+    fs._request = request.__get__(fs)  # pylint: disable=protected-access
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -295,10 +329,14 @@ class Store:
           raise ValueError(
               f"cannot read {scrub(url)}: {e} (pip install "
               "'infcl-jax[cloud]' for s3://, gs:// and http(s)://)") from None
-        fs = cls(skip_instance_cache=True,
-                 **_merge(_defaults(proto), self.options.get(proto, {})))
+        options = _merge(_defaults(proto), self.options.get(proto, {}))
+        if proto == "gs":
+          cls = _gcs_class(cls, options)
+        fs = cls(skip_instance_cache=True, **options)
         if proto == "s3":
           fs.retries = 1  # s3fs's own retry loop: one attempt (ours count).
+        if proto == "gs":
+          _gcs_one_attempt(fs)
         self._fs[proto] = fs
     if proto == "http":
       return fs, url
