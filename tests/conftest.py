@@ -42,7 +42,19 @@ def _listed(name):
   return {l.strip() for l in lines if l.strip() and not l.startswith("#")}
 
 
+# The files of most CPU time (a 2-core run, --durations=0), first: xdist's
+# --dist loadfile hands files to the workers in collection order, so a long
+# file collected last would run on one worker while the other idles.
+LONGEST_FIRST = ("test_preemption.py", "test_train_multiprocess.py",
+                 "test_train.py", "test_groups.py", "test_gpu_decode.py",
+                 "test_remote_data.py", "test_workdir_record.py",
+                 "test_towers.py", "test_confident.py", "test_bench_ring.py",
+                 "test_notebooks.py", "test_x64.py")
+
+
 def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda i: rank.get(i.path.name, len(rank)))  # Stable.
   slow, interpret = _listed("slow_tests.txt"), _listed("interpret_tests.txt")
   for item in items:
     if item.nodeid in slow:

@@ -1,7 +1,8 @@
 """Preemption: a signal lets the step in progress finish, a checkpoint of it
 is saved, the run exits 75 (train/preemption.py) and the rerun resumes to
-exactly the uninterrupted run: one process, and 2 jax.distributed CPU
-processes of which only one gets the signal. A second signal during the save
+exactly the uninterrupted run (2 jax.distributed CPU processes of which
+only one gets the signal: tests/test_train_multiprocess.py, beside that
+file's uninterrupted 2-process run). A second signal during the save
 changes nothing; SIGKILL during it leaves the previous checkpoint usable.
 Time-based checkpoints (config.checkpoint.every_minutes) on an injected
 clock.
@@ -356,51 +357,3 @@ def _launch(workdir, data_dir, n, *extra, signal_to=None, after_step=3,
     outputs.append(log.read())
     log.close()
   return [p.returncode for p in procs], outputs
-
-
-@pytest.mark.slow
-def test_a_signal_to_one_of_two_processes_stops_both_at_the_same_step(
-    tmp_path, data_dir):
-  """SIGUSR1 (SLURM's --signal=USR1@...) to process 1 only: both save the
-  same step and exit 75; the rerun ends exactly as an uninterrupted
-  2-process run. (SIGUSR1, not SIGTERM: jax.distributed's own notifier
-  listens to SIGTERM only.) Time-based checkpoints on process 0's clock
-  are taken by both processes on the way."""
-  n = 2
-  ref = tmp_path / "ref" / "w"
-  ref.parent.mkdir()
-  codes, outs = _launch(ref, data_dir, n)
-  assert codes == [0] * n, "\n---\n".join(o[-2000:] for o in outs)
-
-  work = tmp_path / "run" / "w"
-  work.parent.mkdir()
-  # Also time-based checkpoints, due at every check (0.06 s) on process 0's
-  # clock: every process must take part in each save (orbax gathers the
-  # data states from all), so a disagreement would hang.
-  codes, outs = _launch(work, data_dir, n, "--config.checkpoint.every_steps=3",
-                        "--config.checkpoint.every_minutes=0.001",
-                        "--config.checkpoint.keep=20", signal_to=1,
-                        sig=signal.SIGUSR1)
-  report = "\n---\n".join(o[-2000:] for o in outs)
-  assert codes == [75] * n, report
-  # Step 2: neither every_steps' nor the preemption's, the clock's.
-  assert {2, 3} <= set(_steps(work)), (_steps(work), report)
-  lines = [l for l in outs[0].splitlines() if "[lit] preempted at" in l]
-  assert len(lines) == 1, report
-  step = int(lines[0].split("step ")[1].split(";")[0])
-  assert 3 <= step < STEPS, report
-  # One checkpoint of that step, holding each process's data state at it.
-  assert _steps(work)[-1] == step
-  per = 16 // n
-  assert [(s["process_index"], s["next_position"])
-          for s in _data_state(work, step)] == [(p, per * step)
-                                                for p in range(n)]
-  codes, outs = _launch(work, data_dir, n)
-  assert codes == [0] * n, "\n---\n".join(o[-2000:] for o in outs)
-  assert all(f"resumed from the checkpoint of step {step}" in o for o in outs)
-  _assert_same_run(work, ref, f"2 processes, preempted at step {step}")
-  # train.log holds process 0's output only (both print these lines).
-  log = (work / "train.log").read_text()
-  assert log.count("# run started") == 2
-  assert log.count("[lit] preempted at step") == 1
-  assert log.count("resumed from the checkpoint of step") == 1

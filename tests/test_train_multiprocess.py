@@ -18,7 +18,11 @@ Checked:
 - the same command with a larger total_steps resumes: each process restores
   the train state and its own data state (exact continuation from an
   earlier step is the single-process kill/resume test's job,
-  tests/test_train.py).
+  tests/test_train.py);
+- a preemption signal to one of the processes stops both at the same step,
+  and the rerun ends bitwise as the uninterrupted 2-process run (the
+  harness and checks of tests/test_preemption.py; the uninterrupted run is
+  that same run).
 
 Equality with the 1-process run is to float32 rounding, not bitwise: the
 sums across devices (the loss's and the gradients' psum) cross the process
@@ -29,6 +33,7 @@ bit, and AdamW carries such differences on.
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -36,6 +41,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests import test_preemption as preemption_tests
 from tests.helpers import free_port
 from tests.helpers import run_processes
 from train import data as data_lib
@@ -119,7 +125,11 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
     tmp_path, monkeypatch):
   data_dir = tmp_path / "tfds"
   work = tmp_path / "two_processes"
-  outputs = _launch(work, data_dir)
+  # Through the preemption tests' harness, untouched (the same program as
+  # train.main): this run is also the preempted one's reference below.
+  codes, outputs = preemption_tests._launch(work, data_dir, NUM_PROCESSES)  # pylint: disable=protected-access
+  assert codes == [0] * NUM_PROCESSES, "\n---\n".join(
+      o[-3000:] for o in outputs)
 
   # Trained to the end; the summary and the metrics come from process 0 only.
   assert "2 process(es)" in outputs[0], outputs[0][-3000:]
@@ -146,6 +156,8 @@ def test_two_processes_train_like_one_process_on_the_same_batches(
             for s in per_process] == [(p, NUM_PROCESSES, int(step) * per)
                                       for p in range(NUM_PROCESSES)]
   params = train_lib.load_params(str(work))
+  # Before this workdir goes on: a preempted run must end exactly as it.
+  _preempt_one_process_and_resume(tmp_path, data_dir, ref=work)
 
   # The final evaluation, streamed over 2 processes (each reading and
   # embedding only its own rows of every batch), equals one process's
@@ -218,3 +230,47 @@ def test_distributed_flag_errors_are_one_clear_line(tmp_path, extra, message):
   lines = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
   assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
   assert not os.path.exists(tmp_path / "w")
+
+
+# ------------------------------------------ preemption of one of the processes
+
+
+def _preempt_one_process_and_resume(tmp_path, data_dir, ref):
+  """SIGUSR1 (SLURM's --signal=USR1@...) to process 1 only: both save the
+  same step and exit 75; the rerun ends exactly as an uninterrupted
+  2-process run. (SIGUSR1, not SIGTERM: jax.distributed's own notifier
+  listens to SIGTERM only.) Time-based checkpoints on process 0's clock
+  are taken by both processes on the way."""
+  n, pre = NUM_PROCESSES, preemption_tests
+  work = tmp_path / "run" / "w"
+  work.parent.mkdir()
+  # Also time-based checkpoints, due at every check (0.06 s) on process 0's
+  # clock: every process must take part in each save (orbax gathers the
+  # data states from all), so a disagreement would hang.
+  codes, outs = pre._launch(  # pylint: disable=protected-access
+      work, data_dir, n, "--config.checkpoint.every_steps=3",
+      "--config.checkpoint.every_minutes=0.001", "--config.checkpoint.keep=20",
+      signal_to=1, sig=signal.SIGUSR1)
+  report = "\n---\n".join(o[-2000:] for o in outs)
+  assert codes == [75] * n, report
+  # Step 2: neither every_steps' nor the preemption's, the clock's.
+  assert {2, 3} <= set(pre._steps(work)), (pre._steps(work), report)
+  lines = [l for l in outs[0].splitlines() if "[lit] preempted at" in l]
+  assert len(lines) == 1, report
+  step = int(lines[0].split("step ")[1].split(";")[0])
+  assert 3 <= step < STEPS, report
+  # One checkpoint of that step, holding each process's data state at it.
+  assert pre._steps(work)[-1] == step
+  per = 16 // n
+  assert [(s["process_index"], s["next_position"])
+          for s in pre._data_state(work, step)] == [  # pylint: disable=protected-access
+              (p, per * step) for p in range(n)]
+  codes, outs = pre._launch(work, data_dir, n)
+  assert codes == [0] * n, "\n---\n".join(o[-2000:] for o in outs)
+  assert all(f"resumed from the checkpoint of step {step}" in o for o in outs)
+  pre._assert_same_run(work, ref, f"2 processes, preempted at step {step}")
+  # train.log holds process 0's output only (both print these lines).
+  log = (work / "train.log").read_text()
+  assert log.count("# run started") == 2
+  assert log.count("[lit] preempted at step") == 1
+  assert log.count("resumed from the checkpoint of step") == 1
