@@ -336,7 +336,26 @@ class FaultProxy:
     self.close()
 
 
-class S3:
+class _Bucket:
+  """What the test buckets share: ``put_dir`` over their ``put``."""
+
+  def url(self, key: str) -> str:
+    raise NotImplementedError
+
+  def put(self, key: str, data: bytes) -> str:
+    raise NotImplementedError
+
+  def put_dir(self, local_dir: str, prefix: str) -> str:
+    """Uploads the files of ``local_dir`` under ``prefix``; its URL."""
+    for name in sorted(os.listdir(local_dir)):
+      path = os.path.join(local_dir, name)
+      if os.path.isfile(path):
+        with open(path, "rb") as f:
+          self.put(f"{prefix}/{name}", f.read())
+    return self.url(prefix)
+
+
+class S3(_Bucket):
   """A bucket on the moto S3 server at ``endpoint`` (127.0.0.1)."""
 
   def __init__(self, endpoint: str, bucket: str):
@@ -352,15 +371,6 @@ class S3:
   def put(self, key: str, data: bytes) -> str:
     self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
     return self.url(key)
-
-  def put_dir(self, local_dir: str, prefix: str) -> str:
-    """Uploads the files of ``local_dir`` under ``prefix``; its URL."""
-    for name in sorted(os.listdir(local_dir)):
-      path = os.path.join(local_dir, name)
-      if os.path.isfile(path):
-        with open(path, "rb") as f:
-          self.put(f"{prefix}/{name}", f.read())
-    return self.url(prefix)
 
   def delete(self, key: str) -> None:
     self.client.delete_object(Bucket=self.bucket, Key=key)
@@ -492,7 +502,7 @@ class _GCSServer:
     self._thread.join(5)
 
 
-class GCS:
+class GCS(_Bucket):
   """A bucket on the GCS emulator. Objects are put, listed and deleted
   through the emulator's JSON API over HTTP (not gcsfs, the client under
   test)."""
@@ -523,15 +533,6 @@ class GCS:
     self._call("POST", f"/upload/storage/v1/b/{self.bucket}/o"
                f"?uploadType=media&name={q}", data)
     return self.url(key)
-
-  def put_dir(self, local_dir: str, prefix: str) -> str:
-    """Uploads the files of ``local_dir`` under ``prefix``; its URL."""
-    for name in sorted(os.listdir(local_dir)):
-      path = os.path.join(local_dir, name)
-      if os.path.isfile(path):
-        with open(path, "rb") as f:
-          self.put(f"{prefix}/{name}", f.read())
-    return self.url(prefix)
 
   def list(self, prefix: str = "") -> list:
     q = urllib.parse.quote(prefix, safe="")

@@ -48,36 +48,28 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
     raise ValueError("labels need a one-way direction")
   if related is not None:
     s = np.where(np.asarray(related) & (e == 0), -np.inf, s)
-  if direction == "both":
-    l_r, g_r = _cross_entropy(s, e)
-    l_c, g_c = _cross_entropy(s.T, e.T)
-    loss = 0.5 * (np.mean(l_r) + np.mean(l_c))
-    g = g_r / (2 * bx) + g_c.T / (2 * by)
-  elif direction == "image_to_text":
-    l_r, g_r = _cross_entropy(s, e)
-    loss, g = np.mean(l_r), g_r / bx
-  elif direction == "text_to_image":
-    l_c, g_c = _cross_entropy(s.T, e.T)
-    loss, g = np.mean(l_c), g_c.T / by
-  else:
-    raise ValueError(direction)
-  dx = scale * g @ y
-  dy = scale * g.T @ x
-  return loss, dx, dy, np.sum(g * s0), np.sum(g)
+  return _directions(_cross_entropy, s, s0, x, y, scale, e, direction)
 
 
 def _positives_loss_and_grads(s, s0, x, y, scale, rel, direction):
+  return _directions(_multi_positive, s, s0, x, y, scale, rel, direction)
+
+
+def _directions(per_row, s, s0, x, y, scale, e, direction):
+  """The mean loss of ``direction`` from ``per_row(s, e)`` -> (per-row
+  losses, d/ds) of rows (image_to_text) and of columns (text_to_image,
+  through the transposes), and its gradients."""
   bx, by = s.shape
   if direction == "both":
-    l_r, g_r = _multi_positive(s, rel)
-    l_c, g_c = _multi_positive(s.T, rel.T)
+    l_r, g_r = per_row(s, e)
+    l_c, g_c = per_row(s.T, e.T)
     loss = 0.5 * (np.mean(l_r) + np.mean(l_c))
     g = g_r / (2 * bx) + g_c.T / (2 * by)
   elif direction == "image_to_text":
-    l_r, g_r = _multi_positive(s, rel)
+    l_r, g_r = per_row(s, e)
     loss, g = np.mean(l_r), g_r / bx
   elif direction == "text_to_image":
-    l_c, g_c = _multi_positive(s.T, rel.T)
+    l_c, g_c = per_row(s.T, e.T)
     loss, g = np.mean(l_c), g_c.T / by
   else:
     raise ValueError(direction)
@@ -137,20 +129,25 @@ def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
   rel = None if groups is None else (np.asarray(groups)[:, None]
                                      == np.asarray(groups)[None, :])
   f = lambda t: clip_loss_and_grads(x, y, t, 0.0, direction, labels, rel)[0]
-  # The loss falls as the scale grows; above log(B) (the loss at scale 0)
-  # it takes a negative scale: positives less similar than the rest.
+  return x, y, _scale_at(f, loss, max_scale=1e4, steps=50)
+
+
+def _scale_at(f, loss, max_scale, steps):
+  """The scale t at which the decreasing loss ``f(t)`` is ``loss``, by
+  bisection. Above log(B) (the loss at scale 0) it is a negative scale:
+  positives less similar than the rest."""
   lo, hi = (0.0, 8.0) if f(0.0) > loss else (-8.0, 0.0)
   while f(hi) > loss:
-    if hi > 1e4:
+    if hi > max_scale:
       raise ValueError(f"no scale reaches a loss of {loss:g}: some query "
                        f"is not closest to its positive")
     lo, hi = hi, 2 * hi
   while f(lo) < loss:
     lo, hi = 2 * lo, lo
-  for _ in range(50):  # Bisection on the (decreasing) loss.
+  for _ in range(steps):
     mid = 0.5 * (lo + hi)
     lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
-  return x, y, 0.5 * (lo + hi)
+  return 0.5 * (lo + hi)
 
 
 def positives_inputs(rng, n_x, n_y, d, loss, g_x, g_y, *, direction="both",
@@ -190,19 +187,7 @@ def positives_inputs(rng, n_x, n_y, d, loss, g_x, g_y, *, direction="both",
       terms.append(l_c[rel.sum(0) == 1])
     return np.mean(np.concatenate(terms))
 
-  # As ``confident_inputs``: above the loss at scale 0, a negative scale.
-  lo, hi = (0.0, 8.0) if f(0.0) > loss else (-8.0, 0.0)
-  while f(hi) > loss:
-    if hi > 1e5:
-      raise ValueError(f"no scale reaches a loss of {loss:g}: some query "
-                       f"is not closest to its positive")
-    lo, hi = hi, 2 * hi
-  while f(lo) < loss:
-    lo, hi = 2 * lo, lo
-  for _ in range(60):  # Bisection on the (decreasing) loss.
-    mid = 0.5 * (lo + hi)
-    lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
-  return x, y, 0.5 * (lo + hi)
+  return x, y, _scale_at(f, loss, max_scale=1e5, steps=60)
 
 
 def _cross_entropy(s, e):
