@@ -9,6 +9,12 @@ import os
 _DEVICES = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}".strip()
+# The Mosaic GPU interpreter's simulated threads wait inside XLA:CPU host
+# callbacks: with XLA:CPU's default pool (one thread per core) it could hang
+# on a small machine, and the library refuses to run it
+# (infcl_jax.kernels.mosaic.common.check_interpreter_threads). 8 per device
+# of the 8 below, and one spare: idle pool threads cost nothing.
+os.environ.setdefault("PJRT_NPROC", "65")
 # The ring's recommended GPU flags (infcl_jax.xla_flags), as a user would set
 # them: the GPU schedule tests (test_ring_hlo.py) check the ring under them.
 # The module is loaded from its file (it imports only os), so that jax is not

@@ -444,3 +444,19 @@ from tests import test_confident as tc  # noqa: E402  pylint: disable=wrong-impo
 class TestTritonConfident(tc.TestConfidentKernels):
   """The positive outside the log-sum-exp on the triton backend."""
   NAME = "triton"
+
+
+# ------------------------------------------- the GPU's tiles, under a watchdog
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's case; the GPU runs "
+                    "the compiled kernels above")
+@pytest.mark.parametrize("loss,dtype", [("softmax", "bfloat16"),
+                                        ("sigmoid", "float32")])
+def test_interpreter_at_gpu_tiles(loss, dtype):
+  """The Triton family's case of ``tests/test_interpreter_watchdog.py``:
+  one forward + backward under jit at its Hopper tiles, in a child process
+  under the watchdog (TRITON_INTERPRET=1 reaches it), against float64."""
+  from tests import test_interpreter_watchdog as tw  # pylint: disable=import-outside-toplevel
+  from tests import watchdog  # pylint: disable=import-outside-toplevel
+  result = watchdog.run_case("triton", loss, dtype)
+  assert max(result["errors"].values()) <= tw.BOUND[dtype], result

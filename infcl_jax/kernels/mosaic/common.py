@@ -18,6 +18,8 @@ by the producer and the consumers, so the ring needs no other handshake.
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +66,55 @@ def check_groups(groups, x, y, *, rows="R"):
     raise ValueError(
         f"groups must be (({rows},), (m_pad,)) = (({x.shape[0]},), "
         f"({y.shape[0]},)), got {groups[0].shape}, {groups[1].shape}")
+
+
+# The Mosaic GPU interpreter runs each CTA's warpgroups, and the producer's
+# warps (``warp_map``), as Python threads. A simulated barrier wait blocks
+# inside an XLA:CPU host callback, and XLA:CPU runs a program's independent
+# operations, callbacks included, on its own thread pool (``PJRT_NPROC``
+# threads, by default one per core). Once every pool thread holds such a
+# wait, the arrivals that would release them queue behind them and the call
+# never returns: with 2 pool threads (a 2-core machine) ``jit(grad)`` of a
+# bf16 ``backend="mosaic"`` loss hung in about half the runs at B = 8,
+# with 4 or more it never did, and the kernels' barrier protocol passed the
+# interpreter's race detector at the GPU's tile sizes. The interpreter runs
+# one CTA at a time; a device holds at most its three warpgroups, four
+# producer warps and the kernel's own callback, and one pool thread must
+# stay free.
+INTERPRETER_THREADS_PER_DEVICE = NUM_CONSUMERS + 1 + 4 + 1
+
+
+def cpu_pool_threads():
+  """XLA:CPU's thread pool size as the runtime picks it: ``PJRT_NPROC``,
+  else ``NPROC``, else the cores this process may run on."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    value = os.environ.get(name, "").strip()
+    if value.isdigit():
+      return int(value)
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # Not Linux.
+    return os.cpu_count() or 1
+
+
+def interpreter_threads_needed():
+  """Pool threads the interpreter needs for one kernel call: every device
+  of the enclosing ``shard_map`` mesh (1 outside one) interprets its own."""
+  mesh = jax.sharding.get_abstract_mesh()
+  devices = 1 if mesh.empty else math.prod(mesh.axis_sizes)
+  return devices * INTERPRETER_THREADS_PER_DEVICE + 1
+
+
+def check_interpreter_threads():
+  """Refuses, in one line, an interpreted kernel that could hang (see
+  ``INTERPRETER_THREADS_PER_DEVICE``)."""
+  need, have = interpreter_threads_needed(), cpu_pool_threads()
+  if have < need:
+    raise RuntimeError(
+        f"infcl_jax: backend='mosaic' off the GPU runs the Mosaic GPU "
+        f"interpreter, which needs {need} XLA:CPU pool threads here and this "
+        f"process has {have}, so it could hang; set PJRT_NPROC={need} (or "
+        f"more) before jax starts, or use backend='pallas' or 'xla' on CPU")
 
 
 def interpret_params(interpret):
@@ -338,6 +389,9 @@ def launch(body, *, operands, out_type, scratch, nprog, name, interpret,
   outputs (a list) typed device-varying like the operands. ``body`` is
   traced with x64 off: its index arithmetic (program ids, loop counters,
   Python int constants) is int32 by construction, as with x64 off."""
+  params = interpret_params(interpret)
+  if params is not None:
+    check_interpreter_threads()
   cp = dict(approx_math=True)
   if reduction_scratch_bytes is not None:
     cp["reduction_scratch_bytes"] = reduction_scratch_bytes
@@ -351,6 +405,6 @@ def launch(body, *, operands, out_type, scratch, nprog, name, interpret,
       thread_name="wg",
       kernel_name=name,
       compiler_params=plgpu.CompilerParams(**cp),
-      interpret=interpret_params(interpret),
+      interpret=params,
   )(*kernel_operands(split_rings, *operands))
   return vary_like(list(outs), *operands)
