@@ -62,6 +62,20 @@ groups: optional int group ids: one (B,) array when the batch is paired
       ``groups``."""
 
 
+
+def backend_names() -> tuple[str, ...]:
+  """Every accepted ``backend=``: "auto", "reference" (the full matrix) and
+  the registered tiled backends, in registration order. Configs that pass a
+  backend on (a trainer's, say) check against this, so that a newly
+  registered backend needs no second list."""
+  return _checks.backends()
+
+
+# The accepted ``group_mode=`` values, and the loss families (``softmax``:
+# ``contrastive_loss``; ``sigmoid``: ``sigmoid_loss``).
+GROUP_MODES = _checks.GROUP_MODES
+LOSS_FAMILIES = registry.FAMILIES
+
 def _as_varying(axes, *arrays):
   """Casts replicated values to device-varying over ``axes`` (see _axes)."""
   return tuple(_axes.to_varying(a, axes) for a in arrays)

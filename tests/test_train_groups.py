@@ -65,9 +65,9 @@ def shapes_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("overrides,message", [
     ({"loss.groups": "images"},
-     "config.loss.groups must be 'none', 'image' or 'content', got 'images'"),
+     "config.loss.groups must be one of none, image, content; got 'images'"),
     ({"loss.groups": "image", "loss.group_mode": "multi"},
-     "config.loss.group_mode must be 'mask' or 'positives', got 'multi'"),
+     "config.loss.group_mode must be one of mask, positives; got 'multi'"),
     ({"loss.group_mode": "positives"},
      "config.loss.group_mode='positives' needs config.loss.groups"),
     ({"loss.groups": "content", "precompute_image_embeddings": False},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 
+import infcl_jax
 import ml_collections
 from ml_collections import config_dict
 
@@ -81,7 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "softmax"       # "softmax" (CLIP) | "sigmoid" (SigLIP)
-  c.loss.backend = "auto"       # "auto" | "xla" | "pallas" | "reference"
+  # "auto", "reference" (the full matrix) or any backend the library
+  # registers (infcl_jax.backend_names(): "xla", "pallas", "mosaic", ...).
+  c.loss.backend = "auto"
   c.loss.block_q = 0            # Tile rows; 0 = backend default.
   c.loss.block_k = 0            # Tile columns; 0 = backend default.
   # None = paper default: log(1/0.07) softmax, log(10) sigmoid.
@@ -183,6 +186,10 @@ def check_config(config) -> None:
   def need(cond, msg):
     if not cond:
       raise ValueError(msg)
+
+  def choice(key, value, choices):
+    need(value in choices, f"{key} must be one of {', '.join(choices)}; got "
+         f"{value!r}")
   need(config.total_steps >= 1, f"config.total_steps={config.total_steps} "
        "must be >= 1")
   need(config.batch_size >= 1, f"config.batch_size={config.batch_size} must "
@@ -215,18 +222,13 @@ def check_config(config) -> None:
   need(not config.model.text.init or ic.kind == "pretrained",
        "config.model.text.init (a pretrained text tower) needs a pretrained "
        "image tower (config.model.image.kind='pretrained')")
-  need(config.loss.name in ("softmax", "sigmoid"),
-       f"config.loss.name must be 'softmax' or 'sigmoid', got "
-       f"{config.loss.name!r}")
-  need(config.loss.backend in ("auto", "xla", "pallas", "reference"),
-       f"config.loss.backend must be auto|xla|pallas|reference, got "
-       f"{config.loss.backend!r}")
-  need(config.loss.groups in ("none", "image", "content"),
-       f"config.loss.groups must be 'none', 'image' or 'content', got "
-       f"{config.loss.groups!r}")
-  need(config.loss.group_mode in ("mask", "positives"),
-       f"config.loss.group_mode must be 'mask' or 'positives', got "
-       f"{config.loss.group_mode!r}")
+  # The library's own lists: a backend registered there (or a loss family,
+  # a group mode) is taken here with no second list to update.
+  choice("config.loss.name", config.loss.name, infcl_jax.LOSS_FAMILIES)
+  choice("config.loss.backend", config.loss.backend, infcl_jax.backend_names())
+  choice("config.loss.groups", config.loss.groups, ("none", "image", "content"))
+  choice("config.loss.group_mode", config.loss.group_mode,
+         infcl_jax.GROUP_MODES)
   need(config.loss.group_mode == "mask" or config.loss.groups != "none",
        f"config.loss.group_mode={config.loss.group_mode!r} needs "
        "config.loss.groups ('image' or 'content'): without groups there are "
