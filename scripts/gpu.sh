@@ -5,8 +5,19 @@
 #   bash scripts/gpu.sh SUITE [PART...]        run (logs under $OUT, default /tmp/out)
 #   bash scripts/gpu.sh --dry-run SUITE [PART...]   print the plan, run nothing
 #   bash scripts/gpu.sh --list                 the suites and their parts
+#   bash scripts/gpu.sh --prepare-ref [REF]    put REF's infcl_jax/ in .verify_ref/
+#   bash scripts/gpu.sh --wheels               fill .whl/ (scripts/device-wheels.txt)
 #
-# SUITE is tests, loss, towers, train, data, ring or all; PART picks some of a
+# After any change to the kernels, the backends or the loss math, run
+# `verify` first (one device call, <= 540 s): the -m gpu exactness grid
+# (every backend x dtype x mode, confident inputs), one trainer step with the
+# GPU decoder, and the headline loss rows at 64k as an A/B against a
+# reference commit in the same job (benchmarks/bench_ab.py). The reference
+# is VERIFY_REF, else the last commit in scripts/verify-passed.txt; its
+# infcl_jax/ travels in .verify_ref/ (git-ignored: carry it), which
+# --prepare-ref writes here, where git is.
+#
+# SUITE is verify, tests, loss, towers, train, data, ring or all; PART picks some of a
 # suite's parts (all of them by default). Every part runs under its own time
 # box (timeout -s INT, so that pytest and the benchmarks still write what
 # they have), writes its logs to $OUT/SUITE-PART*.log, and ends with a
@@ -14,8 +25,10 @@
 # --list gives each part's box, so that a call takes the parts that fit
 # (e.g. `loss table stages`, then `loss groups`). ring needs two GPUs.
 #
-# Wheels the GPU image lacks (jax-triton for backend="triton") travel in
-# .whl/ (git-excluded; carry it): they are installed to /tmp/site first.
+# Wheels the GPU image lacks (scripts/device-wheels.txt: the trainer's
+# packages it does not have, nvImageCodec, jax-triton) travel in .whl/
+# (git-ignored; carry it), made here by --wheels from PyPI (the GPU machine
+# reaches no registry); they are installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +43,8 @@ py=${PYTHON:-python3}
 suite_parts() {
   local parts
   case "$1" in
+  # exact and step run side by side (nothing there is timed), then speed.
+  verify) parts="exact:280 step:280 speed:240" ;;
   tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
@@ -40,7 +55,7 @@ suite_parts() {
   esac
   printf '%s\n' $parts
 }
-SUITES="tests loss towers train data ring"
+SUITES="verify tests loss towers train data ring"
 
 box_of() {  # box_of SUITE PART
   local p
@@ -50,12 +65,50 @@ box_of() {  # box_of SUITE PART
   return 1
 }
 
+# The reference commit of verify's A/B and its tree.
+verify_ref() {
+  if [ -n "${VERIFY_REF:-}" ]; then echo "$VERIFY_REF"; return; fi
+  grep -vE '^\s*(#|$)' scripts/verify-passed.txt | tail -1 | cut -d' ' -f1
+}
+ref_dir=.verify_ref
+prepare_ref() {  # prepare_ref REF: REF's infcl_jax/ into $ref_dir
+  local ref=$1 sha
+  sha=$(git rev-parse --verify -q "$ref^{commit}") || {
+    echo "gpu.sh: cannot resolve the reference commit '$ref' (git fetch it, or name another with VERIFY_REF)" >&2
+    return 2
+  }
+  rm -rf "$ref_dir" && mkdir -p "$ref_dir"
+  git archive "$sha" infcl_jax | tar -x -C "$ref_dir"
+  echo "$sha" > "$ref_dir/REF"
+  echo "gpu.sh: $ref_dir holds infcl_jax/ of $sha ($(git log -1 --format='%cs %s' "$sha" | cut -c1-70))"
+}
+if [ "${1:-}" = "--wheels" ]; then
+  # Python 3.12 on x86-64 Linux, as on the GPU machine. A package with no
+  # wheel on PyPI (promise) is built into one here (pure Python).
+  mkdir -p .whl
+  plat=(--platform manylinux2014_x86_64 --platform linux_x86_64 --platform any)
+  for n in 17 24 27 28 31 34 35; do plat+=(--platform "manylinux_2_${n}_x86_64"); done
+  for r in $(grep -vE '^\s*(#|$)' scripts/device-wheels.txt); do
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --abi cp312 --abi abi3 --abi none "${plat[@]}" -d .whl "$r" \
+      2>/dev/null || "$py" -m pip wheel -q --no-deps -w .whl "$r" || exit 1
+  done
+  echo "gpu.sh: $(ls .whl/*.whl | wc -l) wheels in .whl ($(du -sh .whl | cut -f1))"
+  exit 0
+fi
+if [ "${1:-}" = "--prepare-ref" ]; then
+  prepare_ref "${2:-$(verify_ref)}"
+  exit $?
+fi
+
 if [ "${1:-}" = "--list" ]; then
   for s in $SUITES; do
     total=0; line=""
     for p in $(suite_parts "$s"); do
       line+=" ${p%%:*} (${p##*:} s)"; total=$((total + ${p##*:}))
     done
+    # verify runs exact and step side by side: its box is the larger plus speed.
+    [ "$s" = verify ] && total="$(($(box_of verify exact) > $(box_of verify step) ? $(box_of verify exact) : $(box_of verify step))) + $(box_of verify speed) = $(( ($(box_of verify exact) > $(box_of verify step) ? $(box_of verify exact) : $(box_of verify step)) + $(box_of verify speed)))"
     echo "$s:$line; $total s in all"
   done
   exit 0
@@ -344,6 +397,59 @@ ring_maxbatch() {
     --max-b-start 2097152 --max-b-local 2097152 --max-step-s 0 --max-once-s 300
 }
 
+verify_exact() {
+  # Every backend x dtype x mode at the GPU's default tiles, confident
+  # inputs included (tests/test_gpu_verify.py).
+  gpu_pytest verify-exact "$1" 4 tests/test_gpu_verify.py
+}
+verify_step() {
+  # One trainer step end to end with decoder="gpu" (nvImageCodec, in
+  # .whl/), its loss against the host decoder's.
+  gpu_pytest verify-step "$1" 0 tests/test_gpu_decode.py \
+    -k test_step_one_loss_is_the_host_paths_within_bf16
+}
+verify_speed() {
+  # The headline loss rows at 64k, A (this checkout) against B (the
+  # reference), interleaved A B A B in one job; > 3% slower fails.
+  local ref sha
+  ref=$(verify_ref)
+  sha=$(cat "$ref_dir/REF" 2>/dev/null)
+  if [ "$dry" = 1 ]; then
+    echo "verify-speed A/B: A = this checkout ($(git rev-parse --short HEAD 2>/dev/null || echo '?')$( \
+      [ -n "$(git status --porcelain -- infcl_jax 2>/dev/null)" ] && echo ' + uncommitted infcl_jax/')), B = $ref ($( \
+      [ -n "$sha" ] && echo "$ref_dir/ holds ${sha:0:12}" || echo "$ref_dir/ missing: bash scripts/gpu.sh --prepare-ref $ref")); order A B A B, ${VERIFY_ROUNDS:-2} rounds x 5 calls a side, medians, > 3% slower fails"
+  elif [ -z "$sha" ] || [ "${sha:0:7}" != "${ref:0:7}" ]; then
+    prepare_ref "$ref" > /dev/null 2>&1 || {
+      echo "verify-speed 2" >> "$rcs"
+      echo "== verify-speed: exit 2: no reference tree for $ref ($ref_dir/REF: ${sha:-none}); run bash scripts/gpu.sh --prepare-ref $ref here and carry $ref_dir"
+      return
+    }
+  fi
+  bench verify-speed "$1" benchmarks/bench_ab.py --ref-tree "$ref_dir" --ref-name "$ref" \
+    --rounds "${VERIFY_ROUNDS:-2}" --calls 5 --out "$out/verify" \
+    --cases "${VERIFY_CASES:-softmax:bfloat16:65536,sigmoid:bfloat16:65536,softmax:float32:65536,sigmoid:float32:65536}"
+}
+# verify's parts: exact and step side by side, then speed alone.
+run_verify() {
+  local bg="&"
+  [ "$dry" = 1 ] && bg=""
+  eval "verify_exact $(box_of verify exact) $bg"
+  eval "verify_step $(box_of verify step) $bg"
+  wait
+  verify_speed "$(box_of verify speed)"
+  [ "$dry" = 1 ] && return
+  echo
+  echo "== verify: $(cat "$ref_dir/REF" 2>/dev/null | cut -c1-12) as the A/B reference"
+  printf '%-14s %-6s %s\n' part result "details"
+  local name rc detail
+  while read -r name rc; do
+    detail=$(grep -m1 -E '^=+ .* in [0-9.]+s' "$out/$name.log" 2>/dev/null | tr -d '=' | sed 's/^ *//')
+    [ "$name" = verify-speed ] && detail=$(grep -cE ' (ok|SLOWER)$' "$out/$name.log" 2>/dev/null | sed 's/$/ A\/B rows/')
+    printf '%-14s %-6s %s\n' "$name" "$([ "$rc" = 0 ] && echo pass || echo FAIL)" "$detail"
+  done < "$rcs"
+  [ -f "$out/verify-speed.log" ] && sed -n '/^case /,$p' "$out/verify-speed.log"
+}
+
 # ------------------------------------------------------------------- main
 
 if [ "$dry" = 1 ]; then
@@ -373,6 +479,10 @@ fi
 run_suite() {  # run_suite SUITE [PART...]
   local s=$1 p
   shift
+  if [ "$s" = verify ] && [ $# -eq 0 ]; then
+    run_verify
+    return
+  fi
   local parts=("$@")
   if [ ${#parts[@]} -eq 0 ]; then
     for p in $(suite_parts "$s"); do parts+=("${p%%:*}"); done

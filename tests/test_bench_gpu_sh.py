@@ -1,8 +1,10 @@
 """scripts/gpu.sh on the CPU: its suites, the plan it would run (--dry-run),
 and that every BENCHMARKS.md command names a suite and part it has."""
+import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -10,7 +12,7 @@ from benchmarks import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu.sh")
-SUITES = ("tests", "loss", "towers", "train", "data", "ring")
+SUITES = ("verify", "tests", "loss", "towers", "train", "data", "ring")
 
 
 def _sh(*args):
@@ -78,8 +80,10 @@ def test_dry_run_plan_names_existing_files_under_each_box(suite):
   # The jobs of a part share its box: run one after another, their boxes
   # add up to at most the suite's; tests-pallas and tests-triton run beside
   # tests-mosaic, in the same box.
+  # verify-step runs beside verify-exact likewise.
   total = sum(int(re.search(r"\[(\d+) s\]", l)[1]) for l in jobs
-              if not l.startswith(("tests-pallas", "tests-triton")))
+              if not l.startswith(("tests-pallas", "tests-triton",
+                                   "verify-step")))
   assert total <= sum(boxes.values()), (total, boxes)
 
 
@@ -131,3 +135,64 @@ def test_the_gpu_decoder_variants_the_script_passes_parse():
   assert any(defaults), defaults
   for d in defaults:
     assert bench_train.gpu_variants(d), d
+
+
+def _verify_plan(**env):
+  p = subprocess.run(["bash", SCRIPT, "--dry-run", "verify"],
+                     capture_output=True, text=True, cwd=ROOT, timeout=60,
+                     check=False, env=dict(os.environ, OUT="/tmp/gpu_sh_plan",
+                                           **env))
+  assert p.returncode == 0, p.stderr
+  return p.stdout
+
+
+def test_verify_plans_its_ab_against_the_reference_commit():
+  """``gpu.sh --dry-run verify``: the exactness grid and the decoder step,
+  then the A/B of this checkout against the last commit that passed
+  (scripts/verify-passed.txt) or VERIFY_REF, with where its tree comes
+  from; the whole fits one device call."""
+  last = [l.split()[0] for l in open(os.path.join(
+      ROOT, "scripts", "verify-passed.txt")) if l.strip()
+          and not l.startswith("#")][-1]
+  head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                        capture_output=True, text=True, check=True).stdout
+  plan = _verify_plan()
+  names = [j.split(" ")[0] for j in _jobs(plan)]
+  assert names == ["verify-exact", "verify-step", "verify-speed"], plan
+  ab = [l for l in plan.splitlines() if l.startswith("verify-speed A/B: ")]
+  assert len(ab) == 1, plan
+  assert f"A = this checkout ({head.strip()}" in ab[0], ab
+  assert f"B = {last} (" in ab[0] and "order A B A B" in ab[0], ab
+  assert "--ref-name " + last in plan
+  assert "B = 94cc2be (" in _verify_plan(VERIFY_REF="94cc2be")
+  exact = [l for l in _jobs(plan) if l.startswith("verify-exact")][0]
+  assert "-m gpu" in exact and "tests/test_gpu_verify.py" in exact
+  parts = _parts()["verify"]
+  assert max(parts["exact"], parts["step"]) + parts["speed"] <= 540, parts
+
+
+def test_ab_bench_times_each_tree_interleaved(tmp_path):
+  """benchmarks/bench_ab.py on the CPU: worker B imports infcl_jax from the
+  reference tree (not this checkout), both sides are timed the asked
+  number of calls, and the table and JSON come out."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from benchmarks import bench_ab  # pylint: disable=import-outside-toplevel
+  ref = tmp_path / "ref"
+  shutil.copytree(os.path.join(ROOT, "infcl_jax"), ref / "infcl_jax",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  out = tmp_path / "out"
+  p = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_ab.py"),
+       "--ref-tree", str(ref), "--ref-name", "copy",
+       "--cases", "softmax:float32:96", "--rounds", "2", "--calls", "2",
+       "--slower", "10", "--out", str(out)],
+      capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+  assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+  result = json.loads((out / "bench_ab.json").read_text())
+  assert result["A"]["infcl_jax"] == os.path.join(ROOT, "infcl_jax")
+  assert result["B"]["infcl_jax"] == str(ref / "infcl_jax")
+  case = result["cases"]["softmax:float32:96"]
+  assert len(case["A"]) == len(case["B"]) == 4 and case["verdict"] == "ok"
+  assert "softmax:float32:96" in p.stdout.splitlines()[-1]
+  assert bench_ab.compare([1.04, 1.05], [1.0, 1.0], 0.03)[3] == "SLOWER"
+  assert bench_ab.compare([1.02, 1.03], [1.0, 1.0], 0.03)[3] == "ok"

@@ -1,0 +1,172 @@
+"""The GPU's exactness grid of ``bash scripts/gpu.sh verify`` (``-m gpu``).
+
+Every tiled backend (mosaic, triton, pallas, xla) x every input dtype
+(bfloat16, float16, float32) x every mode of the loss, each at the GPU's
+default tiles (no ``block_sizes``) on odd sizes, against float64 relative to
+the true values, at three confidences (a row loss of 10, 1e-4 and 1e-30; one
+compiled program per case, only the scale changes):
+
+* plain: both directions;
+* one-way: text_to_image with extra images (keys without a query);
+* labels: image_to_text, each query's positive a key of its own label;
+* labels + groups: three id layouts (``LABEL_GROUP_LAYOUTS``): each
+  query's positive outside its group, the only related pair, or nothing
+  related;
+* groups "mask": the other captions of an image left out;
+* groups "positives": singletons and groups of 2 and 3, a pair of id arrays;
+* sigmoid: SigLIP, plain and with groups.
+
+The bounds are the project's: 1e-3 (float32), 3e-2 (16-bit, against the
+float64 loss of the rounded inputs). float16 is asked at the loss of 10
+only: at D = 200 the gradient entries of a loss of 1e-4 (~ scale * loss /
+(B sqrt(D))) are already below float16's smallest normal, 6e-5, in the
+float16 gradients the caller gets back, whatever the kernel did.
+"""
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infcl_jax import contrastive_loss, sigmoid_loss
+from tests import group_reference
+from tests import np_reference
+from tests import test_confident as tc
+from tests.helpers import as64, seed_of
+
+# INFCL_VERIFY_ON_CPU=1 runs the grid's logic on the CPU (its xla cases are
+# quick there): how the grid was checked before its first GPU run.
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu"
+                                 and not os.environ.get("INFCL_VERIFY_ON_CPU"),
+                                 reason="the GPU's grid (gpu.sh verify)")]
+
+BACKENDS = ["mosaic", "triton", "pallas", "xla"]
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+LEVELS = [10.0, 1e-4, 1e-30]
+N, N_KEYS, D = 1031, 1100, 200
+MODES = ["plain", "one_way", "labels", "labels_groups", "mask", "positives"]
+
+
+@functools.lru_cache(maxsize=None)
+def _softmax_fn(backend, direction, group_mode, has_labels, has_groups):
+  def f(x, y, t, labels, groups):
+    return contrastive_loss(
+        x, y, t, direction=direction, backend=backend,
+        labels=labels if has_labels else None,
+        groups=groups if has_groups else None, group_mode=group_mode)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs64(mode, level, layout=0):
+  """Float64 inputs of a case, shared by the dtypes and backends:
+  (x, y, t, labels, g_x, g_y, direction, near)."""
+  rng = np.random.default_rng(seed_of("verify", mode, level, layout))
+  labels = g_x = g_y = near = None
+  direction, n_x, n_y = "both", N, N
+  if mode == "positives":
+    g_x, g_y, near = tc.mixed_ids(N, pair=True)
+    x, y, t = np_reference.positives_inputs(rng, N, N, D, level, g_x, g_y,
+                                            near=near)
+    return x, y, t, None, g_x, g_y, direction, near
+  if mode == "one_way":
+    direction, n_x = "text_to_image", N_KEYS
+  elif mode in ("labels", "labels_groups"):
+    direction, n_y = "image_to_text", N_KEYS
+    labels = rng.permutation(N_KEYS)[:N]
+  groups = np.repeat(np.arange(N), 3)[:N] if mode == "mask" else None
+  x, y, t = np_reference.confident_inputs(
+      rng, n_x, n_y, D, level, direction=direction, labels=labels,
+      groups=groups)
+  if mode == "mask":
+    g_x = g_y = groups
+  elif mode == "labels_groups":
+    g_x, g_y = LABEL_GROUP_LAYOUTS[layout](labels)
+  return x, y, t, labels, g_x, g_y, direction, near
+
+
+# labels= with groups=: (image ids, text ids) from the labels. Each query's
+# positive is then outside its group, in it, or nothing is related.
+LABEL_GROUP_LAYOUTS = [
+    # The issue's case: ids i + 7 on both sides, the positive elsewhere.
+    lambda labels: (np.arange(N) + 7, np.arange(N_KEYS) + 7),
+    # Only the positives related: the plain loss.
+    lambda labels: ((np.arange(N_KEYS) + 7)[labels], np.arange(N_KEYS) + 7),
+    # Nothing related.
+    lambda labels: (np.arange(N), 10**6 + np.arange(N_KEYS)),
+]
+
+
+def _case(mode, level, dtype, layout=0):
+  """(x, y, t, labels, groups, ref, direction, group_mode, check_layout) at
+  ``dtype``; the reference is taken on the rounded inputs."""
+  x, y, t, labels, g_x, g_y, direction, near = _inputs64(mode, level, layout)
+  del near
+  x, y = jnp.asarray(x, dtype), jnp.asarray(y, dtype)
+  group_mode = "positives" if mode == "positives" else "mask"
+  rel = None if g_x is None else np.equal.outer(g_x, g_y)
+  ref = np_reference.clip_loss_and_grads(as64(x), as64(y), t, 0.0, direction,
+                                         labels, rel, group_mode=group_mode)
+  groups = None if g_x is None else (jnp.asarray(g_x), jnp.asarray(g_y))
+  lab = None if labels is None else jnp.asarray(labels)
+  return (x, y, jnp.float32(t), lab, groups, ref, direction, group_mode,
+          (rel, direction))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softmax(backend, dtype, mode):
+  layouts = range(len(LABEL_GROUP_LAYOUTS)) if mode == "labels_groups" else [0]
+  for level in LEVELS:
+    if dtype == jnp.float16 and level < 1:
+      continue
+    for layout in layouts:
+      (x, y, t, labels, groups, ref, direction, group_mode,
+       check_layout) = _case(mode, level, dtype, layout)
+      fn = _softmax_fn(backend, direction, group_mode, labels is not None,
+                       groups is not None)
+      out = fn(x, y, t, labels, groups)
+      what = (f"{backend} {jnp.dtype(dtype).name} {mode}[{layout}] loss "
+              f"{level:g}")
+      if mode == "positives":
+        tc.check_positives(out, ref, dtype, what, check_layout)
+      else:
+        tc.check(out, ref, dtype, what)
+
+
+@functools.lru_cache(maxsize=None)
+def _sigmoid_fn(backend, has_groups):
+  def f(x, y, t, b, groups):
+    return sigmoid_loss(x, y, t, b, backend=backend,
+                        groups=groups if has_groups else None)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "groups"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigmoid(backend, dtype, grouped):
+  rng = np.random.default_rng(seed_of("verify sigmoid", grouped))
+  x, y = (jnp.asarray(a / np.linalg.norm(a, axis=1, keepdims=True), dtype)
+          for a in rng.standard_normal((2, N, D)))
+  ids = np.repeat(np.arange(N), 2)[:N] if grouped else None
+  t, b = 10.0, -10.0
+  if grouped:
+    ref = group_reference.sigmoid_loss_and_grads(as64(x), as64(y), t, b, ids)
+  else:
+    ref = np_reference.sigmoid_loss_and_grads(as64(x), as64(y), t, b)
+  out = _sigmoid_fn(backend, grouped)(
+      x, y, jnp.float32(t), jnp.float32(b),
+      None if ids is None else jnp.asarray(ids))
+  val, (dx, dy, dt, db) = out
+  bound = tc.BOUND[dtype]
+  errs = {"loss": abs(float(val) - ref[0]) / abs(ref[0]),
+          "d image": tc.rel_err(dx, ref[1]), "d text": tc.rel_err(dy, ref[2]),
+          "d scale": abs(float(dt) - ref[3]) / abs(ref[3]),
+          "d bias": abs(float(db) - ref[4]) / abs(ref[4])}
+  bad = {k: f"{v:.2e}" for k, v in errs.items() if not v <= bound}
+  assert not bad, f"{backend} sigmoid {jnp.dtype(dtype).name}: {bad}"
