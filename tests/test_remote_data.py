@@ -650,3 +650,48 @@ def test_a_run_on_s3_with_faults_equals_the_local_run(shards, tmp_path, s3):
       [r[k] for k in keys] for r in local_rows]
   assert rows[-1]["data/retries"] >= 1 and local_rows[-1]["data/retries"] == 0
   assert "caption is not valid UTF-8" in got.stderr
+
+
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_an_outage_is_ridden_through_within_the_budget_then_given_up(
+    kind, shards, request, monkeypatch, capsys):
+  """The store behind an OutageProxy refuses connections for a window:
+  shorter than config.data.remote_outage_s, a read retries (backoff with
+  jitter; counted; one line saying so, rate-limited) and returns the
+  bytes; longer, it raises Outage naming the URL and the budget (neither
+  a usage error nor a bad example). A missing object stays a one-line
+  NotFound at once."""
+  import time  # pylint: disable=import-outside-toplevel
+  from tests.netservers import OutageProxy  # pylint: disable=import-outside-toplevel
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
+  with open(os.path.join(shards["root"], "train-000001.tar"), "rb") as f:
+    want = f.read()[512:4096]
+  with OutageProxy(_upstream(kind, server)) as proxy:
+    options, url = _via(kind, proxy.url, f"{base}/train-000001.tar", base)
+    store = remote.Store(options, outage_s=2.0, backoff_s=0.05)
+    assert store.read(url, 512, 4096) == want  # Connected before.
+    proxy.down(0.8)
+    t0 = time.monotonic()
+    assert store.read(url, 512, 4096) == want
+    assert 0.7 <= time.monotonic() - t0 < 2.0
+    assert store.retries_made >= 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("[data]")]
+    assert len(lines) == 1, err  # One line for the burst.
+    assert lines[0].startswith(f"[data] {kind if kind == 's3' else 'http'}: "
+                               f"retrying {remote.scrub(url)} (attempt 2, ")
+    assert "config.data.remote_outage_s=2)" in lines[0]
+    proxy.down(None)  # Until further notice: past the budget.
+    t0 = time.monotonic()
+    with pytest.raises(remote.Outage) as e:
+      store.read(url, 512, 4096)
+    assert 2.0 <= time.monotonic() - t0 < 4.0
+    assert not isinstance(e.value, (ValueError, OSError))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(
+        f"cannot read {remote.scrub(url)}: the store kept failing for "
+        "config.data.remote_outage_s=2 s ("), msg
+    proxy.up()
+    with pytest.raises(remote.NotFound):
+      store.read(url.replace("train-000001", "train-000099"))
