@@ -1,7 +1,8 @@
 """A run on object storage through the cluster's bad days: its shards read
 from S3 and its checkpoints kept there (moto on 127.0.0.1; the shards
-through an OutageProxy, tests/netservers.py), one run after another in one
-workdir, against the uninterrupted run:
+through an OutageProxy and a FaultProxy, tests/netservers.py: outages, and
+503s and resets mid-body), one run after another in one workdir, against
+the uninterrupted run on local disk:
 
 1. SIGTERM while the shards are being indexed: exit 75 before step 1;
 2. the store refuses connections twice: for 1.5 s (within
@@ -27,6 +28,7 @@ import pytest
 
 from tests import lit_fixtures
 from tests import test_preemption as pre
+from tests.netservers import FaultProxy
 from tests.netservers import OutageProxy
 from tests.netservers import moto_endpoint  # noqa: F401  (fixture)
 from tests.netservers import s3  # noqa: F401  (fixture)
@@ -94,11 +96,14 @@ def test_an_outage_and_a_signal_on_s3_lose_nothing(s3, tmp_path):
   name = "webdataset:" + base + "/" + os.path.basename(sh.pattern)
   ref, work = tmp_path / "ref", tmp_path / "work"
 
-  r = subprocess.run(_cmd(*_args(ref, name, s3.url("ref"))), cwd=ROOT,
-                     env=_env(), capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+      _cmd(*_args(ref, "webdataset:" + sh.pattern, str(tmp_path / "ckpt"))),
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
 
-  with OutageProxy(s3.host_port) as proxy:
+  with FaultProxy(s3.host_port, seed=5, fraction=0.1, max_faults=8,
+                  kinds=("503", "reset"), methods=("GET",)) as faults, \
+      OutageProxy(("127.0.0.1", faults.port)) as proxy:
     options = json.dumps({"s3": {"endpoint_url": proxy.url}})
     args = _args(work, name, s3.url("work"),
                  f"--config.data.storage_options={options}")
@@ -152,6 +157,7 @@ def test_an_outage_and_a_signal_on_s3_lose_nothing(s3, tmp_path):
     r = subprocess.run(_cmd(*args), cwd=ROOT, env=_env(), capture_output=True,
                        text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
+  assert [f for f in faults.faults if f[0] != "slow"], faults.faults
   assert f"resumed from the checkpoint of step {reached}" in r.stdout
   assert _rows(work) == _rows(ref)
   got, want = (_flat(train_lib.load_params(str(w))) for w in (work, ref))

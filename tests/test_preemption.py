@@ -1,16 +1,18 @@
 """Preemption: a signal lets the step in progress finish, a checkpoint of it
 is saved, the run exits 75 (train/preemption.py) and the rerun resumes to
-exactly the uninterrupted run (2 jax.distributed CPU processes of which
-only one gets the signal: tests/test_train_multiprocess.py, beside that
-file's uninterrupted 2-process run). A second signal during the save
-changes nothing; SIGKILL during it leaves the previous checkpoint usable.
-Time-based checkpoints (config.checkpoint.every_minutes) on an injected
-clock.
+exactly the uninterrupted run; a signal before the first step stops the run
+at the next safe point with what can be resumed kept (2 jax.distributed
+CPU processes of which only one gets the signal:
+tests/test_train_multiprocess.py, beside that file's uninterrupted
+2-process run). A second signal during the save changes nothing; SIGKILL
+during it leaves the previous checkpoint usable. Time-based checkpoints
+(config.checkpoint.every_minutes) on an injected clock.
 
 The command runs through a small harness (``_HARNESS``) that can slow each
 step (so that an external signal lands mid-run, not after the end), send a
-signal to itself at a given step, delay orbax's finalize of a checkpoint and
-send another signal while it waits.
+signal to itself at a given step or phase (SIGNAL_PHASE), delay orbax's
+finalize of the checkpoint saved after a signal and send another signal
+while it waits.
 """
 import json
 import os
@@ -46,16 +48,20 @@ def slow_poll(self, step):
     os.kill(os.getpid(), signal.SIGTERM)
   return poll(self, step)
 preemption.SaveTriggers.poll = slow_poll
-if "SLOW_COMMIT" in env:  # The checkpoint of step SIGNAL_AT: finalized late,
-  # and SLOW_COMMIT (a signal name) arrives while the trainer waits for it.
+if "SLOW_COMMIT" in env:  # The first checkpoint saved after a signal (the
+  # preemption's): finalized late, and SLOW_COMMIT (a signal name) arrives
+  # while the trainer waits for it.
   save, commit = ocp.CheckpointManager.save, async_checkpointer._on_commit_callback
+  slow = []
   def slow_commit(tmpdir, *args, **kw):
-    if os.path.basename(str(tmpdir.get())).startswith(f"{at}."):
+    if slow and os.path.basename(str(tmpdir.get())).startswith(f"{slow[0]}."):
       time.sleep(4)
     return commit(tmpdir, *args, **kw)
   def save_then_signal(self, step, *args, **kw):
+    if not slow and preemption.first_signal() is not None:
+      slow.append(step)
     out = save(self, step, *args, **kw)
-    if step == at:
+    if slow == [step]:
       sig = signal.Signals[env["SLOW_COMMIT"]]
       threading.Timer(1.0, os.kill, (os.getpid(), sig)).start()
     return out
@@ -270,46 +276,35 @@ def test_triggers_of_one_process_signals_and_clock():
     preemption.release()
 
 
+def test_a_signal_ends_a_wait_for_data():
+  """While the main thread waits (for a step's data: a store in an
+  outage), a caught signal ends the wait at once (WaitInterrupted), once;
+  outside such a wait, or with waits not interrupted, it is only
+  recorded."""
+  import queue  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  preemption.catch(("SIGUSR2",))
+  try:
+    never = queue.Queue()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+    t0 = time.monotonic()
+    with pytest.raises(preemption.WaitInterrupted) as e:
+      with preemption.interrupting_waits(True):
+        never.get(timeout=20)
+    assert time.monotonic() - t0 < 10 and e.value.args == ("SIGUSR2",)
+    # A signal that came before the wait ends it on entry.
+    with pytest.raises(preemption.WaitInterrupted):
+      with preemption.interrupting_waits(True):
+        pass
+    with preemption.interrupting_waits(False):
+      os.kill(os.getpid(), signal.SIGUSR2)  # Recorded only.
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert [n for n, _ in preemption._received[-3:]] == ["SIGUSR2"] * 3  # pylint: disable=protected-access
+  finally:
+    preemption.release()
+
+
 # -------------------------------------------------------- one process
-
-
-@pytest.mark.slow
-def test_sigterm_mid_run_saves_the_step_reached_and_the_rerun_is_bitwise(
-    tmp_path, data_dir, reference):
-  """SIGTERM from outside once step 3 is logged: the step in progress
-  finishes, its checkpoint is saved, exit 75 with the message; the rerun
-  ends exactly as the uninterrupted run."""
-  work = tmp_path / "w"
-  proc = subprocess.Popen(
-      [sys.executable, "-c", _HARNESS, *_args(work, data_dir)], cwd=ROOT,
-      env=_env(STEP_SLEEP=0.4), stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
-  t0 = time.time()
-  while _logged_step(work) < 3 and proc.poll() is None:
-    assert time.time() - t0 < TIMEOUT_S, "training did not reach step 3"
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=TIMEOUT_S)
-  assert proc.returncode == preemption.EXIT_PREEMPTED == 75, out[-3000:]
-  lines = [l for l in out.splitlines() if "[lit] preempted at step" in l]
-  assert len(lines) == 1, out[-3000:]
-  step = int(lines[0].split("step ")[1].split(";")[0])
-  assert lines[0] == (f"[lit] preempted at step {step}; checkpoint saved; "
-                      "rerun to resume")
-  assert 3 <= step < STEPS, out[-3000:]
-  # The checkpoint of that very step, complete, with the data state of it.
-  assert _steps(work)[-1] == step and not [
-      d for d in os.listdir(work / "checkpoints") if not d.isdigit()]
-  assert _data_state(work, step)[0]["next_position"] == 16 * step
-  if step in _steps(reference):  # The uninterrupted run's, bitwise.
-    _assert_trees_equal(_state(work, step), _state(reference, step),
-                        f"checkpoint of step {step}")
-  assert "[lit] preempted at step" in (work / "train.log").read_text()
-
-  r, out = _run(work, data_dir)
-  assert r.returncode == 0, out[-3000:]
-  assert f"resumed from the checkpoint of step {step}" in out
-  _assert_same_run(work, reference, f"SIGTERM at step {step}")
 
 
 @pytest.mark.slow
@@ -318,12 +313,13 @@ def test_a_signal_at_any_phase_stops_the_run_and_loses_nothing(
   """SIGTERM at each phase of a run, one run after another in one workdir
   (the precompute pass in 4 shards of 32 rows): at the config check
   (before any indexing), during the precompute pass, during the first
-  step's compilation, in the first step of a resumed run and again while
-  its checkpoint is saved. Each run exits 75 with its one line and keeps
-  what can be resumed (the shards precomputed, the step reached); the
-  workdir is moved between two runs; the last run ends exactly as the
-  uninterrupted run. Then a rerun of the finished run with another lr
-  trains nothing and leaves config.json as it was."""
+  step's compilation, from outside during the training of a resumed run
+  and again while its checkpoint is saved. Each run exits 75 with its one
+  line and keeps what can be resumed (the shards precomputed, the step
+  reached); the workdir is moved between two runs; the last run ends
+  exactly as the uninterrupted run. Then a rerun of the finished run with
+  another lr trains nothing and leaves config.json as it was. (Indexing
+  shards: tests/test_outage.py.)"""
   rows = {"PRECOMPUTE_ROWS": 32}
   work = tmp_path / "w"
 
@@ -358,14 +354,37 @@ def test_a_signal_at_any_phase_stops_the_run_and_loses_nothing(
   moved = tmp_path / "moved"
   os.rename(work, moved)
   work = moved
-  line, out = stopped(SIGNAL_AT=2, SLOW_COMMIT="SIGTERM")
+  # SIGTERM from outside once step 2 is logged, and again while the
+  # checkpoint of the step reached is being saved.
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _HARNESS, *_args(work, data_dir)], cwd=ROOT,
+      env=_env(STEP_SLEEP=0.4, SLOW_COMMIT="SIGTERM", **rows),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  t0 = time.time()
+  while _logged_step(work) < 2 and proc.poll() is None:
+    assert time.time() - t0 < TIMEOUT_S, "training did not reach step 2"
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=TIMEOUT_S)
+  assert proc.returncode == preemption.EXIT_PREEMPTED == 75, out[-3000:]
   assert "resumed from the checkpoint of step 1" in out
-  assert line == "[lit] preempted at step 2; checkpoint saved; rerun to resume"
-  assert sorted(os.listdir(work / "checkpoints")) == ["1", "2"]
+  lines = [l for l in out.splitlines() if l.startswith("[lit] preempted")]
+  assert len(lines) == 1, out[-3000:]
+  step = int(lines[0].split("step ")[1].split(";")[0])
+  assert lines[0] == (f"[lit] preempted at step {step}; checkpoint saved; "
+                      "rerun to resume")
+  assert 2 <= step < STEPS, out[-3000:]
+  # The checkpoint of that very step, complete, with the data state of it.
+  assert _steps(work)[-1] == step and not [
+      d for d in os.listdir(work / "checkpoints") if not d.isdigit()]
+  assert _data_state(work, step)[0]["next_position"] == 16 * step
+  if step in _steps(reference):  # The uninterrupted run's, bitwise.
+    _assert_trees_equal(_state(work, step), _state(reference, step),
+                        f"checkpoint of step {step}")
 
   r, out = _run(work, data_dir, **rows)
   assert r.returncode == 0, out[-3000:]
-  assert "resumed from the checkpoint of step 2" in out
+  assert f"resumed from the checkpoint of step {step}" in out
   _assert_same_run(work, reference, "a signal at every phase")
   log = (work / "train.log").read_text()
   assert log.count("# run started") == 5

@@ -9,13 +9,14 @@ faults injected between the reader and the server (503s, resets mid-body,
 slow answers; seeded, bounded) it still does, and the retries are counted. A
 shard that is missing, or deleted mid-run, gives one line naming its URL;
 the tar index is scanned once per shard version (cached); secrets in a URL
-are never printed.
+are never printed. An outage shorter than config.data.remote_outage_s is
+ridden through, a longer one raises Outage (a whole run through faults and
+outages on S3: tests/test_outage.py).
 """
 import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 
@@ -609,47 +610,6 @@ def test_storage_options_are_checked_in_one_line():
   assert sources.index_cache_of(config.data) == remote.default_index_cache()
   config.data.shard_index_cache = "none"
   assert sources.index_cache_of(config.data) == ""
-
-
-def _train(workdir, name, env_extra=(), *extra):
-  cmd = [sys.executable, "-m", "train.main", "--config",
-         os.path.join(lit_fixtures.ROOT, "configs/lit_demo.py") + ":tiny",
-         "--workdir", str(workdir), f"--config.data.name={name}",
-         "--config.data.eval_split=", "--config.data.image_size=16",
-         "--config.data.max_bad_fraction=0.5", "--config.data.cache_max_mb=0",
-         "--config.precompute_image_embeddings=False", "--config.total_steps=6",
-         "--config.log_every_steps=1",
-         f"--config.data.shard_index_cache={workdir}-index", *extra]
-  env = dict(os.environ, PYTHONPATH=lit_fixtures.ROOT, JAX_PLATFORMS="cpu",
-             **dict(env_extra))
-  r = subprocess.run(cmd, cwd=lit_fixtures.ROOT, env=env, capture_output=True,
-                     text=True, timeout=600)
-  with open(workdir / "metrics.jsonl") as f:
-    rows = [json.loads(line) for line in f if '"loss"' in line]
-  return r, rows
-
-
-@pytest.mark.slow
-def test_a_run_on_s3_with_faults_equals_the_local_run(shards, tmp_path, s3):
-  """train.main reading its shards from the S3 server through the fault
-  proxy: the same losses and bad counts as from local disk, retries > 0."""
-  base = _serve("s3", shards, s3)
-  local, local_rows = _train(tmp_path / "local", _name(shards["root"], shards))
-  assert local.returncode == 0, local.stderr[-3000:]
-  with FaultProxy(s3.host_port, seed=5, fraction=0.15, max_faults=8,
-                  kinds=("503", "reset"), methods=("GET",)) as proxy:
-    got, rows = _train(tmp_path / "s3", _name(base, shards),
-                       {"AWS_ENDPOINT_URL": proxy.url,
-                        "AWS_ENDPOINT_URL_S3": proxy.url})
-    proxy.settle()
-  assert got.returncode == 0, got.stderr[-3000:]
-  assert proxy.faults
-  keys = ("step", "loss", "temperature", "grad_norm", "data/bad_examples",
-          "data/bad_fraction")
-  assert [[r[k] for k in keys] for r in rows] == [
-      [r[k] for k in keys] for r in local_rows]
-  assert rows[-1]["data/retries"] >= 1 and local_rows[-1]["data/retries"] == 0
-  assert "caption is not valid UTF-8" in got.stderr
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])

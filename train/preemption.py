@@ -60,8 +60,8 @@ class Preempted(Exception):
   EXIT_PREEMPTED."""
 
   def __init__(self, step: int | None, signal_name: str):
-    super().__init__(f"preempted {'before the first step' if step is None else f'at step {step}'} "
-                     f"({signal_name}); rerun to resume")
+    where = "before the first step" if step is None else f"at step {step}"
+    super().__init__(f"preempted {where} ({signal_name}); rerun to resume")
     self.step = step
     self.signal_name = signal_name
 
