@@ -20,7 +20,9 @@ A workdir already at ``config.total_steps`` trains nothing (its summary is
 printed; ``reevaluate=True`` evaluates it again). Ctrl-C finishes the
 checkpoint in flight and says where to resume (``_stop_after_interrupt``).
 A preemption signal (``config.preemption_signals``) saves the step reached
-and raises ``preemption.Preempted`` (train/preemption.py). The workdir
+and raises ``preemption.Preempted`` (train/preemption.py); before the first
+step it stops the run at the next safe point (``_EarlyStops``). A storage
+outage past config.data.remote_outage_s does the same. The workdir
 records the run (config.json, command.txt, train.log: train/workdir.py) and
 a rerun's config is checked against it first.
 """
