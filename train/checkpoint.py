@@ -108,6 +108,10 @@ def s3_kvstore(bucket: str, path: str) -> dict:
       "AWS_DEFAULT_REGION")
   if region:
     spec["aws_region"] = region
+  if os.environ.get("AWS_ACCESS_KEY_ID"):
+    # The environment's keys: TensorStore's default chain would also try
+    # (and log its failure to find) a profile and a web identity.
+    spec["context"] = {"aws_credentials": {"type": "environment"}}
   return spec
 
 
