@@ -231,8 +231,8 @@ def _main(argv) -> None:
     preemption.check_signal_names(signals)
   except ValueError as e:
     _error(str(e))
-  # From the start: a preemption while JAX starts is acted on after the
-  # first step, not lost.
+  # From the start: a preemption while JAX starts (or later, before the
+  # first step) stops the run at the trainer's next safe point, not lost.
   preemption.catch(signals)
   if not FLAGS["verbosity"].present:
     # orbax logs every save at INFO; the trainer's own progress is printed.
