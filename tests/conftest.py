@@ -52,7 +52,8 @@ def _listed(name):
 # --dist loadfile hands files to the workers in collection order, so a long
 # file collected last would run on one worker while the other idles.
 LONGEST_FIRST = ("test_preemption.py", "test_train_multiprocess.py",
-                 "test_train.py", "test_groups.py", "test_gpu_decode.py",
+                 "test_train.py", "test_outage.py", "test_groups.py",
+                 "test_gpu_decode.py",
                  "test_remote_data.py", "test_workdir_record.py",
                  "test_towers.py", "test_confident.py", "test_bench_ring.py",
                  "test_notebooks.py", "test_x64.py")

@@ -17,7 +17,10 @@ s3, http_dir``; pytest finds fixtures imported into a module):
 - ``http_dir``: an ``HTTPDir`` serving a fresh temporary directory over
   HTTP with Range (``.url(name)``, ``.root``, ``.requests``);
 - ``FaultProxy(upstream, ...)``: a reverse proxy with fault injection
-  (``.url``, ``.requests``, ``.faults``), a context manager.
+  (``.url``, ``.requests``, ``.faults``), a context manager;
+- ``OutageProxy(upstream)``: a TCP proxy that refuses connections for a
+  window (an outage of the store behind it: ``.arm(window_s)``,
+  ``.down(window_s)``, ``.up()``), a context manager.
 
 Nothing listens on another address, and every fault plan is bounded in
 count (``max_faults``) and in time (``delay_s``).
@@ -35,6 +38,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import urllib.parse
 import uuid
 
@@ -334,6 +338,148 @@ class FaultProxy:
 
   def __exit__(self, *exc):
     self.close()
+
+
+class OutageProxy:
+  """A TCP proxy on 127.0.0.1 to ``upstream`` (host, port) that can stop
+  serving for a window, as a store that goes away and comes back.
+
+  During an outage nothing listens on the proxy's port (a new connection
+  is refused) and the connections open when it began are cut (reset).
+  ``arm(window_s)``: the outage begins at the next request (the next bytes
+  a client sends, on a new connection or a kept-alive one, which is cut),
+  so that it meets a read whenever that comes; ``down(window_s)``: it
+  begins now. A window of None lasts until
+  ``up()``. ``outages`` records [start, end] (time.monotonic(); end None
+  while it lasts), ``accepted`` the connections served.
+  """
+
+  def __init__(self, upstream):
+    host, port = upstream
+    assert host in (HOST, "localhost"), "the proxy forwards to 127.0.0.1 only"
+    self.upstream = (HOST, port)
+    self.outages, self.accepted = [], 0
+    self._lock = threading.Lock()
+    self._conns = set()
+    self._armed, self._until, self._closed = None, None, False
+    self._listener = self._listen(0)
+    self.port = self._listener.getsockname()[1]
+    self.url = f"http://{HOST}:{self.port}"
+    self._thread = threading.Thread(target=self._serve, daemon=True)
+    self._thread.start()
+
+  @staticmethod
+  def _listen(port):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, port))
+    sock.listen(64)
+    sock.settimeout(0.02)
+    return sock
+
+  def arm(self, window_s):
+    with self._lock:
+      self._armed = ("armed", window_s)
+
+  def down(self, window_s):
+    with self._lock:
+      self._begin(window_s)
+
+  def up(self):
+    with self._lock:
+      if self._until is not None:
+        self._until = time.monotonic()
+
+  @property
+  def is_down(self) -> bool:
+    return self._until is not None
+
+  def _begin(self, window_s):  # With the lock held.
+    if self._until is not None:
+      return
+    now = time.monotonic()
+    self._until = float("inf") if window_s is None else now + window_s
+    self.outages.append([now, None])
+    self._listener.close()
+    for c in list(self._conns):
+      _reset(c)
+    self._conns.clear()
+
+  def _serve(self):
+    while not self._closed:
+      with self._lock:
+        down = self._until is not None
+        if down and time.monotonic() >= self._until:  # The window is over.
+          self._until, down = None, False
+          self.outages[-1][1] = time.monotonic()
+          self._listener = self._listen(self.port)
+      if down:
+        time.sleep(0.01)
+        continue
+      try:
+        conn, _ = self._listener.accept()
+      except (socket.timeout, OSError):
+        continue
+      with self._lock:
+        try:
+          far = socket.create_connection(self.upstream, timeout=30)
+        except OSError:
+          _reset(conn)
+          continue
+        conn.settimeout(None)
+        far.settimeout(None)
+        self.accepted += 1
+        self._conns.update((conn, far))
+      for a, b, ask in ((conn, far, True), (far, conn, False)):
+        threading.Thread(target=self._pipe, args=(a, b, ask),
+                         daemon=True).start()
+
+  def _pipe(self, src, dst, asks):
+    try:
+      while True:
+        data = src.recv(65536)
+        if not data:
+          break
+        if asks:  # A client's request: the armed outage begins.
+          with self._lock:
+            if self._armed is not None:
+              window, self._armed = self._armed[1], None
+              self._begin(window)
+              break
+        dst.sendall(data)
+    except OSError:
+      pass
+    for sock in (src, dst):
+      try:
+        sock.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+    with self._lock:
+      self._conns.discard(src)
+
+  def close(self):
+    self._closed = True
+    self._thread.join(5)
+    with self._lock:
+      self._listener.close()
+      for c in list(self._conns):
+        _reset(c)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _reset(sock):
+  """Closes ``sock`` with a TCP reset (the peer sees ECONNRESET)."""
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                    struct.pack("ii", 1, 0))
+    sock.close()
+  except OSError:
+    pass
 
 
 class _Bucket:

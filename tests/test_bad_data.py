@@ -6,6 +6,8 @@ The stream meets the undecodable ones again every epoch; the counts stay
 what was planted, from the images or from their precomputed embeddings,
 resumed or not; the bad-fraction check starts at min(1000, corpus size).
 """
+import json
+import os
 import sys
 
 import pytest
@@ -90,6 +92,28 @@ def test_precomputed_embeddings_count_the_same(shards, tmp_path):
   it = _run(D.make_train_iterator(config, batch_size=8, seed=0, source=emb),
             EPOCHS_3)
   assert it.bad == len(PLANTED) and dict(it.ledger.by_reason) == WANT
+  # The iterator's state names the embeddings by their contents, not by
+  # where they are: moved (a workdir moved), they resume; a state written
+  # before, naming their old directory, resumes too; one naming other
+  # embeddings that are still there does not.
+  state = it.get_state()
+  assert state["dataset"] == emb.stream_spec and str(tmp_path) not in str(
+      state)
+  moved = tmp_path / "moved" / "emb"
+  moved.parent.mkdir()
+  os.rename(out, moved)
+  again = D.sources.open_source(_embeddings(config, str(moved)), "train")
+  for saved in (state, dict(state, dataset="embeddings:" + out)):
+    fresh = D.make_train_iterator(config, batch_size=8, seed=0, source=again)
+    fresh.set_state(saved)
+    assert fresh.bad == len(PLANTED)
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "meta.json").write_text(json.dumps(
+      dict(again.meta, fingerprint="another tower")))
+  with pytest.raises(ValueError, match="does not match this input pipeline"):
+    D.make_train_iterator(config, batch_size=8, seed=0, source=again
+                          ).set_state(dict(state, dataset=f"embeddings:{other}"))
 
 
 def _embeddings(config, out):

@@ -1,16 +1,18 @@
 """Preemption: a signal lets the step in progress finish, a checkpoint of it
 is saved, the run exits 75 (train/preemption.py) and the rerun resumes to
-exactly the uninterrupted run (2 jax.distributed CPU processes of which
-only one gets the signal: tests/test_train_multiprocess.py, beside that
-file's uninterrupted 2-process run). A second signal during the save
-changes nothing; SIGKILL during it leaves the previous checkpoint usable.
-Time-based checkpoints (config.checkpoint.every_minutes) on an injected
-clock.
+exactly the uninterrupted run; a signal before the first step stops the run
+at the next safe point with what can be resumed kept (2 jax.distributed
+CPU processes of which only one gets the signal:
+tests/test_train_multiprocess.py, beside that file's uninterrupted
+2-process run). A second signal during the save changes nothing; SIGKILL
+during it leaves the previous checkpoint usable. Time-based checkpoints
+(config.checkpoint.every_minutes) on an injected clock.
 
 The command runs through a small harness (``_HARNESS``) that can slow each
 step (so that an external signal lands mid-run, not after the end), send a
-signal to itself at a given step, delay orbax's finalize of a checkpoint and
-send another signal while it waits.
+signal to itself at a given step or phase (SIGNAL_PHASE), delay orbax's
+finalize of the checkpoint saved after a signal and send another signal
+while it waits.
 """
 import json
 import os
@@ -46,21 +48,67 @@ def slow_poll(self, step):
     os.kill(os.getpid(), signal.SIGTERM)
   return poll(self, step)
 preemption.SaveTriggers.poll = slow_poll
-if "SLOW_COMMIT" in env:  # The checkpoint of step SIGNAL_AT: finalized late,
-  # and SLOW_COMMIT (a signal name) arrives while the trainer waits for it.
+if "SLOW_COMMIT" in env:  # The first checkpoint saved after a signal (the
+  # preemption's): finalized late, and SLOW_COMMIT (a signal name) arrives
+  # while the trainer waits for it.
   save, commit = ocp.CheckpointManager.save, async_checkpointer._on_commit_callback
+  slow = []
   def slow_commit(tmpdir, *args, **kw):
-    if os.path.basename(str(tmpdir.get())).startswith(f"{at}."):
+    if slow and os.path.basename(str(tmpdir.get())).startswith(f"{slow[0]}."):
       time.sleep(4)
     return commit(tmpdir, *args, **kw)
   def save_then_signal(self, step, *args, **kw):
+    if not slow and preemption.first_signal() is not None:
+      slow.append(step)
     out = save(self, step, *args, **kw)
-    if step == at:
+    if slow == [step]:
       sig = signal.Signals[env["SLOW_COMMIT"]]
       threading.Timer(1.0, os.kill, (os.getpid(), sig)).start()
     return out
   async_checkpointer._on_commit_callback = slow_commit
   ocp.CheckpointManager.save = save_then_signal
+# SIGNAL_PHASE: SIGTERM to this process (with SIGNAL_PROCESS, only to that
+# --process_id) once, at a phase before the first step: "start" (the config
+# check), "indexing" (the first shard indexed), "precompute" (the first
+# precomputed shard written), "compile" (the first train step called).
+phase = env.get("SIGNAL_PHASE", "")
+if phase and env.get("SIGNAL_PROCESS", "0") != next(
+    (a.split("=")[1] for a in sys.argv if a.startswith("--process_id=")), "0"):
+  phase = ""
+sent = []
+def signal_once():
+  if not sent:
+    sent.append(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+def before(module, name):
+  fn = getattr(module, name)
+  def wrapped(*args, **kw):
+    signal_once()
+    return fn(*args, **kw)
+  setattr(module, name, wrapped)
+from train import precompute, step, train
+from train.data import remote, webdataset
+if "REMOTE_BURST_GAP_S" in env:
+  remote.BURST_GAP_S = float(env["REMOTE_BURST_GAP_S"])
+if "INDEX_CHUNK" in env:
+  webdataset.INDEX_CHUNK = int(env["INDEX_CHUNK"])
+if "PRECOMPUTE_ROWS" in env:
+  precompute.DEFAULT_ROWS_PER_SHARD = int(env["PRECOMPUTE_ROWS"])
+if phase == "start":
+  before(train, "validate")
+elif phase == "indexing":
+  before(webdataset, "_index_shard")
+elif phase == "precompute":
+  before(precompute, "_atomic_write")
+elif phase == "compile":
+  make_step = step.make_train_step
+  def make_train_step(**kw):
+    fn = make_step(**kw)
+    def first(*args):
+      signal_once()
+      return fn(*args)
+    return first
+  step.make_train_step = make_train_step
 sys.argv[0] = main.__file__
 app.run(main.main, flags_parser=main._parse_flags)
 """
@@ -205,44 +253,127 @@ def test_triggers_of_one_process_signals_and_clock():
     assert triggers.poll(5) == (True, False)
     assert triggers.agreed_signal() == "SIGUSR2"
     assert triggers.final_agreement() == "SIGUSR2"
-    # A new run in the same process does not see the old signals.
+    # Every signal since catch() is the run's, however early: triggers
+    # made after it see it (the trainer's are made after start-up).
     assert preemption.SaveTriggers(process_count=1, process_index=0).poll(
-        1) == (False, False)
+        1) == (True, False)
+    preemption.catch(("SIGUSR2",))  # Again, still installed: the same run.
+    assert preemption.first_signal() == "SIGUSR2"
     off = preemption.SaveTriggers(process_count=1, process_index=0,
                                   enabled=False)
     assert off.poll(1) == (False, False) and off.final_agreement() is None
   finally:
     preemption.release()
   assert signal.getsignal(signal.SIGUSR2) in (signal.SIG_DFL, None)
+  # A new run in the same process (released, caught again) does not see
+  # the old signals.
+  preemption.catch(("SIGUSR2",))
+  try:
+    assert preemption.first_signal() is None
+    assert preemption.SaveTriggers(process_count=1, process_index=0).poll(
+        1) == (False, False)
+  finally:
+    preemption.release()
+
+
+def test_a_signal_ends_a_wait_for_data():
+  """While the main thread waits (for a step's data: a store in an
+  outage), a caught signal ends the wait at once (WaitInterrupted), once;
+  outside such a wait, or with waits not interrupted, it is only
+  recorded."""
+  import queue  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  preemption.catch(("SIGUSR2",))
+  try:
+    never = queue.Queue()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+    t0 = time.monotonic()
+    with pytest.raises(preemption.WaitInterrupted) as e:
+      with preemption.interrupting_waits(True):
+        never.get(timeout=20)
+    assert time.monotonic() - t0 < 10 and e.value.args == ("SIGUSR2",)
+    # A signal that came before the wait ends it on entry.
+    with pytest.raises(preemption.WaitInterrupted):
+      with preemption.interrupting_waits(True):
+        pass
+    with preemption.interrupting_waits(False):
+      os.kill(os.getpid(), signal.SIGUSR2)  # Recorded only.
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert [n for n, _ in preemption._received[-3:]] == ["SIGUSR2"] * 3  # pylint: disable=protected-access
+  finally:
+    preemption.release()
 
 
 # -------------------------------------------------------- one process
 
 
 @pytest.mark.slow
-def test_sigterm_mid_run_saves_the_step_reached_and_the_rerun_is_bitwise(
+def test_a_signal_at_any_phase_stops_the_run_and_loses_nothing(
     tmp_path, data_dir, reference):
-  """SIGTERM from outside once step 3 is logged: the step in progress
-  finishes, its checkpoint is saved, exit 75 with the message; the rerun
-  ends exactly as the uninterrupted run."""
+  """SIGTERM at each phase of a run, one run after another in one workdir
+  (the precompute pass in 4 shards of 32 rows): at the config check
+  (before any indexing), during the precompute pass, during the first
+  step's compilation, from outside during the training of a resumed run
+  and again while its checkpoint is saved. Each run exits 75 with its one
+  line and keeps what can be resumed (the shards precomputed, the step
+  reached); the workdir is moved between two runs; the last run ends
+  exactly as the uninterrupted run. Then a rerun of the finished run with
+  another lr trains nothing and leaves config.json as it was. (Indexing
+  shards: tests/test_outage.py.)"""
+  rows = {"PRECOMPUTE_ROWS": 32}
   work = tmp_path / "w"
+
+  def stopped(*extra, **env):
+    r, out = _run(work, data_dir, *extra, **env, **rows)
+    assert r.returncode == 75, out[-3000:]
+    lines = [l for l in r.stdout.splitlines() if l.startswith(
+        "[lit] preempted")]
+    assert len(lines) == 1, out[-3000:]
+    for bad in ("Traceback", "error:"):
+      assert bad not in out, out[-3000:]
+    return lines[0], out
+
+  line, _ = stopped(SIGNAL_PHASE="start")
+  assert line == "[lit] preempted before step 1 (starting); rerun to resume"
+  assert _steps(work) == [] and not os.path.exists(work / "image_embeddings")
+
+  line, _ = stopped(SIGNAL_PHASE="precompute")
+  assert line == ("[lit] preempted before step 1 (precomputing the image "
+                  "embeddings; 1 of this process's 4 shard(s) written, kept "
+                  "for the rerun); rerun to resume")
+  assert sorted(f for f in os.listdir(work / "image_embeddings")
+                if f.endswith(".json")) == ["meta.json", "shard-00000.json"]
+  assert _steps(work) == []
+
+  line, out = stopped(SIGNAL_PHASE="compile")
+  assert "1 shard(s) of this process already complete, skipped" in out
+  assert line == "[lit] preempted at step 1; checkpoint saved; rerun to resume"
+  assert _steps(work) == [1]
+
+  # Moved: the embeddings' directory is not where the checkpoint saw it.
+  moved = tmp_path / "moved"
+  os.rename(work, moved)
+  work = moved
+  # SIGTERM from outside once step 2 is logged, and again while the
+  # checkpoint of the step reached is being saved.
   proc = subprocess.Popen(
       [sys.executable, "-c", _HARNESS, *_args(work, data_dir)], cwd=ROOT,
-      env=_env(STEP_SLEEP=0.4), stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True)
+      env=_env(STEP_SLEEP=0.4, SLOW_COMMIT="SIGTERM", **rows),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   t0 = time.time()
-  while _logged_step(work) < 3 and proc.poll() is None:
-    assert time.time() - t0 < TIMEOUT_S, "training did not reach step 3"
+  while _logged_step(work) < 2 and proc.poll() is None:
+    assert time.time() - t0 < TIMEOUT_S, "training did not reach step 2"
     time.sleep(0.02)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=TIMEOUT_S)
   assert proc.returncode == preemption.EXIT_PREEMPTED == 75, out[-3000:]
-  lines = [l for l in out.splitlines() if "[lit] preempted at step" in l]
+  assert "resumed from the checkpoint of step 1" in out
+  lines = [l for l in out.splitlines() if l.startswith("[lit] preempted")]
   assert len(lines) == 1, out[-3000:]
   step = int(lines[0].split("step ")[1].split(";")[0])
   assert lines[0] == (f"[lit] preempted at step {step}; checkpoint saved; "
                       "rerun to resume")
-  assert 3 <= step < STEPS, out[-3000:]
+  assert 2 <= step < STEPS, out[-3000:]
   # The checkpoint of that very step, complete, with the data state of it.
   assert _steps(work)[-1] == step and not [
       d for d in os.listdir(work / "checkpoints") if not d.isdigit()]
@@ -250,21 +381,33 @@ def test_sigterm_mid_run_saves_the_step_reached_and_the_rerun_is_bitwise(
   if step in _steps(reference):  # The uninterrupted run's, bitwise.
     _assert_trees_equal(_state(work, step), _state(reference, step),
                         f"checkpoint of step {step}")
-  assert "[lit] preempted at step" in (work / "train.log").read_text()
 
-  r, out = _run(work, data_dir)
+  r, out = _run(work, data_dir, **rows)
   assert r.returncode == 0, out[-3000:]
   assert f"resumed from the checkpoint of step {step}" in out
-  _assert_same_run(work, reference, f"SIGTERM at step {step}")
+  _assert_same_run(work, reference, "a signal at every phase")
+  log = (work / "train.log").read_text()
+  assert log.count("# run started") == 5
+  assert log.count("[lit] preempted") == 4 and "[lit] done" in log
+
+  recorded = (work / "config.json").read_bytes()
+  r, out = _run(work, data_dir, "--config.optim.lr=0.001", **rows)
+  assert r.returncode == 0, out[-3000:]
+  assert "nothing to train" in r.stdout and "resuming" not in out
+  assert ("config keys changed since the run in " in r.stdout
+          and "are not used (nothing trains): optim.lr (0.002 -> 0.001)"
+          in r.stdout), r.stdout[-2000:]
+  assert (work / "config.json").read_bytes() == recorded
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("second", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("second", ["SIGKILL"])
 def test_a_signal_during_the_preemption_save(tmp_path, data_dir, reference,
                                               second):
   """SIGTERM at step 5, and a second signal while its checkpoint waits to
   be finalized: a second SIGTERM changes nothing (step 5 is saved, exit
-  75); SIGKILL loses the checkpoint in flight but not the one before it.
+  75: test_a_signal_at_any_phase_stops_the_run_and_loses_nothing);
+  SIGKILL loses the checkpoint in flight but not the one before it.
   Either way the rerun ends exactly as the uninterrupted run."""
   work = tmp_path / "w"
   r, out = _run(work, data_dir, SIGNAL_AT=5, SLOW_COMMIT=second)
@@ -319,10 +462,11 @@ def test_every_minutes_saves_on_the_clock(tmp_path, data_dir):
 
 
 def _launch(workdir, data_dir, n, *extra, signal_to=None, after_step=3,
-            sig=signal.SIGTERM):
+            sig=signal.SIGTERM, **env):
   """``n`` processes of the command (4 CPU devices each); with
   ``signal_to``, ``sig`` to that process only, once step ``after_step`` is
-  logged. Returns (exit codes, outputs)."""
+  logged; ``env``: the harness's (SIGNAL_PHASE, ...). Returns (exit codes,
+  outputs)."""
   port = free_port()
   procs, logs = [], []
   for i in range(n):
@@ -332,8 +476,9 @@ def _launch(workdir, data_dir, n, *extra, signal_to=None, after_step=3,
         [sys.executable, "-c", _HARNESS, *_args(workdir, data_dir, *extra),
          "--jax_distributed", f"--coordinator_address=localhost:{port}",
          f"--num_processes={n}", f"--process_id={i}"],
-        cwd=ROOT, env=_env(devices=4, STEP_SLEEP=0.4 if signal_to is not None
-                           else 0), stdout=log, stderr=subprocess.STDOUT))
+        cwd=ROOT, env=_env(devices=4, **{
+            "STEP_SLEEP": 0.4 if signal_to is not None else 0, **env}),
+        stdout=log, stderr=subprocess.STDOUT))
   t0 = time.time()
   try:
     sent = False

@@ -9,13 +9,14 @@ faults injected between the reader and the server (503s, resets mid-body,
 slow answers; seeded, bounded) it still does, and the retries are counted. A
 shard that is missing, or deleted mid-run, gives one line naming its URL;
 the tar index is scanned once per shard version (cached); secrets in a URL
-are never printed.
+are never printed. An outage shorter than config.data.remote_outage_s is
+ridden through, a longer one raises Outage (a whole run through faults and
+outages on S3: tests/test_outage.py).
 """
 import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 
@@ -611,42 +612,46 @@ def test_storage_options_are_checked_in_one_line():
   assert sources.index_cache_of(config.data) == ""
 
 
-def _train(workdir, name, env_extra=(), *extra):
-  cmd = [sys.executable, "-m", "train.main", "--config",
-         os.path.join(lit_fixtures.ROOT, "configs/lit_demo.py") + ":tiny",
-         "--workdir", str(workdir), f"--config.data.name={name}",
-         "--config.data.eval_split=", "--config.data.image_size=16",
-         "--config.data.max_bad_fraction=0.5", "--config.data.cache_max_mb=0",
-         "--config.precompute_image_embeddings=False", "--config.total_steps=6",
-         "--config.log_every_steps=1",
-         f"--config.data.shard_index_cache={workdir}-index", *extra]
-  env = dict(os.environ, PYTHONPATH=lit_fixtures.ROOT, JAX_PLATFORMS="cpu",
-             **dict(env_extra))
-  r = subprocess.run(cmd, cwd=lit_fixtures.ROOT, env=env, capture_output=True,
-                     text=True, timeout=600)
-  with open(workdir / "metrics.jsonl") as f:
-    rows = [json.loads(line) for line in f if '"loss"' in line]
-  return r, rows
-
-
-@pytest.mark.slow
-def test_a_run_on_s3_with_faults_equals_the_local_run(shards, tmp_path, s3):
-  """train.main reading its shards from the S3 server through the fault
-  proxy: the same losses and bad counts as from local disk, retries > 0."""
-  base = _serve("s3", shards, s3)
-  local, local_rows = _train(tmp_path / "local", _name(shards["root"], shards))
-  assert local.returncode == 0, local.stderr[-3000:]
-  with FaultProxy(s3.host_port, seed=5, fraction=0.15, max_faults=8,
-                  kinds=("503", "reset"), methods=("GET",)) as proxy:
-    got, rows = _train(tmp_path / "s3", _name(base, shards),
-                       {"AWS_ENDPOINT_URL": proxy.url,
-                        "AWS_ENDPOINT_URL_S3": proxy.url})
-    proxy.settle()
-  assert got.returncode == 0, got.stderr[-3000:]
-  assert proxy.faults
-  keys = ("step", "loss", "temperature", "grad_norm", "data/bad_examples",
-          "data/bad_fraction")
-  assert [[r[k] for k in keys] for r in rows] == [
-      [r[k] for k in keys] for r in local_rows]
-  assert rows[-1]["data/retries"] >= 1 and local_rows[-1]["data/retries"] == 0
-  assert "caption is not valid UTF-8" in got.stderr
+@pytest.mark.parametrize("kind", ["s3", "http"])
+def test_an_outage_is_ridden_through_within_the_budget_then_given_up(
+    kind, shards, request, monkeypatch, capsys):
+  """The store behind an OutageProxy refuses connections for a window:
+  shorter than config.data.remote_outage_s, a read retries (backoff with
+  jitter; counted; one line saying so, rate-limited) and returns the
+  bytes; longer, it raises Outage naming the URL and the budget (neither
+  a usage error nor a bad example). A missing object stays a one-line
+  NotFound at once."""
+  import time  # pylint: disable=import-outside-toplevel
+  from tests.netservers import OutageProxy  # pylint: disable=import-outside-toplevel
+  server = _server(request, kind)
+  base = _serve(kind, shards, server)
+  with open(os.path.join(shards["root"], "train-000001.tar"), "rb") as f:
+    want = f.read()[512:4096]
+  with OutageProxy(_upstream(kind, server)) as proxy:
+    options, url = _via(kind, proxy.url, f"{base}/train-000001.tar", base)
+    store = remote.Store(options, outage_s=2.0, backoff_s=0.05)
+    assert store.read(url, 512, 4096) == want  # Connected before.
+    proxy.down(0.8)
+    t0 = time.monotonic()
+    assert store.read(url, 512, 4096) == want
+    assert 0.7 <= time.monotonic() - t0 < 2.0
+    assert store.retries_made >= 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("[data]")]
+    assert len(lines) == 1, err  # One line for the burst.
+    assert lines[0].startswith(f"[data] {kind if kind == 's3' else 'http'}: "
+                               f"retrying {remote.scrub(url)} (attempt 2, ")
+    assert "config.data.remote_outage_s=2)" in lines[0]
+    proxy.down(None)  # Until further notice: past the budget.
+    t0 = time.monotonic()
+    with pytest.raises(remote.Outage) as e:
+      store.read(url, 512, 4096)
+    assert 2.0 <= time.monotonic() - t0 < 4.0
+    assert not isinstance(e.value, (ValueError, OSError))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(
+        f"cannot read {remote.scrub(url)}: the store kept failing for "
+        "config.data.remote_outage_s=2 s ("), msg
+    proxy.up()
+    with pytest.raises(remote.NotFound):
+      store.read(url.replace("train-000001", "train-000099"))

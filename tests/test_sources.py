@@ -172,9 +172,15 @@ def test_too_much_bad_data_stops_with_a_clear_error(corpus):
 def test_missing_and_unreadable_files_fail_at_startup(corpus, tmp_path):
   missing = corpus.pattern.replace("{000..003}", "{000..004}")
   with pytest.raises(ValueError, match=r"^config.data.name: shard '.*"
-                     r"train-004.tar' does not exist") as e:
+                     r"train-004.tar' does not exist \(1 of the 5 shards in "
+                     r"the pattern is missing\)$") as e:
     D.check_data_config(_config("webdataset:" + missing))
   assert "\n" not in str(e.value)
+  # The count is of the missing ones (the first named).
+  with pytest.raises(ValueError, match=r"train-004.tar' does not exist \(3 "
+                     r"of the 7 shards in the pattern are missing\)$"):
+    D.check_data_config(_config("webdataset:" + corpus.pattern.replace(
+        "{000..003}", "{000..006}")))
   not_tar = tmp_path / "x-0.tar"
   not_tar.write_bytes(b"not a tar file" * 100)
   with pytest.raises(ValueError, match="is not a readable tar file"):

@@ -236,23 +236,36 @@ def test_distributed_flag_errors_are_one_clear_line(tmp_path, extra, message):
 
 
 def _preempt_one_process_and_resume(tmp_path, data_dir, ref):
-  """SIGUSR1 (SLURM's --signal=USR1@...) to process 1 only: both save the
-  same step and exit 75; the rerun ends exactly as an uninterrupted
-  2-process run. (SIGUSR1, not SIGTERM: jax.distributed's own notifier
-  listens to SIGTERM only.) Time-based checkpoints on process 0's clock
-  are taken by both processes on the way."""
+  """SIGTERM to process 1 only while it precomputes its first shard (of 4,
+  2 per process): both stop after that round of shards and exit 75, the
+  shards written kept. Then SIGUSR1 (SLURM's --signal=USR1@...) to process
+  1 only during training: both save the same step and exit 75; the rerun
+  ends exactly as an uninterrupted 2-process run. Time-based checkpoints
+  on process 0's clock are taken by both processes on the way."""
   n, pre = NUM_PROCESSES, preemption_tests
   work = tmp_path / "run" / "w"
   work.parent.mkdir()
+  rows = {"PRECOMPUTE_ROWS": 32}
+  codes, outs = pre._launch(work, data_dir, n, SIGNAL_PHASE="precompute",  # pylint: disable=protected-access
+                            SIGNAL_PROCESS=1, **rows)
+  report = "\n---\n".join(o[-2000:] for o in outs)
+  assert codes == [75] * n, report
+  assert ("[lit] preempted before step 1 (precomputing the image embeddings;"
+          " 1 of this process's 2 shard(s) written, kept for the rerun); "
+          "rerun to resume") in outs[0], report
+  assert sorted(f for f in os.listdir(work / "image_embeddings")
+                if f.startswith("shard-") and f.endswith(".json")) == [
+                    "shard-00000.json", "shard-00001.json"], report
   # Also time-based checkpoints, due at every check (0.06 s) on process 0's
   # clock: every process must take part in each save (orbax gathers the
   # data states from all), so a disagreement would hang.
   codes, outs = pre._launch(  # pylint: disable=protected-access
       work, data_dir, n, "--config.checkpoint.every_steps=3",
       "--config.checkpoint.every_minutes=0.001", "--config.checkpoint.keep=20",
-      signal_to=1, sig=signal.SIGUSR1)
+      signal_to=1, sig=signal.SIGUSR1, **rows)
   report = "\n---\n".join(o[-2000:] for o in outs)
   assert codes == [75] * n, report
+  assert "1 shard(s) of this process already complete, skipped" in outs[0]
   # Step 2: neither every_steps' nor the preemption's, the clock's.
   assert {2, 3} <= set(pre._steps(work)), (pre._steps(work), report)
   lines = [l for l in outs[0].splitlines() if "[lit] preempted at" in l]
@@ -265,12 +278,15 @@ def _preempt_one_process_and_resume(tmp_path, data_dir, ref):
   assert [(s["process_index"], s["next_position"])
           for s in pre._data_state(work, step)] == [  # pylint: disable=protected-access
               (p, per * step) for p in range(n)]
-  codes, outs = pre._launch(work, data_dir, n)
+  codes, outs = pre._launch(work, data_dir, n, **rows)
   assert codes == [0] * n, "\n---\n".join(o[-2000:] for o in outs)
   assert all(f"resumed from the checkpoint of step {step}" in o for o in outs)
   pre._assert_same_run(work, ref, f"2 processes, preempted at step {step}")
-  # train.log holds process 0's output only (both print these lines).
+  # train.log holds process 0's output (both print these lines) and
+  # process 1's warnings, prefixed.
   log = (work / "train.log").read_text()
-  assert log.count("# run started") == 2
+  assert log.count("# run started") == 3
   assert log.count("[lit] preempted at step") == 1
+  assert log.count("[lit] preempted before step 1") == 1
   assert log.count("resumed from the checkpoint of step") == 1
+  assert log.count("[process 1] W") >= 3, log

@@ -180,10 +180,11 @@ def test_the_workdir_records_each_run_and_checks_a_rerun(tmp_path):
   with open(work / "config.json") as f:
     assert json.load(f)["total_steps"] == 6
   assert len((work / "command.txt").read_text().splitlines()) == 4
-  # train.log holds every run that got past its config check, the one that
-  # could not resume too (with its error).
+  # train.log holds every run that got past its config check, the refused
+  # one and the one that could not resume too (with their errors).
   log = (work / "train.log").read_text()
-  assert log.count("# run started") == 3 and "[lit] done: 4 steps" in log
+  assert log.count("# run started") == 4 and "[lit] done: 4 steps" in log
+  assert "loss.name ('softmax' -> 'sigmoid'); use a new --workdir" in log
   assert "does not fit this config's train state" in log
   assert "[lit] done: 6 steps in" in log
 

@@ -23,6 +23,7 @@ are still there.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
-def _gather_json(obj) -> list:
+def gather_json(obj) -> list:
   """Every process's JSON-serializable ``obj``, in process order."""
   if jax.process_count() == 1:
     return [obj]
@@ -47,10 +48,12 @@ def _gather_json(obj) -> list:
 
 
 # Object stores orbax writes checkpoints to: its arrays go through
-# TensorStore, whose spec orbax builds for local paths and gs:// only (an
-# s3:// path becomes a relative local path "s3:/..." and is refused); its
-# metadata through etils.epath (fsspec: gcsfs for gs://).
-REMOTE_SCHEMES = ("gs://",)
+# TensorStore, its metadata through etils.epath (fsspec: gcsfs for gs://,
+# s3fs for s3://). A checkpoint there is written in place and marked
+# complete by a commit_success.txt written last (orbax's COMMIT_FILE
+# atomicity: an object store has no atomic rename); one without it is never
+# restored.
+REMOTE_SCHEMES = ("gs://", "s3://")
 
 
 def is_remote(directory: str) -> bool:
@@ -60,24 +63,94 @@ def is_remote(directory: str) -> bool:
 def check_directory(directory: str, what: str = "config.checkpoint.directory"
                     ) -> None:
   """One-line ValueError unless orbax can hold checkpoints at ``directory``
-  (a local or mounted path, or gs:// with gcsfs installed)."""
+  (a local or mounted path, gs:// with gcsfs, s3:// with s3fs)."""
   if not directory or not is_remote(directory):
     return
   scheme = directory.split("://", 1)[0]
-  if scheme == "s3":
-    raise ValueError(
-        f"{what}={directory}: orbax-checkpoint cannot write checkpoints to "
-        "s3:// (it builds TensorStore specs for local paths and gs:// "
-        "only); use gs://, or a local or mounted directory (e.g. an S3 "
-        "bucket mounted with mountpoint-s3 or s3fs-fuse)")
   if not directory.startswith(REMOTE_SCHEMES):
     raise ValueError(
         f"{what}={directory}: orbax-checkpoint cannot write checkpoints to "
-        f"{scheme}:// (it writes to local or mounted directories and gs://)")
+        f"{scheme}:// (it writes to local or mounted directories, gs:// and "
+        "s3://)")
   import importlib.util  # pylint: disable=g-import-not-at-top
-  if importlib.util.find_spec("gcsfs") is None:
-    raise ValueError(f"{what}={directory}: gs:// needs gcsfs (pip install "
-                     "'infcl-jax[cloud]')")
+  module = {"gs": "gcsfs", "s3": "s3fs"}[scheme]
+  if importlib.util.find_spec(module) is None:
+    raise ValueError(f"{what}={directory}: {scheme}:// needs {module} (pip "
+                     "install 'infcl-jax[cloud]')")
+  if scheme == "s3" and _tensorstore_builder() is None:
+    raise ValueError(
+        f"{what}={directory}: this orbax-checkpoint builds its TensorStore "
+        "specs elsewhere than train/checkpoint.py expects (see "
+        "_s3_kvstores); use gs:// or a local or mounted directory")
+
+
+def _tensorstore_builder():
+  """orbax's builder of TensorStore kvstore specs (one function every array
+  read and write goes through), or None where this orbax has none."""
+  try:
+    from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return getattr(tensorstore_utils, "build_kvstore_tspec", None)
+
+
+def s3_kvstore(bucket: str, path: str) -> dict:
+  """TensorStore's S3 kvstore of ``bucket``/``path``, with the endpoint and
+  region of the S3 clients' standard environment (AWS_ENDPOINT_URL_S3 or
+  AWS_ENDPOINT_URL, AWS_REGION or AWS_DEFAULT_REGION; credentials: AWS_*,
+  ~/.aws, the instance's role, as TensorStore reads them)."""
+  spec = {"driver": "s3", "bucket": bucket, "path": path}
+  endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3")
+              or os.environ.get("AWS_ENDPOINT_URL"))
+  if endpoint:
+    spec["endpoint"] = endpoint
+  region = os.environ.get("AWS_REGION") or os.environ.get(
+      "AWS_DEFAULT_REGION")
+  if region:
+    spec["aws_region"] = region
+  if os.environ.get("AWS_ACCESS_KEY_ID"):
+    # The environment's keys: TensorStore's default chain would also try
+    # (and log its failure to find) a profile and a web identity.
+    spec["context"] = {"aws_credentials": {"type": "environment"}}
+  return spec
+
+
+def _s3_kvstores() -> None:
+  """Lets orbax keep arrays on s3:// through TensorStore's S3 driver.
+
+  orbax-checkpoint 0.12 builds the TensorStore kvstore spec of an array
+  from its checkpoint directory for local paths and gs:// only
+  (``build_kvstore_tspec``; it takes no option and no handler that names
+  another kvstore), although TensorStore has an S3 driver. Wrapped here:
+  an s3:// directory gets the spec orbax builds for the same bucket and
+  path on gs:// (OCDBT, per-process databases, read coalescing), with
+  TensorStore's S3 kvstore (``s3_kvstore``) in place of its GCS one;
+  every other directory, orbax's own spec. The bytes are written and read
+  by TensorStore; nothing of orbax's is copied.
+  """
+  from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
+  build = tensorstore_utils.build_kvstore_tspec
+  if getattr(build, "with_s3", False):
+    return
+
+  def swap(spec):
+    if isinstance(spec, dict):
+      if spec.get("driver") in ("gcs", "gcs_grpc") and "bucket" in spec:
+        return s3_kvstore(spec["bucket"], spec.get("path", ""))
+      return {k: swap(v) for k, v in spec.items()}
+    return spec
+
+  @functools.wraps(build)
+  def build_with_s3(directory, *args, **kwargs):
+    text = os.fspath(directory) if not isinstance(directory, str) else (
+        directory)
+    if not text.startswith("s3:/"):
+      return build(directory, *args, **kwargs)
+    return swap(build("gs://" + text[len("s3:/"):].lstrip("/"), *args,
+                      **kwargs))
+
+  build_with_s3.with_s3 = True
+  tensorstore_utils.build_kvstore_tspec = build_with_s3
 
 
 class Checkpointer:
@@ -95,10 +168,17 @@ class Checkpointer:
     self.directory = (directory if is_remote(directory)
                       else os.path.abspath(directory))
     self._closed = False
+    # Written in place, complete once commit_success.txt is (see above).
+    self._commit_file = self.directory.startswith(REMOTE_SCHEMES)
+    extra = {}
+    if self.directory.startswith("s3://"):
+      _s3_kvstores()
+      extra["atomicity_options"] = ocp.options.AtomicityOptions(
+          mode=ocp.options.AtomicityMode.COMMIT_FILE)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True,
         enable_async_checkpointing=asynchronous,
-        cleanup_tmp_directories=True)
+        cleanup_tmp_directories=True, **extra)
     self._mngr = ocp.CheckpointManager(
         self.directory, options=options, item_names=("state", "data"))
 
@@ -108,13 +188,16 @@ class Checkpointer:
 
   def finalized_steps(self) -> list[int]:
     """The steps whose checkpoints are complete on disk (orbax renames a
-    checkpoint to its plain step number only when it is complete)."""
+    checkpoint to its plain step number only when it is complete; on an
+    object store it writes commit_success.txt last)."""
     from etils import epath  # pylint: disable=g-import-not-at-top
     path = epath.Path(self.directory)
     if not path.is_dir():
       return []
     return sorted(int(d.name) for d in path.iterdir()
-                  if re.fullmatch(r"\d+", d.name))
+                  if re.fullmatch(r"\d+", d.name) and (
+                      not self._commit_file
+                      or (d / "commit_success.txt").exists()))
 
   def wait_until_finished(self) -> None:
     """Blocks until the save in flight (if any) is written and finalized."""
@@ -139,7 +222,7 @@ class Checkpointer:
     """
     if step in self._mngr.all_steps():
       return
-    data = {"processes": _gather_json(data_state)}
+    data = {"processes": gather_json(data_state)}
     self._mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data)), force=True)

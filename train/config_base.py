@@ -141,7 +141,8 @@ def base_config() -> ml_collections.ConfigDict:
   # With several processes, process 0's clock decides (train/preemption.py).
   c.checkpoint.every_minutes = 0.0
   # Where checkpoints go: "" = <workdir>/checkpoints; or a directory
-  # elsewhere, e.g. on object storage (gs://bucket/run; docs/cluster.md).
+  # elsewhere, e.g. on object storage (gs://bucket/run, s3://bucket/run;
+  # docs/cluster.md).
   c.checkpoint.directory = ""
 
   # Signals that preempt the run: the step in progress finishes, a

@@ -29,8 +29,16 @@ Preemption: SIGTERM and SIGUSR1 (``config.preemption_signals``) let the step
 in progress finish; a checkpoint of it is saved, "[lit] preempted at step N;
 checkpoint saved; rerun to resume" is printed and the exit status is 75
 (EXIT_PREEMPTED, sysexits' EX_TEMPFAIL): rerun the same command to resume.
-With several processes, a signal to any one of them stops all of them at the
+A signal before the first step (start-up, indexing, the precompute pass,
+compilation) stops the run at the next safe point, with the precompute
+progress kept ("[lit] preempted before step N (...)"), also with 75. With
+several processes, a signal to any one of them stops all of them at the
 same step (train/preemption.py, docs/cluster.md).
+
+Storage outages: remote reads are retried for config.data.remote_outage_s
+(15 minutes); past it the step reached is saved, one "[lit] storage
+outage ..." line names the URL and the budget, and the exit status is 75
+too. A permanent error (403, 404, a deleted shard) is a one-line error, 2.
 
 The workdir records each run: config.json (the resolved config), command.txt
 (the command lines) and train.log (what process 0 printed).
@@ -223,23 +231,37 @@ def _main(argv) -> None:
     preemption.check_signal_names(signals)
   except ValueError as e:
     _error(str(e))
-  # From the start: a preemption while JAX starts is acted on after the
-  # first step, not lost.
+  # From the start: a preemption while JAX starts (or later, before the
+  # first step) stops the run at the trainer's next safe point, not lost.
   preemption.catch(signals)
   if not FLAGS["verbosity"].present:
     # orbax logs every save at INFO; the trainer's own progress is printed.
     logging.set_verbosity(logging.WARNING)
   _set_xla_flags()
   if FLAGS.jax_distributed:
+    # JAX's preemption service installs a C++ SIGTERM handler of its own:
+    # off, so that no signal reaches it (the trainer's agreement does its
+    # work; orbax reads it as "no preemption").
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_enable_preemption_service", False)
     _init_distributed()
     # jax.distributed installs its own SIGTERM handler (its preemption
     # notifier): the trainer's agreement replaces it (train/preemption.py).
     preemption.catch(signals)
+  from train.data import remote  # pylint: disable=g-import-not-at-top
   try:
-    from train import train  # pylint: disable=g-import-not-at-top
-    train.train_and_evaluate(config, FLAGS.workdir,
-                             reevaluate=FLAGS.reevaluate,
-                             command=workdir_lib.command_line(sys.argv))
+    try:
+      from train import train  # pylint: disable=g-import-not-at-top
+      train.train_and_evaluate(config, FLAGS.workdir,
+                               reevaluate=FLAGS.reevaluate,
+                               command=workdir_lib.command_line(sys.argv))
+    except remote.Outage as e:
+      # Outside the training loop (start-up, the final evaluation): nothing
+      # more to save than what is saved (the loop saves the step reached).
+      if os.environ.get("INFCL_TRACEBACK"):
+        raise
+      print(f"[lit] storage outage: {e}; rerun to resume", flush=True)
+      raise preemption.Preempted(None, "storage outage") from None
   except preemption.Preempted:
     # The checkpoint of the step reached is complete and the message is
     # printed. Exit at once (the grace period is short), after leaving the

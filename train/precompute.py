@@ -17,8 +17,11 @@ Resumable: a shard is written to a temporary file and renamed into place,
 its .json last, and a rerun with the same --out skips the shards that are
 complete (a different tower or source in --out is an error). Multi-process:
 process p of P writes shards p, p+P, ... (run the same command in every
-process of a ``jax.distributed`` job); the directory is complete when all
-are. Bad examples (an image that does not decode, an empty caption, ...)
+process of a ``jax.distributed`` job), one round of P shards at a time;
+the directory is complete when all are. The trainer checks for a
+preemption signal or a storage outage after each round
+(``between_rounds``): the shards written so far are kept, and its rerun
+continues from there. Bad examples (an image that does not decode, an empty caption, ...)
 are recorded as bad rows and skipped by training.
 
 ``config.data.decoder`` decides where the JPEGs are decoded, as in training
@@ -47,6 +50,7 @@ from train import step as step_lib
 from train.data import decoders
 from train.data import embeddings as emb_lib
 from train.data import pipeline
+from train.data import remote
 from train.data import sources
 from train.data.source import Bad
 
@@ -104,8 +108,8 @@ def _check_or_write_meta(out: str, meta: dict) -> None:
 
 def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
                process_count: int = 1,
-               rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
-               batch_size: int = 0, log=print) -> str:
+               rows_per_shard: int = 0,
+               batch_size: int = 0, log=print, between_rounds=None) -> str:
   """Writes the embeddings of ``config.data``'s training split into ``out``.
 
   Args:
@@ -115,14 +119,20 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
     tower: the locked ``train.towers.Tower``.
     source: an opened source (default: config.data.name, split).
     process_index, process_count: this process's shards (p, p+P, ...).
-    rows_per_shard: examples per shard file.
+    rows_per_shard: examples per shard file (0: DEFAULT_ROWS_PER_SHARD).
     batch_size: images per embedding call (rounded up to the local device
       count); 0 = config.eval.batch_size.
+    between_rounds: called as ``between_rounds(done, shards, outage)``
+      after each round of ``process_count`` shards (every process the same
+      number of times), with this process's complete shards, its number of
+      shards, and the ``remote.Outage`` that stopped its shard of the round
+      (or None); it may raise to stop there. Without it an outage is raised.
 
   Returns:
     ``out``.
   """
   data = config.data
+  rows_per_shard = rows_per_shard or DEFAULT_ROWS_PER_SHARD
   out = os.path.abspath(os.path.expanduser(out))
   if source is None:
     source = sources.open_source(data, data.split)
@@ -149,16 +159,18 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
     by_device = {d: batch_decoder.for_device(d) for d in devices}
     log(f"[precompute] images decoded by {batch_decoder.describe()}, one "
         f"per local device ({n_local})")
-  todo = [k for k in range(process_index, meta["num_shards"], process_count)
+  mine = range(process_index, meta["num_shards"], process_count)
+  todo = [k for k in mine
           if not os.path.exists(emb_lib.shard_paths(out, k)[1])]
-  done = len(range(process_index, meta["num_shards"], process_count)) - len(
-      todo)
+  done = len(mine) - len(todo)
   if done:
     log(f"[precompute] {out}: {done} shard(s) of this process already "
         "complete, skipped")
   t0, n_done = time.time(), 0
+  rounds = -(-meta["num_shards"] // process_count)
   with concurrent.futures.ThreadPoolExecutor(max(1, data.num_threads)) as pool:
-    for k in todo:
+    def write_shard(k):
+      nonlocal n_done
       lo = k * rows_per_shard
       hi = min(len(source), lo + rows_per_shard)
       keys, captions, labels, bad = [], [], [], {}
@@ -227,6 +239,23 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
       log(f"[precompute] shard {k + 1}/{meta['num_shards']}: {hi - lo} "
           f"examples ({len(bad)} bad), {n_done / (time.time() - t0):.0f} "
           "img/s")
+
+    for r in range(rounds):
+      k = r * process_count + process_index
+      if k not in todo:
+        if between_rounds is not None:
+          between_rounds(done, len(mine), None)
+        continue
+      try:
+        write_shard(k)
+      except remote.Outage as e:
+        if between_rounds is None:
+          raise
+        between_rounds(done, len(mine), e)
+        raise  # between_rounds stops the run on an outage.
+      done += 1
+      if between_rounds is not None:
+        between_rounds(done, len(mine), None)
   if batch_decoder is not None:
     totals = {}
     for d in {id(d): d for d in by_device.values()}.values():
@@ -245,12 +274,15 @@ def main(argv) -> None:
   del argv
   from train import config_base  # pylint: disable=import-outside-toplevel
   from train import data as data_lib  # pylint: disable=import-outside-toplevel
+  from train import file_keys  # pylint: disable=import-outside-toplevel
   from train import model as model_lib  # pylint: disable=import-outside-toplevel
   if FLAGS.jax_distributed:
     jax.distributed.initialize()
   config = FLAGS.config
   try:
+    file_keys.check(config)
     config_base.check_config(config)
+    config = file_keys.localized(config)  # Files of URLs: local copies.
     model_lib.check_checkpoints(config)
     data_lib.check_data_config(config)
     if not FLAGS.out:

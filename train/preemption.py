@@ -26,6 +26,17 @@ saves the step after the one where the first signal was seen. (JAX's
 through a C++ handler that a Python handler replaces; this agreement works
 for any signal and for the clock alike.)
 
+Before the first step (JAX start-up, indexing, restore, the precompute
+pass, compilation) a signal is not lost either: the trainer checks for one
+at safe points (``agree``: after each chunk of shards indexed, after each
+round of precomputed shards, before the loop), all processes at the same
+point, and stops there with what can be resumed kept (the precompute
+progress). A signal during the first step's compilation is acted on after
+that step, as during training. While the main thread waits for the next
+step's data (a slow or unreachable store), a signal interrupts the wait
+(``interrupting_waits``): the step reached is saved instead of waiting out
+the outage.
+
 No JAX at import: ``train.main`` catches the signals before JAX starts.
 """
 from __future__ import annotations
@@ -42,14 +53,24 @@ _UNCATCHABLE = ("SIGKILL", "SIGSTOP", "SIGINT")
 
 
 class Preempted(Exception):
-  """Raised by the trainer once the checkpoint of ``step`` is saved after a
-  preemption signal; ``train.main`` exits with EXIT_PREEMPTED."""
+  """Raised by the trainer once what can be resumed is saved after a
+  preemption signal (or a storage outage, ``train.data.remote.Outage``):
+  the checkpoint of ``step``, or before the first step (``step`` None)
+  nothing, or the precompute progress. ``train.main`` exits with
+  EXIT_PREEMPTED."""
 
-  def __init__(self, step: int, signal_name: str):
-    super().__init__(f"preempted at step {step} ({signal_name}); checkpoint "
-                     "saved; rerun to resume")
+  def __init__(self, step: int | None, signal_name: str):
+    where = "before the first step" if step is None else f"at step {step}"
+    super().__init__(f"preempted {where} ({signal_name}); rerun to resume")
     self.step = step
     self.signal_name = signal_name
+
+
+class WaitInterrupted(BaseException):
+  """Raised by the signal handler in the main thread while it waits for
+  data (``interrupting_waits``): the trainer saves the step reached. A
+  BaseException, like KeyboardInterrupt, so that no ``except Exception`` on
+  the way turns it into something else."""
 
 
 def check_signal_names(names) -> None:
@@ -72,16 +93,29 @@ def check_signal_names(names) -> None:
 # bytecodes, never in the middle of a save's bookkeeping).
 _received: list[tuple[str, float]] = []
 _previous: dict[int, object] = {}
+# Where the signals of the current run start in _received: set when catch()
+# installs the handlers (not when it is called again while they are).
+_mark = 0
+# While set (interrupting_waits), a signal raises WaitInterrupted.
+_interrupt = [False]
 
 
 def _handler(signum, frame):  # pylint: disable=unused-argument
   _received.append((signal.Signals(signum).name, time.monotonic()))
+  if _interrupt[0]:
+    _interrupt[0] = False  # Once: the trainer's saving is not interrupted.
+    raise WaitInterrupted(signal.Signals(signum).name)
 
 
 def catch(names: Sequence[str]) -> None:
   """Records the signals ``names`` from now on instead of their default
-  action (ending the process). Idempotent; call again after anything that
-  installs its own handlers (jax.distributed's C++ SIGTERM notifier)."""
+  action (ending the process). Idempotent: a signal caught since the first
+  call (while the handlers stay installed) belongs to the run, however
+  early it came; call again after anything that installs its own handlers.
+  After ``release`` a new ``catch`` starts a new run's record."""
+  global _mark
+  if not _previous:
+    _mark = len(_received)
   for name in names:
     sig = signal.Signals[name]
     old = signal.signal(sig, _handler)
@@ -92,9 +126,59 @@ def catch(names: Sequence[str]) -> None:
 def release() -> None:
   """Restores the handlers ``catch`` replaced (signals from now on take
   their former action); the signals seen so far stay recorded."""
+  _interrupt[0] = False
   while _previous:
     sig, old = _previous.popitem()
     signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def catching() -> bool:
+  """Whether the handlers are installed (``catch`` without ``release``)."""
+  return bool(_previous)
+
+
+def first_signal() -> str | None:
+  """The first signal of the current run (since ``catch``), or None."""
+  mine = _received[_mark:]
+  return mine[0][0] if mine else None
+
+
+class interrupting_waits:  # pylint: disable=invalid-name
+  """``with interrupting_waits(on):`` a caught signal raises
+  WaitInterrupted in the main thread (at once, or on entry when one came
+  before), so that a wait for data does not outlast the grace period; off
+  (``on`` False), signals are only recorded."""
+
+  def __init__(self, on: bool = True):
+    self.on = on
+
+  def __enter__(self):
+    if self.on and _previous:
+      name = first_signal()
+      if name is not None:
+        raise WaitInterrupted(name)
+      _interrupt[0] = True
+    return self
+
+  def __exit__(self, *exc):
+    _interrupt[0] = False
+    return False
+
+
+def agree(flags: Sequence[int], process_count: int | None = None
+          ) -> list[int]:
+  """The max of each flag over all processes (a blocking all-gather; every
+  process must call it at the same point). One process: ``flags``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  n = jax.process_count() if process_count is None else process_count
+  flags = [int(bool(f)) for f in flags]
+  if n == 1:
+    return flags
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  seen = np.asarray(multihost_utils.process_allgather(
+      np.asarray(flags, np.int32)))
+  return [int(v) for v in seen.reshape(n, len(flags)).max(axis=0)]
 
 
 class SaveTriggers:
@@ -125,7 +209,9 @@ class SaveTriggers:
                           else process_index)
     self.enabled = enabled or self.every_s > 0
     self._last_save = clock()
-    self._seen = len(_received)   # Signals before this run are not ours.
+    # Every signal since the run's catch(), however early (JAX start-up,
+    # indexing, restore, precompute, compilation).
+    self._seen = _mark if _previous else len(_received)
     self._pending = None
     self._reduce = None
 

@@ -20,12 +20,15 @@ A workdir already at ``config.total_steps`` trains nothing (its summary is
 printed; ``reevaluate=True`` evaluates it again). Ctrl-C finishes the
 checkpoint in flight and says where to resume (``_stop_after_interrupt``).
 A preemption signal (``config.preemption_signals``) saves the step reached
-and raises ``preemption.Preempted`` (train/preemption.py). The workdir
+and raises ``preemption.Preempted`` (train/preemption.py); before the first
+step it stops the run at the next safe point (``_EarlyStops``). A storage
+outage past config.data.remote_outage_s does the same. The workdir
 records the run (config.json, command.txt, train.log: train/workdir.py) and
 a rerun's config is checked against it first.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -46,6 +49,7 @@ from train import config_base
 from train import data as data_lib
 from train import diagnostics
 from train import evaluate
+from train import file_keys
 from train import model as model_lib
 from train import optim
 from train import preemption
@@ -53,6 +57,7 @@ from train import precompute as precompute_lib
 from train import step as step_lib
 from train import stream as stream_lib
 from train import workdir as workdir_lib
+from train.data import remote
 from train.eval import zeroshot as zeroshot_lib
 
 # The model's builders, where callers of this module have always found them.
@@ -129,44 +134,107 @@ def _progress_bar(config, total, initial, enabled):
               smoothing=0.1)
 
 
-def _training_source(config, workdir, tower, is_main):
+def _training_source(config, workdir, tower, is_main, stops=None):
   """The source of config.data; with precompute_image_embeddings, the
   embeddings of it in ``workdir/image_embeddings`` (computed there first,
-  once: a resumed run reuses them)."""
+  once: a resumed run reuses them, a preempted pass is continued).
+  ``stops`` (``_EarlyStops``) is asked after each chunk of shards indexed
+  and each round of shards precomputed."""
+  stops = stops or _EarlyStops(False, is_main)
   # Training needs no labels (zero-shot reads those of the held-out source).
   data = data_lib.without_labels(config.data)
   if (config.precompute_image_embeddings
       and data_lib.sources.kind_of(data.name) != "embeddings"):
     out = os.path.join(workdir, "image_embeddings")
     precompute_lib.precompute(
-        config, out, tower, source=data_lib.open_source(data, data.split),
+        config, out, tower,
+        source=data_lib.open_source(data, data.split,
+                                    between_chunks=stops.indexing),
         process_index=jax.process_index(),
         process_count=jax.process_count(),
-        log=print if is_main else (lambda *_: None))
+        log=print if is_main else (lambda *_: None),
+        between_rounds=stops.precompute)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices("precompute image embeddings")
     with data.unlocked():
       data.name = f"embeddings:{out}"
-  source = data_lib.open_source(data, data.split)
+  source = data_lib.open_source(data, data.split,
+                                between_chunks=stops.indexing)
   if data_lib.sources.kind_of(source.spec) == "embeddings":
     source.check_fingerprint(tower.fingerprint, "config.model.image")
   return source
 
 
+class _EarlyStops:
+  """The safe points before the first step (train/preemption.py): a
+  preemption signal (to any process) or a storage outage stops the run at
+  the next one, all processes at the same one, with what can be resumed
+  kept; ``train.main`` exits 75.
+
+  Args:
+    enabled: signals are caught (config.preemption_signals).
+    is_main: process 0 (says why the run stopped).
+    start_step: the step the run starts from.
+  """
+
+  def __init__(self, enabled: bool, is_main: bool, start_step: int = 0):
+    self.enabled, self.is_main, self.start_step = (enabled, is_main,
+                                                   start_step)
+
+  def check(self, phase: str, outage=None, kept: str = "") -> None:
+    """Stops the run (``preemption.Preempted``) if a signal came, on any
+    process, or if ``outage`` (a ``remote.Outage`` of this process) or
+    another process's stopped it; every process calls it at the same
+    point."""
+    name = preemption.first_signal() if self.enabled else None
+    signalled, outaged = preemption.agree([name is not None,
+                                           outage is not None])
+    if not (signalled or outaged):
+      return
+    where = (f"before step {self.start_step + 1} ({phase}"
+             + (f"; {kept}" if kept else "") + "); rerun to resume")
+    if outage is not None:  # Said by the process that met it.
+      print(f"[lit] storage outage {where}: {outage}", flush=True)
+    elif self.is_main:
+      print(f"[lit] storage outage on another process {where}" if outaged
+            else f"[lit] preempted {where}", flush=True)
+    raise preemption.Preempted(None, name or (
+        "storage outage" if outaged else "a signal to another process"))
+
+  def indexing(self, done: int, total: int, outage=None) -> None:
+    self.check(f"indexing the training shards, {done} of {total} done",
+               outage)
+
+  def precompute(self, done: int, total: int, outage=None) -> None:
+    self.check("precomputing the image embeddings", outage,
+               kept=f"{done} of this process's {total} shard(s) written, "
+               "kept for the rerun")
+
+
 # ----------------------------------------------------------------- checks
 
 
-def validate(config) -> None:
+def validate(config):
   """Every check of ``config`` that needs no training work, in the order a
-  user thinks of the run: the keys and values, the image tower checkpoint
+  user thinks of the run: the keys and values, the keys that name files
+  (``train.file_keys``: a URL where none is taken is refused; the files of
+  URLs are fetched), the image tower checkpoint
   (``train.model.check_checkpoints``: the loader's own message), the
   tokenizer and the data (``train.data.check_data_config``), then the
-  devices. One-line ValueError or FileNotFoundError for the first problem."""
+  devices. One-line ValueError or FileNotFoundError for the first problem.
+
+  Returns:
+    ``config`` with the URLs of its file keys replaced by their local
+    copies (``config`` itself when it names none): the config to run.
+  """
+  file_keys.check(config)
   config_base.check_config(config)
+  config = file_keys.localized(config)
   model_lib.check_checkpoints(config)
   data_lib.check_data_config(config)
   check_devices(config)
+  return config
 
 
 def check_devices(config) -> None:
@@ -272,26 +340,38 @@ def train_and_evaluate(config, workdir: str, *,
       printed (``train.main`` exits with status 75).
   """
   t_start = time.time()
-  validate(config)
+  given = config  # As given: recorded in config.json and checked against it.
+  config = validate(config)
   workdir_lib.check_workdir(workdir)  # Created only for a valid config.
   is_main = jax.process_index() == 0
-  # The run's record: its config against the one that made the workdir,
-  # then (once its checkpoint has restored into this config's state: a run
-  # that cannot resume leaves the record as it was) config.json and the
-  # command line, and train.log (process 0).
-  workdir_lib.check_resume(workdir, config, log=print if is_main else None)
-
-  def record():
-    if is_main:
-      workdir_lib.record_run(workdir, config, command)
-
+  # train.log from here on (what was printed before included): a refusal
+  # below is in it too.
   if workdir_lib.RunLog.active is not None:
-    workdir_lib.RunLog.active.attach(workdir, keep=is_main)
+    workdir_lib.RunLog.active.attach(workdir,
+                                     process_index=jax.process_index())
   ckpt = checkpoint_lib.Checkpointer(
       checkpoint_dir(config, workdir),
       every_steps=config.checkpoint.every_steps, keep=config.checkpoint.keep)
   latest = ckpt.latest_step()
-  if latest is not None and latest >= config.total_steps:
+  finished = latest is not None and latest >= config.total_steps
+  # The run's record: its config against the one that made the workdir,
+  # then (once its checkpoint has restored into this config's state: a run
+  # that cannot resume leaves the record as it was) config.json and the
+  # command line. A finished run's rerun trains nothing: its config.json
+  # stays (only --reevaluate, which evaluates again, records its config).
+  try:
+    workdir_lib.check_resume(workdir, given, log=print if is_main else None,
+                             finished=finished and not reevaluate)
+  except ValueError:
+    ckpt.close()
+    raise
+
+  def record():
+    if is_main:
+      workdir_lib.record_run(workdir, given, command,
+                             config_too=not finished or reevaluate)
+
+  if finished:
     # Nothing to train, nothing to save: signals take their default action
     # (train.main caught them from its start).
     preemption.release()
@@ -304,11 +384,15 @@ def train_and_evaluate(config, workdir: str, *,
   # The last step done, and what to close however the run ends.
   progress = {"step": latest or 0, "pbar": None, "writer": None}
   # Preemption signals are recorded from here on (train.main catches them
-  # from its start), and acted on after each step (_train).
+  # from its start, and those count too), and acted on at the safe points
+  # before the first step and after each step (_train).
   catching = _catch_signals(config.preemption_signals)
   try:
+    stops = _EarlyStops(bool(config.preemption_signals)
+                        and preemption.catching(), is_main, latest or 0)
+    stops.check("starting")
     return _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-                  progress, record, clock=clock)
+                  progress, record, stops, clock=clock)
   except KeyboardInterrupt as e:
     _stop_after_interrupt(ckpt, progress, is_main)
     e.reported = True  # train.main: the message above is printed.
@@ -350,6 +434,31 @@ def _stop_for_preemption(ckpt, step: int, signal_name: str, progress: dict,
     print(f"[lit] preempted at step {step}; checkpoint saved; rerun to "
           "resume", flush=True)
   raise preemption.Preempted(step, signal_name)
+
+
+def _stop_before_step(ckpt, reached: int, state, data_state, progress: dict,
+                      is_main: bool, why: str, outage, outaged: bool):
+  """Stops the run before step ``reached`` + 1, whose inputs did not come
+  (a signal during the wait, or a storage outage on this or another
+  process): saves ``state`` (the train state of step ``reached``) with
+  ``data_state`` (the data iterator's state before the wait; None: saved
+  already), says why, and raises Preempted."""
+  if progress["pbar"] is not None:
+    progress["pbar"].close()
+    progress["pbar"] = None
+  if data_state is not None and reached > 0:
+    ckpt.save(reached, state, data_state)
+  ckpt.close()  # Waits for the save: further signals are only recorded.
+  saved = "checkpoint saved" if reached > 0 else "nothing to save"
+  if outage is not None:  # Said by the process that met it.
+    print(f"[lit] storage outage at step {reached}: {outage}; {saved}; "
+          "rerun to resume", flush=True)
+  elif is_main:
+    print(f"[lit] storage outage on another process at step {reached}; "
+          f"{saved}; rerun to resume" if outaged else
+          f"[lit] preempted at step {reached}; {saved}; rerun to resume",
+          flush=True)
+  raise preemption.Preempted(reached, why)
 
 
 class _DropInterrupts(std_logging.Filter):
@@ -435,12 +544,13 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
 
 
 def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-           progress, record, clock=time.monotonic) -> dict:
+           progress, record, stops, clock=time.monotonic) -> dict:
   """The training run of ``train_and_evaluate``. Keeps ``progress["step"]``
   (the last step done, for the interrupt message) and hands its progress bar
   and metric writer to the caller via ``progress`` (closed however the run
   ends). ``record()`` writes the workdir's record once the state is built
-  (and restored)."""
+  (and restored). ``stops`` (``_EarlyStops``): the safe points before the
+  first step."""
   # Model, params, optimizer, state.
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
   tokenizer = data_lib.make_tokenizer(config)
@@ -468,9 +578,10 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
   if is_main:
     print("\n".join(evaluator.describe()), flush=True)
+  stops.check("building the model and the held-out sets")
 
   # Data: each process reads its own shard, as micro-batches.
-  source = _training_source(config, workdir, tower, is_main)
+  source = _training_source(config, workdir, tower, is_main, stops)
   precomputed = data_lib.sources.kind_of(source.spec) == "embeddings"
   streamed = not precomputed and chunked and config.model.image.locked
   train_iter = data_lib.make_train_iterator(
@@ -487,6 +598,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
                                        config.data.split)
   if warning and is_main:
     print(warning, flush=True)
+  stops.check("opening the training data")
 
   # Resume.
   start_step = 0
@@ -497,6 +609,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     progress["step"] = start_step
     print(f"[lit] resumed from the checkpoint of step {start_step} in "
           f"{workdir}", flush=True)
+    stops.check(f"restoring the checkpoint of step {start_step}")
   record()
 
   # The step. With more than one device the loss runs the ring. Streamed:
@@ -566,9 +679,40 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   triggers = preemption.SaveTriggers(
       every_minutes=config.checkpoint.every_minutes, clock=clock,
       enabled=bool(config.preemption_signals))
+  # Before each step its inputs: a signal while the main thread waits for
+  # them (a slow or unreachable store), or a storage outage past
+  # config.data.remote_outage_s, stops the run with the step reached saved
+  # (the data state taken before the wait). With several processes only
+  # where every process can agree on it first (a blocking all-gather per
+  # step): a remote training source, the one that can wait that long.
+  remote_source = getattr(source, "is_remote", False)
+  agree_per_step = n_proc > 1 and remote_source
+  stop_before_step = n_proc == 1 or agree_per_step
+  interrupt = stop_before_step and preemption.catching()
   t_loop, steps_run = time.time(), 0
   for step in range(start_step + 1, config.total_steps + 1):
-    state, metrics = train_step(state, next_inputs())
+    before = train_iter.get_state() if stop_before_step else None
+    signal_name, outage = None, None
+    try:
+      with preemption.interrupting_waits(interrupt):
+        inputs = next_inputs()
+    except preemption.WaitInterrupted as e:
+      signal_name = e.args[0]
+    except remote.Outage as e:
+      if not stop_before_step:
+        raise
+      outage = e
+    if stop_before_step:
+      flags = [signal_name is not None, outage is not None]
+      if agree_per_step:
+        flags = preemption.agree(flags)
+      if any(flags):
+        _stop_before_step(ckpt, step - 1, state, before, progress, is_main,
+                          signal_name or (
+                              "a signal to another process" if flags[0]
+                              else "storage outage"), outage, bool(flags[1]))
+    state, metrics = train_step(state, inputs)
+    del inputs
     progress["step"] = step
     steps_run += 1
     if pbar is not None:
@@ -588,7 +732,14 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
                          temp=f"{train_metrics['temperature']:.4f}")
     if (config.eval.every_steps and step % config.eval.every_steps == 0
         and step < config.total_steps):
-      eval_metrics = run_eval()
+      try:
+        eval_metrics = run_eval()
+      except remote.Outage as e:
+        if n_proc > 1:
+          raise  # Not agreed across processes (train.main: exit 75).
+        ckpt.save(step, state, train_iter.get_state())
+        _stop_before_step(ckpt, step, state, None, progress, is_main,
+                          "storage outage", e, True)
       writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
       if is_main:
         say(_eval_line(step, eval_metrics))
@@ -616,12 +767,21 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   if name is not None:
     _stop_for_preemption(ckpt, config.total_steps, name, progress, is_main)
   preemption.release()  # During the final evaluation a signal ends the run.
+  # The skipped examples and retries of every process.
+  ledgers = checkpoint_lib.gather_json(
+      {"by_reason": dict(train_iter.ledger.by_reason),
+       "retries": train_iter.ledger.retries})
+  by_reason = collections.Counter()
+  for ledger in ledgers:
+    by_reason.update(ledger["by_reason"])
 
   eval_metrics = run_eval()
   writer.write(config.total_steps, {f"eval/{k}": v
                                     for k, v in eval_metrics.items()})
   summary = {"steps": config.total_steps, "resumed_from": start_step,
              "wall_s": time.time() - t_start, **train_metrics,
+             "data/skipped_by_reason": dict(sorted(by_reason.items())),
+             "data/retries_all_processes": sum(l["retries"] for l in ledgers),
              **{f"eval/{k}": v for k, v in eval_metrics.items()}}
   if is_main:
     print_summary(summary)
@@ -659,6 +819,16 @@ def print_summary(s: dict, done_line: bool = True) -> None:
   if "loss" in s:
     lines.append(f"[lit] final train loss {s['loss']:.4f}, temperature "
                  f"{s['temperature']:.4f}")
+  if "data/skipped_by_reason" in s:
+    reasons = s["data/skipped_by_reason"]
+    n = sum(reasons.values())
+    lines.append(
+        "[lit] training data: "
+        + (f"{n} bad example(s) skipped ("
+           + ", ".join(f"{k}: {v}" for k, v in reasons.items()) + ")"
+           if n else "no bad example skipped")
+        + f"; {s.get('data/retries_all_processes', 0)} remote read(s) "
+        "retried")
   if "eval/zeroshot_top1" in s:
     lines.append("[lit] zero-shot " + zeroshot_lib.describe(s, "eval/")
                  + " on the held-out split")

@@ -8,6 +8,7 @@ import re
 import shlex
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -36,8 +37,8 @@ def check_workdir(workdir: str, *, create: bool = True) -> None:
     raise ValueError(
         f"workdir {workdir}: a workdir is a local or mounted directory (its "
         "logs, metrics and config are files); put the checkpoints on object "
-        "storage with --config.checkpoint.directory=gs://BUCKET/PATH "
-        "(docs/cluster.md)")
+        "storage with --config.checkpoint.directory=gs://BUCKET/PATH (or "
+        "s3://BUCKET/PATH; docs/cluster.md)")
   path = os.path.abspath(os.path.expanduser(workdir))
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"workdir {workdir} is an existing file, not a "
@@ -95,7 +96,8 @@ _FREE = ("total_steps", "log_every_steps", "progress_bar", "eval.",
          "data.eval_split", "data.num_eval_examples", "data.zeroshot_",
          "data.num_threads", "data.num_workers", "data.prefetch_batches",
          "data.cache_max_mb", "data.gpu_decoder_cpu_threads",
-         "data.storage_options", "data.remote_retries",
+         "data.storage_options", "data.remote_outage_s",
+         "data.remote_retries",
          "data.shard_index_cache")
 # Keys that change the numbers from here on but neither the train state's
 # structure nor the data stream: a one-line note, and the run goes on.
@@ -192,11 +194,18 @@ def config_changes(recorded: dict, current: dict):
   return blocking, noted
 
 
-def check_resume(workdir: str, config, log=print) -> None:
+def check_resume(workdir: str, config, log=print, *,
+                 finished: bool = False) -> None:
   """One-line ValueError when ``workdir`` was made by a config that differs
   from ``config`` in keys that change the train state or the data stream
   (unless config.resume_despite_changes); one note line for keys that only
-  change the numbers from here on. Nothing without a config.json."""
+  change the numbers from here on. Nothing without a config.json.
+
+  ``finished``: the workdir's run is done (a rerun trains nothing and
+  evaluates nothing new): the changed keys that would only be noted are
+  not used, and said to be so in one line instead (a key that changes the
+  train state or the data stream is refused all the same: another run's
+  config in this workdir)."""
   path = os.path.join(workdir, CONFIG_FILE)
   try:
     with open(path) as f:
@@ -204,15 +213,17 @@ def check_resume(workdir: str, config, log=print) -> None:
   except (OSError, ValueError):
     return
   blocking, noted = config_changes(recorded, config_as_json(config))
+  changed = blocking + noted
   if blocking and not config.get("resume_despite_changes", False):
     raise ValueError(
         f"workdir {workdir} holds a run whose config ({path}) differs in "
         f"keys that change the train state or the data stream: "
         f"{', '.join(blocking)}; use a new --workdir, or resume anyway with "
         "--config.resume_despite_changes=True")
-  changed = blocking + noted
   if changed and log is not None:
-    log(f"[lit] resuming {workdir} with changed config keys: "
+    log(f"[lit] config keys changed since the run in {workdir} are not "
+        f"used (nothing trains): {', '.join(changed)}" if finished else
+        f"[lit] resuming {workdir} with changed config keys: "
         f"{', '.join(changed)}")
 
 
@@ -227,14 +238,17 @@ def command_line(argv) -> str:
   return redact(shlex.join(argv))
 
 
-def record_run(workdir: str, config, command: str | None) -> None:
-  """Writes config.json (atomically) and appends the command line."""
+def record_run(workdir: str, config, command: str | None, *,
+               config_too: bool = True) -> None:
+  """Writes config.json (atomically; not with ``config_too`` False: a rerun
+  that trains nothing) and appends the command line."""
   path = os.path.join(workdir, CONFIG_FILE)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(config_as_json(config), f, indent=1, sort_keys=True)
-    f.write("\n")
-  os.replace(tmp, path)
+  if config_too:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(config_as_json(config), f, indent=1, sort_keys=True)
+      f.write("\n")
+    os.replace(tmp, path)
   stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
   with open(os.path.join(workdir, COMMAND_FILE), "a") as f:
     f.write(f"# {stamp}\n{command or '(in-process train.train_and_evaluate)'}"
@@ -242,15 +256,17 @@ def record_run(workdir: str, config, command: str | None) -> None:
 
 
 class _Tee:
-  """A text stream that also writes to the run log."""
+  """A text stream that also writes to the run log (``err``: it is
+  stderr)."""
 
-  def __init__(self, stream, log: "RunLog"):
+  def __init__(self, stream, log: "RunLog", err: bool = False):
     self._stream = stream
     self._log = log
+    self._err = err
 
   def write(self, s):
     n = self._stream.write(s)
-    self._log.write(s)
+    self._log.write(s, err=self._err)
     return n
 
   def flush(self):
@@ -261,78 +277,134 @@ class _Tee:
     return getattr(self._stream, name)
 
 
+# Set while a run log is attached (train/data/remote.py: a data worker
+# process appends its retry lines to the file this names).
+LOG_ENV = "INFCL_RUN_LOG"
+
+
 class RunLog:
-  """train.log: sys.stdout and sys.stderr copied, from ``capture`` on
-  (buffered until ``attach`` names the workdir, which exists only once the
-  config is valid). Progress-bar redraws (carriage returns) keep their last
-  state only."""
+  """train.log: what the run prints, from ``capture`` on (buffered until
+  ``attach`` names the workdir, which exists only once the config is
+  valid): sys.stdout and sys.stderr, absl's log lines (warnings: the bad
+  examples' ``shard:key: reason`` lines) and, with several processes, the
+  other processes' stderr (their warnings and errors), each line prefixed
+  with ``[process P]``. Lines are appended whole (O_APPEND), so that the
+  processes' lines do not cut into each other. Progress-bar redraws
+  (carriage returns) keep their last state only."""
 
   active: "RunLog | None" = None
 
   def __init__(self):
-    self._buffer: list[str] = []
-    self._file = None
-    self._partial = ""
+    self._buffer: list[tuple[str, bool]] = []
+    self._fd = None
+    self._partial = {False: "", True: ""}
     self._saved = None
+    self._absl_stream = None
     self._dropped = False
+    self._prefix = ""
+    self._err_only = False
+    self._lock = threading.Lock()
 
   @classmethod
   def capture(cls) -> "RunLog":
     log = cls()
     log._saved = (sys.stdout, sys.stderr)
-    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+    sys.stdout = _Tee(sys.stdout, log)
+    sys.stderr = _Tee(sys.stderr, log, err=True)
+    # absl's handler keeps the stderr of its creation: its lines (warnings)
+    # go through the copy too.
+    handler = _absl_python_handler()
+    if handler is not None:
+      log._absl_stream = handler.stream
+      handler.stream = sys.stderr
     cls.active = log
     return log
 
-  def attach(self, workdir: str, keep: bool = True) -> None:
+  def attach(self, workdir: str, keep: bool = True,
+             process_index: int = 0) -> None:
     """From now on into ``workdir``/train.log (appended), the text so far
-    first; ``keep=False`` (a process other than 0): nothing is kept."""
-    if self._file is not None or self._dropped:
+    first. ``process_index`` P > 0: only its stderr, each line prefixed
+    ``[process P]``; ``keep=False``: nothing is kept."""
+    if self._fd is not None or self._dropped:
       return
     if not keep:
       self._dropped = True
       self._buffer.clear()
       return
-    self._file = open(os.path.join(workdir, LOG_FILE), "a",
-                      encoding="utf-8", errors="replace")
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    self._file.write(f"# run started {stamp}\n")
-    text, self._buffer = "".join(self._buffer), []
-    self.write(text)
+    path = os.path.join(workdir, LOG_FILE)
+    self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    if process_index:
+      self._prefix, self._err_only = f"[process {process_index}] ", True
+    else:
+      stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+      self._append(f"# run started {stamp}\n")
+      os.environ[LOG_ENV], os.environ[LOG_ENV + "_PID"] = path, str(
+          os.getpid())
+    buffered, self._buffer = self._buffer, []
+    for text, err in buffered:
+      self.write(text, err=err)
     self.flush()
 
-  def write(self, s: str) -> None:
+  def _append(self, text: str) -> None:
+    data = text.encode("utf-8", "replace")
+    while data:
+      n = os.write(self._fd, data)
+      data = data[n:]
+
+  def write(self, s: str, err: bool = False) -> None:
     if self._dropped or not s:
       return
-    if self._file is None:
-      self._buffer.append(s)
-      return
-    *lines, self._partial = (self._partial + s).split("\n")
-    for line in lines:
-      # A redrawn line: its last non-empty state.
-      parts = [p for p in line.split("\r") if p.strip()]
-      self._file.write((parts[-1] if parts else "") + "\n")
-    if lines:
-      self._file.flush()
+    with self._lock:
+      if self._fd is None:
+        self._buffer.append((s, err))
+        return
+      if self._err_only and not err:
+        return
+      if (self._partial[err].startswith("\r") and s[0] not in "\r\n"):
+        # Text after a progress bar's redraw: a line of its own.
+        self._partial[err] += "\n"
+      *lines, self._partial[err] = (self._partial[err] + s).split("\n")
+      out = []
+      for line in lines:
+        # A redrawn line: its last non-empty state.
+        parts = [p for p in line.split("\r") if p.strip()]
+        out.append(self._prefix + (parts[-1] if parts else "") + "\n")
+      if out:
+        self._append("".join(out))
 
   def log_only(self, text: str) -> None:
     """``text`` into train.log only (not on the console)."""
-    if self._file is not None:
-      self.write(text if text.endswith("\n") else text + "\n")
-      self.flush()
+    if self._fd is not None:
+      self.write(text if text.endswith("\n") else text + "\n",
+                 err=self._err_only)
 
   def flush(self) -> None:
-    if self._file is not None:
-      self._file.flush()
+    pass  # Every whole line is written at once.
 
   def close(self) -> None:
     if self._saved is not None:
+      handler = _absl_python_handler()
+      if handler is not None and self._absl_stream is not None:
+        handler.stream = self._absl_stream
       sys.stdout, sys.stderr = self._saved
       self._saved = None
-    if self._file is not None:
-      if self._partial.strip():
-        self.write("\n")
-      self._file.close()
-      self._file = None
+    if self._fd is not None:
+      for err in (False, True):
+        if self._partial[err].strip():
+          self.write("\n", err=err)
+      os.close(self._fd)
+      self._fd = None
+      if os.environ.get(LOG_ENV + "_PID") == str(os.getpid()):
+        os.environ.pop(LOG_ENV, None)
+        os.environ.pop(LOG_ENV + "_PID", None)
     if RunLog.active is self:
       RunLog.active = None
+
+
+def _absl_python_handler():
+  """absl's Python log handler, if absl logging is in use."""
+  try:
+    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+    return absl_logging.get_absl_handler().python_handler
+  except (ImportError, AttributeError):
+    return None

@@ -59,13 +59,15 @@ def default_data_config() -> ml_collections.ConfigDict:
   # (AWS_*, GOOGLE_APPLICATION_CREDENTIALS); storage_options is JSON mapping
   # a protocol to fsspec options, e.g. '{"s3": {"endpoint_url":
   # "http://127.0.0.1:9000"}}' (botocore also reads AWS_ENDPOINT_URL). A
-  # transient failure (5xx, timeout, reset, truncated body) is retried up to
-  # remote_retries times with backoff and counted (data/retries). A remote
-  # shard's tar index is kept in shard_index_cache (a directory or a URL a
-  # rerun and other hosts share; "" = ~/.cache/infcl_jax/shard_index,
-  # "none" = not kept).
+  # transient failure (5xx, timeout, refused or reset connection, truncated
+  # body) is retried with backoff, said in one line per burst and counted
+  # (data/retries), for up to remote_outage_s seconds (15 minutes) from the
+  # request's first failure; past it the run saves the step reached and
+  # exits 75 (requeue). A remote shard's tar index is kept in
+  # shard_index_cache (a directory or a URL a rerun and other hosts share;
+  # "" = ~/.cache/infcl_jax/shard_index, "none" = not kept).
   c.storage_options = ""
-  c.remote_retries = 8
+  c.remote_outage_s = 900.0
   # Remote examples read at once per process (1..256): a chunk's examples
   # are requested together, this many in flight, on a pool the reader
   # threads share (a chunk of n takes ~ceil(n / this) round trips).
@@ -197,13 +199,17 @@ def check_data_config(config) -> None:
         tokenizer_lib.resolve_tokenizer_config(config))
   for key in ("image_size", "num_eval_examples", "num_threads",
               "prefetch_batches", "num_train_examples", "cache_max_mb",
-              "num_workers", "decode_size", "remote_retries"):
+              "num_workers", "decode_size"):
     value = data.get(key)
     low = 0 if key in ("num_eval_examples", "prefetch_batches",
-                       "cache_max_mb", "num_workers", "decode_size",
-                       "remote_retries") else 1
+                       "cache_max_mb", "num_workers", "decode_size") else 1
     if not isinstance(value, int) or value < low:
       raise ValueError(f"config.data.{key}={value!r} must be an int >= {low}")
+  outage = data.get("remote_outage_s", remote.DEFAULT_OUTAGE_S)
+  if (not isinstance(outage, (int, float)) or isinstance(outage, bool)
+      or not 0 <= outage < float("inf")):
+    raise ValueError(f"config.data.remote_outage_s={outage!r} must be a "
+                     "number of seconds >= 0 (default 900: 15 minutes)")
   par = data.get("remote_parallelism", remote.DEFAULT_PARALLELISM)
   if not (isinstance(par, int) and 1 <= par <= remote.MAX_PARALLELISM):
     raise ValueError(f"config.data.remote_parallelism={par!r} must be an "

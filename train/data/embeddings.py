@@ -62,6 +62,11 @@ class EmbeddingSource:
     self.meta = read_meta(self.directory, what)
     self.spec = PREFIX + self.directory
     self.fingerprint = self.meta["fingerprint"]
+    # What the data iterator's state names (checkpoints): the embeddings by
+    # their content (the images' source and the tower), not by where they
+    # are, so that a moved workdir (its image_embeddings) resumes.
+    self.stream_spec = (f"{PREFIX}{self.meta['source']}@"
+                        f"{self.meta['fingerprint']}")
     self.rows = int(self.meta["rows_per_shard"])
     n, k = int(self.meta["num_examples"]), int(self.meta["num_shards"])
     missing = [s for s in range(k) if not os.path.exists(
@@ -129,6 +134,26 @@ class EmbeddingSource:
           f"image tower or preprocessing (fingerprint {self.fingerprint}) "
           f"than {what} ({fingerprint}); recompute them with `python -m "
           "train.precompute`")
+
+  def same_stream(self, saved: str) -> bool:
+    """Whether ``saved`` (a checkpoint's "dataset") names these embeddings:
+    their ``stream_spec``, or (a checkpoint written before it) their
+    directory: this one, one that holds the same embeddings, or one that is
+    gone with the same name (a workdir moved)."""
+    if saved == self.stream_spec:
+      return True
+    if not saved.startswith(PREFIX):
+      return False
+    old = saved[len(PREFIX):]
+    if old == self.directory:
+      return True
+    try:
+      meta = read_meta(old)
+    except ValueError:  # Gone (moved): the same name, the same contents?
+      return (os.path.basename(old.rstrip("/"))
+              == os.path.basename(self.directory))
+    return all(meta.get(k) == self.meta.get(k) for k in
+               ("fingerprint", "source", "num_examples", "decode_size"))
 
   def row_of(self, key: str) -> int:
     if self._row_of is None:

@@ -473,7 +473,8 @@ class TrainIterator(CountsBadData):
   def __init__(self, dataset, read_options, fingerprint: dict, *,
                microbatch_size: int, ledger: BadDataLedger,
                num_workers: int = 0, chunk: int = CHUNK,
-               read_ahead: int = 0, read_chunk=None, store=None):
+               read_ahead: int = 0, read_chunk=None, store=None,
+               same_dataset=None):
     # grain MapDataset of (position, element); with ``read_chunk`` (a
     # remote source, ``_ReadChunk``) of (position, example index), each
     # chunk's examples read together by it.
@@ -484,6 +485,9 @@ class TrainIterator(CountsBadData):
     self._num_workers = num_workers
     self._chunk_size = chunk
     self._fingerprint = fingerprint
+    # The source's test of a saved "dataset" written otherwise (embeddings
+    # named by their directory before: train/data/embeddings.py).
+    self._same_dataset = same_dataset
     self.microbatch_size = microbatch_size
     self.ledger = ledger
     self._iter = None
@@ -590,7 +594,10 @@ class TrainIterator(CountsBadData):
   def set_state(self, state: dict) -> None:
     """Continues from `state`; ValueError if it came from another stream."""
     mismatch = {k: (state.get(k), v) for k, v in self._fingerprint.items()
-                if state.get(k) != v}
+                if state.get(k) != v and not (
+                    k == "dataset" and self._same_dataset is not None
+                    and isinstance(state.get(k), str)
+                    and self._same_dataset(state[k]))}
     if mismatch:
       detail = ", ".join(f"{k}: saved {a!r} != now {b!r}"
                          for k, (a, b) in sorted(mismatch.items()))
@@ -717,7 +724,9 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   for where, reason in bad_open:
     ledger.add_bad(where, reason)
   ledger.check()
-  fingerprint = {"dataset": source.spec, "num_examples": len(source),
+  # Embeddings are named by their content (a moved workdir resumes).
+  fingerprint = {"dataset": getattr(source, "stream_spec", source.spec),
+                 "num_examples": len(source),
                  "process_index": process_index,
                  "process_count": process_count, "seed": seed,
                  "image_size": data.image_size,
@@ -731,7 +740,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
                      read_ahead=(data.get("gpu_decoder_read_ahead", 0)
                                  if batch_decoder is not None else 0),
                      read_chunk=read_chunk,
-                     store=getattr(source, "store", None))
+                     store=getattr(source, "store", None),
+                     same_dataset=getattr(source, "same_stream", None))
   if batch_decoder is None:
     return it
   return batching.Prefetch(

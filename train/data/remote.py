@@ -16,15 +16,22 @@ botocore also honours ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``, gcsfs
 ``STORAGE_EMULATOR_HOST`` (``{"gs": {"endpoint_url": ...}}``).
 
 Every request goes through ``Store.call``: a transient failure (5xx, 408,
-429, a timeout, a reset connection, a truncated body) is retried with
-exponential backoff, up to ``retries`` times, and counted by the store
+429, a timeout, a refused or reset connection, a truncated body) is
+retried with exponential backoff and jitter for as long as the store's
+outage budget allows (``outage_s``, config.data.remote_outage_s: measured
+from the request's first failure), and counted by the store
 (``Store.take_retries``: the pipeline of the store's source carries the
 count to the trainer's ``data/retries``; another pipeline's reads, an eval
-split's or a closed one's, never mix in); a
-permanent one (403, 404, 400, a Range the server ignores) is raised at once
-as one line naming the URL. The stores' own hidden retries are turned off
-where they can be (s3fs, botocore, gcsfs), so that what is retried is
-counted.
+split's or a closed one's, never mix in). Retries are said in one line per
+burst of the store's retries (``notice``: then at most one every
+``NOTICE_EVERY_S`` while it lasts) naming the store, the URL, the attempt
+and the error. A request still failing when the budget is spent raises
+``Outage`` (the trainer saves the
+step reached and exits 75: the scheduler requeues the job); a permanent
+failure (403, 404, 400, a Range the server ignores) is raised at once as
+one line naming the URL (``RemoteError``, a ValueError: exit 2). The
+stores' own hidden retries are turned off where they can be (s3fs,
+botocore, gcsfs), so that what is retried is counted.
 
 The examples of a chunk are read together (``parallel_map``): at most
 ``config.data.remote_parallelism`` requests in flight per process, on a
@@ -44,18 +51,29 @@ import json
 import os
 import random
 import re
+import sys
 import tempfile
 import threading
 import time
 import urllib.parse
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-DEFAULT_RETRIES = 8
+# How long a store may keep failing (transient failures only) before a read
+# gives up: config.data.remote_outage_s.
+DEFAULT_OUTAGE_S = 900.0
 # Backoff before retry i (0-based): BACKOFF_S * 2**i, at most MAX_BACKOFF_S,
 # times a random factor in [0.5, 1] (jitter: many readers do not retry in
-# step).
+# step); the last wait ends at the budget, for one more attempt.
 BACKOFF_S = 0.1
 MAX_BACKOFF_S = 10.0
+# Retry lines: one when a burst of retries begins (a retry more than
+# BURST_GAP_S after the store's previous one), however many readers it
+# hits, then at most one every NOTICE_EVERY_S while it lasts.
+BURST_GAP_S = 5.0
+NOTICE_EVERY_S = 30.0
+# A process that does not own the run's console (a data worker process)
+# appends its retry lines to the file this names too (the run's train.log).
+LOG_ENV = "INFCL_RUN_LOG"
 # A request that sends nothing for this long is a transient failure.
 TIMEOUT_S = 60.0
 # Block size of the sequential reads that scan a remote shard's headers.
@@ -126,6 +144,50 @@ def join(root: str, path: str) -> str:
 
 class RemoteError(ValueError):
   """A remote file that cannot be read: one line naming it (scrubbed)."""
+
+
+class Outage(Exception):
+  """A store that kept failing (transient failures: refused connections,
+  timeouts, 5xx) for longer than its outage budget. Not a usage error: the
+  trainer saves the step reached and exits 75 (``train/main.py``) so that
+  the scheduler requeues the job. Neither a ValueError nor an OSError, so
+  that no reader turns it into a bad example or a one-line usage error."""
+
+  def __init__(self, url: str, budget_s: float, attempts: int, last: str,
+               what: str = "read"):
+    super().__init__(url, budget_s, attempts, last, what)
+    self.url, self.budget_s, self.attempts, self.last = (url, budget_s,
+                                                         attempts, last)
+    self.what = what
+
+  def __str__(self):
+    return (f"cannot {self.what} {self.url}: the store kept failing for "
+            f"config.data.remote_outage_s={self.budget_s:g} s ({self.attempts}"
+            f" attempts, the last with {self.last})")
+
+
+def notice(line: str) -> None:
+  """A store's retry line: on stderr (the run's console and train.log) and,
+  in a process that does not own them (a data worker), appended to the
+  file ``$INFCL_RUN_LOG`` names too. Above a progress bar, where one is
+  drawn (tqdm's write)."""
+  tqdm = sys.modules.get("tqdm")
+  if tqdm is not None and getattr(tqdm, "tqdm", None) is not None:
+    tqdm.tqdm.write(line, file=sys.stderr)
+  else:
+    print(line, file=sys.stderr, flush=True)
+  path = os.environ.get(LOG_ENV, "")
+  owner = os.environ.get(LOG_ENV + "_PID", "")
+  if path and owner and owner != str(os.getpid()):
+    try:
+      fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+      try:
+        os.write(fd, f"[worker {os.getpid()}] {line}\n".encode(
+            "utf-8", "replace"))
+      finally:
+        os.close(fd)
+    except OSError:
+      pass
 
 
 class NotFound(RemoteError):
@@ -284,18 +346,27 @@ class Store:
   """fsspec filesystems by protocol (one per process, made on first use)
   and the retrying calls every remote read goes through.
 
+  Args:
+    storage_options: config.data.storage_options.
+    outage_s: how long a request may keep failing (transient failures)
+      before it raises ``Outage``: config.data.remote_outage_s.
+    backoff_s: the first wait between attempts (doubling, jittered, at most
+      MAX_BACKOFF_S).
+
   Picklable (grain's worker processes): the filesystems are made again in
   each process.
   """
 
-  def __init__(self, storage_options=None, *, retries: int = DEFAULT_RETRIES,
+  def __init__(self, storage_options=None, *,
+               outage_s: float = DEFAULT_OUTAGE_S,
                backoff_s: float = BACKOFF_S):
     self.options = parse_storage_options(storage_options)
-    self.retries, self.backoff_s = retries, backoff_s
+    self.outage_s, self.backoff_s = float(outage_s), backoff_s
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
     self.retries_made = 0  # By this store, in this process.
     self._retries_taken = 0
+    self._last_notice = self._last_retry = -float("inf")
 
   def take_retries(self) -> int:
     """The retries this store made in this process since the last call."""
@@ -305,7 +376,7 @@ class Store:
     return n
 
   def __getstate__(self):
-    return {"options": self.options, "retries": self.retries,
+    return {"options": self.options, "outage_s": self.outage_s,
             "backoff_s": self.backoff_s}
 
   def __setstate__(self, state):
@@ -313,6 +384,7 @@ class Store:
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
     self.retries_made = self._retries_taken = 0
+    self._last_notice = self._last_retry = -float("inf")
 
   def filesystem(self, url: str):
     """(fsspec filesystem, its path of ``url``)."""
@@ -342,11 +414,30 @@ class Store:
       return fs, url
     return fs, fs._strip_protocol(url)  # pylint: disable=protected-access
 
+  def _retrying(self, url: str, attempt: int, elapsed: float, e) -> None:
+    """Counts a retry and says so: at the start of a burst, then at most
+    once every NOTICE_EVERY_S."""
+    now = time.monotonic()
+    with self._lock:
+      self.retries_made += 1
+      new_burst = now - self._last_retry >= BURST_GAP_S
+      self._last_retry = now
+      say = new_burst or now - self._last_notice >= NOTICE_EVERY_S
+      if say:
+        self._last_notice = now
+    if say:
+      notice(f"[data] {protocol(url)}: retrying {scrub(url)} (attempt "
+             f"{attempt + 1}, {elapsed:.1f} s into the outage budget "
+             f"config.data.remote_outage_s={self.outage_s:g}): {_reason(e)}")
+
   def call(self, url: str, fn, what: str = "read"):
-    """``fn(fs, path)``, retried on transient failures (counted); a
-    permanent failure raises RemoteError (NotFound for 404) naming the URL."""
+    """``fn(fs, path)``, retried on transient failures (counted) until it
+    succeeds or ``outage_s`` has passed since its first failure (then
+    ``Outage``); a permanent failure raises RemoteError (NotFound for 404)
+    naming the URL."""
     fs, path = self.filesystem(url)
-    for attempt in range(self.retries + 1):
+    attempt, first_failure = 0, None
+    while True:
       try:
         return fn(fs, path)
       except Exception as e:  # pylint: disable=broad-except
@@ -357,14 +448,17 @@ class Store:
         if kind == "permanent":
           raise RemoteError(f"cannot {what} {scrub(url)}: {_reason(e)}"
                             ) from None
-        if attempt == self.retries:
-          raise RemoteError(
-              f"cannot {what} {scrub(url)}: {self.retries + 1} attempts "
-              f"failed, the last with {_reason(e)}") from None
-        with self._lock:
-          self.retries_made += 1
-        time.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt)
-                   * random.uniform(0.5, 1.0))
+        now = time.monotonic()
+        first_failure = now if first_failure is None else first_failure
+        attempt += 1
+        elapsed = now - first_failure
+        if elapsed >= self.outage_s:
+          raise Outage(scrub(url), self.outage_s, attempt, _reason(e),
+                       what) from None
+        self._retrying(url, attempt, elapsed, e)
+        wait = (min(MAX_BACKOFF_S, self.backoff_s * 2**min(attempt - 1, 30))
+                * random.uniform(0.5, 1.0))
+        time.sleep(min(wait, self.outage_s - elapsed))
 
   def info(self, url: str) -> dict:
     """{"size": int, "validator": str}: the size and what identifies this
@@ -547,3 +641,62 @@ def cached(store: Store, cache_dir: str, url: str, info: dict, compute):
     logging.warning("shard index cache %s not written: %s", scrub(cache_dir),
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
   return value
+
+
+def default_files_cache() -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "infcl_jax",
+                      "remote_files")
+
+
+def _atomic_write_bytes(path: str, data: bytes) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def local_copy(store: Store, url: str, cache_dir: str = "") -> str:
+  """A local copy of the object ``url``, or of the objects under it when
+  it is a prefix (a "directory": a model's files), for readers that take
+  local paths only. Fetched through ``store`` (retried, an outage raises
+  ``Outage``) into ``cache_dir`` (default ``default_files_cache()``), under
+  a name made of the URL and each object's size and version: a rerun, or
+  another process of the host, reads the listing only; a new version is
+  fetched again (an object without a version, every time). NotFound or
+  RemoteError in one line naming the URL."""
+  cache_dir = cache_dir or default_files_cache()
+
+  def listing(fs, path):
+    info = fs.info(path)
+    if info.get("type") != "directory":
+      return None
+    base = path.rstrip("/") + "/"
+    return {k[len(base):]: _summary(v) for k, v in
+            fs.find(path, detail=True).items()
+            if v.get("type") != "directory" and k.startswith(base)}
+
+  files = store.call(url, listing, "list")
+  if files is None:  # One object.
+    info = store.info(url)
+    key = json.dumps([scrub(url), info["size"], info["validator"]])
+    target = os.path.join(cache_dir, hashlib.sha256(
+        key.encode()).hexdigest()[:24], basename(url))
+    if not (info["validator"] and os.path.isfile(target)):
+      _atomic_write_bytes(target, store.read(url))
+    return target
+  if not files:
+    raise NotFound(f"{scrub(url)} does not exist (nothing under it)")
+  key = json.dumps([scrub(url), sorted((k, v["size"], v["validator"])
+                                       for k, v in files.items())])
+  target = os.path.join(cache_dir, hashlib.sha256(
+      key.encode()).hexdigest()[:24], basename(url))
+  done = os.path.join(target, ".complete")
+  if all(v["validator"] for v in files.values()) and os.path.exists(done):
+    return target
+  root = url.rstrip("/")
+  for rel in sorted(files):
+    _atomic_write_bytes(os.path.join(target, *rel.split("/")),
+                        store.read(f"{root}/{rel}"))
+  _atomic_write_bytes(done, b"")
+  return target

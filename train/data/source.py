@@ -120,12 +120,14 @@ class BadDataLedger:
     self.retries = 0
     self.by_reason = collections.Counter()
     self._counted = set()
+    self._sorted = []  # sorted(_counted), kept for state() (every step).
     self._next_log = log_first * 2
 
   def add_bad(self, where: str, reason: str) -> None:
     if where in self._counted:
       return  # Met again: a later epoch, or another copy of its image.
     self._counted.add(where)
+    self._sorted = None
     self.bad += 1
     # The kind of problem, without the path or details that follow it.
     self.by_reason[reason_kind(reason)] += 1
@@ -167,7 +169,12 @@ class BadDataLedger:
             "good_taken": self.good_taken,
             "corpus_size": self.corpus_size, "copies": self.copies,
             "by_reason": dict(self.by_reason),
-            "counted": sorted(self._counted), "retries": self.retries}
+            "counted": self._counted_sorted(), "retries": self.retries}
+
+  def _counted_sorted(self) -> list:
+    if self._sorted is None:
+      self._sorted = sorted(self._counted)
+    return list(self._sorted)
 
   def set_state(self, state: dict) -> None:
     self.bad = int(state["bad"])
@@ -179,6 +186,7 @@ class BadDataLedger:
     self.copies = int(state.get("copies", self.copies))
     self.by_reason = collections.Counter(state.get("by_reason", {}))
     self._counted = set(state.get("counted", ()))
+    self._sorted = None
     self._next_log = max(self.log_first * 2, 1 << self.bad.bit_length())
 
 

@@ -336,10 +336,10 @@ def check_sources(data) -> None:
 
 def make_store(data) -> remote.Store:
   """The reader of remote files (train/data/remote.py) config.data asks
-  for: its storage_options and remote_retries."""
+  for: its storage_options and remote_outage_s."""
   return remote.Store(data.get("storage_options", ""),
-                      retries=data.get("remote_retries",
-                                       remote.DEFAULT_RETRIES))
+                      outage_s=data.get("remote_outage_s",
+                                        remote.DEFAULT_OUTAGE_S))
 
 
 def index_cache_of(data) -> str:
@@ -425,13 +425,16 @@ def split_spec(data, split: str) -> str:
   return split
 
 
-def open_source(data, split: str, *, what: str = "config.data.name"):
+def open_source(data, split: str, *, what: str = "config.data.name",
+                between_chunks=None):
   """The random-access source of ``split`` of config.data (the contract of
   train/data/source.py). One-line ValueError for a missing shard, table or
   directory, an unreadable file, or a split a file source cannot have.
 
   Evaluation (train/data/eval_sets.py) uses it with data.eval_split; the
-  examples come back in source order, with their keys.
+  examples come back in source order, with their keys. ``between_chunks``
+  (webdataset): called between chunks of shards indexed (see
+  ``webdataset.WebDatasetSource``).
   """
   name = split_spec(data, split)
   kind = kind_of(name)
@@ -446,7 +449,8 @@ def open_source(data, split: str, *, what: str = "config.data.name"):
         name[len("webdataset:"):], image_exts=data.wds_image_exts,
         caption_ext=data.wds_caption_ext, label_field=data.wds_label_field,
         num_threads=max(data.num_threads, 4), what=what,
-        store=make_store(data), index_cache=index_cache_of(data))
+        store=make_store(data), index_cache=index_cache_of(data),
+        between_chunks=between_chunks)
   if kind == "table":
     from train.data import table  # pylint: disable=import-outside-toplevel
     return table.TableSource(

@@ -33,6 +33,9 @@ from train.data import source as source_lib
 from train.data.source import BadExample
 
 PREFIX = "webdataset:"
+# Shards indexed between two calls of ``between_chunks`` (the trainer's
+# preemption check: a signal while indexing stops the run after the chunk).
+INDEX_CHUNK = 64
 DEFAULT_IMAGE_EXTS = "jpg;jpeg;png;webp"
 DEFAULT_CAPTION_EXT = "txt"
 
@@ -54,35 +57,43 @@ def _expand(pattern, what, store, num_threads):
                  for p in braceexpand.braceexpand(part))
   if not paths:
     raise ValueError(f"{what}: no shards in {pattern!r}")
-  more = (f" (and {len(paths) - 1} more in the pattern)" if len(paths) > 1
-          else "")
   urls = [p for p in paths if remote.is_url(p)]
-  infos = {}
+  infos, missing = {}, []
   if urls:
-    infos = _infos(urls, store or remote.Store(), num_threads, what, more)
-    for p in urls:
-      if infos[p].get("size") is None:
-        raise ValueError(f"{what}: shard {remote.scrub(p)!r}: the server "
-                         "gives no size (Content-Length)")
+    infos = _infos(urls, store or remote.Store(), num_threads, what)
+    missing = [p for p in urls if infos[p] is None]
+  missing += [p for p in paths if not remote.is_url(p)
+              and not os.path.isfile(p)]
+  if missing:
+    first = min(missing, key=paths.index)
+    raise ValueError(f"{what}: shard {remote.scrub(first)!r} does not exist"
+                     + _missing_count(len(missing), len(paths)))
+  for p in urls:
+    if infos[p].get("size") is None:
+      raise ValueError(f"{what}: shard {remote.scrub(p)!r}: the server "
+                       "gives no size (Content-Length)")
   for p in paths:
-    if remote.is_url(p):
-      continue
-    if not os.path.isfile(p):
-      raise ValueError(f"{what}: shard {p!r} does not exist{more}")
-    if not os.access(p, os.R_OK):
+    if not remote.is_url(p) and not os.access(p, os.R_OK):
       raise ValueError(f"{what}: shard {p!r} is not readable")
   return paths, infos
 
 
-def _infos(urls, store, num_threads, what, more="") -> dict:
-  """{url: store.info(url)}, looked up in parallel; one line naming the
-  first that is missing or unreadable."""
+def _missing_count(missing: int, total: int) -> str:
+  """How many of the pattern's shards are missing, in words."""
+  if total == 1:
+    return ""
+  return (f" ({missing} of the {total} shards in the pattern "
+          f"{'is' if missing == 1 else 'are'} missing)")
+
+
+def _infos(urls, store, num_threads, what) -> dict:
+  """{url: store.info(url), or None for a missing one}, looked up in
+  parallel; one line naming the first that is unreadable."""
   def info(u):
     try:
       return store.info(u)
     except remote.NotFound:
-      raise ValueError(f"{what}: shard {remote.scrub(u)!r} does not exist"
-                       f"{more}") from None
+      return None
     except remote.RemoteError as e:
       raise ValueError(f"{what}: shard {e}") from None
   with concurrent.futures.ThreadPoolExecutor(
@@ -213,13 +224,17 @@ class WebDatasetSource:
     store: reads remote shards (train/data/remote.py; default: the
       standard environment's credentials, default retries).
     index_cache: where remote shards' indexes are kept ("" = not kept).
+    between_chunks: called as ``between_chunks(shards_done, shards)``
+      after each INDEX_CHUNK shards indexed (the trainer's preemption
+      check; with a third argument, the ``remote.Outage`` that stopped the
+      chunk); it may raise to stop the indexing there.
   """
 
   def __init__(self, pattern: str, *, image_exts: str = DEFAULT_IMAGE_EXTS,
                caption_ext: str = DEFAULT_CAPTION_EXT, label_field: str = "",
                num_threads: int = 8, what: str = "config.data.name",
                store: remote.Store | None = None,
-               index_cache: str = ""):
+               index_cache: str = "", between_chunks=None):
     # The pattern without the secrets a URL may hold (a signed URL's
     # query): the spec is logged and kept in checkpoints.
     self.spec = PREFIX + remote.scrub_pattern(pattern)
@@ -237,11 +252,19 @@ class WebDatasetSource:
                                    index_cache=index_cache)
     # Remote shards are latency-bound: more of them in flight.
     threads = max(1, num_threads) * (4 if infos else 1)
+    results = []
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      try:
-        results = list(pool.map(index, self.paths))
-      except remote.RemoteError as e:
-        raise ValueError(f"{what}: shard {e}") from None
+      for a in range(0, len(self.paths), INDEX_CHUNK):
+        try:
+          results += pool.map(index, self.paths[a:a + INDEX_CHUNK])
+        except remote.RemoteError as e:
+          raise ValueError(f"{what}: shard {e}") from None
+        except remote.Outage as e:
+          if between_chunks is not None:  # It stops the run (all processes).
+            between_chunks(len(results), len(self.paths), e)
+          raise
+        if between_chunks is not None:
+          between_chunks(len(results), len(self.paths))
     self.bad_at_open = [b for _, bad in results for b in bad]
     self.keys = []
     shard_ids, table = [], []
