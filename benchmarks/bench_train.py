@@ -739,13 +739,14 @@ def _variants(args) -> list:
   micro-batch x --remat (keys only where not the default, so that earlier
   rows keep their identity for --resume) and --loss_dtype."""
   out = []
+  loss_dtype = getattr(args, "loss_dtype", "")
   for mb in microbatches(args.microbatch):
-    for remat in args.remat.split(","):
+    for remat in getattr(args, "remat", "none").split(","):
       v = dict(microbatch=mb)
       if remat != "none":
         v["remat"] = remat
-      if args.loss_dtype:
-        v["loss_dtype"] = args.loss_dtype
+      if loss_dtype:
+        v["loss_dtype"] = loss_dtype
       out.append(v)
   return out
 
@@ -792,7 +793,7 @@ def plan(args, model) -> list:
             decoder=decoder,
             jpeg_size=args.decode_size or (64 if args.quick else 256),
             embed_reps=1 if args.quick else 2), **variant))
-  if args.stages:
+  if getattr(args, "stages", False):
     # One micro-batch of the stream cases' images through each stage.
     cases.append(dict(kind="stages", batch=first, mode="stages",
                       microbatch=first, decode_size=args.decode_size,

@@ -419,7 +419,7 @@ def oom_status(e, phase: str = "run") -> str:
   was asked for, what the device held), never a bare "oom"."""
   from train import memory  # pylint: disable=import-outside-toplevel
   device = None
-  if not isinstance(e, str):
+  if not isinstance(e, str) and "RESOURCE_EXHAUSTED" in str(e):  # JAX's
     try:
       import jax  # pylint: disable=import-outside-toplevel
       device = jax.local_devices()[0]
