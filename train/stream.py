@@ -181,6 +181,7 @@ class StepProgress:
     self._step = None  # The step in progress (None: none).
     self._t0 = self._last = 0.0
     self._total, self._each, self._embs, self._ready = 0, 0, None, 0
+    self._offset = 0  # The micro-batch of self._embs[0].
     self._embedded_at = None  # When its last embedding was seen ready.
     self._out, self._dispatched_at = None, None
     self._prev_out, self._prev_step = None, None
@@ -196,6 +197,7 @@ class StepProgress:
       self._step, self._t0 = step, self.clock()
       self._last = self._t0
       self._total, self._each, self._embs, self._ready = 0, 0, None, 0
+      self._offset = 0
       self._embedded_at, self._out, self._dispatched_at = None, None, None
     if self._thread is None:
       self._thread = threading.Thread(target=self._run, daemon=True,
@@ -205,8 +207,10 @@ class StepProgress:
   def embedding(self, total: int, embs: list) -> None:
     """The step embeds ``total`` micro-batches into ``embs`` (appended to
     as they are dispatched)."""
+    if self.say is None:
+      return
     with self._lock:
-      self._total, self._embs, self._ready = total, embs, 0
+      self._total, self._embs, self._ready, self._offset = total, embs, 0, 0
 
   def set_images_per_microbatch(self, n: int) -> None:
     self._each = n
@@ -219,6 +223,10 @@ class StepProgress:
       self._out, self._dispatched_at = out, self.clock()
       if self._embs is not None:
         self._count_ready()
+        # Only the embeddings still running are watched from here on: the
+        # others' memory is the step's to free.
+        self._embs = self._embs[self._ready - self._offset:]
+        self._offset = self._ready
 
   def close(self) -> None:
     self._stop.set()
@@ -227,8 +235,9 @@ class StepProgress:
       self._thread = None
 
   def _count_ready(self) -> int:
-    embs = self._embs
-    while self._ready < len(embs) and _ready(embs[self._ready]):
+    embs, offset = self._embs, self._offset
+    while (self._ready - offset < len(embs)
+           and _ready(embs[self._ready - offset])):
       self._ready += 1
       if self._ready == self._total:
         self._embedded_at = self.clock()
@@ -253,7 +262,7 @@ class StepProgress:
     if self._out is not None and _ready(self._out):
       if self._dispatched_at is not None and self._embedded_at is not None:
         self._after_s = now - max(self._dispatched_at, self._embedded_at)
-      self._step = None  # Done: nothing more to say of it.
+      self._step, self._embs = None, None  # Done: nothing more to say.
       return None
     # Due: the step is an interval old, and the last line is (less one
     # wake-up, so that the lines are at most an interval apart).
@@ -263,12 +272,12 @@ class StepProgress:
     self._last = now
     elapsed = now - self._t0
     head = f"{self.tag} step {self._step}, {elapsed:.0f} s in: "
-    if self._embs is None or not self._total:
+    if not self._total:
       if self._out is None:
         return head + "building its batch"
       return head + f"running for {now - self._dispatched_at:.0f} s"
     done, total, each = self._count_ready(), self._total, self._each
-    rate = done * each / elapsed
+    rate = done * each / max(1e-9, (self._embedded_at or now) - self._t0)
     head += f"{done}/{total} micro-batches embedded"
     if each:
       head += (f" ({done * each:,} of {total * each:,} images, "
@@ -285,7 +294,7 @@ class StepProgress:
     if not done and self._prev_out is not None and not _ready(self._prev_out):
       head += (f"; the device is still on step {self._prev_step}'s text "
                "tower and loss")
-    elif not self._embs:
+    elif not self._embs and self._out is None:
       head += "; waiting for its first micro-batch from the input"
     return head
 

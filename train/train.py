@@ -514,7 +514,9 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
                                tokenizer)
     if is_main:
       print("\n".join(evaluator.describe()), flush=True)
-    eval_metrics = evaluator(params)
+    with memory_lib.phase("eval", jax.local_devices()[0],
+                          memory_lib.EVAL_HINT):
+      eval_metrics = evaluator(params)
     if summary is None:  # Stopped after the final checkpoint.
       summary = {"steps": latest, "resumed_from": latest,
                  **_last_train_row(workdir)}
