@@ -190,14 +190,15 @@ def _size(spec, step_for, state, tower, embed, mesh):
     else:
       s = m["image_size"]
       batch["image"] = shaped((b, s, s, 3), np.uint8)
-    step_bytes = memory.compiled_bytes(
-        step_for(mb).lower(abstract, batch).compile())
+    platform = jax.devices()[0].platform
+    step_bytes = memory.plan_bytes(step_for(mb).lower(abstract, batch),
+                                   platform)
     stream = 0
     if mode == "stream":
       params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=NamedSharding(mesh, P())), tower.params)
-      stream = memory.compiled_bytes(embed.lower(
-          params, shaped((mb, side, side, 3), np.uint8)).compile())
+      stream = memory.plan_bytes(embed.lower(
+          params, shaped((mb, side, side, 3), np.uint8)), platform)
       # In flight (depth 2) and, with the GPU decoder, decoded ahead (2 in
       # its queue, 1 being decoded).
       stream += (2 + (3 if gpu else 0)) * (mb // mesh.size) * side**2 * 3

@@ -15,8 +15,11 @@ first local device, the host's memory for a CPU device, or
   that divides the batch, splits over the devices and plans at most
   ``MARGIN`` of the memory (the rest for what XLA's plan does not see:
   fragmentation when JAX grows its memory on demand, cuDNN's workspaces, a
-  GPU decoder's own buffers). Found by bisection over those sizes, one
-  compile each (the chosen one's compile is the step's).
+  GPU decoder's own buffers). Found by bisection over those sizes, the
+  largest first, one compile each (on a GPU without autotuning:
+  ``SIZING_OPTIONS``). The sum is exact where JAX grows its memory on
+  demand (the image stream's temporaries stay held beside the step's),
+  and cautious with preallocation (one arena that both reuse).
 - a set micro-batch whose plan exceeds the memory stops the run there, in
   one line that names the memory needed, the memory there and the
   micro-batch that fits.
@@ -88,6 +91,24 @@ def compiled_bytes(compiled) -> int:
     return 0
   return int(m.argument_size_in_bytes + m.output_size_in_bytes
              + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+# XLA options of the compiles that only size (GPU): no autotuning of the
+# matmuls and fusions, which takes most of a GPU compile and barely moves
+# the plan. The size chosen is then compiled as usual, for the step.
+SIZING_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def plan_bytes(lowered, platform: str, search: bool = True) -> int:
+  """``compiled_bytes`` of a ``jit(...).lower(...)``: while searching on a
+  GPU compiled with ``SIZING_OPTIONS`` (as usual where XLA refuses them),
+  else as usual (the step's own call then reuses the compile)."""
+  if search and platform == "gpu":
+    try:
+      return compiled_bytes(lowered.compile(compiler_options=SIZING_OPTIONS))
+    except Exception:  # pylint: disable=broad-except
+      pass  # An XLA without the option: compiled as usual below.
+  return compiled_bytes(lowered.compile())
 
 
 def device_limit(config_gb: float, device) -> tuple[int | None, str]:

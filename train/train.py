@@ -243,6 +243,9 @@ def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
                    else max(1, config.data.prefetch_batches) + 1)
   depth = max(1, config.data.prefetch_batches)
   steps = {}
+  # A set micro-batch is compiled as the step will be (its call reuses it);
+  # "auto"'s sizes are compiled faster on a GPU (memory.plan_bytes).
+  search = config.microbatch_size == "auto"
 
   def plan_fn(mb):
     chunked = 0 < mb < b
@@ -256,8 +259,8 @@ def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
       batch["group"] = shaped((b,), np.int32)
     steps[mb] = make_step(mb)
     with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
-      step_bytes = memory_lib.compiled_bytes(
-          steps[mb].lower(abstract_state, batch).compile())
+      step_bytes = memory_lib.plan_bytes(
+          steps[mb].lower(abstract_state, batch), device.platform, search)
     stream_bytes = 0
     if streamed:
       params = jax.tree.map(
@@ -265,8 +268,9 @@ def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
               x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
           tower.params)
       with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
-        stream_bytes = memory_lib.compiled_bytes(embed.lower(
-            params, shaped((mb, side, side, 3), np.uint8)).compile())
+        stream_bytes = memory_lib.plan_bytes(embed.lower(
+            params, shaped((mb, side, side, 3), np.uint8)), device.platform,
+            search)
       stream_bytes += (depth + decoded_ahead) * (mb // n_dev) * image_bytes
     elif not precomputed:
       stream_bytes = decoded_ahead * (b // n_dev) * image_bytes
