@@ -551,7 +551,10 @@ def stages_child(spec) -> dict:
   what the step runs once the images are there), from host images (the
   stream rows' "device alone": transfer, then embedding), with 2 in flight
   over 4 micro-batches (the transfer beside the embedding, as the step
-  runs), and at the tower's own size (no resize: decode_size 0)."""
+  runs), and at the tower's own size (no resize: decode_size 0). The
+  transfer is also timed from page-locked host memory (memory_kind
+  "pinned_host", where the platform has it): the pipeline's buffers are
+  pageable."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -584,6 +587,14 @@ def stages_child(spec) -> dict:
   put = lambda: jax.device_put(x, rows)  # noqa: E731
   t = rate("transfer", put)
   out["transfer_gb_s"] = x.nbytes / t / 1e9
+  try:  # From page-locked host memory: what pinned buffers would give.
+    pinned = jax.block_until_ready(jax.device_put(x, NamedSharding(
+        mesh, P(step_lib.AXIS), memory_kind="pinned_host")))
+    t = rate("transfer_pinned", lambda: jax.device_put(pinned, rows))
+    out["transfer_pinned_gb_s"] = x.nbytes / t / 1e9
+    del pinned
+  except Exception as e:  # pylint: disable=broad-except
+    out["transfer_pinned"] = f"not run: {type(e).__name__}: {str(e)[:100]}"
   xd = jax.block_until_ready(put())
   hp = jax.lax.Precision.HIGHEST
   resize = jax.jit(lambda a: resize_lib.resize_square(a, s, hp))
@@ -627,8 +638,9 @@ def stages_child(spec) -> dict:
 
 
 # The stage fields of a stages row, in the order of the printed line.
-STAGES = ("transfer", "resize", "resize_default", "normalise", "tower",
-          "embed_device", "embed_host", "embed_pipelined", "embed_at_size")
+STAGES = ("transfer", "transfer_pinned", "resize", "resize_default",
+          "normalise", "tower", "embed_device", "embed_host",
+          "embed_pipelined", "embed_at_size")
 
 
 # ----------------------------------------------------------------- parent
@@ -643,6 +655,7 @@ COLS = ["kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
         "decode_size", "image_model", "remat", "loss_dtype",
         "microbatch_used", "planned_gb", "xla_plan_gb",
         *(f"{k}_img_s" for k in STAGES), "transfer_gb_s",
+        "transfer_pinned_gb_s",
         "loss_value", "device_kind", "n_devices", "jax", "date"]
 # A case's identity, for --resume.
 KEY = ("kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
@@ -846,7 +859,9 @@ def _progress(r):
           f"{r['host_image_size']} px): " + ", ".join(
               f"{k} {r[f'{k}_img_s']:,.0f} img/s ({r[f'{k}_ms']:.1f} ms)"
               for k in STAGES if r.get(f"{k}_img_s"))
-          + f"; transfer {r['transfer_gb_s']:.1f} GB/s", flush=True)
+          + f"; transfer {r['transfer_gb_s']:.1f} GB/s"
+          + (f", from pinned memory {r['transfer_pinned_gb_s']:.1f} GB/s"
+             if r.get("transfer_pinned_gb_s") else ""), flush=True)
   if r.get("decode_thread"):
     print("[bench_train]   decode thread (wall/cpu s): " + ", ".join(
         f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"
