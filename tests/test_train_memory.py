@@ -1,8 +1,8 @@
 """The step's memory (train/memory.py) and the progress of long steps.
 
 - ``size_microbatch``: "auto" takes the largest micro-batch that plans at
-  most 90% of the memory (the largest first, then bisection: a compile
-  each); a set one that cannot fit is one line naming the memory needed,
+  most 90% of the memory (from the largest down in steps that double,
+  then bisection: a compile each); a set one that cannot fit is one line naming the memory needed,
   the memory there and the micro-batch that fits.
 - An out-of-memory error is one line (which memory, the phase, the bytes
   asked for) in the trainer (``phase``) and in a benchmark row (``oom: ``,
@@ -55,7 +55,8 @@ def test_auto_takes_the_largest_that_fits_in_few_compiles():
                              plan_fn=_affine_plans(calls), limit=29_000,
                              source="a test", largest=512)
   assert s.microbatch == 128 and s.plan.total == 13_800
-  assert calls[0] == 512 and len(calls) <= 1 + 4, calls  # 7 sizes: bisected.
+  # From the largest down (512, 256, then 64 fits), then bisection (128).
+  assert calls == [512, 256, 64, 128], calls
   assert s.line == ("[lit] micro-batch auto: 128 of the batch 1024, planning "
                     "13.8 KB per device (the step 8.68 KB + the image stream "
                     "5.12 KB), of 29 KB there (a test); up to 90% planned")

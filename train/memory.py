@@ -15,8 +15,8 @@ first local device, the host's memory for a CPU device, or
   that divides the batch, splits over the devices and plans at most
   ``MARGIN`` of the memory (the rest for what XLA's plan does not see:
   fragmentation when JAX grows its memory on demand, cuDNN's workspaces, a
-  GPU decoder's own buffers). Found by bisection over those sizes, the
-  largest first, one compile each (on a GPU without autotuning:
+  GPU decoder's own buffers). Found from the largest down (steps that
+  double, then bisection), one compile each (on a GPU without autotuning:
   ``SIZING_OPTIONS``). The sum is exact where JAX grows its memory on
   demand (the image stream's temporaries stay held beside the step's),
   and cautious with preallocation (one arena that both reuse).
@@ -145,14 +145,24 @@ def candidates(batch: int, multiple: int, largest: int) -> list[int]:
 
 def _largest_fitting(sizes: list, fits: Callable[[int], bool]):
   """The largest of ``sizes`` (ascending) that ``fits``, assuming that
-  what fits at m fits below it: the largest first, then bisection; None if
-  none fits."""
+  what fits at m fits below it; None if none fits. The answer is usually
+  near the top (a halved micro-batch fits): the largest first, then steps
+  down that double (the 2nd, 4th, 8th, ... largest), then bisection
+  between the last that failed and the first that fits."""
   if not sizes:
     return None
-  if fits(sizes[-1]):
-    return sizes[-1]
-  lo, hi = -1, len(sizes) - 1  # sizes[hi] does not fit; sizes[lo] does.
-  while hi - lo > 1:
+  hi, step = len(sizes) - 1, 1  # sizes[hi] is not known to fit yet.
+  if fits(sizes[hi]):
+    return sizes[hi]
+  while True:  # sizes[hi] does not fit.
+    lo = hi - step
+    if lo < 0:
+      lo = -1
+      break
+    if fits(sizes[lo]):
+      break
+    hi, step = lo, step * 2
+  while hi - lo > 1:  # sizes[lo] fits (or lo = -1), sizes[hi] does not.
     mid = (lo + hi) // 2
     if fits(sizes[mid]):
       lo = mid
