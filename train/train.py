@@ -575,6 +575,15 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   if is_main and sizing.line:
     print(sizing.line, flush=True)
   mb = sizing.microbatch
+  if config.microbatch_size == "auto" and jax.process_count() > 1:
+    # Every process must take the same size: the smallest chosen (it fits
+    # wherever a larger one does).
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
+    if agreed != mb and is_main:
+      print(f"[lit] micro-batch auto: {agreed}, the smallest any process "
+            "chose", flush=True)
+    mb = agreed
   chunked = 0 < mb < config.batch_size
   num_micro = config.batch_size // mb if chunked else 1
 
