@@ -41,7 +41,8 @@ from typing import Callable
 MARGIN = 0.9
 # The largest micro-batch "auto" tries: the micro-batch of the project's
 # large-batch configs (configs/lit_b16_large_batch.py). A larger one holds
-# more images on the host and the device for no measured gain.
+# more images on the host and the device; whether it is faster is not
+# measured (benchmarks/bench_train.py --microbatch).
 AUTO_MAX = 8192
 
 GB = 1e9
