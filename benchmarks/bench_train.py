@@ -12,8 +12,14 @@ an out-of-memory or timed-out case costs only its row). Cases: ``step``
 alone timed too, for its share), ``stream`` (the trainer's real input path
 from JPEG bytes through decode workers and the streamed tower),
 ``precompute`` (``train.precompute``: a JPEG shard set embedded once by the
-locked tower, img/s) and the ``max_batch`` ladder (one step each; stops at
-the first that does not fit).
+locked tower, img/s), ``stages`` (--stages: the device-alone embedding of
+one micro-batch split into its uint8 transfer, resize, normalisation and
+tower forward, each timed alone) and the ``max_batch`` ladder (one step
+each; stops at the first that does not fit). --microbatch takes several
+sizes and "auto" (the trainer's sizing, train/memory.py), --remat the text
+blocks' rematerialisation (config.model.text.remat), --loss_dtype the
+trainer's config.loss.dtype. A stream case prints the trainer's progress
+line every 10 s of a step.
 Rows go to bench_train.jsonl as each case ends (--resume runs only what is
 missing), bench_train.csv and bench_train.json after each.
 """
@@ -31,6 +37,13 @@ sys.path.insert(0, ROOT)
 from benchmarks import harness  # pylint: disable=wrong-import-position
 
 PHASE_TAG = "BENCH_TRAIN_PHASE "
+# A stream case's progress lines (train.stream.StepProgress), echoed by the
+# parent into its log as they come.
+PROGRESS_TAG = ("[bench_train] step", "[bench_train] micro-batch")
+PROGRESS_INTERVAL_S = 10.0
+# Where a child is (build, compile, embed, step, stages): an out-of-memory
+# row names it.
+PHASE = ["build"]
 
 # ViT-B/16-size towers; embed_dim 768.
 FULL = dict(embed_dim=768, text_len=16, vocab=32000, text_width=768,
@@ -83,18 +96,31 @@ def _build(spec):
   from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
+  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+
+  PHASE[0] = "build"
   m = spec["model"]
   dtype = jnp.dtype(m["dtype"])
   tower = image_tower(m)
   txt = text_lib.from_scratch(
       NS(width=m["text_width"], depth=m["text_depth"],
-         num_heads=m["text_heads"], mlp_dim=m["text_mlp"]),
+         num_heads=m["text_heads"], mlp_dim=m["text_mlp"],
+         remat=spec.get("remat", "none")),
       m["vocab"], m["text_len"], m["embed_dim"], dtype)
   mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
   s = m["image_size"]
   precomputed = spec["mode"] in ("precomputed", "stream")
-  train_step, state, head = harness.lit_step(
-      mesh, tower, txt, spec["batch"], spec["microbatch"], precomputed)
+  make_step, state, head = harness.lit_steps(
+      mesh, tower, txt, spec["batch"], precomputed, spec.get("loss_dtype"))
+  steps = {}
+
+  def step_for(mb):
+    if mb not in steps:
+      steps[mb] = make_step(mb)
+    return steps[mb]
+  embed = stream_lib.make_embed(mesh, tower)
+  sizing = _size(spec, step_for, state, tower, embed, mesh)
+  train_step = step_for(sizing.microbatch)
   # Copies: the train step donates the state's params.
   head_params, img_params = (jax.tree.map(jnp.copy, state["params"][k])
                              for k in ("head", "img"))
@@ -127,8 +153,71 @@ def _build(spec):
     return fn, (hp, x, y)
 
   parts = dict(mesh=mesh, tower=tower, text_len=m["text_len"],
-               params_img=img_params)
+               params_img=img_params, microbatch=sizing.microbatch,
+               embed=embed, sizing=sizing)
   return train_step, state, make_batch, loss_only, parts
+
+
+def _size(spec, step_for, state, tower, embed, mesh):
+  """``train.memory.Sizing`` of the case's micro-batch (an int, or "auto":
+  the trainer's choice, from XLA's plans of the step and, for a stream
+  case, the embedding call and the images in flight)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from train import memory  # pylint: disable=g-import-not-at-top
+  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  m, b, mode = spec["model"], spec["batch"], spec["mode"]
+  if spec["microbatch"] != "auto":
+    mb = spec["microbatch"]
+    return memory.Sizing(mb, None, None, "")
+  rows = NamedSharding(mesh, P(step_lib.AXIS))
+  shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
+                                                     sharding=rows)
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  side = spec.get("decode_size") or m["image_size"]
+  gpu = spec.get("decoder", "host") != "host"
+
+  def plan_fn(mb):
+    PHASE[0] = "compile"
+    batch = {"text": shaped((b, m["text_len"]), np.int32)}
+    if mode == "stream":
+      batch["image_emb"] = shaped((b, tower.embed_dim), np.float32)
+    elif mode == "precomputed":
+      batch["image_emb"] = shaped((b, tower.embed_dim), m["dtype"])
+    else:
+      s = m["image_size"]
+      batch["image"] = shaped((b, s, s, 3), np.uint8)
+    platform = jax.devices()[0].platform
+    step_bytes = memory.plan_bytes(step_for(mb).lower(abstract, batch),
+                                   platform)
+    stream = 0
+    if mode == "stream":
+      params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(mesh, P())), tower.params)
+      stream = memory.plan_bytes(embed.lower(
+          params, shaped((mb, side, side, 3), np.uint8)), platform)
+      # In flight (depth 2) and, with the GPU decoder, decoded ahead (2 in
+      # its queue, 1 being decoded).
+      stream += (2 + (3 if gpu else 0)) * (mb // mesh.size) * side**2 * 3
+    return memory.Plan(mb, step_bytes, stream)
+
+  limit, source = memory.device_limit(0, jax.local_devices()[0])
+  sizing = memory.size_microbatch(requested="auto", batch=b,
+                                  multiple=mesh.size, plan_fn=plan_fn,
+                                  limit=limit, source=source)
+  print(sizing.line.replace("[lit]", "[bench_train]"), flush=True)
+  return sizing
+
+
+def _sized(out, parts):
+  """The row's micro-batch used and its plan when it was sized ("auto")."""
+  sizing = parts["sizing"]
+  out["microbatch_used"] = sizing.microbatch
+  if sizing.plan is not None:
+    out["planned_gb"] = sizing.plan.total / 1e9
 
 
 def _row(spec) -> dict:
@@ -146,6 +235,7 @@ def _compile(train_step, state, batch, out):
   """The step compiled ahead for ``batch``; tells the parent it compiled (a
   later timeout row then carries the compile time and XLA's memory plan)
   and adds those to ``out``."""
+  PHASE[0] = "compile"
   compiled, compile_s = harness.aot(train_step, state, batch)
   phase = dict(compile_s=compile_s, bytes_limit_gb=out.get("bytes_limit_gb"),
                **harness.mem_plan(compiled))
@@ -162,13 +252,14 @@ def _finish(out, host, t0) -> dict:
 
 def case_result(spec) -> dict:
   """A child's result: its case's row, or a status row for an exception
-  (``harness.failure``: "oom", or the error in one line)."""
+  (``harness.failure``: "oom: " with the memory, the phase and the bytes
+  asked for, or the error in one line)."""
   try:
-    return {"stream": stream_child, "precompute": precompute_child}.get(
-        spec["mode"], child)(spec)
+    return {"stream": stream_child, "precompute": precompute_child,
+            "stages": stages_child}.get(spec["mode"], child)(spec)
   except Exception as e:  # pylint: disable=broad-except
     traceback.print_exc()
-    return dict(_row(spec), status=harness.failure(e))
+    return dict(_row(spec), status=harness.failure(e, PHASE[0]))
 
 
 def child(spec) -> dict:
@@ -176,8 +267,9 @@ def child(spec) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   host = harness.HostMemory().__enter__()
-  train_step, state, make_batch, loss_only, _ = _build(spec)
+  train_step, state, make_batch, loss_only, parts = _build(spec)
   out = dict(_row(spec), **harness.device_meta())
+  _sized(out, parts)
   # Two batches alternate in the step cases; one in the ladder (one step; 4M
   # bf16 embeddings are 6 GiB) and for raw 224 px images (19 GiB at 64k).
   batches = [make_batch(jax.random.key(i))
@@ -194,6 +286,7 @@ def child(spec) -> dict:
     holder["loss"] = metrics["loss"]
     return holder["loss"]
 
+  PHASE[0] = "step"
   t = harness.timeit(one_step, reps=spec["reps"],
                      warmup=spec.get("warmup", 1))
   out["step_s"], out["step_min_s"], out["step_max_s"] = t.median, t.min, t.max
@@ -263,10 +356,17 @@ def stream_child(spec) -> dict:
   host = harness.HostMemory().__enter__()
   train_step, state, _, _, parts = _build(spec)
   out = dict(_row(spec), **harness.device_meta())
+  _sized(out, parts)
   mesh, tower = parts["mesh"], parts["tower"]
-  b, mb = spec["batch"], spec["microbatch"]
+  b, mb = spec["batch"], parts["microbatch"]
   jax_params = jax.device_put(parts["params_img"])
-  streamer = stream_lib.StreamedImageTower(mesh, tower, jax_params, depth=2)
+  # The trainer's progress line, every PROGRESS_INTERVAL_S of a step.
+  progress = stream_lib.StepProgress(
+      lambda line: print(line, flush=True), interval_s=spec.get(
+          "progress_interval_s", PROGRESS_INTERVAL_S), tag="[bench_train]")
+  streamer = stream_lib.StreamedImageTower(mesh, tower, jax_params, depth=2,
+                                           embed=parts["embed"],
+                                           progress=progress)
   steps = spec.get("steps", 1)
   source = synthetic.JpegPool(b * steps + mb, size=spec["jpeg_size"],
                               pool=1024)
@@ -311,13 +411,16 @@ def stream_child(spec) -> dict:
   c = pipeline.host_size(config.data)
   x = np.random.default_rng(0).integers(0, 256, (mb, c, c, 3),
                                          dtype=np.uint8)
+  PHASE[0] = "embed"
   t = harness.timeit(streamer.embed_microbatch, x,
                      reps=spec.get("embed_reps", 2), warmup=1)
   out["device_embed_img_s"] = mb / t.median
   del x
   timing = getattr(it, "timing", dict)  # the decode thread's stages
   times = []
-  for _ in range(steps):
+  PHASE[0] = "step"
+  for i in range(steps):
+    progress.step_begins(i + 1)
     waited[0], put_s[0] = 0.0, 0.0
     before = timing()
     # Where the main and the decode threads are, sampled (wall time).
@@ -332,6 +435,7 @@ def stream_child(spec) -> dict:
       # thread dispatches the step as the trainer does.
       embedded = harness.ReadyAt(inputs["image_emb"], t1)
       state, metrics = compiled(state, inputs)
+      progress.step_dispatched(metrics["loss"])
       loss = float(metrics["loss"])
       times.append(time.perf_counter() - t1)
       embed_s = embedded.seconds()
@@ -369,6 +473,8 @@ def stream_child(spec) -> dict:
   out["workers"] = config.data.num_workers
   out["host_image_size"] = c
   out["bad_examples"] = it.bad
+  out["progress_lines"] = progress.lines
+  progress.close()
   it.close()
   return _finish(out, host, t0)
 
@@ -433,6 +539,110 @@ def precompute_child(spec) -> dict:
   return _finish(out, host, t0)
 
 
+def stages_child(spec) -> dict:
+  """A stages case: where the device-alone embedding of one streamed
+  micro-batch (``microbatch`` uint8 images at decode_size, or at the
+  tower's size) goes. Each stage is timed alone, on its own jitted call,
+  median of ``reps``: the uint8 host-to-device transfer, the resize to the
+  tower's size (``Tower.preprocess``: float32 passes at HIGHEST precision,
+  and for comparison at DEFAULT, which is not the trainer's), the
+  normalisation and cast, the tower's forward on normalised images; then
+  the fused embedding on images already on the device (``Tower.embed``,
+  what the step runs once the images are there), from host images (the
+  stream rows' "device alone": transfer, then embedding), with 2 in flight
+  over 4 micro-batches (the transfer beside the embedding, as the step
+  runs), and at the tower's own size (no resize: decode_size 0). The
+  transfer is also timed from page-locked host memory (memory_kind
+  "pinned_host", where the platform has it): the pipeline's buffers are
+  pageable."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
+  from train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  from train.towers import resize as resize_lib  # pylint: disable=g-import-not-at-top
+  PHASE[0] = "stages"
+  t0 = time.perf_counter()
+  host = harness.HostMemory().__enter__()
+  m, mb = spec["model"], spec["microbatch"]
+  s = m["image_size"]
+  c = spec.get("decode_size") or s
+  tower = image_tower(m)
+  out = dict(_row(spec), **harness.device_meta())
+  mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+  rows = NamedSharding(mesh, P(step_lib.AXIS))
+  params = jax.device_put(tower.params, NamedSharding(mesh, P()))
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, (mb, c, c, 3), dtype=np.uint8)
+  reps = spec.get("reps", 5)
+
+  def rate(name, fn, *args, per=1):
+    """Times fn(*args) (``per`` micro-batches a call): img/s and ms."""
+    t = harness.timeit(fn, *args, reps=reps, warmup=1).median / per
+    out[f"{name}_img_s"] = mb / t
+    out[f"{name}_ms"] = 1e3 * t
+    return t
+
+  put = lambda: jax.device_put(x, rows)  # noqa: E731
+  t = rate("transfer", put)
+  out["transfer_gb_s"] = x.nbytes / t / 1e9
+  try:  # From page-locked host memory: what pinned buffers would give.
+    pinned = jax.block_until_ready(jax.device_put(x, NamedSharding(
+        mesh, P(step_lib.AXIS), memory_kind="pinned_host")))
+    t = rate("transfer_pinned", lambda: jax.device_put(pinned, rows))
+    out["transfer_pinned_gb_s"] = x.nbytes / t / 1e9
+    del pinned
+  except Exception as e:  # pylint: disable=broad-except
+    out["transfer_pinned"] = f"not run: {type(e).__name__}: {str(e)[:100]}"
+  xd = jax.block_until_ready(put())
+  hp = jax.lax.Precision.HIGHEST
+  resize = jax.jit(lambda a: resize_lib.resize_square(a, s, hp))
+  resized = jax.block_until_ready(resize(xd))
+  if c != s:
+    rate("resize", resize, xd)
+    rate("resize_default", jax.jit(lambda a: resize_lib.resize_square(
+        a, s, jax.lax.Precision.DEFAULT)), xd)
+  norm = jax.jit(lambda a: tower.normalization(a, tower.dtype))
+  rate("normalise", norm, resized)
+  z = jax.block_until_ready(norm(resized))
+  del resized
+  forward = jax.jit(lambda p, a: tower.module.apply(
+      {"params": p}, a).astype(jnp.float32))
+  rate("tower", forward, params, z)
+  del z
+  embed = stream_lib.make_embed(mesh, tower)
+  rate("embed_device", embed, params, xd)
+  streamer = stream_lib.StreamedImageTower(mesh, tower, params, depth=2,
+                                           embed=embed)
+  rate("embed_host", streamer.embed_microbatch, x)
+
+  def pipelined(k=4):
+    """k micro-batches, at most 2 in flight (the streamed step's bound)."""
+    outs = []
+    for _ in range(k):
+      outs.append(streamer.embed_microbatch(x))
+      if len(outs) > 2:
+        outs[-3].block_until_ready()
+    return outs
+  rate("embed_pipelined", pipelined, per=4)
+  if c != s:
+    del xd
+    at_size = jax.block_until_ready(jax.device_put(
+        rng.integers(0, 256, (mb, s, s, 3), dtype=np.uint8), rows))
+    rate("embed_at_size", embed, params, at_size)
+  out["host_image_size"] = c
+  out["peak_gib"] = _peak_gib()
+  host.__exit__()
+  return _finish(out, host, t0)
+
+
+# The stage fields of a stages row, in the order of the printed line.
+STAGES = ("transfer", "transfer_pinned", "resize", "resize_default",
+          "normalise", "tower", "embed_device", "embed_host",
+          "embed_pipelined", "embed_at_size")
+
+
 # ----------------------------------------------------------------- parent
 
 # The CSV's columns (the JSONL rows hold every field).
@@ -442,14 +652,21 @@ COLS = ["kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
         "xla_total_gb", "host_wait_s", "host_put_s", "device_wait_s",
         "pipeline_img_s", "device_embed_img_s", "embed_img_s", "embed_share",
         "input_bound", "device_floor_s", "workers",
-        "decode_size", "image_model", "loss_value", "device_kind", "n_devices",
-        "jax", "date"]
+        "decode_size", "image_model", "remat", "loss_dtype",
+        "microbatch_used", "planned_gb", "xla_plan_gb",
+        *(f"{k}_img_s" for k in STAGES), "transfer_gb_s",
+        "transfer_pinned_gb_s",
+        "loss_value", "device_kind", "n_devices", "jax", "date"]
 # A case's identity, for --resume.
 KEY = ("kind", "mode", "batch", "microbatch", "decoder", "gpu_decoder",
-       "decode_size", "workers", "gpu_host_threads", "steps", "image_model")
-# What a resumed run keeps: measured rows and the batches that do not fit;
-# a timeout, a crash or a skipped case runs again.
-KEPT = ("ok", "oom")
+       "decode_size", "workers", "gpu_host_threads", "steps", "image_model",
+       "remat", "loss_dtype")
+
+
+def kept(status: str) -> bool:
+  """What a resumed run keeps: measured rows and the batches that do not
+  fit ("oom: ..."); a timeout, a crash or a skipped case runs again."""
+  return status == "ok" or status.startswith("oom")
 # The least time a case starts with (a child's start and compilation).
 MIN_CASE_S = 60
 
@@ -471,7 +688,7 @@ def run_case(spec, budget, timeout_s) -> dict:
   t0 = time.time()
   r = harness.run_child([os.path.abspath(__file__), "--case",
                          json.dumps(spec)], timeout_s=timeout_s, env=env,
-                        phase_tag=PHASE_TAG)
+                        phase_tag=PHASE_TAG, echo_tag=PROGRESS_TAG)
   if r.get("status") == "ok":
     return r
   return dict(_row(spec), total_s=time.time() - t0, **r)
@@ -520,21 +737,60 @@ def gpu_variants(text: str) -> list:
   return out
 
 
+def microbatches(text) -> list:
+  """--microbatch: comma-separated sizes and "auto" (one case each)."""
+  out = []
+  for w in str(text).split(","):
+    w = w.strip()
+    if w != "auto" and not w.isdigit():
+      raise ValueError(f"--microbatch: {w!r} is not a size or \"auto\"")
+    out.append(w if w == "auto" else int(w))
+  return out
+
+
+def _variants(args) -> list:
+  """The text tower's settings of a step or stream case: one dict per
+  micro-batch x --remat (keys only where not the default, so that earlier
+  rows keep their identity for --resume) and --loss_dtype."""
+  out = []
+  loss_dtype = getattr(args, "loss_dtype", "")
+  for mb in microbatches(args.microbatch):
+    for remat in getattr(args, "remat", "none").split(","):
+      v = dict(microbatch=mb)
+      if remat != "none":
+        v["remat"] = remat
+      if loss_dtype:
+        v["loss_dtype"] = loss_dtype
+      out.append(v)
+  return out
+
+
+def _capped(v, b):
+  """A variant with its micro-batch at most the batch."""
+  mb = v["microbatch"]
+  return dict(v, microbatch=mb if mb == "auto" else min(mb, b))
+
+
 def plan(args, model) -> list:
-  """The cases of a run: step cases, stream cases, the max_batch ladder."""
+  """The cases of a run: step cases, stream cases, precompute cases, the
+  stages case, the max_batch ladder."""
   cases = []
+  text = _variants(args)
+  first = next((m for m in microbatches(args.microbatch) if m != "auto"),
+               8192)
   for b in harness.ints(args.step_batches):
     for mode in args.modes.split(","):
-      cases.append(dict(kind="step", batch=b, mode=mode,
-                        microbatch=min(args.microbatch, b), measure_loss=True,
-                        reps=args.reps))
+      for v in text:
+        cases.append(dict(kind="step", batch=b, mode=mode, measure_loss=True,
+                          reps=args.reps, **_capped(v, b)))
   variants = gpu_variants(args.gpu_variants)
   for b in harness.ints(args.stream_batches):
     for decoder in args.decoders.split(","):
-      for variant in variants if decoder == "gpu" else [{}]:
+      for variant, v in ((x, v) for x in (variants if decoder == "gpu"
+                                          else [{}]) for v in text):
         cases.append(dict(dict(
-            kind="stream", batch=b, mode="stream",
-            microbatch=min(args.microbatch, b), measure_loss=False, reps=1,
+            kind="stream", batch=b, mode="stream", **_capped(v, b),
+            measure_loss=False, reps=1,
             steps=args.stream_steps, workers=args.workers,
             **({"gpu_host_threads": args.gpu_host_threads}
                if decoder == "gpu" and args.gpu_host_threads else {}),
@@ -546,17 +802,23 @@ def plan(args, model) -> list:
       for variant in variants if decoder == "gpu" else [{}]:
         cases.append(dict(dict(
             kind="precompute", batch=n, mode="precompute",
-            microbatch=min(args.microbatch, n), measure_loss=False, reps=1,
+            microbatch=min(first, n), measure_loss=False, reps=1,
             workers=args.workers, decode_size=args.decode_size,
             decoder=decoder,
             jpeg_size=args.decode_size or (64 if args.quick else 256),
             embed_reps=1 if args.quick else 2), **variant))
+  if getattr(args, "stages", False):
+    # One micro-batch of the stream cases' images through each stage.
+    cases.append(dict(kind="stages", batch=first, mode="stages",
+                      microbatch=first, decode_size=args.decode_size,
+                      measure_loss=False, reps=args.reps))
   for b in harness.ints(args.ladder):
     # One step, compiled ahead: fitting is the result, and a 4M step takes
     # minutes on an H200.
-    cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
-                      microbatch=min(args.microbatch, b), measure_loss=False,
-                      reps=1, warmup=0))
+    for v in text[:1]:
+      cases.append(dict(kind="max_batch", batch=b, mode="precomputed",
+                        measure_loss=False, reps=1, warmup=0,
+                        **_capped(v, b)))
   return [dict(c, model=model,
                image_model="quick" if args.quick else args.image_model)
           for c in cases]
@@ -592,6 +854,14 @@ def _progress(r):
           f"{r['device_embed_img_s']:.0f}); {r['precompute_s']:.1f} s in all"
           + (f"; decode stages (wall/cpu s) {r['decode_stages']}"
              if r.get("decode_stages") else ""), flush=True)
+  if r.get("embed_device_img_s"):
+    print(f"[bench_train]   stages ({r['microbatch']} images a call, "
+          f"{r['host_image_size']} px): " + ", ".join(
+              f"{k} {r[f'{k}_img_s']:,.0f} img/s ({r[f'{k}_ms']:.1f} ms)"
+              for k in STAGES if r.get(f"{k}_img_s"))
+          + f"; transfer {r['transfer_gb_s']:.1f} GB/s"
+          + (f", from pinned memory {r['transfer_pinned_gb_s']:.1f} GB/s"
+             if r.get("transfer_pinned_gb_s") else ""), flush=True)
   if r.get("decode_thread"):
     print("[bench_train]   decode thread (wall/cpu s): " + ", ".join(
         f"{k} {v['wall_s']:.2f}/{v['cpu_s']:.2f}"
@@ -605,8 +875,22 @@ def main(argv=None):
   ap.add_argument("--ladder", default="262144,1048576,4194304",
                   help="comma-separated global batches for the largest-batch "
                   "search")
-  ap.add_argument("--microbatch", type=int, default=8192,
-                  help="GradCache micro-batch")
+  ap.add_argument("--microbatch", default="8192",
+                  help="GradCache micro-batch: comma-separated sizes, one "
+                  "step or stream case each; \"auto\": the trainer's "
+                  "sizing from XLA's plan (train/memory.py)")
+  ap.add_argument("--remat", default="none",
+                  help="comma-separated text-block remat policies of the "
+                  "step and stream cases (config.model.text.remat: none, "
+                  "block, dots), one case each")
+  ap.add_argument("--loss_dtype", default="",
+                  help="config.loss.dtype of the step and stream cases ('': "
+                  "the embeddings' promoted dtype: float32 for streamed "
+                  "image embeddings)")
+  ap.add_argument("--stages", action="store_true",
+                  help="a stages case: one --microbatch of uint8 images at "
+                  "--decode_size through the device-alone embedding's "
+                  "stages, each timed alone")
   ap.add_argument("--stream_batches", default="",
                   help="comma-separated global batches through the trainer's "
                   "real input path (JPEG bytes decoded on the host's cores, "
@@ -661,7 +945,7 @@ def main(argv=None):
   budget = harness.Budget(args.budget_s or None)
   rows = harness.Rows(args.out, "bench_train",
                       key=lambda r: tuple(r.get(k) for k in KEY),
-                      resume=args.resume, keep=lambda s: s in KEPT,
+                      resume=args.resume, keep=kept,
                       fields=COLS)
 
   def summary():
@@ -687,12 +971,16 @@ def main(argv=None):
 
   out = summary()
   print()
-  print(f"{'kind':<10}{'mode':<13}{'B':>9}{'micro':>7}{'status':>8}"
-        f"{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}"
+  print(f"{'kind':<10}{'mode':<13}{'B':>9}{'micro':>7}{'remat':>7}"
+        f"{'status':>8}{'step s':>9}{'loss s':>9}{'loss %':>8}{'peak GiB':>10}"
         f"{'host GiB':>10}")
   for r in rows.rows:
     share = r.get("loss_share")
-    print(f"{r['kind']:<10}{r['mode']:<13}{r['batch']:>9}{r['microbatch']:>7}"
+    # "a4096": "auto" chose 4096.
+    micro = (f"a{r.get('microbatch_used', '?')}"
+             if r["microbatch"] == "auto" else r["microbatch"])
+    print(f"{r['kind']:<10}{r['mode']:<13}{r['batch']:>9}{micro:>7}"
+          f"{r.get('remat', 'none'):>7}"
           f"{r['status'][:8]:>8}{_fmt(r.get('step_s')):>9}"
           f"{_fmt(r.get('loss_s')):>9}"
           f"{_fmt(None if share is None else 100 * share, '{:.1f}'):>8}"

@@ -199,11 +199,22 @@ def loss_step(loss, backend, **kw):
           (jnp.float32(t), jnp.float32(b)))
 
 
-def lit_step(mesh, tower, text_tower, batch, microbatch, precomputed):
+def lit_step(mesh, tower, text_tower, batch, microbatch, precomputed,
+             loss_dtype=None):
   """(jitted train step, its state, the loss head) of the trainer's own LiT
   step (``train.step``) as bench_train and bench_towers time it: GradCache
   micro-batches over the text tower, the softmax head, AdamW with the
-  locked image tower ``tower`` masked out."""
+  locked image tower ``tower`` masked out (``lit_steps``)."""
+  make_step, state, head = lit_steps(mesh, tower, text_tower, batch,
+                                     precomputed, loss_dtype)
+  return make_step(microbatch), state, head
+
+
+def lit_steps(mesh, tower, text_tower, batch, precomputed, loss_dtype=None):
+  """(``make_step(microbatch)`` -> jitted train step, the state they share,
+  the loss head): ``lit_step`` for any micro-batch, e.g. to size it
+  (train/memory.py) without a state per size. ``loss_dtype``: the
+  trainer's config.loss.dtype (None: the embeddings' promoted dtype)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from infcl_jax.flax import ContrastiveLoss  # pylint: disable=import-outside-toplevel
@@ -220,13 +231,15 @@ def lit_step(mesh, tower, text_tower, batch, microbatch, precomputed):
   opt = optim.make_optimizer(name="adamw", schedule=schedule,
                              weight_decay=1e-4, grad_clip_norm=1.0,
                              params=params, image_locked=True)
-  grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
-      microbatch_size=microbatch, global_batch=batch,
-      precomputed=precomputed, image_locked=True)
-  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                        optimizer=opt, schedule=schedule)
-  return train_step, step_lib.init_state(mesh, params, opt), head
+
+  def make_step(microbatch):
+    grad_fn = step_lib.make_grad_fn(
+        mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
+        microbatch_size=microbatch, global_batch=batch,
+        precomputed=precomputed, image_locked=True, loss_dtype=loss_dtype)
+    return step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                    optimizer=opt, schedule=schedule)
+  return make_step, step_lib.init_state(mesh, params, opt), head
 
 
 def rel(a, b):
@@ -400,10 +413,26 @@ def is_oom(e) -> bool:
   return "RESOURCE_EXHAUSTED" in s or "out of memory" in s.lower()
 
 
-def failure(e):
-  """The status of a case that raised ``e``: "oom" or "error: ..."."""
+def oom_status(e, phase: str = "run") -> str:
+  """A row's status for an out-of-memory ``e`` (or a child's output) in
+  ``phase``: "oom: " and ``train.memory.oom_line`` (which memory, how much
+  was asked for, what the device held), never a bare "oom"."""
+  from train import memory  # pylint: disable=import-outside-toplevel
+  device = None
+  if not isinstance(e, str) and "RESOURCE_EXHAUSTED" in str(e):  # JAX's
+    try:
+      import jax  # pylint: disable=import-outside-toplevel
+      device = jax.local_devices()[0]
+    except Exception:  # pylint: disable=broad-except
+      device = None
+  return "oom: " + memory.oom_line(e, phase, device)
+
+
+def failure(e, phase: str = "run"):
+  """The status of a case that raised ``e`` in ``phase``: "oom: ..."
+  (``oom_status``) or "error: ..."."""
   if is_oom(e):
-    return "oom"
+    return oom_status(e, phase)
   return f"error: {type(e).__name__}: {str(e)[:300]}"
 
 
@@ -429,7 +458,7 @@ def print_result(result):
 
 
 def run_child(argv, *, timeout_s, result_tag=RESULT_TAG, env=None,
-              phase_tag=None, compile_timeout_s=0):
+              phase_tag=None, compile_timeout_s=0, echo_tag=None):
   """Runs ``python argv...`` in a fresh process; returns its result dict.
 
   The child prints ``result_tag`` + a JSON object (its result) and, when
@@ -437,8 +466,11 @@ def run_child(argv, *, timeout_s, result_tag=RESULT_TAG, env=None,
   compile deadline ``compile_timeout_s`` ends there; 0: none). A timed-out
   case says in which phase it stopped and, after compilation, carries the
   phase's fields (e.g. XLA's memory plan), so that a hang at run time is
-  told apart from a compile that does not end. A child that ends without a
-  result is ``oom`` if its output says so (``is_oom``), else ``crash``.
+  told apart from a compile that does not end. The child's lines that start
+  with ``echo_tag`` (a string or a tuple of them: its progress) are printed
+  here as they come, and a timeout's status ends with the last of them. A child that ends without
+  a result is ``oom: ...`` if its output says so (``oom_status``), else
+  ``crash``.
   """
   t0 = time.time()
   with tempfile.TemporaryFile("w+") as err:
@@ -455,7 +487,7 @@ def run_child(argv, *, timeout_s, result_tag=RESULT_TAG, env=None,
     out = []
     try:
       result, timed = _follow(p, lines, out, t0, timeout_s, compile_timeout_s,
-                              result_tag, phase_tag)
+                              result_tag, phase_tag, echo_tag)
     except BaseException:  # E.g. Ctrl-C / `timeout -s INT`: no orphan.
       kill(p)
       raise
@@ -466,15 +498,23 @@ def run_child(argv, *, timeout_s, result_tag=RESULT_TAG, env=None,
       return result
     err.seek(0)
     tail = (err.read() or "".join(out))[-400:].replace("\n", " | ")
-  return dict(status="oom" if is_oom(tail)
-              else f"crash rc={p.returncode}: {tail}")
+    if is_oom(tail):
+      err.seek(0)
+      text = (err.read() or "".join(out))[-4000:]
+      return dict(status=oom_status(
+          text, "step" if _compiled(out, phase_tag) else "compile"))
+  return dict(status=f"crash rc={p.returncode}: {tail}")
+
+
+def _compiled(out, phase_tag) -> bool:
+  return phase_tag is not None and any(l.startswith(phase_tag) for l in out)
 
 
 def _follow(p, lines, out, t0, timeout_s, compile_timeout_s, result_tag,
-            phase_tag):
+            phase_tag, echo_tag=None):
   """Reads the child's lines under the deadlines of ``run_child``; returns
   (result, timeout row or None)."""
-  phase, result = None, None
+  phase, result, echoed = None, None, ""
   while True:
     limit = timeout_s
     if phase is None and compile_timeout_s:
@@ -497,13 +537,17 @@ def _follow(p, lines, out, t0, timeout_s, compile_timeout_s, result_tag,
               if phase.get("xla_total_gb") is not None else "")
       lim = (f", limit {phase['bytes_limit_gb']:.3g} GB"
              if phase.get("bytes_limit_gb") else "")
+      last = f"; last progress: {echoed}" if echoed else ""
       return None, dict(
           {k: v for k, v in phase.items() if k != "phase"},
           status=f"timeout>{timeout_s}s while running (compiled in "
-          f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim})")
+          f"{phase.get('compile_s', float('nan')):.0f}s{plan}{lim}){last}")
     if line is None:
       return result, None
     out.append(line)
+    if echo_tag is not None and line.startswith(echo_tag):
+      print(line, end="" if line.endswith("\n") else "\n", flush=True)
+      echoed = line.strip()
     if phase_tag is not None and line.startswith(phase_tag):
       phase = json.loads(line[len(phase_tag):])
     elif line.startswith(result_tag):

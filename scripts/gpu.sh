@@ -48,7 +48,7 @@ suite_parts() {
   tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
-  train) parts="step:420 ladder:560 stream:300 knobs:580 stream1m:300 stream1m_gpu:580 l14:150 b32:580 b32_1m:420 b32_1m_gpu:420 precompute:400 b16_few:300" ;;
+  train) parts="step:420 ladder:560 stream:300 knobs:580 stream1m:580 stream1m_gpu:580 l14:150 b32:580 b32_1m:580 b32_1m_gpu:580 precompute:400 b16_few:580 remat:580 stages:300" ;;
   data) parts="pipeline:200 bytes:200" ;;
   ring) parts="schedule:120 scaling:290 plain:130 maxbatch:320" ;;
   *) return 1 ;;
@@ -305,15 +305,21 @@ train_knobs() {
 }
 train_stream1m() {
   # ... and at 1,048,576 (~75 s of set-up beside the step), one decoder a
-  # part: the host's took 276 s in all on 2026-12-04, the gpu's > 330.
+  # part: the host's took 276 s in all on 2026-12-04, the gpu's > 330. A
+  # line every 10 s of the step says how far it got; --resume: a rerun of
+  # a part that was cut runs only what is missing. MICROBATCH (default
+  # auto: train/memory.py sizes it), REMAT and LOSS_DTYPE (bench_train.py
+  # --remat, --loss_dtype) pick the text tower's settings.
   bench train-stream-1m "$1" benchmarks/bench_train.py --out "$out/train-stream-1m" --step_batches "" \
     --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
-    --decoders host --timeout_s $(($1 - 10))
+    --decoders host --microbatch "${MICROBATCH:-auto}" --remat "${REMAT:-none}" \
+    --loss_dtype "${LOSS_DTYPE:-}" --resume --timeout_s $(($1 - 10))
 }
 train_stream1m_gpu() {
   bench train-stream-1m-gpu "$1" benchmarks/bench_train.py --out "$out/train-stream-1m-gpu" --step_batches "" \
     --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
-    --decoders gpu --gpu_variants "${GPU_VARIANTS:-}" --timeout_s $(($1 - 10))
+    --decoders gpu --gpu_variants "${GPU_VARIANTS:-}" --microbatch "${MICROBATCH:-auto}" \
+    --remat "${REMAT:-none}" --loss_dtype "${LOSS_DTYPE:-}" --resume --timeout_s $(($1 - 10))
 }
 train_l14() {
   bench train-l14 "$1" benchmarks/bench_train.py --out "$out/train-l14" --step_batches "" --ladder "" \
@@ -335,17 +341,21 @@ train_b32() {
     --timeout_s 120 --budget_s $(($1 - 10))
 }
 train_b32_1m() {
-  # ViT-B/32 streamed at 1,048,576, the host path (12 workers) ...
+  # ViT-B/32 streamed at 1,048,576, the host path (12 workers) ... (the
+  # settings of part stream1m: MICROBATCH, REMAT, LOSS_DTYPE; --resume)
   bench train-b32-1m "$1" benchmarks/bench_train.py --out "$out/train-b32-1m" --step_batches "" \
     --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 --workers 12 \
-    --image_model b32 --decoders host --timeout_s $(($1 - 10))
+    --image_model b32 --decoders host --microbatch "${MICROBATCH:-auto}" --remat "${REMAT:-none}" \
+    --loss_dtype "${LOSS_DTYPE:-}" --resume --timeout_s $(($1 - 10))
 }
 train_b32_1m_gpu() {
   # ... and the GPU decoder (GPU_VARIANTS: the best of part b32).
   bench train-b32-1m-gpu "$1" benchmarks/bench_train.py --out "$out/train-b32-1m-gpu" \
     --step_batches "" --ladder "" --stream_batches 1048576 --stream_steps 1 --decode_size 256 \
     --workers 12 --image_model b32 --decoders gpu \
-    --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4 read_ahead=32}" --timeout_s $(($1 - 10))
+    --gpu_variants "${GPU_VARIANTS:-workers=4 threads=4 read_ahead=32}" \
+    --microbatch "${MICROBATCH:-auto}" --remat "${REMAT:-none}" --loss_dtype "${LOSS_DTYPE:-}" \
+    --resume --timeout_s $(($1 - 10))
 }
 train_precompute() {
   # train.precompute (a shard set embedded once) with ViT-B/32: 65,536
@@ -358,13 +368,47 @@ train_precompute() {
 }
 train_b16_few() {
   # ViT-B/16 at 65,536 with at most 4 host workers (few cores per GPU): the
-  # GPU decoder against the host path with the same 4.
-  bench train-b16-few "$1" benchmarks/bench_train.py --out "$out/train-b16-few" --step_batches "" \
+  # GPU decoder against the host path with the same 4. JAX grows its
+  # memory on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false, as a shared GPU
+  # and the -m gpu tests run; at micro-batch 8192 the step ran out of
+  # memory there on an 80 GB H100): the micro-batch is "auto" (MICROBATCH,
+  # REMAT: see part stream1m).
+  job train-b16-few "$1" env XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 "$py" \
+    benchmarks/bench_train.py --out "$out/train-b16-few" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 4 \
     --decoders host,gpu --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
-    --timeout_s 140 --budget_s $(($1 - 10))
+    --microbatch "${MICROBATCH:-auto}" --remat "${REMAT:-none}" --resume \
+    --timeout_s 250 --budget_s $(($1 - 10))
 }
-
+train_remat() {
+  # The text tower's memory against its time, at 65,536 on precomputed
+  # embeddings (the streamed step's text tower and loss, without the
+  # images), memory grown on demand: micro-batch 8192 with each text
+  # block's activations kept (none), recomputed in the backward (block) or
+  # only its matmul outputs kept (dots); then 4096 and 2048 keeping them.
+  # The rows' step_s and xla_total_gb choose config.model.text.remat and
+  # the micro-batch.
+  local b=(env XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 "$py"
+    benchmarks/bench_train.py --out "$out/train-remat" --step_batches 65536 --ladder ""
+    --modes precomputed --reps 3 --timeout_s 150 --resume)
+  job train-remat-8192 $(($1 * 55 / 100)) "${b[@]}" --microbatch 8192 --remat none,block,dots \
+    --budget_s $(($1 * 55 / 100 - 10))
+  job train-remat-smaller $(($1 * 45 / 100)) "${b[@]}" --microbatch 4096,2048 --remat none \
+    --budget_s $(($1 * 45 / 100 - 10))
+}
+train_stages() {
+  # Where the device-alone embedding of a streamed micro-batch goes (8192
+  # uint8 images at 256 px): the transfer, the resize to 224, the
+  # normalisation and the tower each alone, the fused embedding on the
+  # device, from the host, two in flight, and at 224 px (no resize);
+  # ViT-B/32, then ViT-B/16.
+  bench train-stages-b32 $(($1 / 2)) benchmarks/bench_train.py --out "$out/train-stages" --step_batches "" \
+    --ladder "" --stages --microbatch 8192 --decode_size 256 --image_model b32 --reps 5 \
+    --resume --timeout_s $(($1 / 2 - 10))
+  bench train-stages-b16 $(($1 / 2)) benchmarks/bench_train.py --out "$out/train-stages" --step_batches "" \
+    --ladder "" --stages --microbatch 8192 --decode_size 256 --image_model b16 --reps 5 \
+    --resume --timeout_s $(($1 / 2 - 10))
+}
 
 data_pipeline() {
   bench data-pipeline "$1" benchmarks/bench_data.py --out "$out/data" --threads 8 \

@@ -28,7 +28,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.total_steps = 1000
   c.batch_size = 256            # Global batch (all devices, all processes).
   # GradCache micro-batch (global). 0, or >= batch_size: no micro-batching.
-  c.microbatch_size = 0
+  # "auto": the largest up to 8192 whose compiled step fits the device's
+  # memory (train/memory.py). A set one that cannot fit stops the run
+  # before any data is decoded, naming the one that fits.
+  c.microbatch_size = config_dict.FieldReference(0, field_type=object)
+  # The device memory (GB) the step may plan for; 0 = the device's own
+  # (memory_stats()["bytes_limit"]; on CPU the host's memory).
+  c.device_memory_gb = 0.0
   # Captions of one image per batch: each training image is put at k
   # consecutive positions of the stream with k distinct captions (as long
   # as it has k), e.g. COCO's 5. With loss.groups = "image" the loss knows
@@ -79,6 +85,11 @@ def base_config() -> ml_collections.ConfigDict:
   # the text tower from; its architecture replaces width/depth/heads/mlp,
   # and config.tokenizer must be its clip_bpe vocabulary.
   c.model.text.init = ""
+  # What each text block keeps for the backward pass of GradCache
+  # (train/towers/layers.py): "none" (every activation), "block" (its input
+  # only: the block runs again in the backward, one more forward of the
+  # tower for a fraction of the memory) or "dots" (its matmul outputs).
+  c.model.text.remat = "none"
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "softmax"       # "softmax" (CLIP) | "sigmoid" (SigLIP)
@@ -87,6 +98,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss.backend = "auto"
   c.loss.block_q = 0            # Tile rows; 0 = backend default.
   c.loss.block_k = 0            # Tile columns; 0 = backend default.
+  # The dtype both embeddings are cast to for the loss; "" = their promoted
+  # dtype: the image tower's float32 embeddings make a bfloat16 text
+  # tower's loss float32 (1.6x the bfloat16 loss's time on a GPU, and the
+  # loss is O(B^2)). "bfloat16", "float16" or "float32".
+  c.loss.dtype = ""
   # None = paper default: log(1/0.07) softmax, log(10) sigmoid.
   c.loss.init_log_scale = config_dict.placeholder(float)
   c.loss.use_bias = config_dict.placeholder(bool)      # None: sigmoid only.
@@ -195,13 +211,22 @@ def check_config(config) -> None:
        "must be >= 1")
   need(config.batch_size >= 1, f"config.batch_size={config.batch_size} must "
        "be >= 1")
-  need(config.microbatch_size >= 0, "config.microbatch_size must be >= 0")
+  mb = config.microbatch_size
+  need(mb == "auto" or (isinstance(mb, int) and not isinstance(mb, bool)
+                        and mb >= 0),
+       f"config.microbatch_size={mb!r} must be an int >= 0 or \"auto\"")
+  dm = config.device_memory_gb
+  need(isinstance(dm, (int, float)) and math.isfinite(dm) and dm >= 0,
+       f"config.device_memory_gb={dm!r} must be a finite number >= 0 (0 = "
+       "the device's own limit)")
+  need(config.model.text.remat in ("none", "block", "dots"),
+       f"config.model.text.remat must be 'none', 'block' or 'dots', got "
+       f"{config.model.text.remat!r}")
   need(isinstance(config.captions_per_image, int)
        and config.captions_per_image >= 1,
        f"config.captions_per_image={config.captions_per_image!r} must be an "
        "int >= 1")
-  mb = config.microbatch_size
-  if 0 < mb < config.batch_size:
+  if mb != "auto" and 0 < mb < config.batch_size:
     need(config.batch_size % mb == 0, f"config.microbatch_size={mb} must "
          f"divide config.batch_size={config.batch_size}")
   ic = config.model.image
@@ -276,6 +301,9 @@ def check_config(config) -> None:
        or config.model.image.locked,
        "config.data.name=embeddings:... needs config.model.image.locked=True "
        "(precomputed embeddings are of a frozen tower)")
+  need(config.loss.dtype in ("", "bfloat16", "float16", "float32"),
+       f"config.loss.dtype must be '', 'bfloat16', 'float16' or 'float32', "
+       f"got {config.loss.dtype!r}")
   need((config.loss.block_q > 0) == (config.loss.block_k > 0),
        "config.loss.block_q and block_k must both be set (> 0) or both be 0")
   need(config.checkpoint.keep >= 1, "config.checkpoint.keep must be >= 1")

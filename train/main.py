@@ -277,7 +277,8 @@ def _main(argv) -> None:
     if workdir_lib.RunLog.active is not None:
       workdir_lib.RunLog.active.close()
     os._exit(preemption.EXIT_PREEMPTED)  # pylint: disable=protected-access
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, FileNotFoundError, MemoryError) as e:
+    # MemoryError: train.memory.OutOfMemory, an allocation that failed.
     if os.environ.get("INFCL_TRACEBACK"):
       raise
     _error(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -74,7 +74,7 @@ def embed_fn_of(tower):
 def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
                  head: nn.Module, microbatch_size: int, global_batch: int,
                  precomputed: bool, image_locked: bool,
-                 groups: bool = False):
+                 groups: bool = False, loss_dtype=None):
   """Builds ``grad_fn(params, batch) -> (loss, grads)`` (not jitted).
 
   Args:
@@ -92,6 +92,9 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
       optimizer mask; skipping its backward only saves compute).
     groups: batches carry "group" (int32 (b,), sharded like the pairs):
       the loss gets them as ``groups=`` (``config.loss.groups``).
+    loss_dtype: the dtype both embeddings are cast to for the loss
+      (``config.loss.dtype``); None: their promoted dtype (the image
+      tower's float32 embeddings make the loss float32).
 
   Returns:
     A function of replicated params and a batch (dict of arrays sharded on
@@ -109,7 +112,12 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
           f"microbatch_size {microbatch_size} must divide batch_size "
           f"{global_batch} and be divisible by the {n_dev} devices")
     num_chunks = global_batch // microbatch_size
-  loss_fn = make_loss_fn(head, mesh)
+  head_loss = make_loss_fn(head, mesh)
+  if loss_dtype:
+    def loss_fn(hp, x, y, groups=None):
+      return head_loss(hp, x.astype(loss_dtype), y.astype(loss_dtype), groups)
+  else:
+    loss_fn = head_loss
   image_key = "image_emb" if precomputed else "image"
   embed_img = embed_fn_of(image_tower)
 

@@ -21,6 +21,9 @@ same examples on the same devices in the same chunks, and give the same loss.
 from __future__ import annotations
 
 import collections
+import threading
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +84,14 @@ def _concat_per_device(arrays: list):
       [jnp.concatenate(pieces[d]) for d in pieces])
 
 
+def make_embed(mesh, tower):
+  """The jitted data-parallel ``embed(params, uint8 images) -> (m, D)``
+  float32 of a streamed micro-batch (each device its rows)."""
+  return jax.jit(jax.shard_map(
+      tower.embed, mesh=mesh, in_specs=(P(), P(step_lib.AXIS)),
+      out_specs=P(step_lib.AXIS), check_vma=False))
+
+
 class StreamedImageTower:
   """Embeds a step's images micro-batch by micro-batch (see module doc).
 
@@ -90,14 +101,16 @@ class StreamedImageTower:
     params: its params, replicated on ``mesh`` (a copy the step does not
       donate).
     depth: micro-batches in flight on the device.
+    embed: the embedding call (``make_embed``; default: made here).
+    progress: a ``StepProgress`` told of each step's micro-batches.
   """
 
-  def __init__(self, mesh, tower, params, depth: int = 2):
+  def __init__(self, mesh, tower, params, depth: int = 2, embed=None,
+               progress: "StepProgress | None" = None):
     self.mesh, self.params, self.depth = mesh, params, max(1, depth)
     self._sharding = NamedSharding(mesh, P(step_lib.AXIS))
-    self._embed = jax.jit(jax.shard_map(
-        tower.embed, mesh=mesh, in_specs=(P(), P(step_lib.AXIS)),
-        out_specs=P(step_lib.AXIS), check_vma=False))
+    self._embed = embed if embed is not None else make_embed(mesh, tower)
+    self.progress = progress
 
   def embed_microbatch(self, images: np.ndarray):
     """Process-local uint8 (m, C, C, 3) -> global float32 (M, D) on "data"
@@ -112,9 +125,13 @@ class StreamedImageTower:
     {"image_emb": (B, D), "text": (B, L)} global arrays (and "group": (B,)
     when the micro-batches carry group ids)."""
     embs, texts, groups, in_flight = [], [], [], collections.deque()
+    if self.progress is not None:
+      self.progress.embedding(num_microbatches, embs)
     for _ in range(num_microbatches):
       mb = next(iterator)
       e = self.embed_microbatch(mb["image"])
+      if self.progress is not None and not embs:
+        self.progress.set_images_per_microbatch(int(e.shape[0]))
       embs.append(e)
       texts.append(mb["text"])
       if "group" in mb:
@@ -136,3 +153,153 @@ class StreamedImageTower:
     """Micro-batch embeddings -> one (B, D) array, device-major: each
     device concatenates its own pieces (nothing crosses devices)."""
     return _concat_per_device(embs)
+
+
+class StepProgress:
+  """Lines about a long step, at least every ``interval_s``, from a thread.
+
+  The trainer tells it when a step begins and when its program is
+  dispatched (with an array of its results); a streamed step also passes
+  its list of micro-batch embeddings as they are dispatched
+  (``StreamedImageTower``). Once a step has lasted ``interval_s``, a line
+  every ``interval_s`` says how far it got: the micro-batches embedded (the
+  leading ones whose embeddings are ready), the images per second since
+  the step began, and the time left to embed (plus the text tower and loss,
+  as long as the previous step's took); then, while the step's program
+  runs, for how long it has run. Short steps print nothing. ``say`` None:
+  silent (no thread).
+  """
+
+  def __init__(self, say: Callable[[str], None] | None,
+               interval_s: float = 10.0, clock=time.monotonic,
+               tag: str = "[lit]"):
+    self.say, self.interval_s, self.clock = say, interval_s, clock
+    self.tag = tag
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread = None
+    self._step = None  # The step in progress (None: none).
+    self._t0 = self._last = 0.0
+    self._total, self._each, self._embs, self._ready = 0, 0, None, 0
+    self._offset = 0  # The micro-batch of self._embs[0].
+    self._embedded_at = None  # When its last embedding was seen ready.
+    self._out, self._dispatched_at = None, None
+    self._prev_out, self._prev_step = None, None
+    self._after_s = None  # The last step's time after its embedding.
+    self.lines = 0
+
+  def step_begins(self, step: int) -> None:
+    if self.say is None:
+      return
+    with self._lock:
+      if self._out is not None and not _ready(self._out):
+        self._prev_out, self._prev_step = self._out, self._step
+      self._step, self._t0 = step, self.clock()
+      self._last = self._t0
+      self._total, self._each, self._embs, self._ready = 0, 0, None, 0
+      self._offset = 0
+      self._embedded_at, self._out, self._dispatched_at = None, None, None
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, daemon=True,
+                                      name="step-progress")
+      self._thread.start()
+
+  def embedding(self, total: int, embs: list) -> None:
+    """The step embeds ``total`` micro-batches into ``embs`` (appended to
+    as they are dispatched)."""
+    if self.say is None:
+      return
+    with self._lock:
+      self._total, self._embs, self._ready, self._offset = total, embs, 0, 0
+
+  def set_images_per_microbatch(self, n: int) -> None:
+    self._each = n
+
+  def step_dispatched(self, out) -> None:
+    """The step's program is queued; ``out`` is ready when it has run."""
+    if self.say is None:
+      return
+    with self._lock:
+      self._out, self._dispatched_at = out, self.clock()
+      if self._embs is not None:
+        self._count_ready()
+        # Only the embeddings still running are watched from here on: the
+        # others' memory is the step's to free.
+        self._embs = self._embs[self._ready - self._offset:]
+        self._offset = self._ready
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+
+  def _count_ready(self) -> int:
+    embs, offset = self._embs, self._offset
+    while (self._ready - offset < len(embs)
+           and _ready(embs[self._ready - offset])):
+      self._ready += 1
+      if self._ready == self._total:
+        self._embedded_at = self.clock()
+    return self._ready
+
+  def _wake_s(self) -> float:
+    return min(1.0, max(0.005, self.interval_s / 10))
+
+  def _run(self):
+    while not self._stop.wait(self._wake_s()):
+      with self._lock:
+        line = self._line()
+      if line:
+        self.say(line)
+        self.lines += 1
+
+  def _line(self):
+    """The line due now, or None."""
+    if self._step is None:
+      return None
+    now = self.clock()
+    if self._out is not None and _ready(self._out):
+      if self._dispatched_at is not None and self._embedded_at is not None:
+        self._after_s = now - max(self._dispatched_at, self._embedded_at)
+      self._step, self._embs = None, None  # Done: nothing more to say.
+      return None
+    # Due: the step is an interval old, and the last line is (less one
+    # wake-up, so that the lines are at most an interval apart).
+    due = self.interval_s - self._wake_s()
+    if now - self._last < due or now - self._t0 < due:
+      return None
+    self._last = now
+    elapsed = now - self._t0
+    head = f"{self.tag} step {self._step}, {elapsed:.0f} s in: "
+    if not self._total:
+      if self._out is None:
+        return head + "building its batch"
+      return head + f"running for {now - self._dispatched_at:.0f} s"
+    done, total, each = self._count_ready(), self._total, self._each
+    rate = done * each / max(1e-9, (self._embedded_at or now) - self._t0)
+    head += f"{done}/{total} micro-batches embedded"
+    if each:
+      head += (f" ({done * each:,} of {total * each:,} images, "
+               f"{rate:,.0f} img/s)")
+    if done == total:
+      since = now - self._embedded_at
+      left = (f", ~{max(0.0, self._after_s - since):.0f} s left"
+              if self._after_s is not None else "")
+      return head + f"; text tower and loss running for {since:.0f} s{left}"
+    if rate > 0:
+      after = (f" + ~{self._after_s:.0f} s of text tower and loss"
+               if self._after_s is not None else "")
+      head += f", ~{(total - done) * each / rate:.0f} s left to embed{after}"
+    if not done and self._prev_out is not None and not _ready(self._prev_out):
+      head += (f"; the device is still on step {self._prev_step}'s text "
+               "tower and loss")
+    elif not self._embs and self._out is None:
+      head += "; waiting for its first micro-batch from the input"
+    return head
+
+
+def _ready(x) -> bool:
+  """Whether a jax array (or anything else: yes) has been computed."""
+  is_ready = getattr(x, "is_ready", None)
+  return True if is_ready is None else bool(is_ready())

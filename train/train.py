@@ -50,6 +50,7 @@ from train import data as data_lib
 from train import diagnostics
 from train import evaluate
 from train import file_keys
+from train import memory as memory_lib
 from train import model as model_lib
 from train import optim
 from train import preemption
@@ -71,6 +72,8 @@ init_params = model_lib.init_params
 
 
 TB_FLUSH_S = 10
+# A step longer than this says how far it got, this often (tests lower it).
+PROGRESS_INTERVAL_S = 10.0
 
 
 class MetricWriter:
@@ -247,9 +250,104 @@ def check_devices(config) -> None:
     raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
                      f"by the process count {n_proc}")
   mb = config.microbatch_size
-  if 0 < mb < config.batch_size and mb % n_dev:
+  if mb != "auto" and 0 < mb < config.batch_size and mb % n_dev:
     raise ValueError(f"config.microbatch_size={mb} is not divisible by the "
                      f"device count {n_dev}")
+
+
+# ----------------------------------------------------------------- the step
+
+
+def _step_builder(config, mesh, tower, text_tower, head, optimizer, schedule,
+                  precomputed: bool, grouped: bool):
+  """``make_step(microbatch) -> jitted train step`` of the run: GradCache
+  over micro-batches of that size (0 or the batch: the un-chunked step);
+  streamed (the step sees image embeddings) when the locked tower is
+  embedded per micro-batch."""
+  def make_step(mb):
+    chunked = 0 < mb < config.batch_size
+    streamed = not precomputed and chunked and config.model.image.locked
+    grad_fn = step_lib.make_grad_fn(
+        mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
+        microbatch_size=mb, global_batch=config.batch_size,
+        precomputed=precomputed or streamed,
+        image_locked=config.model.image.locked, groups=grouped,
+        loss_dtype=config.loss.get("dtype") or None)
+    # The loss diagnostics re-embed a few pairs of the batch as the step
+    # sees them: uint8 images through the tower, or the embeddings.
+    embed_sample = diagnostics.make_sample_embedder(
+        embed_img=None if (precomputed or streamed) else tower.embed,
+        embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
+    return step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                    optimizer=optimizer, schedule=schedule,
+                                    embed_sample=embed_sample)
+  return make_step
+
+
+def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
+               precomputed: bool, grouped: bool):
+  """(``memory.Sizing`` of config.microbatch_size, {micro-batch: its
+  compiled train step}): the step compiled for abstract inputs of the
+  run's shapes, XLA's plan of it, plus for a streamed step the embedding
+  call and the images it holds in flight (train/memory.py)."""
+  b, n_dev = config.batch_size, mesh.size
+  device = jax.local_devices()[0]
+  limit, source = memory_lib.device_limit(config.device_memory_gb, device)
+  if config.microbatch_size != "auto" and limit is None:
+    mb = config.microbatch_size
+    return memory_lib.Sizing(mb if 0 < mb < b else b, None, None, ""), {}
+  rows = NamedSharding(mesh, P(step_lib.AXIS))
+  shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
+                                                     sharding=rows)
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  side = data_lib.host_size(config.data)
+  image_bytes = side * side * 3  # One uint8 image.
+  # A batch decoder (config.data.decoder "gpu") holds its decoded
+  # micro-batches on the device too: those in its queue and the one it
+  # decodes.
+  decoded_ahead = (0 if config.data.decoder == "host"
+                   else max(1, config.data.prefetch_batches) + 1)
+  depth = max(1, config.data.prefetch_batches)
+  steps = {}
+  # A set micro-batch is compiled as the step will be (its call reuses it);
+  # "auto"'s sizes are compiled faster on a GPU (memory.plan_bytes).
+  search = config.microbatch_size == "auto"
+
+  def plan_fn(mb):
+    chunked = 0 < mb < b
+    streamed = not precomputed and chunked and config.model.image.locked
+    batch = {"text": shaped((b, tokenizer.max_len), np.int32)}
+    if precomputed or streamed:
+      batch["image_emb"] = shaped((b, tower.embed_dim), np.float32)
+    else:
+      batch["image"] = shaped((b, side, side, 3), np.uint8)
+    if grouped:
+      batch["group"] = shaped((b,), np.int32)
+    steps[mb] = make_step(mb)
+    with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
+      step_bytes = memory_lib.plan_bytes(
+          steps[mb].lower(abstract_state, batch), device.platform, search)
+    stream_bytes = 0
+    if streamed:
+      params = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(
+              x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+          tower.params)
+      with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
+        stream_bytes = memory_lib.plan_bytes(embed.lower(
+            params, shaped((mb, side, side, 3), np.uint8)), device.platform,
+            search)
+      stream_bytes += (depth + decoded_ahead) * (mb // n_dev) * image_bytes
+    elif not precomputed:
+      stream_bytes = decoded_ahead * (b // n_dev) * image_bytes
+    return memory_lib.Plan(mb if chunked else b, step_bytes, stream_bytes)
+
+  sizing = memory_lib.size_microbatch(
+      requested=config.microbatch_size, batch=b, multiple=n_dev,
+      plan_fn=plan_fn, limit=limit, source=source)
+  return sizing, steps
 
 
 def _round_up(x, m):
@@ -400,8 +498,8 @@ def train_and_evaluate(config, workdir: str, *,
   finally:
     if catching:
       preemption.release()
-    for k in ("pbar", "writer"):
-      if progress[k] is not None:
+    for k in ("step_progress", "pbar", "writer"):
+      if progress.get(k) is not None:
         progress[k].close()
     ckpt.close()  # After an error: lets the save in flight finish.
 
@@ -529,7 +627,9 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
                                tokenizer)
     if is_main:
       print("\n".join(evaluator.describe()), flush=True)
-    eval_metrics = evaluator(params)
+    with memory_lib.phase("eval", jax.local_devices()[0],
+                          memory_lib.EVAL_HINT):
+      eval_metrics = evaluator(params)
     if summary is None:  # Stopped after the final checkpoint.
       summary = {"steps": latest, "resumed_from": latest,
                  **_last_train_row(workdir)}
@@ -569,7 +669,31 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   tower = dataclasses.replace(image_tower,
                               params=jax.device_get(state["params"]["img"]))
   n_proc, n_local = jax.process_count(), len(jax.local_devices())
-  mb = config.microbatch_size
+  precomputed = (config.precompute_image_embeddings or
+                 data_lib.sources.kind_of(config.data.name) == "embeddings")
+  grouped = config.loss.groups != "none"
+  make_step = _step_builder(config, mesh, tower, text_tower, head, optimizer,
+                            schedule, precomputed, grouped)
+  # The locked tower's embedding call of a streamed step (compiled once:
+  # the sizing's compile is the streamer's).
+  embed = stream_lib.make_embed(mesh, tower)
+
+  # The micro-batch, sized against the device's memory from XLA's plan of
+  # the compiled step, before any data is decoded (train/memory.py).
+  sizing, steps = _size_step(config, mesh, state, tower, embed, make_step,
+                             tokenizer, precomputed, grouped)
+  if is_main and sizing.line:
+    print(sizing.line, flush=True)
+  mb = sizing.microbatch
+  if config.microbatch_size == "auto" and jax.process_count() > 1:
+    # Every process must take the same size: the smallest chosen (it fits
+    # wherever a larger one does).
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
+    if agreed != mb and is_main:
+      print(f"[lit] micro-batch auto: {agreed}, the smallest any process "
+            "chose", flush=True)
+    mb = agreed
   chunked = 0 < mb < config.batch_size
   num_micro = config.batch_size // mb if chunked else 1
 
@@ -581,8 +705,9 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   stops.check("building the model and the held-out sets")
 
   # Data: each process reads its own shard, as micro-batches.
-  source = _training_source(config, workdir, tower, is_main, stops)
-  precomputed = data_lib.sources.kind_of(source.spec) == "embeddings"
+  device = jax.local_devices()[0]
+  with memory_lib.phase("precompute", device, memory_lib.EVAL_HINT):
+    source = _training_source(config, workdir, tower, is_main, stops)
   streamed = not precomputed and chunked and config.model.image.locked
   train_iter = data_lib.make_train_iterator(
       config, batch_size=config.batch_size // n_proc,
@@ -591,7 +716,6 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       seed=config.seed, tokenizer=tokenizer, source=source,
       groups=config.loss.groups,
       captions_per_image=config.captions_per_image)
-  grouped = config.loss.groups != "none"
   if is_main:
     print(f"[lit] data: {source.describe()}", flush=True)
   warning = optim.batch_repeat_warning(config.batch_size, len(source),
@@ -615,17 +739,14 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   # The step. With more than one device the loss runs the ring. Streamed:
   # the locked tower embeds each micro-batch as it arrives (train/stream.py)
   # and the step sees the (B, D) embeddings, as with precomputed ones.
-  grad_fn = step_lib.make_grad_fn(
-      mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
-      microbatch_size=config.microbatch_size, global_batch=config.batch_size,
-      precomputed=precomputed or streamed,
-      image_locked=config.model.image.locked, groups=grouped)
   if is_main:
     across = "" if mesh.size == 1 else ", ring across devices"
     print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
           f"{jax.process_count()} process(es); global batch "
           f"{config.batch_size}"
           + (f", GradCache micro-batch {mb}" if chunked else "")
+          + (f" (text blocks remat {config.model.text.remat})"
+             if chunked and config.model.text.remat != "none" else "")
           + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
           + (f", groups {config.loss.groups} ({config.loss.group_mode})"
              if grouped else "")
@@ -638,19 +759,23 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
           + (f"; images resized on the device from {config.data.decode_size}"
              " px" if config.data.decode_size and not precomputed else ""),
           flush=True)
-  # The loss diagnostics re-embed a few pairs of the batch as the step sees
-  # them: uint8 images through the tower, or the embeddings themselves.
-  embed_sample = diagnostics.make_sample_embedder(
-      embed_img=None if (precomputed or streamed) else tower.embed,
-      embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
-  train_step = step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                        optimizer=optimizer, schedule=schedule,
-                                        embed_sample=embed_sample)
+  train_step = steps.get(mb) or make_step(mb)
+  writer = MetricWriter(workdir, start_step, enabled=is_main,
+                        on_write=on_metrics)
+  pbar = _progress_bar(config, config.total_steps, start_step, is_main)
+  say = pbar.write if pbar is not None else functools.partial(print,
+                                                              flush=True)
+  # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
+  # (from a thread: the host may wait on the device or the input).
+  step_progress = stream_lib.StepProgress(say if is_main else None,
+                                          interval_s=PROGRESS_INTERVAL_S)
+  progress.update(pbar=pbar, writer=writer, step_progress=step_progress)
   streamer = None
   if streamed:
     streamer = stream_lib.StreamedImageTower(
         mesh, tower, jax.device_put(tower.params, NamedSharding(mesh, P())),
-        depth=max(1, config.data.prefetch_batches))
+        depth=max(1, config.data.prefetch_batches), embed=embed,
+        progress=step_progress)
 
   def next_inputs():
     """The step's global batch: embedded micro-batch by micro-batch when
@@ -665,14 +790,9 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
         for k in (key, "text") + (("group",) if grouped else ())})
 
   def run_eval():
-    return evaluator(state["params"])
+    with memory_lib.phase("eval", device, memory_lib.EVAL_HINT):
+      return evaluator(state["params"])
 
-  writer = MetricWriter(workdir, start_step, enabled=is_main,
-                        on_write=on_metrics)
-  pbar = _progress_bar(config, config.total_steps, start_step, is_main)
-  progress.update(pbar=pbar, writer=writer)
-  say = pbar.write if pbar is not None else functools.partial(print,
-                                                              flush=True)
   train_metrics = {}
   # Preemption signals and the clock of time-based checkpoints, agreed by
   # all processes (train/preemption.py).
@@ -690,11 +810,16 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   stop_before_step = n_proc == 1 or agree_per_step
   interrupt = stop_before_step and preemption.catching()
   t_loop, steps_run = time.time(), 0
+  def in_step():
+    return memory_lib.phase("step", device, memory_lib.STEP_HINT)
   for step in range(start_step + 1, config.total_steps + 1):
     before = train_iter.get_state() if stop_before_step else None
     signal_name, outage = None, None
+    # The progress line watches the step's micro-batches from here: a
+    # streamed step embeds them while its inputs are fetched.
+    step_progress.step_begins(step)
     try:
-      with preemption.interrupting_waits(interrupt):
+      with in_step(), preemption.interrupting_waits(interrupt):
         inputs = next_inputs()
     except preemption.WaitInterrupted as e:
       signal_name = e.args[0]
@@ -711,14 +836,18 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
                           signal_name or (
                               "a signal to another process" if flags[0]
                               else "storage outage"), outage, bool(flags[1]))
-    state, metrics = train_step(state, inputs)
+    with in_step():
+      state, metrics = train_step(state, inputs)
+      step_progress.step_dispatched(metrics["loss"])
     del inputs
     progress["step"] = step
     steps_run += 1
     if pbar is not None:
       pbar.update(1)
     if step % config.log_every_steps == 0 or step == config.total_steps:
-      train_metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      with in_step():
+        train_metrics = {k: float(v)
+                         for k, v in jax.device_get(metrics).items()}
       # This process's skipped examples (its ledger also stops the run past
       # config.data.max_bad_fraction).
       train_metrics["data/bad_examples"] = train_iter.bad
@@ -755,6 +884,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
                            is_main)
     triggers.launch()
+  step_progress.close()
   if pbar is not None:
     pbar.close()
     progress["pbar"] = None

@@ -98,7 +98,7 @@ _FREE = ("total_steps", "log_every_steps", "progress_bar", "eval.",
          "data.cache_max_mb", "data.gpu_decoder_cpu_threads",
          "data.storage_options", "data.remote_outage_s",
          "data.remote_retries",
-         "data.shard_index_cache")
+         "data.shard_index_cache", "device_memory_gb")
 # Keys that change the numbers from here on but neither the train state's
 # structure nor the data stream: a one-line note, and the run goes on.
 _NOTED = ("optim.lr", "optim.weight_decay", "optim.weight_decay_scale",
@@ -110,7 +110,8 @@ _NOTED = ("optim.lr", "optim.weight_decay", "optim.weight_decay_scale",
           "loss.max_log_scale", "loss.init_log_scale", "loss.init_bias",
           "model.dtype", "data.data_dir", "data.decoder",
           "data.gpu_decoder_backend", "data.gpu_decoder_options",
-          "data.max_bad_fraction", "checkpoint.directory")
+          "data.max_bad_fraction", "checkpoint.directory",
+          "microbatch_size", "model.text.remat", "loss.dtype")
 # Every other key (the seed, the batch, the towers, the loss and its head,
 # the optimizer's kind, the data and the tokenizer) changes the train
 # state's structure or the data stream: the rerun stops unless

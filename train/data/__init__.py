@@ -5,7 +5,8 @@ sets.
 
 The trainer imports everything from here (see TRAINER_INTERFACE in the notes):
 default_data_config, default_tokenizer_config, check_data_config,
-make_tokenizer, make_train_iterator, make_eval_sets, open_source.
+make_tokenizer, make_train_iterator, make_eval_sets, open_source,
+host_size.
 """
 
 from train.data.config import check_data_config
@@ -18,6 +19,7 @@ from train.data.eval_sets import without_labels
 from train.data.eval_sets import RetrievalSet
 from train.data.eval_sets import ZeroShotSet
 from train.data import sources
+from train.data.pipeline import host_size
 from train.data.pipeline import make_train_iterator
 from train.data.pipeline import preprocess_image
 from train.data.pipeline import TrainIterator

@@ -102,7 +102,8 @@ def make_text_tower(config, tokenizer, embed_dim: int, dtype):
   tc = config.model.text
   if tc.init:
     kwargs, _ = text_init(config, tokenizer, embed_dim)
-    return text_lib.TextTransformer(**kwargs, dtype=dtype)
+    return text_lib.TextTransformer(**kwargs, dtype=dtype,
+                                    remat=tc.get("remat", "none"))
   return text_lib.from_scratch(tc, tokenizer.vocab_size, tokenizer.max_len,
                                embed_dim, dtype, pad_id=tokenizer.pad_id,
                                eos_id=tokenizer.eos_id)

@@ -181,6 +181,26 @@ class Block(nn.Module):
     return x + y
 
 
+# What a block keeps for its backward pass (``Encoder.remat``): "none"
+# keeps every activation (the fastest, the most memory); "block" keeps each
+# block's input only and recomputes the block inside the backward (one more
+# forward of the tower; activation memory of one block plus a [b, L, W]
+# input per block); "dots" keeps the block's matmul outputs and recomputes
+# the rest (LayerNorms, GELU, softmax: about half the memory of "none").
+REMAT_POLICIES = ("none", "block", "dots")
+
+
+def remat_policy(name: str):
+  """``jax.checkpoint``'s policy of a ``REMAT_POLICIES`` name ("block":
+  none, nothing saved); ValueError in one line for another name."""
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, "
+                     f"got {name!r}")
+  if name == "dots":
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  return None
+
+
 class Encoder(nn.Module):
   """``depth`` blocks named ``block{i}`` (no final norm: the towers place it).
 
@@ -191,6 +211,8 @@ class Encoder(nn.Module):
   twelfth of a 12-block tower's work (a torch tower computes them).
   ``prune_last=False`` computes every token and picks the row's token after
   the last block (the same numbers up to rounding; the benchmark's A/B).
+  ``remat`` (``REMAT_POLICIES``): what each block keeps for the backward
+  pass; the params and the forward's results are the same for every value.
   """
   depth: int
   num_heads: int
@@ -201,12 +223,18 @@ class Encoder(nn.Module):
   layer_scale: bool = False
   dtype: Dtype = jnp.float32
   prune_last: bool = True
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, x, lengths=None, causal=False, query=None):
     pruned = query is not None and self.prune_last and self.depth > 0
+    block = Block
+    if self.remat != "none":
+      # ``causal`` (argument 3, counting the module) picks the mask: static.
+      block = nn.remat(Block, policy=remat_policy(self.remat),
+                       static_argnums=(3,))
     for i in range(self.depth):
-      x = Block(self.num_heads, self.mlp_dim, self.act, self.ln_eps,
+      x = block(self.num_heads, self.mlp_dim, self.act, self.ln_eps,
                 self.qkv_bias, self.layer_scale, dtype=self.dtype,
                 name=f"block{i}")(
                     x, lengths, causal,

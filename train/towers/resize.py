@@ -21,15 +21,18 @@ import jax
 import jax.numpy as jnp
 
 
-def _pass(x, shape):
+def _pass(x, shape, precision):
   y = jax.image.resize(x, shape, "bicubic", antialias=True,
-                       precision=jax.lax.Precision.HIGHEST)
+                       precision=precision)
   return jnp.round(jnp.clip(y, 0.0, 255.0))
 
 
-def resize_square(images, size: int):
+def resize_square(images, size: int,
+                  precision=jax.lax.Precision.HIGHEST):
   """uint8 [b, C, C, 3] -> float32 [b, size, size, 3] of whole levels in
   [0, 255]; images already at ``size`` are only cast. Traceable.
+  ``precision``: of the passes' matrix products (HIGHEST, the trainer's:
+  Pillow's pixels; another only for benchmarks/bench_train.py --stages).
 
   ValueError (at trace time) for non-square images or C < size: the host
   pipeline delivers squares at least the tower's size.
@@ -45,5 +48,5 @@ def resize_square(images, size: int):
   x = images.astype(jnp.float32)
   if h == size:
     return x
-  x = _pass(x, (b, h, size, c))  # Width first, as Pillow.
-  return _pass(x, (b, size, size, c))
+  x = _pass(x, (b, h, size, c), precision)  # Width first, as Pillow.
+  return _pass(x, (b, size, size, c), precision)

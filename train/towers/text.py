@@ -43,6 +43,9 @@ class TextTransformer(nn.Module):
   ln_eps: float = 1e-6
   head_bias: bool = True
   dtype: Dtype = jnp.float32
+  # What each block keeps for the backward pass (layers.REMAT_POLICIES):
+  # config.model.text.remat. The params and the embeddings are the same.
+  remat: str = "none"
 
   @nn.compact
   def __call__(self, tokens):
@@ -65,7 +68,7 @@ class TextTransformer(nn.Module):
       x = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
     blocks = layers.Encoder(self.depth, self.num_heads, self.mlp_dim,
                             self.act, self.ln_eps, dtype=self.dtype,
-                            name="encoder")
+                            remat=self.remat, name="encoder")
     norm = nn.LayerNorm(self.ln_eps, dtype=self.dtype, name="norm")
     if self.pool == "eos":
       is_eos = tokens == self.eos_id
@@ -88,9 +91,10 @@ class TextTransformer(nn.Module):
 
 def from_scratch(cfg, vocab_size: int, max_len: int, embed_dim: int, dtype,
                  pad_id: int = 0, eos_id: int = 1) -> TextTransformer:
-  """The from-scratch tower of ``cfg`` (width, depth, num_heads, mlp_dim)."""
+  """The from-scratch tower of ``cfg`` (width, depth, num_heads, mlp_dim,
+  and remat when it has one)."""
   return TextTransformer(
       vocab_size=vocab_size, max_len=max_len, width=cfg.width,
       depth=cfg.depth, num_heads=cfg.num_heads, mlp_dim=cfg.mlp_dim,
       embed_dim=embed_dim, pad_id=pad_id, eos_id=eos_id, pool="mean",
-      act="gelu_tanh", dtype=dtype)
+      act="gelu_tanh", dtype=dtype, remat=getattr(cfg, "remat", "none"))
