@@ -107,6 +107,7 @@ elif phase == "compile":
     def first(*args):
       signal_once()
       return fn(*args)
+    first.lower = fn.lower  # The step's memory plan lowers it first.
     return first
   step.make_train_step = make_train_step
 sys.argv[0] = main.__file__
