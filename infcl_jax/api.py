@@ -154,8 +154,9 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     GROUPS
       Softmax: "mask" leaves the related pairs other than a query's positive
       out of its log-sum-exp (false-negative masking; with all ids distinct
-      it is the plain loss up to float rounding); with ``labels`` the
-      labelled key stays the positive. "positives" makes every related pair
+      and no ``labels`` it is the plain loss up to float rounding); with
+      ``labels`` the labelled key stays the positive, related to its query
+      or not. "positives" makes every related pair
       a positive: a query's term is its LSE minus the mean of its related
       logits (multi-positive InfoNCE, SupCon's L_out); it cannot take
       ``labels``, and a query with no related key gives a NaN loss. In a

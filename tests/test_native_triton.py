@@ -444,3 +444,15 @@ from tests import test_confident as tc  # noqa: E402  pylint: disable=wrong-impo
 class TestTritonConfident(tc.TestConfidentKernels):
   """The positive outside the log-sum-exp on the triton backend."""
   NAME = "triton"
+
+
+# ---------------------------------- labels x groups, the positive outside
+
+from tests import test_exact_groups as teg  # noqa: E402  pylint: disable=wrong-import-position
+
+
+class TestTritonExactGroups(teg.TestKernels):
+  """``test_exact_groups``' kernel cases on the triton backend: the
+  "positives" split on its kernels, positives outside their groups on the
+  xla tiles."""
+  NAME = "triton"

@@ -31,9 +31,13 @@ any N.
 
 Groups (``losses.groups``): every device holds all group ids (O(B)
 integers); each tile takes the ids of its rows and of the key shard it
-holds. "mask" tiles leave related pairs out and the positive is put back:
-the rows' at the end, the columns' in the home tile, so that the column
-statistics that travel are complete. "positives" (``groups_lib.Positives``)
+holds. "mask" tiles leave related pairs out, and the positives, which the
+ids relate when they are one array without labels and which the tiles
+are otherwise given by index (``positives=``, ``outside``: a positive may
+then lie outside its query's group); each term is then the confident form,
+and the positive is put back into the full LSE: the rows' at the end, the
+columns' in the home tile, so that the column statistics that travel are
+complete. "positives" (``groups_lib.Positives``)
 leaves out the pairs of each query that has one related key, which then
 works like "mask" with that key as its positive (the keys of those pairs
 get their column terms at the end, when all their queries' logits are
