@@ -25,6 +25,7 @@ The layouts (40 queries, 48 keys with extra keys; 8 devices hold 5 and
   one caption, a 2 x 2 group and singletons.
 """
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -232,3 +233,63 @@ def test_bounds_have_teeth():
                    - s[np.arange(N), lab])
   assert abs(float(naive) - ref[0]) / ref[0] > 0.1
   assert BOUND[jnp.float32] == 1e-3
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_seam_positives(backend):
+  """The tile seam's ``positives=``: each row's positive column left out
+  beside its related pairs, both statistics and the gradient, against
+  float64; a backend without it (``pallas``) runs the xla tiles. Guards:
+  one line each."""
+  from infcl_jax.backends import registry  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(7)
+  n, m = 13, 21
+  x = jnp.asarray(rng.standard_normal((n, 8)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((m, 8)), jnp.float32)
+  gx, gy = rng.integers(0, 6, n), rng.integers(0, 6, m)
+  px = rng.integers(-1, m, n)  # -1: no positive in this tile.
+  rel = np.equal.outer(gx, gy) | (px[:, None] == np.arange(m)[None, :])
+  s = 1.7 * (as64(x) @ as64(y).T) + 0.3
+  s = np.where(rel, -np.inf, s)
+  def lse(a, axis):
+    top = np.max(a, axis=axis, keepdims=True)
+    return np.squeeze(top, axis) + np.log(np.sum(np.exp(a - top), axis))
+
+  want_r, want_c = lse(s, 1), lse(s, 0)
+  tiles = registry.get(backend, "softmax")
+  kw = {"groups": (jnp.asarray(gx), jnp.asarray(gy)),
+        "positives": jnp.asarray(px),
+        "block_sizes": XLA_TILES if backend == "xla" else KERNEL_TILES}
+  r, c = tiles.lse(x, y, 1.7, 0.3, rows=True, cols=True, **kw)
+  np.testing.assert_allclose(r, want_r, rtol=1e-6)
+  np.testing.assert_allclose(c, want_c, rtol=1e-6)
+  dx, dy, dt, db = tiles.lse_grad(x, y, 1.7, 0.3, r, c, 0.4, 0.6, **kw)
+  g = np.where(rel, 0.0, 0.4 * np.exp(s - want_r[:, None])
+               + 0.6 * np.exp(s - want_c[None, :]))
+  s0 = as64(x) @ as64(y).T
+  np.testing.assert_allclose(dx, 1.7 * g @ as64(y), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dy, 1.7 * g.T @ as64(x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dt, np.sum(g * s0), rtol=1e-5)
+  np.testing.assert_allclose(db, np.sum(g), rtol=1e-5)
+  with pytest.raises(ValueError, match="positives must be"):
+    tiles.lse(x, y, 1.7, 0.3, rows=True, cols=True,
+              positives=jnp.zeros((n + 1,), jnp.int32))
+  with pytest.raises(ValueError, match="cannot be combined"):
+    tiles.lse(x[:n], y[:n], 1.7, 0.3, rows=True, cols=True, diagonal=True,
+              positives=jnp.asarray(px))
+
+
+def test_kernel_backend_says_it_runs_the_xla_tiles_on_the_gpu():
+  """On the GPU a kernel backend handed ``positives=`` warns once that it
+  runs the xla tiles (built here for platform "gpu"; the fallback's tiles
+  are XLA, so they run on the CPU too)."""
+  from infcl_jax.backends import capability, pallas_triton  # pylint: disable=import-outside-toplevel
+  capability.reset_warnings()
+  tiles = pallas_triton.BACKEND(platform="gpu")
+  x = jnp.ones((4, 8), jnp.float32)
+  pos = jnp.arange(4, dtype=jnp.int32)
+  with pytest.warns(capability.InfclPerformanceWarning, match="'xla'"):
+    tiles.lse(x, x, 1.0, 0.0, rows=True, cols=False, positives=pos)
+  with warnings.catch_warnings():  # Once per process.
+    warnings.simplefilter("error")
+    tiles.lse(x, x, 1.0, 0.0, rows=True, cols=False, positives=pos)
