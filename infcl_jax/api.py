@@ -168,8 +168,9 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
     GROUPS
       Softmax: "mask" leaves the related pairs other than a query's positive
       out of its log-sum-exp (false-negative masking; with all ids distinct
-      it is the plain loss up to float rounding); with ``labels`` the
-      labelled key stays the positive. "positives" makes every related pair
+      and no ``labels`` it is the plain loss up to float rounding); with
+      ``labels`` the labelled key stays the positive, related to its query
+      or not. "positives" makes every related pair
       a positive: a query's term is its LSE minus the mean of its related
       logits (multi-positive InfoNCE, SupCon's L_out); it cannot take
       ``labels``, and a query with no related key gives a NaN loss. In a
@@ -200,21 +201,32 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
   n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
   labels = _checks.check_labels(labels, direction, n_q,
                                 n_keys=None if axes else n_k)
+  outside = _outside(groups, group_mode, labels)
   groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
                                 text_emb.shape[0], labels=labels is not None,
                                 sharded=bool(axes))
   return _softmax(image_emb, text_emb, scale, bias, labels, groups,
                   direction=direction, axes=axes, strategy=strategy,
                   backend=name, block_sizes=block_sizes,
-                  group_mode=group_mode)
+                  group_mode=group_mode, outside=outside)
+
+
+def _outside(groups, group_mode, labels):
+  """Whether a query's positive may lie outside its group ("mask" with
+  ``labels`` or a pair of id arrays): the loss then leaves each positive
+  out of its tiles by index (``losses.softmax``). One id array without
+  labels relates every positive pair (i, i)."""
+  return (groups is not None and group_mode == "mask"
+          and (labels is not None or isinstance(groups, (tuple, list))))
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("direction", "axes", "strategy", "backend",
-                     "block_sizes", "group_mode"))
+                     "block_sizes", "group_mode", "outside"))
 def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
-             axes, strategy, backend, block_sizes, group_mode="mask"):
+             axes, strategy, backend, block_sizes, group_mode="mask",
+             outside=False):
   x, y = _cast(image_emb, text_emb)
   # The bias shifts every logit of a row (and of a column) alike, so it
   # cancels in every softmax: it is never added (a large one would only
@@ -247,7 +259,7 @@ def _softmax(image_emb, text_emb, scale, bias, labels, groups, *, direction,
   loss_fn = (gather.gather_loss if strategy == "gather" and axes
              else softmax_lib.softmax_loss)
   return loss_fn(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-                 block_sizes, axes) + bias_nan
+                 block_sizes, axes, outside) + bias_nan
 
 
 def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
@@ -422,25 +434,27 @@ def sharded_contrastive_loss(image_emb, text_emb, logit_scale, *, mesh,
                           labels=labels is not None)
   n_q, n_k = _n_queries_keys(direction, image_emb, text_emb)
   labels = _checks.check_labels(labels, direction, n_q, n_keys=n_k)
+  outside = _outside(groups, group_mode, labels)
   groups = _checks.check_groups(groups, group_mode, image_emb.shape[0],
                                 text_emb.shape[0], labels=labels is not None)
   return _sharded_softmax(
       image_emb, text_emb, scale, bias, labels, groups, mesh=mesh, axes=axes,
       direction=direction, strategy=strategy, backend=name,
-      block_sizes=block_sizes, group_mode=group_mode)
+      block_sizes=block_sizes, group_mode=group_mode, outside=outside)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("mesh", "axes", "direction", "strategy", "backend",
-                     "block_sizes", "group_mode"))
+                     "block_sizes", "group_mode", "outside"))
 def _sharded_softmax(image_emb, text_emb, scale, bias, labels, groups, *,
                      mesh, axes, direction, strategy, backend, block_sizes,
-                     group_mode):
+                     group_mode, outside=False):
   def local(x, y, s, lab, b, grp):
     return _softmax(x, y, s, b, lab, grp, direction=direction, axes=axes,
                     strategy=strategy, backend=backend,
-                    block_sizes=block_sizes, group_mode=group_mode)
+                    block_sizes=block_sizes, group_mode=group_mode,
+                    outside=outside)
 
   return _run_sharded(local, mesh, axes, image_emb, text_emb, scale, bias,
                       labels, groups)

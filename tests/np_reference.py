@@ -103,7 +103,7 @@ def _multi_positive(s, rel):
 
 
 def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
-                     labels=None, groups=None, noise=0.05):
+                     labels=None, groups=None, related=None, noise=0.05):
   """Float64 unit embeddings of a confident model and the scale at which
   the float64 loss is ``loss`` (per-row losses spread around it).
 
@@ -111,8 +111,13 @@ def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
   the scale grows); keys without a query are random. ``groups`` (one id
   per pair) puts the members of a group near one centre, as the captions
   of one image: their pairs are related, left out in "mask" mode.
+  ``related`` instead: any (n_x, n_y) bool relation ("mask" mode), the
+  keys random (a positive may lie outside its query's group, and a key
+  related to nothing sits far from every query but its own).
   Returns (x, y, scale).
   """
+  if groups is not None and related is not None:
+    raise ValueError("groups= or related=, not both")
   def unit(a):
     return a / np.linalg.norm(a, axis=-1, keepdims=True)
 
@@ -126,8 +131,8 @@ def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
   idx = np.arange(n_q) if labels is None else np.asarray(labels)
   queries = unit(keys[idx] + noise * rng.standard_normal((n_q, d)))
   x, y = (keys, queries) if flip else (queries, keys)
-  rel = None if groups is None else (np.asarray(groups)[:, None]
-                                     == np.asarray(groups)[None, :])
+  rel = related if groups is None else (np.asarray(groups)[:, None]
+                                        == np.asarray(groups)[None, :])
   f = lambda t: clip_loss_and_grads(x, y, t, 0.0, direction, labels, rel)[0]
   return x, y, _scale_at(f, loss, max_scale=1e4, steps=50)
 

@@ -460,3 +460,15 @@ def test_interpreter_at_gpu_tiles(loss, dtype):
   from tests import watchdog  # pylint: disable=import-outside-toplevel
   result = watchdog.run_case("triton", loss, dtype)
   assert max(result["errors"].values()) <= tw.BOUND[dtype], result
+
+
+# ---------------------------------- labels x groups, the positive outside
+
+from tests import test_exact_groups as teg  # noqa: E402  pylint: disable=wrong-import-position
+
+
+class TestTritonExactGroups(teg.TestKernels):
+  """``test_exact_groups``' kernel cases on the triton backend: the
+  "positives" split on its kernels, positives outside their groups on the
+  xla tiles."""
+  NAME = "triton"

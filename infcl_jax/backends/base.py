@@ -29,12 +29,23 @@ here (``panel_backward.diagonal_sum_fix``; the gradient's in
 ``panel_backward.sigmoid_grad``), O(B * D) beside the tiles' O(B^2 * D).
 The correction depends on the ids per row, not on a branch: a ``lax.cond``
 on the ids would cost the GPU a host round trip per call.
+
+Positives. The softmax operations also take ``positives=None`` or an (n,)
+int32 vector: for each row, one column of y that is left out like a related
+pair (the row's positive; -1: none), together with ``groups=``: a row whose
+positive is not in its group (``labels=``, or a pair of id arrays) needs
+both, and no one id per row and per column can say that (the loss keeps
+every positive out of its tiles: ``losses.softmax``). A backend that
+implements it sets ``POSITIVES = True``; the others' calls with
+``positives=`` run the ``xla`` backend's tiles instead (exact, at XLA's
+speed, with an ``InfclPerformanceWarning`` on the GPU the first time).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from infcl_jax.backends import capability
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends import precision as precision_lib
 
@@ -67,6 +78,9 @@ class TileBackend:
   # Whether the softmax operations take ``diagonal=True`` themselves (see
   # ``lse``); otherwise they get it as the group ids (i, i): an iota.
   DIAGONAL = False
+  # Whether the softmax operations take ``positives=`` (see above);
+  # otherwise those calls run on the ``xla`` backend's tiles.
+  POSITIVES = False
 
   def __init__(self, platform: str | None = None):
     self.platform = platform or jax.default_backend()
@@ -119,32 +133,70 @@ class TileBackend:
       kw["group_mode"] = group_mode
     return kw
 
+  def _positives_backend(self, x, positives, diagonal):
+    """None, or the backend that runs a call with ``positives`` (this one
+    where it implements them, else ``xla``), after the guards."""
+    if positives is None:
+      return None
+    if diagonal:
+      raise ValueError("diagonal=True and positives= cannot be combined")
+    if positives.shape != (x.shape[0],):
+      raise ValueError(f"positives must be ({x.shape[0]},) for a tile of "
+                       f"{x.shape[0]} rows, got {positives.shape}")
+    if self.POSITIVES:
+      return self
+    from infcl_jax.backends import xla  # pylint: disable=import-outside-toplevel
+    if self.platform == "gpu":
+      capability.warn_once(
+          f"positives-{self.name}",
+          f"infcl_jax: backend={self.name!r} runs a grouped softmax whose "
+          f"positives may lie outside their groups (labels= with groups=, "
+          f"or a pair of id arrays in group_mode='mask') on the 'xla' "
+          f"backend's tiles: exact, but slower than its kernels.",
+          stacklevel=6)
+    return xla.XlaBackend(self.platform)
+
   # ------------------------------------------------------------ softmax
 
   def lse(self, x, y, scale, bias, *, rows, cols, block_sizes=None,
-          groups=None, diagonal=False):
+          groups=None, diagonal=False, positives=None):
     """(row_lse (n,), col_lse (m,)), float32; None where not asked for.
 
     ``diagonal``: the pairs (i, i) (x row i, y row i) are left out, as
     related pairs are (a confident loss keeps its positive out of the
     tiles: ``losses.terms.confident``); only the tiles that cross the
-    diagonal need the mask.
+    diagonal need the mask. ``positives``: (n,) int32, each row's one
+    more column left out (-1: none), with or without ``groups``.
     """
     if not (rows or cols):
       return None, None
+    other = self._positives_backend(x, positives, diagonal)
+    if other is not None and other is not self:
+      return other.lse(x, y, scale, bias, rows=rows, cols=cols,
+                       block_sizes=block_sizes, groups=groups,
+                       positives=positives)
+    kw = {} if other is None else {"positives": positives.astype(jnp.int32)}
     return self._lse(x, y, scale, bias, rows=rows, cols=cols,
                      bs=self.block_sizes(block_sizes, x.dtype),
-                     **self._group_kw(x, y, groups, diagonal=diagonal))
+                     **self._group_kw(x, y, groups, diagonal=diagonal), **kw)
 
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-               *, block_sizes=None, groups=None, diagonal=False):
+               *, block_sizes=None, groups=None, diagonal=False,
+               positives=None):
     """(dx, dy, dscale, dbias), float32; a None statistic has no term."""
     if row_lse is None and col_lse is None:
       zero = jnp.zeros((), F32)
       return (jnp.zeros(x.shape, F32), jnp.zeros(y.shape, F32), zero, zero)
+    other = self._positives_backend(x, positives, diagonal)
+    if other is not None and other is not self:
+      return other.lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
+                            col_coef, block_sizes=block_sizes, groups=groups,
+                            positives=positives)
+    kw = {} if other is None else {"positives": positives.astype(jnp.int32)}
     return self._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
                           col_coef, bs=self.block_sizes(block_sizes, x.dtype),
-                          **self._group_kw(x, y, groups, diagonal=diagonal))
+                          **self._group_kw(x, y, groups, diagonal=diagonal),
+                          **kw)
 
   # ------------------------------------------------------------ sigmoid
 

@@ -63,10 +63,12 @@ class SoftmaxTiles(Protocol):
   name: str
 
   def lse(self, x, y, scale, bias, *, rows: bool, cols: bool,
-          block_sizes=None, groups=None): ...
+          block_sizes=None, groups=None, diagonal=False,
+          positives=None): ...
 
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-               col_coef, *, block_sizes=None, groups=None): ...
+               col_coef, *, block_sizes=None, groups=None, diagonal=False,
+               positives=None): ...
 
 
 class SigmoidTiles(Protocol):

@@ -36,7 +36,9 @@ def _blocks(a, block):
 def _vec_blocks(v, block, fill):
   n = v.shape[0]
   nb = -(-n // block)
-  return jnp.pad(v, (0, nb * block - n), constant_values=fill).reshape(nb, block)
+  pad = ((0, nb * block - n),) + ((0, 0),) * (v.ndim - 1)
+  return jnp.pad(v, pad, constant_values=fill).reshape(
+      (nb, block) + v.shape[1:])
 
 
 def _positive_mask(rb, kb, bq, bk):
@@ -54,6 +56,30 @@ def _group_blocks(groups, bq, bk, n_rows, n_cols):
             jnp.zeros((n_cols, bk), jnp.int32))
   gx, gy = groups
   return _vec_blocks(gx, bq, -1), _vec_blocks(gy, bk, -1)
+
+
+def _with_positives(groups, positives, m):
+  """``groups`` with the rows' ``positives`` (``base``: one more column
+  left out per row, -1 none) as a second id per row and column: the ids
+  become (n, c) and (m, c), and a pair is related when any of its c ids
+  agree (``_related``). Unchanged without positives."""
+  if positives is None:
+    return groups
+  px = positives.astype(jnp.int32)[:, None]
+  py = jnp.arange(m, dtype=jnp.int32)[:, None]
+  if groups is None:
+    return px, py
+  gx, gy = groups
+  return (jnp.concatenate([gx[:, None], px], axis=1),
+          jnp.concatenate([gy[:, None], py], axis=1))
+
+
+def _related(gx_blk, gy_blk):
+  """The related pairs of a tile from its rows' and columns' ids: equal
+  ids, or for (n, c) ids (``_with_positives``) any of the c equal."""
+  if gx_blk.ndim == 1:
+    return gx_blk[:, None] == gy_blk[None, :]
+  return jnp.any(gx_blk[:, None, :] == gy_blk[None, :, :], axis=-1)
 
 
 def _sigmoid_labels(rb, kb, bq, bk, has_diagonal, rel, group_mode):
@@ -103,7 +129,7 @@ def _grad_sweep(x, y, scale, bias, tile_g, *, bs, prec, row_vec=None,
       dx, dy, dsc, dbi = carry
       kb, y_blk, cv, c_blk, gy_blk = inputs
       s0 = _math.dot(x_blk, y_blk, ((1,), (1,)), prec)
-      rel = ((gx_blk[:, None] == gy_blk[None, :]) if groups is not None
+      rel = (_related(gx_blk, gy_blk) if groups is not None
              else jnp.zeros((), bool))
       g = tile_g(rb, kb, scale * s0 + bias, r_blk, c_blk, rel)
       g = jnp.where(rv[:, None] & cv[None, :], g, 0.0)
@@ -141,6 +167,7 @@ class XlaBackend(base.TileBackend):
   families = ("softmax", "sigmoid")
   RUNS_ON = capability.RunsOn(portable=True)
   GROUPS = True
+  POSITIVES = True
   F32_DEFAULT = "highest"  # The exactness baseline (backends.precision).
 
   def default_block_sizes(self, platform, dtype):
@@ -159,8 +186,10 @@ class XlaBackend(base.TileBackend):
 
   # ------------------------------------------------------------ softmax
 
-  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
+  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None,
+           positives=None):
     n, m = x.shape[0], y.shape[0]
+    groups = _with_positives(groups, positives, m)
     bq, bk, prec, (xb, row_valid), (yb, col_valid), scale, bias = self._sweep(
         x, y, scale, bias, bs)
     neg = _math.NEG_INF
@@ -174,7 +203,8 @@ class XlaBackend(base.TileBackend):
         s = scale * _math.dot(x_blk, y_blk, ((1,), (1,)), prec) + bias
         keep = rv[:, None] & cv[None, :]
         if groups is not None:
-          keep = keep & (gx_blk[:, None] != gy_blk[None, :])
+          keep = keep & (gx_blk[:, None] != gy_blk[None, :] if gx_blk.ndim == 1
+                         else ~_related(gx_blk, gy_blk))
         s = jnp.where(keep, s, neg)
         out = ()
         if rows:
@@ -202,7 +232,8 @@ class XlaBackend(base.TileBackend):
     return row_out, col_out
 
   def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-                col_coef, *, bs, groups=None):
+                col_coef, *, bs, groups=None, positives=None):
+    groups = _with_positives(groups, positives, y.shape[0])
     scale = jnp.asarray(scale, F32)
     bias = jnp.asarray(bias, F32)
     a_r, a_c, norm = _math.unit_coefs(

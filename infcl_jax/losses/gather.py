@@ -54,12 +54,12 @@ def _global_lse(partial_lse, axes):
   return shift + jnp.log(lax.psum(jnp.exp(partial_lse - shift), axes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def gather_loss(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-                block_sizes, axes):
+                block_sizes, axes, outside=False):
   """Global CLIP loss by all-gather; arguments as ``softmax.softmax_loss``."""
   loss, _ = _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-                 block_sizes, axes)
+                 block_sizes, axes, outside)
   return loss
 
 
@@ -70,41 +70,49 @@ def _positives(keys, labels, me, b_q):
   return terms.shard_positives(labels, 0, keys.shape[0])
 
 
-def _groups(groups, group_mode, axes, labels, me, b_q, b_k, n_dev, mode):
-  """(tile groups, rel_pos, positives-term args, nan, split) of ``groups``
-  (``split``: "positives" mode's ``groups.Positives``, else None)."""
+def _groups(groups, group_mode, axes, labels, me, b_q, b_k, n_dev, mode,
+            outside):
+  """(tile keywords, rel_pos, positives-term args, nan, split) of
+  ``groups`` (``split``: "positives" mode's ``groups.Positives``, else
+  None; ``outside``: as in ``softmax.softmax_loss``)."""
   if groups is None:
     # The positive alone is left out of the tiles, as a related pair.
     g_q, g_k_all = groups_lib.exact_positive_ids(b_q, n_dev * b_k, labels,
                                                  axes)
-    return (g_q, g_k_all), jnp.ones((b_q,), bool), None, 0.0, None
+    return {"groups": (g_q, g_k_all)}, jnp.ones((b_q,), bool), None, 0.0, None
   g_q, g_k = groups
   g_k_all = groups_lib.gather_ids(g_k, axes)
+  if group_mode == "mask" and outside:
+    # Every positive left out by its index beside the related pairs.
+    idx, valid = _positives(g_k_all, labels, me, b_q)
+    return ({"groups": (g_q, g_k_all), "positives": jnp.where(valid, idx, -1)},
+            jnp.ones((b_q,), bool), None, 0.0, None)
   if group_mode == "mask":
     pos = (terms.default_labels(me, b_q) if labels is None
            else jnp.clip(labels, 0, g_k_all.shape[0] - 1))
-    return (g_q, g_k_all), g_q == g_k_all[pos], None, 0.0, None
+    return {"groups": (g_q, g_k_all)}, g_q == g_k_all[pos], None, 0.0, None
   row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * b_k)
   split = groups_lib.Positives(
       g_q, g_k_all, groups_lib.gather_ids(g_q, axes), row_w,
       col_w if mode == "both" else 0.0, me)
-  return ((split.q_ids, split.k_ids), None,
+  return ({"groups": (split.q_ids, split.k_ids)}, None,
           (g_q, g_k_all, split.w_q, split.w_k), split.nan, split)
 
 
 def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-         block_sizes, axes):
+         block_sizes, axes, outside=False):
   tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
   b_q = q.shape[0]
   cols = mode == "both"
   row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
-  tile_groups, rel_pos, multi, nan, split = _groups(
-      groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
+  tile_kw, rel_pos, multi, nan, split = _groups(
+      groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode,
+      outside)
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   row, col_part = tiles.lse(q, keys, scale, bias, rows=True, cols=cols,
-                             block_sizes=block_sizes, groups=tile_groups)
+                             block_sizes=block_sizes, **tile_kw)
   s_pos = margins = None
   if multi is not None:
     # The queries with one related key as in "mask", the others' plain LSE
@@ -156,15 +164,16 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
   return loss, (q, k, scale, bias, labels, groups, row, col, s_pos, margins)
 
 
-def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
+def _bwd(backend, mode, group_mode, block_sizes, axes, outside, res, g):
   q, k, scale, bias, labels, groups, row, col, s_pos, margins = res
   tiles = registry.get(backend, FAMILY)
   n_dev = _axes.axis_size(axes)
   me = lax.axis_index(axes)
   b_q = q.shape[0]
   row_w, col_w, _ = terms.weights(mode, n_dev * b_q, n_dev * k.shape[0])
-  tile_groups, rel_pos, multi, nan, split = _groups(
-      groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode)
+  tile_kw, rel_pos, multi, nan, split = _groups(
+      groups, group_mode, axes, labels, me, b_q, k.shape[0], n_dev, mode,
+      outside)
   g = g.astype(F32)
   row_coef, col_coef = g * row_w, g * col_w
   if rel_pos is not None:
@@ -191,7 +200,7 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   dq, dkeys, dsc, dbi = tiles.lse_grad(q, keys, scale, bias, row, col,
                                         row_coef, col_coef,
                                         block_sizes=block_sizes,
-                                        groups=tile_groups)
+                                        **tile_kw)
   if multi is not None:
     pq, pk, psc, pbi = groups_lib.positives_term_grads(q, keys, scale, bias,
                                                        *multi, -g)

@@ -9,10 +9,13 @@ Two modes (``MODES``):
 
 * ``"mask"`` (false-negative masking): the related pairs other than a
   query's positive leave its LSE. The tiles leave *all* related pairs out
-  (``backends.base``) and the positive is put back at the end,
-  ``lse = logaddexp(lse_unrelated, s_pos)`` when the positive is related
-  (when it is not, the tiles kept it). With all ids distinct this is the
-  plain loss up to float rounding (the positive enters the LSE last).
+  (``backends.base``), and the positive too: with one id array and no
+  labels every positive (i, i) is related; otherwise (``labels=``, or a
+  pair of id arrays, where a positive may lie outside its query's group)
+  the tiles are also given each positive's index (``positives=``). The
+  negatives' LSE then gives the confident form (``terms.confident``) and
+  the full LSE is ``logaddexp(lse_unrelated, s_pos)``. With all ids
+  distinct and no labels this is the plain loss up to float rounding.
 * ``"positives"`` (multi-positive InfoNCE, SupCon's L_out): every related
   pair is a positive, a query's term is ``lse - mean over its positives of
   s``. A query with k >= 2 related keys keeps the plain LSE (its term is
@@ -193,7 +196,11 @@ def exact_positive_ids(b_q, n_k, labels, axes):
 # well when the id also has >= 2 queries, always so for one (B,) id array;
 # an id with one query and several keys, possible with an (images, texts)
 # pair of id arrays, leaves that query's columns plain although each has one
-# related query). A plain query's related entries of G, p - 1/k, are as
+# related query: each such column's one pair is also one of its query's
+# k >= 2 related pairs, whose row term >= log k and entry p - 1/k bound
+# what the column's LSE' - s and p' - 1 lose; taking them outside would
+# need each pair's logit from the key's side, a gather of query rows per
+# ring step). A plain query's related entries of G, p - 1/k, are as
 # precise as the tiles' G panel relative to 1/k (docs/losses.md, "A
 # confident model"): taking them outside too would need its k related
 # logits, k gathers of the key rows per key shard rather than one.

@@ -31,9 +31,13 @@ any N.
 
 Groups (``losses.groups``): every device holds all group ids (O(B)
 integers); each tile takes the ids of its rows and of the key shard it
-holds. "mask" tiles leave related pairs out and the positive is put back:
-the rows' at the end, the columns' in the home tile, so that the column
-statistics that travel are complete. "positives" (``groups_lib.Positives``)
+holds. "mask" tiles leave related pairs out, and the positives, which the
+ids relate when they are one array without labels and which the tiles
+are otherwise given by index (``positives=``, ``outside``: a positive may
+then lie outside its query's group); each term is then the confident form,
+and the positive is put back into the full LSE: the rows' at the end, the
+columns' in the home tile, so that the column statistics that travel are
+complete. "positives" (``groups_lib.Positives``)
 leaves out the pairs of each query that has one related key, which then
 works like "mask" with that key as its positive (the keys of those pairs
 get their column terms at the end, when all their queries' logits are
@@ -76,9 +80,9 @@ F32 = jnp.float32
 FAMILY = "softmax"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def softmax_loss(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-                 block_sizes, axes):
+                 block_sizes, axes, outside=False):
   """Global CLIP loss of the local shards; see the module docstring.
 
   Args:
@@ -96,9 +100,15 @@ def softmax_loss(q, k, scale, bias, labels, groups, backend, mode, group_mode,
     block_sizes: ``BlockSizes`` or None, passed to every tile.
     axes: tuple of mesh axis names the batch is sharded over; () for one
       device.
+    outside: "mask" groups only: whether a query's positive may lie outside
+      its group (``labels``, or a pair of id arrays; static). The tiles
+      then leave each positive out by its index (the seam's
+      ``positives=``) beside the related pairs; otherwise (one id array,
+      positives on the diagonal) every positive is related, and the
+      groups alone leave it out.
   """
   loss, _ = _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-                 block_sizes, axes)
+                 block_sizes, axes, outside)
   return loss
 
 
@@ -116,10 +126,12 @@ class _Groups:
   relatedness ("mask") or the split of ``groups_lib.Positives``
   ("positives")."""
 
-  def __init__(self, groups, group_mode, ring, labels, b_q, b_k, mode):
+  def __init__(self, groups, group_mode, ring, labels, b_q, b_k, mode,
+               outside=False):
     self.multi = groups is not None and group_mode == "positives"
     self.masked = not self.multi
     self.b_k = b_k
+    self.outside = groups is not None and self.masked and outside
     # Without groups the positive alone is left out of the tiles. When every
     # positive is (r, r) of the home tile, that tile leaves out its diagonal
     # (the backend masks only the tiles that cross it) and the others need
@@ -133,7 +145,12 @@ class _Groups:
       return
     self.g_q, g_k = groups
     self.g_k_all = groups_lib.gather_ids(g_k, ring.axes)
-    if self.masked:
+    if self.outside:
+      # Every positive is left out of the tiles by its index, related or
+      # not (``tile``), so every row takes the confident form.
+      self.pos_labels = _positive_labels(ring, labels, b_q, b_k)
+      self.rel_pos = jnp.ones((b_q,), bool)
+    elif self.masked:
       pos = (terms.default_labels(ring.me, b_q) if labels is None
              else jnp.clip(labels, 0, self.g_k_all.shape[0] - 1))
       self.rel_pos = self.g_q == self.g_k_all[pos]
@@ -155,8 +172,17 @@ class _Groups:
     if not self.masked:
       return {"groups": (self.split.q_ids, groups_lib.shard(
           self.split.k_ids, src, self.b_k))}
-    return {"groups": (self.g_q, groups_lib.shard(self.g_k_all, src,
-                                                  self.b_k))}
+    kw = {"groups": (self.g_q, groups_lib.shard(self.g_k_all, src,
+                                                self.b_k))}
+    if self.outside:
+      b_q = self.g_q.shape[0]
+      if self.pos_labels is None:  # The pairs (r, r) of the home tile.
+        if home:
+          kw["positives"] = jnp.arange(b_q, dtype=jnp.int32)
+      else:
+        idx, valid = terms.shard_positives(self.pos_labels, src, self.b_k)
+        kw["positives"] = jnp.where(valid, idx, -1)
+    return kw
 
   def term_args(self, src):
     """(g_q, g_k, w_q, w_k) of ``positives_term`` for the shard of src."""
@@ -165,14 +191,14 @@ class _Groups:
 
 
 def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
-         block_sizes, axes):
+         block_sizes, axes, outside=False):
   tiles = registry.get(backend, FAMILY)
   ring = Ring(axes)
   b_q, b_k = q.shape[0], k.shape[0]
   cols = mode == "both"
   row_w, col_w, _ = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
-  grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
+  grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode, outside)
 
   def tile(kc, src, home=False):
     row, col = tiles.lse(q, kc, scale, bias, rows=True, cols=cols,
@@ -271,7 +297,7 @@ def _fwd(q, k, scale, bias, labels, groups, backend, mode, group_mode,
                            k_last, c_last, pos, margins)
 
 
-def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
+def _bwd(backend, mode, group_mode, block_sizes, axes, outside, res, g):
   (q, k, scale, bias, labels, groups, r, c_home, k_last, c_last, s_pos,
    margins) = res
   tiles = registry.get(backend, FAMILY)
@@ -279,7 +305,7 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, res, g):
   b_q, b_k = q.shape[0], k.shape[0]
   row_w, col_w, _ = terms.weights(mode, ring.size * b_q, ring.size * b_k)
   pos_labels = _positive_labels(ring, labels, b_q, b_k)
-  grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode)
+  grp = _Groups(groups, group_mode, ring, labels, b_q, b_k, mode, outside)
   g = g.astype(F32)
   row_coef, col_coef = g * row_w, g * col_w
   if grp.masked:
