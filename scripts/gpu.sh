@@ -444,7 +444,10 @@ ring_maxbatch() {
 verify_exact() {
   # Every backend x dtype x mode at the GPU's default tiles, confident
   # inputs included (tests/test_gpu_verify.py).
-  gpu_pytest verify-exact "$1" 4 tests/test_gpu_verify.py
+  # With labels= or a pair of id arrays, tests/test_exact_groups.py's
+  # kernel cases (triton's in test_native_triton.py).
+  gpu_pytest verify-exact "$1" 6 tests/test_gpu_verify.py tests/test_exact_groups.py \
+    tests/test_native_triton.py::TestTritonExactGroups
 }
 verify_step() {
   # One trainer step end to end with decoder="gpu" (nvImageCodec, in
