@@ -194,8 +194,8 @@ def exact_positive_ids(b_q, n_k, labels, axes):
 # an id with one query and several keys, possible with an (images, texts)
 # pair of id arrays, leaves that query's columns plain although each has one
 # related query). A plain query's related entries of G, p - 1/k, are as
-# precise as the tiles' G panel relative to 1/k (docs/losses.md, "A
-# confident model"): taking them outside too would need its k related
+# precise as the tiles' G panel relative to 1/k (the limits of the confident
+# form: https://github.com/infcl-jax/infcl-jax/blob/main/docs/losses.md#a-confident-model): taking them outside too would need its k related
 # logits, k gathers of the key rows per key shard rather than one.
 
 
