@@ -34,7 +34,7 @@ from infcl_jax.block_sizes import BlockSizes  # noqa: E402
 CANDIDATES = {
     # sm80 budget, K-step 32: 128 x 256 forward with 4 stages (104 KB total)
     # and backward with 3 (144 KB total). 1.05x slower than smem163k on the
-    # H200 (BENCHMARKS.md "Loss", Pallas configs for smaller GPUs).
+    # H200 (BENCHMARKS.md "Pallas configs for smaller GPUs").
     "smem163k_bd32": ("smem163k", BlockSizes(
         block_q=128, block_k=256, block_d=32, num_stages=4, bwd_block_q=128,
         bwd_block_k=256, bwd_num_stages=3, panel_rows=4096)),

@@ -6,7 +6,8 @@ Each stage jitted alone at B x B: the forward over all tiles (through the
 backends, padding included), the G panels per R-row panel (``--r_list``;
 B / R of them a step) of the Mosaic and the Pallas-Triton kernels, and the
 dX / dY GEMMs of a panel. Whole steps are ``bench_loss.py``'s. Where each
-stage's time goes and what would close it: BENCHMARKS.md "Loss".
+stage's time goes and what would close it: BENCHMARKS.md "Where the Mosaic
+step's time goes (B = 65,536)".
 
 ``--compare``: whole fwd + bwd steps of ``backend="mosaic"``, compiled in
 one process and timed in interleaved rounds (the median of the rounds'

@@ -43,8 +43,9 @@ axis_name: mesh axis name (or tuple) when called inside ``jax.shard_map``.
       gradients. Do NOT take ``jax.grad`` of a
       ``shard_map(..., check_vma=False)`` from outside it: JAX divides the
       cotangent of the unmapped loss by N there, so every gradient comes out
-      N times too small, and the loss cannot detect it. See
-      docs/losses.md, "Gradient convention"."""
+      N times too small, and the loss cannot detect it. See "Gradient
+      convention" in the docs:
+      https://github.com/infcl-jax/infcl-jax/blob/main/docs/losses.md#gradient-convention."""
 
 
 _GROUPS_DOC = """\
@@ -181,8 +182,9 @@ def contrastive_loss(image_emb, text_emb, logit_scale, *, logit_bias=None,
       131,072, the ring above (measured on 2 H200s: see
       ``infcl_jax.losses.strategy``). Exact either way.
     backend: "auto", "reference" (full matrix, O(B^2)) or a registered tiled
-      backend: "xla", "pallas", "mosaic" or "triton" (docs/kernels.md: which
-      GPU runs which; "auto" picks by platform).
+      backend: "xla", "pallas", "mosaic" or "triton" ("auto" picks by
+      platform: "mosaic" on Hopper, "triton" or "pallas" on other NVIDIA GPUs
+      from sm80, "xla" elsewhere).
     block_sizes: optional ``BlockSizes`` for the tiled backends.
     PRECISION
 
@@ -288,7 +290,8 @@ def sigmoid_loss(image_emb, text_emb, logit_scale, logit_bias, *,
       pair the label z = +1. The sum stays normalised by B either way.
     backend: "auto", "reference" (full matrix, O(B^2) memory) or a
       registered tiled backend: "xla", "pallas", "mosaic" or "triton"
-      (docs/kernels.md: which GPU runs which; "auto" picks by platform).
+      ("auto" picks by platform: "mosaic" on Hopper, "triton" or "pallas"
+      on other NVIDIA GPUs from sm80, "xla" elsewhere).
     block_sizes: optional ``BlockSizes`` for the tiled backends.
     PRECISION
 

@@ -30,42 +30,23 @@ from __future__ import annotations
 import math
 from typing import Any
 
-try:
-  from flax import nnx
-except ImportError as e:  # The library itself needs only jax.
-  raise ImportError(
-      f"infcl_jax.nnx needs flax ({e}); install the extra: "
-      f"pip install \"infcl-jax[flax]\"") from e
 import jax.numpy as jnp
 
+# The options' checks and defaults, and the loss call, are the linen
+# head's, from infcl_jax._head (not from the linen module).
+from infcl_jax import _head
 from infcl_jax.block_sizes import BlockSizes
-# The option checks, defaults and the loss call are the linen head's.
-from infcl_jax.flax import check_options
-from infcl_jax.flax import head_loss
-from infcl_jax.flax import initial_values
-from infcl_jax.flax import l2_normalize  # noqa: F401  (re-exported)
-from infcl_jax.flax import LOSSES  # noqa: F401  (re-exported)
-from infcl_jax.flax import scale_of
+
+nnx = _head.import_flax("flax.nnx", "infcl_jax.nnx")
 
 
 class ContrastiveLoss(nnx.Module):
   """Learnable log-temperature (+ optional bias) in front of an exact loss.
 
-  Args (all but ``loss`` keyword-only; as the linen head's attributes):
-    loss: "softmax" (CLIP, ``infcl_jax.contrastive_loss``) or "sigmoid"
-      (SigLIP, ``infcl_jax.sigmoid_loss``).
-    init_log_scale: initial ``t'``; None picks the paper default of ``loss``.
-    use_bias: learn a bias added to every logit; None: only for "sigmoid".
-    init_bias: initial bias; None picks the paper default (-10 for sigmoid).
-    min_log_scale, max_log_scale: clamp of ``t'`` in the forward pass.
-    normalize: L2-normalize both embeddings first (cosine similarities).
-    direction: softmax only; see ``contrastive_loss``.
-    axis_name: mesh axis name(s) when called inside ``shard_map``.
-    strategy: softmax with ``axis_name`` only: "auto", "ring" or "gather".
-    backend: tile backend name, "auto" by default.
-    block_sizes: optional ``BlockSizes`` of the tiled backends.
-    group_mode: "mask" (default) or "positives", for ``groups``.
-    precision: float32 inputs: "default", "high", "highest" or None.
+  Args: the linen head's attributes, with the same names, meanings and
+    defaults (``infcl_jax.flax.ContrastiveLoss``: ``loss``, the initial
+    log-scale and bias, the log-scale's clamp, ``normalize`` and the
+    options passed on to the loss); all but ``loss`` keyword-only.
 
   Attributes:
     log_scale: ``nnx.Param``, the float32 scalar ``t'``.
@@ -100,8 +81,8 @@ class ContrastiveLoss(nnx.Module):
     self.block_sizes = block_sizes
     self.group_mode = group_mode
     self.precision = precision
-    check_options(self)
-    init_t, init_b = initial_values(self)
+    _head.check_options(self)
+    init_t, init_b = _head.initial_values(self)
     self.log_scale = nnx.Param(jnp.asarray(init_t, jnp.float32))
     self.bias = (None if init_b is None
                  else nnx.Param(jnp.asarray(init_b, jnp.float32)))
@@ -109,20 +90,7 @@ class ContrastiveLoss(nnx.Module):
   def _scalars(self):
     """(scale, bias or None); the scale is exp of the clamped log-scale."""
     bias = None if self.bias is None else self.bias[...]
-    return scale_of(self, self.log_scale[...]), bias
+    return _head.scale_of(self, self.log_scale[...]), bias
 
-  def __call__(self, image_emb, text_emb, labels=None, groups=None):
-    """Returns the scalar float32 loss of the (local shard of the) batch.
-
-    ``labels``: softmax with a one-way ``direction`` only; see
-    ``contrastive_loss``. ``groups``: optional group ids (one array, or an
-    (image, text) pair) of the (local shard of the) batch, handled by
-    ``group_mode``.
-    """
-    scale, bias = self._scalars()
-    return head_loss(self, scale, bias, image_emb, text_emb, labels, groups)
-
-  def scale_and_bias(self):
-    """The clamped scale ``t`` and the bias (0 when there is none)."""
-    scale, bias = self._scalars()
-    return scale, jnp.zeros((), jnp.float32) if bias is None else bias
+  __call__ = _head.call
+  scale_and_bias = _head.scale_and_bias

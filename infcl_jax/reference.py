@@ -36,7 +36,7 @@ def _cross_entropy(s, pos):
   per row), as softplus(LSE of the others - positive): the positive stays
   out of the log-sum-exp, so a confident row's tiny loss (and its
   gradient) is not the difference of two numbers near the positive logit
-  (shared/MATH.md, "When the model is confident")."""
+  (the algebra: https://github.com/infcl-jax/infcl-jax/blob/main/docs/math.md#a-confident-model)."""
   s_pos = jnp.sum(jnp.where(pos, s, 0.0), axis=1)
   neg = jax.nn.logsumexp(jnp.where(pos, -jnp.inf, s), axis=1)
   return softplus(neg - s_pos)

@@ -12,8 +12,9 @@ places the tile between the transfer's start and done. Two flags decide it:
   b = 65,536, D = 768) cannot be in flight across the small all-reduce of
   the loss and the scale gradient that follows the home tile, so XLA
   starts it after the home tile and nothing hides it. With 2 it overlaps
-  the home tile (compiled schedules on 2 H200s, jax 0.11.2: BENCHMARKS.md
-  "Multi-device"; ``tests/test_ring_hlo.py`` checks it on 2 GPUs).
+  the home tile (compiled schedules on 2 H200s, jax 0.11.2, checked on 2
+  GPUs by the project's GPU tests:
+  https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#ring).
 
 XLA reads ``XLA_FLAGS`` once, when JAX first initializes its backends, so
 these must be set before the first computation: either in the shell

@@ -10,7 +10,7 @@
 cached_venv() {
   local leg=$1 version=$2 req=$3 venv=$4 py=${5:-} imports=$6 c start stamp
   if [ -z "$py" ]; then
-    for c in "python$version" /root/.pyenv/versions/"$version"*/bin/"python$version"; do
+    for c in "python$version" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version"*/bin/"python$version"; do
       if "$c" -c "import sys" >/dev/null 2>&1; then py=$c; break; fi
     done
   fi

@@ -1,7 +1,9 @@
 """The installed wheel, used as a library user would (scripts/wheel_smoke.sh).
 
 Run from a directory outside the checkout, in a venv where infcl-jax was
-installed from its wheel: the package is imported from site-packages; the
+installed from its wheel: the package is imported from site-packages; its
+metadata is complete (classifiers, project URLs, authors, the license and
+its files, a Markdown long description without relative links); the
 wheel holds the library and its license only; one loss and its gradients
 equal a float64 numpy computation; the linen and NNX heads give the same
 loss and gradients for the same parameters; and the README's NNX example
@@ -59,8 +61,10 @@ def check_install(root, wheel, sdist):
   check(meta.get("License-Expression") == "Apache-2.0",
         f"License-Expression {meta.get('License-Expression')!r}")
   files = [str(f) for f in importlib.metadata.files("infcl-jax")]
-  check(any(f.endswith("licenses/LICENSE") for f in files),
-        "the LICENSE file installed with the metadata")
+  for name in ("LICENSE", "NOTICE"):
+    check(any(f.endswith(f"licenses/{name}") for f in files),
+          f"the {name} file installed with the metadata")
+  check_metadata(meta)
   names = zipfile.ZipFile(wheel).namelist()
   tops = {n.split("/")[0] for n in names}
   check(all(t == "infcl_jax" or t.endswith(".dist-info") for t in tops),
@@ -69,8 +73,60 @@ def check_install(root, wheel, sdist):
         "the wheel holds both Flax heads")
   with tarfile.open(sdist) as tar:
     members = {m.name.split("/", 1)[-1] for m in tar.getmembers()}
-  check({"LICENSE", "README.md", "pyproject.toml"} <= members,
-        "the sdist holds LICENSE, README.md and pyproject.toml")
+  check({"LICENSE", "NOTICE", "README.md", "docs/pypi.md",
+         "pyproject.toml"} <= members,
+        "the sdist holds LICENSE, NOTICE, README.md, docs/pypi.md and "
+        "pyproject.toml")
+
+
+# The project's one placeholder address (pyproject's [project.urls]).
+PROJECT_URL = "https://github.com/infcl-jax/infcl-jax"
+_MD_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)")
+_HTML_REF = re.compile(r"""<(?:img|a)\b[^>]*?(?:src|href)=["']([^"']+)""", re.I)
+
+
+def relative_links(markdown):
+  """The link and image targets of a Markdown text that are not absolute
+  URLs (an index shows the text away from the checkout, where they break)."""
+  targets = _MD_LINK.findall(markdown) + _HTML_REF.findall(markdown)
+  return [t for t in targets if not re.match(r"^(https?:|mailto:)", t)]
+
+
+def check_metadata(meta):
+  """What an index shows about the package: its classifiers (known trove
+  classifiers, when trove-classifiers is installed), its project URLs,
+  authors, license, and a Markdown long description with absolute links
+  only."""
+  classifiers = meta.get_all("Classifier") or []
+  check("Programming Language :: Python :: 3.12" in classifiers
+        and any(c.startswith("Topic :: ") for c in classifiers)
+        and any(c.startswith("Development Status :: ") for c in classifiers),
+        f"classifiers: {len(classifiers)}, with the Python version, a topic "
+        "and a development status")
+  check(not any(c.startswith("License :: ") for c in classifiers),
+        "no License classifier beside the license expression (PEP 639)")
+  try:
+    from trove_classifiers import classifiers as known  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    known = None
+  if known is not None:
+    unknown = sorted(set(classifiers) - set(known))
+    check(not unknown, f"every classifier is a trove classifier: {unknown}")
+  urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
+  check({"Homepage", "Repository", "Issues", "Documentation"} <= set(urls)
+        and all(u.startswith(PROJECT_URL) for u in urls.values()),
+        f"project URLs under {PROJECT_URL}: {sorted(urls)}")
+  author = meta.get("Author") or meta.get("Author-email") or ""
+  check("infcl-jax authors" in author, f"authors: {author!r}")
+  check(meta.get("Requires-Python") == ">=3.12",
+        f"Requires-Python {meta.get('Requires-Python')!r}")
+  check((meta.get("Description-Content-Type") or "").startswith("text/markdown"),
+        f"long description type {meta.get('Description-Content-Type')!r}")
+  body = meta.get_payload() or ""
+  check("contrastive_loss" in body and len(body.splitlines()) <= 100,
+        f"a short long description ({len(body.splitlines())} lines)")
+  bad = relative_links(body)
+  check(not bad, f"the long description has no relative link: {bad}")
 
 
 def check_loss():
@@ -141,6 +197,16 @@ def check_readme_nnx(readme):
         f"README NNX example trains: {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 
+def check_link_finder():
+  found = relative_links(
+      "[a](https://x.org/a.md) ![b](docs/memory_wall.png) [c](guide/page.md#x)"
+      " [d](#anchor) <img src='pic.png'> <a href=\"https://x.org\">e</a>"
+      " `[f](in/code.md)`")
+  check(found == ["docs/memory_wall.png", "guide/page.md#x", "#anchor",
+                  "in/code.md", "pic.png"],
+        f"the relative-link finder finds relative links: {found}")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--readme", required=True)
@@ -151,6 +217,7 @@ def main():
   check(not os.path.realpath(os.getcwd()).startswith(root + os.sep)
         and os.path.realpath(os.getcwd()) != root,
         "run from outside the checkout")
+  check_link_finder()
   check_install(root, args.wheel, args.sdist)
   check_loss()
   check_heads()

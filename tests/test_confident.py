@@ -3,7 +3,7 @@
 When p_pos -> 1 the loss LSE - s_pos and the gradient's p_pos - 1 are
 differences of nearly equal numbers; the library computes them as
 softplus(n - s_pos) and sigmoid(n - s_pos) from the negatives' LSE n
-(shared/MATH.md). Each case here is a confident model built to a chosen
+(docs/math.md, "A confident model"). Each case here is a confident model built to a chosen
 float64 loss (``np_reference.confident_inputs``: per-row losses spread
 around it), and the loss, the embedding gradients and d scale are compared
 with the float64 reference (itself in that form), relative to the TRUE

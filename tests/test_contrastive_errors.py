@@ -121,8 +121,11 @@ def test_docstrings_say_what_the_code_does():
     for backend in registry.names():
       assert f'"{backend}"' in doc, (name, backend)
     flat = " ".join(doc.split())
-    page, section = re.search(r'See (docs/\w+\.md), "([^"]+)"', flat).groups()
+    section, page, anchor = re.search(
+        r'See "([^"]+)" in the docs: \S+/blob/main/(docs/\w+\.md)#([\w-]+)',
+        flat).groups()
     assert page == "docs/losses.md" and f"\n## {section}\n" in losses_md
+    assert anchor == section.lower().replace(" ", "-")
     assert (f'"default" from D = {precision.TF32_MIN_DEPTH} on and "high" '
             'below, "highest" on "xla"') in flat, name
   # The defaults the text describes (triton's class needs its extra).

@@ -8,8 +8,8 @@ cuBLAS GEMMs, the shard_map typing of the panel carry) is
 ``padding`` and ``panel_backward``, shared with the Triton backend.
 
 Which implementation each stage uses (bf16 / f16 inputs). Measured on one
-H200, jax 0.11.2, B = 65536, D = 768, bf16, all in one job (BENCHMARKS.md
-"Mosaic GPU backend"):
+H200, jax 0.11.2, B = 65536, D = 768, bf16, all in one job (the current
+figures: https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#loss):
 
 * softmax ``lse`` (both directions): Mosaic ``lse_fwd``, 11.59 ms
   (569 TFLOP/s); Triton 14.40 ms.

@@ -33,8 +33,8 @@ D = 768, fwd+bwd): softmax bf16 51.5 vs 53.4 ms, sigmoid bf16 50.4 vs
 57.1 ms, softmax float32 107.0 vs 140.1 ms. So ``auto`` picks it on every
 non-Hopper GPU it supports where the extra is installed
 (``registry.AUTO_ORDER``; sm90 keeps Mosaic). Other GPUs are covered ahead of time: every kernel compiles
-for sm80, sm86, sm89, sm90 and sm100 in CI (``tests/test_triton_aot.py``:
-shared memory within each GPU's limit, no register spills).
+for sm80, sm86, sm89, sm90 and sm100 in CI, ahead of time (shared memory
+within each GPU's limit, no register spills).
 
 Precision (``backends.precision``): bf16 / f16 on the tensor cores with
 float32 accumulation. float32 inputs: 3-pass TF32 by default

@@ -22,14 +22,13 @@ kernel with three 256-wide accumulators spilled on the H200:
 
 The entries are the Pallas-Triton ones: same tiles, same budget. On the
 H200 the 227 KB entry is exact and at least as fast as Pallas-Triton's
-(``benchmarks/bench_loss.py``, BENCHMARKS.md); the sigmoid's gap was its
+(https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#loss); the sigmoid's gap was its
 softplus (``kernels/triton/common.py``), not the tiles: of the forward
-variants probed (``benchmarks/probes/triton_sigmoid.py``: 4 warps, 4
-stages, 128-wide tiles) none was faster, 4 warps 10x slower; the backward
-variants were not reached in that job. Every entry fits its limit by the no-reuse bound
-(``SmemEstimate.total``) and the register budget, which
-``tests/test_triton_backend_host.py`` checks for every GPU kind, and
-``tests/test_triton_aot.py`` compiles every kernel with them for sm80,
+variants probed on the H200 (4 warps, 4 stages, 128-wide tiles) none was
+faster, 4 warps 10x slower; the backward variants were not probed. Every
+entry fits its limit by the no-reuse bound (``SmemEstimate.total``) and the
+register budget, which the project's CPU tests check for every GPU kind,
+and its CI compiles every kernel with them for sm80,
 sm86, sm89, sm90 and sm100 and checks Triton's own figures: shared memory
 within the limit (sm80 96 KB, sm86 / sm89 48 KB, sm90 / sm100 144 KB for
 bf16), no spills (ptxas gives most kernels all 255 registers a thread may

@@ -20,7 +20,8 @@ group ids as a compile-time switch (an int compare and a select per logit);
 without groups the kernels are unchanged (``triton_tiles``).
 
 Measured on an H200 (B=65536, D=768, bf16, fwd+bwd): softmax 53 ms (forward
-15 ms, panel kernel 18 ms, GEMMs 20 ms), sigmoid 57 ms; see BENCHMARKS.md.
+15 ms, panel kernel 18 ms, GEMMs 20 ms), sigmoid 57 ms
+(https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#loss).
 
 Precision: bf16 / f16 inputs run on the tensor cores with float32
 accumulation. Softmax G is normalised so that its largest coefficient is 1;

@@ -8,8 +8,8 @@ supplies only the kernel that writes G (``softmax_grad``, ``sigmoid_grad``),
 and ``bwd_impl="xla"`` forms the same panels in XLA.
 
 Why not a fully fused dX / dY kernel: accumulating dX over D = 768 in one
-program needs three 256-wide float32 accumulators and spilled on the H200
-(BENCHMARKS.md); writing G once in 16 bits costs ~2 bytes per logit of HBM
+program needs three 256-wide float32 accumulators and spilled on the H200;
+writing G once in 16 bits costs ~2 bytes per logit of HBM
 traffic and lets cuBLAS run both products near its peak.
 """
 from __future__ import annotations

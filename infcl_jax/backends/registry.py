@@ -205,7 +205,7 @@ def env_backend(family: str, platform: str | None = None) -> str | None:
 # Triton lowering, which JAX deprecates). On the H200, in one job (B =
 # 65,536, D = 768, bf16, fwd+bwd), "triton" was exact against float64 and
 # faster than "pallas": softmax 51.5 vs 53.4 ms, sigmoid 50.4 vs 57.1 ms,
-# float32 107.0 vs 140.1 ms (BENCHMARKS.md "jax-triton backend").
+# float32 107.0 vs 140.1 ms (https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#loss).
 AUTO_ORDER = ("mosaic", "triton", "pallas", "xla")
 KERNEL_BACKENDS = ("mosaic", "triton", "pallas")
 

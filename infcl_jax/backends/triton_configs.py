@@ -53,7 +53,7 @@ from infcl_jax.block_sizes import BlockSizes
 # kernel it compiles. On the H200 (jax 0.11.2) every bf16 kernel of every
 # config below used exactly ``pipeline`` bytes (the G tile's staging reuses
 # the K-loop buffers), and every float32 kernel at most ``peak``
-# (BENCHMARKS.md "Per-capability configs on the H200").
+# (https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#pallas-configs-for-smaller-gpus).
 # ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +92,8 @@ def triton_smem(bs: BlockSizes, dtype, kernel: str) -> SmemEstimate:
 
 # name -> (the smallest per-block limit it is meant for, bf16/f16 config,
 # float32 config). The bf16 configs of sm80 and sm86 are the faster on the
-# H200 of two candidates each, both exact there at B = 4096 (BENCHMARKS.md
-# "Per-capability configs on the H200" has the other and the times).
+# H200 of two candidates each, both exact there at B = 4096 (the other and
+# the times: https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#pallas-configs-for-smaller-gpus).
 TRITON_CONFIGS = {
     # H200 (sm90), B200 (sm100): 227 KB. 128 x 256 tiles, K-step 64, 3
     # stages: ~600 TFLOP/s for a flash-style LSE pass on the H200. float32

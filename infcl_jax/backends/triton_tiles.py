@@ -83,8 +83,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
 
   # Without the diagonal's test per logit the grouped "mask" sigmoid ran
   # 8.6 points faster with Pallas-Triton on an H200, and the Triton-language
-  # sigmoid panel (latency-bound: one 8-warp CTA per SM) 17% faster
-  # (BENCHMARKS.md).
+  # sigmoid panel (latency-bound: one 8-warp CTA per SM) 17% faster.
   GROUP_DIAGONAL_OUTSIDE = True
   KERNELS: Kernels  # The subclass's kernel set.
 

@@ -43,7 +43,7 @@ def tile_order(gx, gy, block_rows, block_cols):
   dirty = dirty_tiles(gx, gy, block_rows, block_cols).reshape(-1)
   # A stable partition by prefix counts and a scatter to distinct
   # positions: XLA's GPU sort of a few thousand flags costs more than the
-  # panel saves (BENCHMARKS.md).
+  # panel saves (measured on an H200).
   clean = ~dirty
   n_clean = jnp.sum(clean, dtype=jnp.int32)
   pos = jnp.where(clean, jnp.cumsum(clean, dtype=jnp.int32),

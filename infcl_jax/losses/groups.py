@@ -201,8 +201,8 @@ def exact_positive_ids(b_q, n_k, labels, axes):
 # what the column's LSE' - s and p' - 1 lose; taking them outside would
 # need each pair's logit from the key's side, a gather of query rows per
 # ring step). A plain query's related entries of G, p - 1/k, are as
-# precise as the tiles' G panel relative to 1/k (docs/losses.md, "A
-# confident model"): taking them outside too would need its k related
+# precise as the tiles' G panel relative to 1/k (the limits of the
+# confident form: https://github.com/infcl-jax/infcl-jax/blob/main/docs/losses.md#a-confident-model): taking them outside too would need its k related
 # logits, k gathers of the key rows per key shard rather than one.
 
 

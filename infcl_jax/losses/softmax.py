@@ -24,7 +24,7 @@ N - 1 hops for N > 2, none for N = 2. Whether a send overlaps the tile
 after it is up to XLA's scheduler: the last one overlaps the home tile only
 with two asynchronous collectives allowed in flight (``infcl_jax.xla_flags``;
 with XLA's default of one it waits behind the loss's all-reduce:
-BENCHMARKS.md "Multi-device").
+https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#ring).
 
 Memory per device is O((b_q + b_k) * D) plus the backend's workspace, for
 any N.
@@ -62,7 +62,8 @@ Overlap on GPU. XLA turns each ``ppermute`` into an asynchronous
 collective-permute-start / -done pair, and its latency hiding scheduler
 places the tile's kernels between them
 (``--xla_gpu_enable_latency_hiding_scheduler=true``, the default in recent
-jaxlib builds). BENCHMARKS.md "Multi-device" shows what runs between them.
+jaxlib builds). What runs between them on 2 H200s:
+https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#ring.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Which cross-device strategy ``strategy="auto"`` runs for the CLIP loss.
 
 Measured on 2 H200s (NVLink), jax 0.11.2, bf16, D = 768, fwd+bwd, mosaic
-tiles (BENCHMARKS.md "Multi-device"): the gather was faster than the ring at every local batch
-measured, by 0.5-2% at b_local = 65,536 (global 131,072), 10% at 16,384
+tiles (https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#ring):
+the gather was faster than the ring at every local batch measured, by 0.5-2% at b_local = 65,536 (global 131,072), 10% at 16,384
 and 5-15% at 8,192. Its extra cost is memory: the gathered keys and their
 float32 gradient, O(N * b * D) per device against the ring's O(b * D), and
 its all-gather / reduce-scatter do not overlap the tiles while the ring's

@@ -143,7 +143,8 @@ def _weighted_positive_grads(q, k, scale, weight, k_rows, idx, valid):
 # negatives' LSE, and with the float32 positive s (from the embeddings):
 #   loss term  softplus(n - s)  (= log1p(sum_{j != i} exp(s_ij - s)))
 #   1 - p      sigmoid(n - s)
-# neither of which cancels (shared/MATH.md, "When the model is confident").
+# neither of which cancels (the algebra:
+# https://github.com/infcl-jax/infcl-jax/blob/main/docs/math.md#a-confident-model).
 
 
 def confident(neg_lse, pos, rel, full=None):

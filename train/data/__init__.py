@@ -3,7 +3,7 @@ tables, precomputed embeddings), the synthetic_shapes dataset, the grain
 input pipeline of uint8 micro-batches, tokenizers and held-out evaluation
 sets.
 
-The trainer imports everything from here (see TRAINER_INTERFACE in the notes):
+The trainer imports everything it needs of the data from here:
 default_data_config, default_tokenizer_config, check_data_config,
 make_tokenizer, make_train_iterator, make_eval_sets, open_source,
 host_size.

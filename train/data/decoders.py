@@ -9,7 +9,7 @@ train/data/gpu_decode.py (GPU); this module picks one and checks the
 settings, and the pipeline (pipeline.py, batching.py) runs it. Neither
 decoder imports this module.
 
-"auto" compares three rates per GPU, from BENCHMARKS.md (Data path) on the
+"auto" compares three rates per GPU, from BENCHMARKS.md "Data path" on the
 16-core H200 machine: what the tower embeds (estimated from an own ViT's
 FLOPs per image at the rate the H200 embeds ViT-B/16 in the streamed step;
 None for other towers), what the host path decodes (per worker process,
@@ -26,7 +26,7 @@ import os
 DECODERS = ("host", "gpu", "auto")
 SOURCE_KINDS = ("webdataset", "table")  # the sources that carry bytes
 
-# The measured rates "auto" decides by (BENCHMARKS.md, Data path; H200
+# The measured rates "auto" decides by (BENCHMARKS.md "Data path"; H200
 # machine, 16 cores, 256 px JPEGs, decode_size 256):
 # - one host worker process, decode only: 10,312 img/s from 12 workers
 #   (2026-12-01); without worker processes, 1,687 img/s from 8 threads;
@@ -178,7 +178,7 @@ def pick(data, source, model=None, *, cores=None, gpus=None,
            + (f", tower ~{need:,.0f} ({tower})" if need is not None
               else f", {tower}"))
   log(f"[data] decoder='auto': {choice}: {why} ({rates}; H200 figures, "
-      "BENCHMARKS.md Data path)")
+      'BENCHMARKS.md "Data path")')
   return choice
 
 

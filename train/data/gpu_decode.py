@@ -5,7 +5,7 @@ module doc (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3]
 of the k that decode, which did, and the others named) for one local
 device: each device's shard of a micro-batch (``batching.DecodedIterator``)
 goes to that device's decoder, nvImageCodec on that GPU, in one call
-(faster beside the tower than sub-batches: BENCHMARKS.md, data path), or
+(faster beside the tower than sub-batches: BENCHMARKS.md "Data path"), or
 with ``threads`` > 1 split in that many contiguous parts, each decoded by
 its own nvImageCodec decoder on its own thread (nvImageCodec's call sets
 each image up on the calling thread: one thread's setup, not the GPU,

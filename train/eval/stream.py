@@ -11,7 +11,8 @@ number of processes or devices.
 
 Embeddings are kept in float32: for N = 50,000 and D = 768 that is 154 MB,
 and bfloat16 storage would halve it at the price of ties and flipped ranks
-among near-equal similarities (BENCHMARKS.md, "Evaluation").
+among near-equal similarities (docs/evaluation.md, "The embeddings:
+float32 or bfloat16").
 """
 from __future__ import annotations
 

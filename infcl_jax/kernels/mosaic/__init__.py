@@ -10,11 +10,11 @@ G = a_r P^r + a_c P^c in the input dtype, plus the sums of G * (x y^T) and G.
 ``sigmoid.sigmoid_tiles``: the sigmoid family's forward sum of softplus(-z s),
 its G panel, and the float16 max |G| pre-pass (one kernel, three modes).
 ``common``: the producer loop and the wgmma tile both share.
-Their measurements, and the variants that lost, are in BENCHMARKS.md
-"Mosaic GPU backend".
+Their measurements, stage by stage:
+https://github.com/infcl-jax/infcl-jax/blob/main/BENCHMARKS.md#loss.
 
 Inputs must be bf16 or f16 (wgmma with float32 accumulation). Every kernel
 also runs, unchanged, under jax's Mosaic GPU interpreter on the CPU
-(``interpret=True``), which is how ``tests/test_mosaic_kernels.py`` tests
-them without a GPU.
+(``interpret=True``), which is how the project's CPU tests check them
+without a GPU.
 """

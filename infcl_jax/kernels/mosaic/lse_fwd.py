@@ -38,7 +38,7 @@ The padding mask is built only in the tiles that hold padding (the last
 row block, the last column block), behind a runtime branch on the tile;
 the other tiles pay one scalar test. Building it in every tile (two
 (bq, bk) iotas in the WGMMA layout, a compare and a select) halved the
-forward's rate at B = 50,000 on an H200 (BENCHMARKS.md).
+forward's rate at B = 50,000 on an H200.
 
 Groups (``groups=(gx, gy)``, a static switch: without them the kernel is
 the ungrouped one, unchanged). Related pairs (gx_i == gy_j) are masked to

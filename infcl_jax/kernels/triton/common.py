@@ -12,7 +12,7 @@ never a reduction along an axis of a reduction's result
 (``tl.sum(tl.sum(x, axis=1), axis=0)``): Triton 3.6 fails to compile that
 for sm100 (``TritonNvidiaGPUOptimizeTMemLayoutsPass``: "parent layout must
 have at least rank >= 2") when the tile comes from tensor memory.
-``tests/test_triton_aot.py`` compiles every kernel for sm100 to keep it so.
+CI compiles every kernel for sm100 ahead of time to keep it so.
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def softplus(u):
 
   On the GPU, libdevice's ``log1pf``: the identity's IEEE division per logit
   made the sigmoid forward 2x slower on the H200 (38.5 vs 18.9 ms at
-  B = 65,536, D = 768, bf16; BENCHMARKS.md). The interpreter takes the
+  B = 65,536, D = 768, bf16). The interpreter takes the
   identity; both legs check the loss against float64.
   """
   e = tl.exp(-tl.abs(u))
