@@ -16,6 +16,7 @@ outages on S3: tests/test_outage.py).
 import io
 import json
 import os
+import threading
 import shutil
 import sys
 import tarfile
@@ -637,7 +638,10 @@ def test_an_outage_is_ridden_through_within_the_budget_then_given_up(
     assert 0.7 <= time.monotonic() - t0 < 2.0
     assert store.retries_made >= 2
     err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.startswith("[data]")]
+    # (Only this store's lines: another test's reader may still be retrying
+    # in this process.)
+    lines = [l for l in err.splitlines() if l.startswith("[data]")
+             and remote.scrub(url) in l]
     assert len(lines) == 1, err  # One line for the burst.
     assert lines[0].startswith(f"[data] {kind if kind == 's3' else 'http'}: "
                                f"retrying {remote.scrub(url)} (attempt 2, ")
@@ -652,6 +656,16 @@ def test_an_outage_is_ridden_through_within_the_budget_then_given_up(
     assert "\n" not in msg and msg.startswith(
         f"cannot read {remote.scrub(url)}: the store kept failing for "
         "config.data.remote_outage_s=2 s ("), msg
+    # A reader that closes cancels its store's reads in flight: they stop
+    # retrying at once (remote.Cancelled), not after the budget; the
+    # store's later reads retry as before.
+    patient = remote.Store(options, outage_s=60.0, backoff_s=0.05)
+    threading.Timer(0.5, patient.cancel).start()
+    t0 = time.monotonic()
+    with pytest.raises(remote.Cancelled):
+      patient.read(url, 512, 4096)
+    assert 0.4 <= time.monotonic() - t0 < 2.0
     proxy.up()
+    assert patient.read(url, 512, 4096) == want
     with pytest.raises(remote.NotFound):
       store.read(url.replace("train-000001", "train-000099"))

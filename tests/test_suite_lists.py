@@ -44,6 +44,11 @@ def _defined(path):
         if isinstance(item, ast.FunctionDef):
           names.add(f"{node.name}::{item.name}")
   for cls, bs in bases.items():
+    for b in bs:  # A class of this file (class TestMosaic(TestKernels)).
+      while isinstance(b, ast.Name) and b.id in bases:
+        names |= {cls + n[len(b.id):] for n in list(names)
+                  if n.startswith(b.id + "::")}
+        b = bases[b.id][0] if bases[b.id] else None
     for b in bs:  # test_pallas.TestPallasSoftmaxInterpret and the like
       if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name):
         other = TESTS / f"{b.value.id}.py"

@@ -342,6 +342,11 @@ def parse_storage_options(value, what: str = "config.data.storage_options"
           for k, v in value.items()}
 
 
+class Cancelled(Exception):
+  """A request whose retries were stopped (``Store.cancel``): its reader is
+  being closed. Neither a bad example nor an outage."""
+
+
 class Store:
   """fsspec filesystems by protocol (one per process, made on first use)
   and the retrying calls every remote read goes through.
@@ -364,6 +369,8 @@ class Store:
     self.outage_s, self.backoff_s = float(outage_s), backoff_s
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
+    self._cancels = threading.Condition(self._lock)
+    self._generation = 0  # Bumped by cancel().
     self.retries_made = 0  # By this store, in this process.
     self._retries_taken = 0
     self._last_notice = self._last_retry = -float("inf")
@@ -383,6 +390,8 @@ class Store:
     self.__dict__.update(state)
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
+    self._cancels = threading.Condition(self._lock)
+    self._generation = 0
     self.retries_made = self._retries_taken = 0
     self._last_notice = self._last_retry = -float("inf")
 
@@ -414,6 +423,15 @@ class Store:
       return fs, url
     return fs, fs._strip_protocol(url)  # pylint: disable=protected-access
 
+  def cancel(self) -> None:
+    """Stops the retries of the requests in flight now (they raise
+    ``Cancelled`` at once, also from their wait); later requests retry as
+    usual. A reader closes with it: a closed pipeline's reads do not go on
+    retrying, and saying so, for the rest of the outage budget."""
+    with self._cancels:
+      self._generation += 1
+      self._cancels.notify_all()
+
   def _retrying(self, url: str, attempt: int, elapsed: float, e) -> None:
     """Counts a retry and says so: at the start of a burst, then at most
     once every NOTICE_EVERY_S."""
@@ -437,6 +455,8 @@ class Store:
     naming the URL."""
     fs, path = self.filesystem(url)
     attempt, first_failure = 0, None
+    with self._lock:
+      generation = self._generation
     while True:
       try:
         return fn(fs, path)
@@ -455,10 +475,17 @@ class Store:
         if elapsed >= self.outage_s:
           raise Outage(scrub(url), self.outage_s, attempt, _reason(e),
                        what) from None
+        cancelled = lambda: self._generation != generation  # noqa: E731
+        with self._lock:
+          if cancelled():
+            raise Cancelled(scrub(url)) from None
         self._retrying(url, attempt, elapsed, e)
         wait = (min(MAX_BACKOFF_S, self.backoff_s * 2**min(attempt - 1, 30))
                 * random.uniform(0.5, 1.0))
-        time.sleep(min(wait, self.outage_s - elapsed))
+        with self._cancels:
+          if self._cancels.wait_for(cancelled,
+                                    min(wait, self.outage_s - elapsed)):
+            raise Cancelled(scrub(url)) from None
 
   def info(self, url: str) -> dict:
     """{"size": int, "validator": str}: the size and what identifies this
