@@ -656,9 +656,9 @@ def test_an_outage_is_ridden_through_within_the_budget_then_given_up(
     assert "\n" not in msg and msg.startswith(
         f"cannot read {remote.scrub(url)}: the store kept failing for "
         "config.data.remote_outage_s=2 s ("), msg
-    # A reader that closes cancels its store's reads in flight: they stop
-    # retrying at once (remote.Cancelled), not after the budget; the
-    # store's later reads retry as before.
+    # A reader that closes cancels its store: a read in flight stops
+    # retrying at once (remote.Cancelled), not after the budget, and so do
+    # new ones until the store resumes.
     patient = remote.Store(options, outage_s=60.0, backoff_s=0.05)
     threading.Timer(0.5, patient.cancel).start()
     t0 = time.monotonic()
@@ -666,6 +666,9 @@ def test_an_outage_is_ridden_through_within_the_budget_then_given_up(
       patient.read(url, 512, 4096)
     assert 0.4 <= time.monotonic() - t0 < 2.0
     proxy.up()
+    with pytest.raises(remote.Cancelled):
+      patient.read(url, 512, 4096)
+    patient.resume()
     assert patient.read(url, 512, 4096) == want
     with pytest.raises(remote.NotFound):
       store.read(url.replace("train-000001", "train-000099"))

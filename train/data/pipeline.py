@@ -501,6 +501,8 @@ class TrainIterator(CountsBadData):
 
   def _ensure_iter(self):
     if self._iter is None:
+      if self._store is not None:
+        self._store.resume()  # After a close (a restored state, say).
       # Elements are indexed by position, so resuming is slicing: no reliance
       # on the format of grain's own iterator state.
       batch_fn = _Pack(self._store, flat=bool(self._num_workers),
@@ -614,8 +616,8 @@ class TrainIterator(CountsBadData):
 
   def close(self):
     if self._store is not None:
-      # Reads in flight stop retrying (remote.Cancelled): the read-ahead
-      # thread then stops at once, not after the outage budget.
+      # Its reads stop (remote.Cancelled), those in flight too: the
+      # read-ahead thread stops at once, not after the outage budget.
       self._store.cancel()
     if self._ahead is not None:
       self._ahead.close()  # before the grain iterator it reads

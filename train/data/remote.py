@@ -370,7 +370,7 @@ class Store:
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
     self._cancels = threading.Condition(self._lock)
-    self._generation = 0  # Bumped by cancel().
+    self._cancelled = False  # cancel() ... resume().
     self.retries_made = 0  # By this store, in this process.
     self._retries_taken = 0
     self._last_notice = self._last_retry = -float("inf")
@@ -391,7 +391,7 @@ class Store:
     self._fs, self._pid = {}, None
     self._lock = threading.Lock()
     self._cancels = threading.Condition(self._lock)
-    self._generation = 0
+    self._cancelled = False
     self.retries_made = self._retries_taken = 0
     self._last_notice = self._last_retry = -float("inf")
 
@@ -424,13 +424,19 @@ class Store:
     return fs, fs._strip_protocol(url)  # pylint: disable=protected-access
 
   def cancel(self) -> None:
-    """Stops the retries of the requests in flight now (they raise
-    ``Cancelled`` at once, also from their wait); later requests retry as
-    usual. A reader closes with it: a closed pipeline's reads do not go on
-    retrying, and saying so, for the rest of the outage budget."""
+    """Stops this store's requests until ``resume``: those in flight raise
+    ``Cancelled`` at their next failure or in their wait, new ones at once.
+    A reader that closes calls it, so that its reads (a read-ahead's, a
+    pool's) do not go on retrying, and saying so, for the rest of the
+    outage budget, nor keep the process from exiting meanwhile."""
     with self._cancels:
-      self._generation += 1
+      self._cancelled = True
       self._cancels.notify_all()
+
+  def resume(self) -> None:
+    """Requests run again (a reader restarted after ``cancel``)."""
+    with self._lock:
+      self._cancelled = False
 
   def _retrying(self, url: str, attempt: int, elapsed: float, e) -> None:
     """Counts a retry and says so: at the start of a burst, then at most
@@ -455,9 +461,9 @@ class Store:
     naming the URL."""
     fs, path = self.filesystem(url)
     attempt, first_failure = 0, None
-    with self._lock:
-      generation = self._generation
     while True:
+      if self._cancelled:
+        raise Cancelled(scrub(url))
       try:
         return fn(fs, path)
       except Exception as e:  # pylint: disable=broad-except
@@ -475,15 +481,13 @@ class Store:
         if elapsed >= self.outage_s:
           raise Outage(scrub(url), self.outage_s, attempt, _reason(e),
                        what) from None
-        cancelled = lambda: self._generation != generation  # noqa: E731
-        with self._lock:
-          if cancelled():
-            raise Cancelled(scrub(url)) from None
+        if self._cancelled:
+          raise Cancelled(scrub(url)) from None
         self._retrying(url, attempt, elapsed, e)
         wait = (min(MAX_BACKOFF_S, self.backoff_s * 2**min(attempt - 1, 30))
                 * random.uniform(0.5, 1.0))
         with self._cancels:
-          if self._cancels.wait_for(cancelled,
+          if self._cancels.wait_for(lambda: self._cancelled,
                                     min(wait, self.outage_s - elapsed)):
             raise Cancelled(scrub(url)) from None
 
