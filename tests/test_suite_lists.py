@@ -44,7 +44,12 @@ def _defined(path):
         if isinstance(item, ast.FunctionDef):
           names.add(f"{node.name}::{item.name}")
   for cls, bs in bases.items():
-    for b in bs:  # test_pallas.TestPallasSoftmaxInterpret and the like
+    for b in bs:
+      # A class of this module (TestMosaic(TestKernels)), its own methods.
+      if isinstance(b, ast.Name) and b.id in bases:
+        names |= {cls + n[len(b.id):] for n in set(names)
+                  if n.startswith(b.id + "::")}
+      # test_pallas.TestPallasSoftmaxInterpret and the like
       if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name):
         other = TESTS / f"{b.value.id}.py"
         if other.exists():
