@@ -37,8 +37,8 @@ def bench_stages(b, d, dtype, reps, r_list=(4096, 8192)):
   # pylint: disable=import-outside-toplevel
   from infcl_jax.backends import mosaic as mb
   from infcl_jax.backends import registry
-  from infcl_jax.kernels import lse_bwd as tb
-  from infcl_jax.kernels import sigmoid_bwd as tsb
+  from infcl_jax.kernels.pallas import lse_bwd as tb
+  from infcl_jax.kernels.pallas import sigmoid_bwd as tsb
   from infcl_jax.kernels.mosaic import sigmoid as ms
   # pylint: enable=import-outside-toplevel
   x, y = inputs(b, d, dtype)

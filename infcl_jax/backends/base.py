@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from infcl_jax.backends import capability
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends import precision as precision_lib
+from infcl_jax.backends import registry
 
 F32 = jnp.float32
 
@@ -145,7 +146,6 @@ class TileBackend:
                        f"{x.shape[0]} rows, got {positives.shape}")
     if self.POSITIVES:
       return self
-    from infcl_jax.backends import xla  # pylint: disable=import-outside-toplevel
     if self.platform == "gpu":
       capability.warn_once(
           f"positives-{self.name}",
@@ -154,7 +154,8 @@ class TileBackend:
           f"or a pair of id arrays in group_mode='mask') on the 'xla' "
           f"backend's tiles: exact, but slower than its kernels.",
           stacklevel=6)
-    return xla.XlaBackend(self.platform)
+    # Through the registry: ``xla`` builds on this module.
+    return registry.get("xla", "softmax", self.platform)
 
   # ------------------------------------------------------------ softmax
 

@@ -71,7 +71,7 @@ the ungrouped kernels, unchanged), loaded like the kernels' other per-row /
 per-column vectors; per logit one compare and one select
 (``kernels.mosaic``). The softmax kernels run on rows and columns sorted
 by id (``GroupOrder``) and pay the compare and select only in the tiles
-whose id ranges overlap (``kernels.group_tiles``). The Triton path is
+whose id ranges overlap (``kernels.mosaic.group_tiles``). The Triton path is
 handed the ids only when given.
 
 Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
@@ -96,7 +96,7 @@ from infcl_jax.backends.padding import pad_inputs
 from infcl_jax.backends.padding import round_up
 from infcl_jax.backends.padding import row_ids
 from infcl_jax.block_sizes import BlockSizes
-from infcl_jax.kernels import group_tiles
+from infcl_jax.kernels.mosaic import group_tiles
 from infcl_jax.kernels.mosaic import common as mcommon
 from infcl_jax.kernels.mosaic import g_panel as mg_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
@@ -337,7 +337,7 @@ class GroupOrder:
   The softmax kernels run on sorted rows and columns: a row block's related
   pairs then lie in the few column blocks that hold its ids, and every
   other tile runs without the compare and select
-  (``kernels.group_tiles``). The sorts and permutations cost
+  (``kernels.mosaic.group_tiles``). The sorts and permutations cost
   O(B log B + B D) beside the tiles' O(B^2 D); what the kernels return is
   put back in the caller's order.
   """

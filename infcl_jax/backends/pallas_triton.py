@@ -2,15 +2,15 @@
 
 Both families, with the kernels of ``infcl_jax.kernels``:
 
-* softmax ``lse``: one fused sweep (``kernels.lse_fwd``) gives row and column
-  LSE together; no logit tile reaches HBM. The persistent programs' partial
-  column statistics are merged in XLA.
-* sigmoid ``sigmoid_sum``: one fused sweep (``kernels.sigmoid_fwd``) sums
-  softplus(-z s) per row; XLA adds the rows.
-* both gradients: the panel backward (``panel_backward``); per panel a
-  kernel (``kernels.lse_bwd`` / ``kernels.sigmoid_bwd``) recomputes the
-  logits once and writes G in the input dtype, and cuBLAS forms dx = G y and
-  dy += G^T x.
+* softmax ``lse``: one fused sweep (``kernels.pallas.lse_fwd``) gives row and
+  column LSE together; no logit tile reaches HBM. The persistent programs'
+  partial column statistics are merged in XLA.
+* sigmoid ``sigmoid_sum``: one fused sweep (``kernels.pallas.sigmoid_fwd``)
+  sums softplus(-z s) per row; XLA adds the rows.
+* both gradients: the panel backward (``panel_backward``); per panel a kernel
+  (``kernels.pallas.lse_bwd`` / ``kernels.pallas.sigmoid_bwd``) recomputes the
+  logits once and writes G in the input dtype, and cuBLAS forms dx = G y and dy
+  += G^T x.
 
 The plumbing around the kernels is ``triton_tiles``, shared with the
 ``triton`` backend (the same algorithms in the Triton language).
@@ -42,10 +42,10 @@ from jax import lax
 from infcl_jax.backends import capability
 from infcl_jax.backends import triton_configs
 from infcl_jax.backends import triton_tiles
-from infcl_jax.kernels import lse_bwd
-from infcl_jax.kernels import lse_fwd
-from infcl_jax.kernels import sigmoid_bwd
-from infcl_jax.kernels import sigmoid_fwd
+from infcl_jax.kernels.pallas import lse_bwd
+from infcl_jax.kernels.pallas import lse_fwd
+from infcl_jax.kernels.pallas import sigmoid_bwd
+from infcl_jax.kernels.pallas import sigmoid_fwd
 
 KERNELS = triton_tiles.Kernels(lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd)
 

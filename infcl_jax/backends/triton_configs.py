@@ -17,7 +17,7 @@ from infcl_jax.block_sizes import BlockSizes
 # ---------------------------------------------------------------------------
 # Shared memory of the Triton kernels, and the configs that fit each GPU.
 #
-# Every Pallas-Triton kernel here (kernels/lse_fwd.py, lse_bwd.py,
+# Every Pallas-Triton kernel here (kernels/pallas/lse_fwd.py, lse_bwd.py,
 # sigmoid_fwd.py, sigmoid_bwd.py) starts from ``tile_dot``: a K-loop over D
 # in ``block_d`` steps that loads a (block_q, block_d) slice of x and a
 # (block_k, block_d) slice of y and feeds them to one tensor-core dot.

@@ -15,10 +15,10 @@ columns' (``panel_backward``); without groups the kernels are the same
 programs as ever (the groups are a static switch of each kernel).
 
 A kernel set (``KERNELS``) has four functions with the contracts of the
-Pallas-Triton kernels (``kernels/lse_fwd.lse_fwd``, ``kernels/lse_bwd
-.g_panel``, ``kernels/sigmoid_fwd.sigmoid_row_sums``, ``kernels
-/sigmoid_bwd.g_panel``); ``_kernel_kw`` adds the subclass's own keyword
-arguments (Pallas' ``interpret``).
+Pallas-Triton kernels (``kernels.pallas.lse_fwd.lse_fwd``,
+``kernels.pallas.lse_bwd.g_panel``, ``kernels.pallas.sigmoid_fwd
+.sigmoid_row_sums``, ``kernels.pallas.sigmoid_bwd.g_panel``); ``_kernel_kw``
+adds the subclass's own keyword arguments (Pallas' ``interpret``).
 """
 from __future__ import annotations
 

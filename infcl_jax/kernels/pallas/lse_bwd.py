@@ -39,9 +39,9 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from infcl_jax.kernels import interpret_vma
-from infcl_jax.kernels import panel_call
-from infcl_jax.kernels import tile_dot
+from infcl_jax.kernels.pallas import interpret_vma
+from infcl_jax.kernels.pallas import panel_call
+from infcl_jax.kernels.pallas import tile_dot
 
 F32 = jnp.float32
 _MAX_SPREAD = 64.0
