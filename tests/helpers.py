@@ -189,9 +189,9 @@ def compiled_pallas_class():
   interpreted) kernels, e.g. under shard_map. Imported lazily, so that
   importing this module loads no kernel code.
   """
-  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas  # pylint: disable=import-outside-toplevel
 
-  class CompiledPallas(pallas_triton.PallasTritonBackend):
+  class CompiledPallas(pallas.PallasBackend):
 
     def __init__(self, platform=None):
       del platform

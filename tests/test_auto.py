@@ -65,7 +65,7 @@ def _clean(monkeypatch):
   monkeypatch.delenv(ENV, raising=False)
   monkeypatch.setitem(sys.modules, "triton", None)
   monkeypatch.setitem(sys.modules, "jax_triton", None)
-  monkeypatch.delitem(sys.modules, "infcl_jax.backends.native_triton",
+  monkeypatch.delitem(sys.modules, "infcl_jax.backends.triton",
                       raising=False)
   capability.reset_warnings()
   yield

@@ -169,7 +169,7 @@ def test_import_loads_no_kernel_code_until_a_kernel_backend_is_used():
       "def loaded():\n"
       "  return sorted(m for m in sys.modules if m.startswith(("
       "'jax.experimental.pallas', 'jax._src.pallas', 'infcl_jax.kernels', "
-      "'infcl_jax.backends.pallas_triton')))\n"
+      "'infcl_jax.backends.pallas')))\n"
       "import jax.numpy as jnp\n"
       "import infcl_jax\n"
       "print('import', loaded())\n"

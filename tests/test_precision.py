@@ -147,12 +147,12 @@ def test_triton_operands_rounded_on_compiled_tf32_tiles_only():
   """Compiled TF32 tiles get operands rounded to nearest TF32 (Triton's
   TF32 dot truncates); the interpreter and the other precisions get them
   as they are."""
-  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed_of("operands"))
   x = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)
   y = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
-  gpu = pallas_triton.PallasTritonBackend(platform="gpu")
-  cpu = pallas_triton.PallasTritonBackend(platform="cpu")
+  gpu = pallas.PallasBackend(platform="gpu")
+  cpu = pallas.PallasBackend(platform="cpu")
   for be, f32p, rounded in [(gpu, "default", True), (gpu, "high", False),
                             (gpu, "highest", False), (cpu, "default", False)]:
     bs = be.block_sizes(BlockSizes(f32_precision=f32p), jnp.float32)

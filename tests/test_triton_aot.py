@@ -23,7 +23,7 @@ import pytest
 
 from infcl_jax import contrastive_loss, sigmoid_loss
 from infcl_jax.backends import capability
-from infcl_jax.backends import native_triton
+from infcl_jax.backends import triton as triton_backend
 from infcl_jax.backends import native_triton_configs
 from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends import registry
@@ -42,7 +42,7 @@ MAX_LOCAL_BYTES = 0
 NAME = "triton_aot_for_test"
 
 
-class _OnGpu(native_triton.NativeTritonBackend):
+class _OnGpu(triton_backend.TritonBackend):
   """The backend as it runs on a GPU (no interpreter), on any host."""
 
   def __init__(self, platform=None):

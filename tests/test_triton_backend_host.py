@@ -117,7 +117,7 @@ AUTO = [
 def _hide_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, "triton", None)
   monkeypatch.setitem(sys.modules, "jax_triton", None)
-  monkeypatch.delitem(sys.modules, "infcl_jax.backends.native_triton",
+  monkeypatch.delitem(sys.modules, "infcl_jax.backends.triton",
                       raising=False)
 
 
@@ -126,7 +126,7 @@ def _hide_pallas_triton(monkeypatch):
   so the "pallas" backend's kernels) fails."""
   for mod in list(sys.modules):
     if mod.startswith(("jax.experimental.pallas.triton",
-                       "infcl_jax.backends.pallas_triton",
+                       "infcl_jax.backends.pallas",
                        "infcl_jax.kernels.pallas")):
       monkeypatch.delitem(sys.modules, mod)
       # ``from package import module`` reads the attribute first.
@@ -198,22 +198,22 @@ def test_mosaic_triton_path_kernels(monkeypatch, path, extra):
   import types  # pylint: disable=import-outside-toplevel
   from infcl_jax import backends  # pylint: disable=import-outside-toplevel
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
-  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(jax, "devices",
                       lambda *a, **k: [FakeDevice("NVIDIA H200", "9.0")])
-  fake = types.ModuleType("infcl_jax.backends.native_triton")
+  fake = types.ModuleType("infcl_jax.backends.triton")
   fake.KERNELS = object()
-  monkeypatch.delattr(backends, "native_triton", raising=False)
-  monkeypatch.setitem(sys.modules, "infcl_jax.backends.native_triton",
+  monkeypatch.delattr(backends, "triton", raising=False)
+  monkeypatch.setitem(sys.modules, "infcl_jax.backends.triton",
                       fake if extra else None)
   cls = type("M", (mosaic.MosaicBackend,), {"TRITON_PATH": path})
   gpu, cpu = cls(platform="gpu"), cls(platform="cpu")
   if path == "triton" and extra:
     assert gpu.kernels() is fake.KERNELS and gpu._kernel_kw() == {}  # pylint: disable=protected-access
   else:
-    assert gpu.kernels() is pallas_triton.KERNELS
+    assert gpu.kernels() is pallas.KERNELS
     assert gpu._kernel_kw() == {"interpret": False}  # pylint: disable=protected-access
-  assert cpu.kernels() is pallas_triton.KERNELS
+  assert cpu.kernels() is pallas.KERNELS
   bad = type("B", (mosaic.MosaicBackend,), {"TRITON_PATH": "cuda"})
   with pytest.raises(ValueError, match="TRITON_PATH must be 'pallas' or "
                      "'triton', got 'cuda'"):

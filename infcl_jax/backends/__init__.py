@@ -3,7 +3,7 @@
 ``registry`` names them and defines the seam each loss family needs;
 ``capability`` is the one rule of where each runs. ``base`` holds the
 seam's guards and ``precision`` the float32 policy, for every backend.
-``xla`` (portable), ``pallas_triton`` (fused Triton kernels, tuned per GPU
+``xla`` (portable), ``pallas`` (fused Triton kernels, tuned per GPU
 by ``triton_configs``) and ``mosaic`` (Hopper's Mosaic GPU kernels)
 implement both families; the kernel backends share ``kernel_backend``
 (interpret mode), ``padding`` and ``panel_backward``. A backend module is

@@ -88,7 +88,7 @@ import jax.numpy as jnp
 
 from infcl_jax import _device
 from infcl_jax.backends import capability
-from infcl_jax.backends import pallas_triton
+from infcl_jax.backends import pallas
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends.padding import check_int32
 from infcl_jax.backends.padding import pad_ids
@@ -135,7 +135,7 @@ INTERPRET_TILES = BlockSizes(block_q=64, block_k=128, block_d=64,
                              bwd_block_k=128, panel_rows=64)
 
 
-class MosaicBackend(pallas_triton.PallasTritonBackend):
+class MosaicBackend(pallas.PallasBackend):
   """Mosaic GPU tiles for bf16 / f16; the Triton path for the rest."""
 
   name = "mosaic"
@@ -180,10 +180,10 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     if self.TRITON_PATH != "triton" or self.interpret:
       return None
     try:
-      from infcl_jax.backends import native_triton  # pylint: disable=import-outside-toplevel
+      from infcl_jax.backends import triton as triton_backend  # pylint: disable=import-outside-toplevel
     except ImportError:
       return None
-    return native_triton.KERNELS
+    return triton_backend.KERNELS
 
   def kernels(self):
     return self.native_kernels or super().kernels()

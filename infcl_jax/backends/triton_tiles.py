@@ -1,7 +1,7 @@
 """The tile ops of both Triton backends, written once.
 
-``pallas`` (Pallas' Triton lowering, ``pallas_triton.py``) and ``triton``
-(Triton-language kernels through jax-triton, ``native_triton.py``) run the
+``pallas`` (Pallas' Triton lowering, ``pallas.py``) and ``triton``
+(Triton-language kernels through jax-triton, ``triton.py``) run the
 same algorithms with the same block sizes: the fused forward sweeps and the
 panel backward (``panel_backward``) over the padded inputs (``padding``).
 They differ only in the four kernel entry points, which a subclass names

@@ -7,6 +7,6 @@ sweep). ``lse_bwd``: the softmax backward's probability-panel kernel.
 and block specs of both backward panels. ``interpret_vma``: runs a
 kernel body so that interpret mode works inside ``shard_map``.
 All lower through Pallas' Triton backend on GPU and run with
-``interpret=True`` elsewhere. ``infcl_jax.backends.pallas_triton`` wires
+``interpret=True`` elsewhere. ``infcl_jax.backends.pallas`` wires
 them into the tile seam.
 """

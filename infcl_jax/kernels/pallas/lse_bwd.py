@@ -9,7 +9,7 @@ D in ``block_d`` steps, like the forward), forms
 and writes it to HBM in the input dtype (the (R, B) panel is the only
 O(R * B) buffer), together with each tile's partial sums of G * (x y^T) and
 G, the scale and bias gradients. The library GEMMs then form dx = G y and
-dy += G^T x (see ``infcl_jax.backends.pallas_triton``).
+dy += G^T x (see ``infcl_jax.backends.pallas``).
 
 Why not a fully fused dX / dY kernel: accumulating dX over D = 768 in one
 Triton program needs three 256-wide float32 accumulators and spilled on the

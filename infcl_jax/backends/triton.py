@@ -87,7 +87,7 @@ from infcl_jax.kernels.triton import sigmoid_fwd
 KERNELS = triton_tiles.Kernels(lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd)
 
 
-class NativeTritonBackend(triton_tiles.TritonTilesBackend):
+class TritonBackend(triton_tiles.TritonTilesBackend):
   """Triton-language kernels through jax-triton, both families."""
 
   name = "triton"
@@ -107,4 +107,4 @@ class NativeTritonBackend(triton_tiles.TritonTilesBackend):
     return super().block_sizes(block_sizes, dtype)
 
 
-BACKEND = NativeTritonBackend
+BACKEND = TritonBackend

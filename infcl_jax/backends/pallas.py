@@ -50,7 +50,7 @@ from infcl_jax.kernels.pallas import sigmoid_fwd
 KERNELS = triton_tiles.Kernels(lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd)
 
 
-class PallasTritonBackend(triton_tiles.TritonTilesBackend):
+class PallasBackend(triton_tiles.TritonTilesBackend):
   """The fused Pallas-Triton backend, softmax and sigmoid families."""
 
   name = "pallas"
@@ -74,4 +74,4 @@ class PallasTritonBackend(triton_tiles.TritonTilesBackend):
     return prec
 
 
-BACKEND = PallasTritonBackend
+BACKEND = PallasBackend
