@@ -14,10 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 from infcl_jax.backends import capability
-from infcl_jax.backends import native_triton_configs as ntc
 from infcl_jax.backends import registry
-from infcl_jax.backends import triton_configs as tc
-from infcl_jax.backends import triton_tiles
+from infcl_jax.backends import triton_tiles as tc
 
 
 class FakeDevice:
@@ -26,13 +24,13 @@ class FakeDevice:
     self.device_kind, self.platform, self.compute_capability = kind, "gpu", cc
 
 
-class StubTriton(triton_tiles.TritonTilesBackend):
+class StubTriton(tc.TritonTilesBackend):
   """A registered "triton" with the real backend's RUNS_ON (the one it
   inherits), standing in where the extra is not installed."""
   name = "triton"
 
   def default_block_sizes(self, platform, dtype):
-    return ntc.default_here(platform, dtype)
+    return tc.default_here(platform, dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +57,7 @@ GPUS = [
     ("NVIDIA B300", "10.3", "smem227k"),
 ]
 # The 227 KB entry is compiled on the H200, where the compiler's shared
-# memory equals the liveness-based peak (triton_configs' notes); H100 and
+# memory equals the liveness-based peak (triton_tiles' tuning notes); H100 and
 # B200 share its budget. The other entries are for GPUs not at hand.
 COMPILED = {"smem227k"}
 
@@ -70,30 +68,30 @@ def test_config_of_each_gpu_fits_its_budget(monkeypatch, kind, cc, name,
                                             dtype):
   monkeypatch.setattr(jax, "devices", lambda *a, **k: [FakeDevice(kind, cc)])
   cap = capability.device_capability()
-  assert ntc.config_name(cap) == name
+  assert tc.config_name(cap) == name
   bs = StubTriton(platform="gpu").default_block_sizes("gpu", dtype)
-  assert bs == ntc.config(cap, dtype)
+  assert bs == tc.config(cap, dtype)
   limit = capability.smem_limit(cap)
   for kernel in ("fwd", "bwd"):
-    est = tc.triton_smem(bs, dtype, kernel)
+    est = tc.smem(bs, dtype, kernel)
     # Entries never compiled must fit without relying on the allocator's
     # reuse; the compiled one by the liveness-based peak.
     used = est.peak if name in COMPILED else est.total
     assert used <= limit, (kind, kernel, est)
-    assert ntc.tile_registers(bs, kernel) <= ntc.REG_BUDGET, (kind, kernel)
+    assert tc.tile_registers(bs, kernel) <= tc.REG_BUDGET, (kind, kernel)
   bs.check_pallas()  # Powers of two, panels of whole row blocks.
 
 
 def test_budget_formulas_by_hand():
-  bs = ntc.CONFIGS["smem227k"][1]  # 128 x 256 x 64, 3 stages, 8 warps.
-  assert tc.triton_smem(bs, jnp.bfloat16, "fwd").pipeline == 3 * 384 * 64 * 2
-  assert ntc.tile_registers(bs, "fwd") == 128 * 256 // 256
+  bs = tc.CONFIGS["smem227k"][1]  # 128 x 256 x 64, 3 stages, 8 warps.
+  assert tc.smem(bs, jnp.bfloat16, "fwd").pipeline == 3 * 384 * 64 * 2
+  assert tc.tile_registers(bs, "fwd") == 128 * 256 // 256
   with pytest.raises(ValueError, match="kernel must be"):
-    ntc.tile_registers(bs, "both")
+    tc.tile_registers(bs, "both")
 
 
 def test_off_the_gpu_defaults_are_the_interpreter_tiles():
-  assert ntc.default("cpu", None, jnp.float32) == tc.INTERPRET
+  assert tc.default("cpu", None, jnp.float32) == tc.INTERPRET
 
 
 # Written down: kind, capability, auto's choice with the extra, without it,

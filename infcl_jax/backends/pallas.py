@@ -39,8 +39,6 @@ from __future__ import annotations
 
 from jax import lax
 
-from infcl_jax.backends import capability
-from infcl_jax.backends import triton_configs
 from infcl_jax.backends import triton_tiles
 from infcl_jax.kernels.pallas import lse_bwd
 from infcl_jax.kernels.pallas import lse_fwd
@@ -57,9 +55,8 @@ class PallasBackend(triton_tiles.TritonTilesBackend):
   KERNELS = KERNELS
 
   def default_block_sizes(self, platform, dtype):
-    """The ``triton_configs`` entry that fits this GPU's shared memory."""
-    cc = capability.device_capability() if platform == "gpu" else None
-    return triton_configs.default(platform, cc, dtype)
+    """The ``triton_tiles.CONFIGS`` entry that fits this GPU."""
+    return triton_tiles.default_here(platform, dtype)
 
   def _kernel_kw(self):
     return {"interpret": self.interpret}

@@ -22,7 +22,7 @@ goes.
 Where it runs (``RUNS_ON``): NVIDIA GPUs of compute capability 8.0 and up
 whose shared memory per block is known (sm80, sm86, sm87, sm89, sm90,
 sm100, sm103, sm120, sm121), with the block sizes of
-``native_triton_configs`` for that budget; newer or unreadable GPUs are
+``triton_tiles.CONFIGS`` for that budget; newer or unreadable GPUs are
 UNTESTED (an explicit name runs, ``auto`` does not pick it); below sm80
 Triton has no bfloat16 dot.
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import jax
 
-from infcl_jax.backends import native_triton_configs
 from infcl_jax.backends import triton_tiles
 
 EXTRA = 'pip install "infcl-jax[triton]"'
@@ -94,8 +93,8 @@ class TritonBackend(triton_tiles.TritonTilesBackend):
   KERNELS = KERNELS
 
   def default_block_sizes(self, platform, dtype):
-    """The ``native_triton_configs`` entry that fits this GPU."""
-    return native_triton_configs.default_here(platform, dtype)
+    """The ``triton_tiles.CONFIGS`` entry that fits this GPU."""
+    return triton_tiles.default_here(platform, dtype)
 
   def block_sizes(self, block_sizes, dtype):
     if self.interpret and not launch.interpreting():
