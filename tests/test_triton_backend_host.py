@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from infcl_jax.backends import base
 from infcl_jax.backends import capability
 from infcl_jax.backends import registry
 from infcl_jax.backends import triton_tiles as tc
@@ -24,10 +25,11 @@ class FakeDevice:
     self.device_kind, self.platform, self.compute_capability = kind, "gpu", cc
 
 
-class StubTriton(tc.TritonTilesBackend):
-  """A registered "triton" with the real backend's RUNS_ON (the one it
-  inherits), standing in where the extra is not installed."""
+class StubTriton(base.KernelBackend):
+  """A registered "triton" with the real backend's RUNS_ON (the Triton
+  kernels'), standing in where the extra is not installed."""
   name = "triton"
+  RUNS_ON = tc.RUNS_ON
 
   def default_block_sizes(self, platform, dtype):
     return tc.default_here(platform, dtype)
@@ -189,10 +191,11 @@ def test_import_infcl_jax_needs_only_jax():
 @pytest.mark.parametrize("path,extra", [("triton", True), ("triton", False),
                                         ("pallas", True)])
 def test_mosaic_triton_path_kernels(monkeypatch, path, extra):
-  """Mosaic's Triton path (float32 inputs, stages set to "pallas") runs the
-  Triton-language kernels only with ``TRITON_PATH = "triton"`` on a GPU
-  where the extra imports; otherwise, and always off the GPU (the
-  interpreter), Pallas-Triton's. A bad ``TRITON_PATH`` is one line."""
+  """Mosaic's Triton path (``fallback``: float32 inputs, stages set to
+  "pallas") runs the Triton-language kernels only with ``TRITON_PATH =
+  "triton"`` on a GPU where the extra imports; otherwise, and always off
+  the GPU (the interpreter), Pallas-Triton's. A bad ``TRITON_PATH`` is one
+  line."""
   import types  # pylint: disable=import-outside-toplevel
   from infcl_jax import backends  # pylint: disable=import-outside-toplevel
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
@@ -200,18 +203,22 @@ def test_mosaic_triton_path_kernels(monkeypatch, path, extra):
   monkeypatch.setattr(jax, "devices",
                       lambda *a, **k: [FakeDevice("NVIDIA H200", "9.0")])
   fake = types.ModuleType("infcl_jax.backends.triton")
-  fake.KERNELS = object()
+  fake.KERNELS = tc.Kernels(*(object() for _ in range(4)))
   monkeypatch.delattr(backends, "triton", raising=False)
   monkeypatch.setitem(sys.modules, "infcl_jax.backends.triton",
                       fake if extra else None)
   cls = type("M", (mosaic.MosaicBackend,), {"TRITON_PATH": path})
   gpu, cpu = cls(platform="gpu"), cls(platform="cpu")
+  # pylint: disable=protected-access
   if path == "triton" and extra:
-    assert gpu.kernels() is fake.KERNELS and gpu._kernel_kw() == {}  # pylint: disable=protected-access
+    assert gpu.fallback.kernels is fake.KERNELS
+    assert gpu.fallback._kernel_kw() == {}
   else:
-    assert gpu.kernels() is pallas.KERNELS
-    assert gpu._kernel_kw() == {"interpret": False}  # pylint: disable=protected-access
-  assert cpu.kernels() is pallas.KERNELS
+    assert gpu.fallback.kernels is pallas.KERNELS
+    assert gpu.fallback._kernel_kw() == {"interpret": False}
+  assert cpu.fallback.kernels is pallas.KERNELS
+  assert cpu.fallback._kernel_kw() == {"interpret": True}
+  # pylint: enable=protected-access
   bad = type("B", (mosaic.MosaicBackend,), {"TRITON_PATH": "cuda"})
   with pytest.raises(ValueError, match="TRITON_PATH must be 'pallas' or "
                      "'triton', got 'cuda'"):

@@ -1,24 +1,28 @@
-"""The tile ops of both Triton backends, written once.
+"""The tiles of the Triton kernels: their tile ops, where they run, their
+block sizes.
 
-``pallas`` (Pallas' Triton lowering, ``pallas.py``) and ``triton``
-(Triton-language kernels through jax-triton, ``triton.py``) run the
-same algorithms with the same block sizes: the fused forward sweeps and the
-panel backward (``panel_backward``) over the padded inputs (``padding``).
-They differ only in the four kernel entry points, which a subclass names
-(``KERNELS``, a ``Kernels`` of its kernel package); everything around them
-(padding, the int32 guard, the persistent grid size, the panel layout and
-math, the precision policy) is here.
+Two kernel sets run the same algorithms with the same block sizes: Pallas'
+(``kernels/pallas/``, lowered through Pallas' Triton backend: the
+``pallas`` backend) and the Triton-language one (``kernels/triton/``,
+launched through jax-triton: the ``triton`` backend). A backend has its
+set (``Kernels``: four entry points with the contracts of the Pallas-Triton
+kernels ``kernels.pallas.lse_fwd.lse_fwd``, ``kernels.pallas.lse_bwd
+.g_panel``, ``kernels.pallas.sigmoid_fwd.sigmoid_row_sums`` and
+``kernels.pallas.sigmoid_bwd.g_panel``, and how a call is made), and
+``TritonTiles`` runs the seam's four operations over it: the fused forward
+sweeps and the panel backward (``panel_backward``) over the padded inputs
+(``padding``), with the int32 guard, the persistent grid size, the panel
+layout and the precision policy. The ``mosaic`` backend runs the same for
+what its own kernels do not cover (float32 inputs).
 
 Groups (``backends.base``): the forward kernels take the rows' and columns'
 group ids padded like the inputs, the panel kernels the panel's and the
 columns' (``panel_backward``); without groups the kernels are the same
 programs as ever (the groups are a static switch of each kernel).
 
-A kernel set (``KERNELS``) has four functions with the contracts of the
-Pallas-Triton kernels (``kernels.pallas.lse_fwd.lse_fwd``,
-``kernels.pallas.lse_bwd.g_panel``, ``kernels.pallas.sigmoid_fwd
-.sigmoid_row_sums``, ``kernels.pallas.sigmoid_bwd.g_panel``); ``_kernel_kw``
-adds the subclass's own keyword arguments (Pallas' ``interpret``).
+Where they run (``RUNS_ON``) and the block sizes that fit each GPU
+(``CONFIGS``, ``default``; the notes of "tuning" below derive them) are the
+same for both sets.
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ import numpy as np
 
 from infcl_jax import _device
 from infcl_jax.backends import capability
-from infcl_jax.backends import kernel_backend
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends.capability import smem_limit
@@ -42,17 +45,45 @@ from infcl_jax.block_sizes import BlockSizes
 
 F32 = jnp.float32
 
+# Where Triton's kernels run, for both launch paths: every GPU from sm80
+# whose shared memory per block is known (the configs fit it). Newer GPUs
+# are untested; below sm80 Triton has no bfloat16 dot.
+RUNS_ON = capability.RunsOn(
+    tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
+    floor=(8, 0), unknown_gpu=capability.UNTESTED,
+    needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
+          "no bfloat16 dot below)")
 
+
+def _as_given(prec, interpret):
+  del interpret
+  return prec
+
+
+@dataclasses.dataclass(frozen=True)
 class Kernels:
-  """The four kernel entry points of a Triton backend, taken from its kernel
-  package's four modules: both packages (``infcl_jax.kernels`` and
-  ``infcl_jax.kernels.triton``) give them the same names."""
+  """A Triton kernel set: its four entry points, and how a call is made.
 
-  def __init__(self, lse_fwd, lse_bwd, sigmoid_fwd, sigmoid_bwd):
-    self.lse_fwd: Callable = lse_fwd.lse_fwd
-    self.lse_panel: Callable = lse_bwd.g_panel
-    self.sigmoid_rows: Callable = sigmoid_fwd.sigmoid_row_sums
-    self.sigmoid_panel: Callable = sigmoid_bwd.g_panel
+  ``takes_interpret``: whether the kernels take ``interpret=`` (Pallas'
+  do; the Triton-language ones run in Triton's interpreter by the
+  environment, ``kernels.triton.launch``). ``precision(prec, interpret)``:
+  what the kernels take for a ``lax.Precision`` (the Triton-language ones
+  map it to ``tl.dot``'s input precision themselves).
+  """
+  lse_fwd: Callable
+  lse_panel: Callable
+  sigmoid_rows: Callable
+  sigmoid_panel: Callable
+  takes_interpret: bool = False
+  precision: Callable = _as_given
+
+  def tiles(self, backend) -> TritonTiles:
+    """The tile ops over this set for ``backend`` (a ``base.KernelBackend``:
+    its name, interpret mode, float32 default and grouped sigmoid
+    diagonal)."""
+    return TritonTiles(self, name=backend.name, interpret=backend.interpret,
+                       f32_default=backend.F32_DEFAULT,
+                       diagonal_outside=backend.GROUP_DIAGONAL_OUTSIDE)
 
 
 def padded_groups(groups, xp, yp):
@@ -71,43 +102,43 @@ def layout(bs, x, y):
                          block_d=bs.block_d, panel_rows=bs.panel_rows)
 
 
-class TritonTilesBackend(kernel_backend.KernelBackend):
-  """Both families over a subclass's ``KERNELS``."""
+class TritonTiles:
+  """The seam's four operations over one Triton kernel set, after the
+  guards (``base``): the underscored operations of a kernel backend, with
+  its block sizes ``bs`` resolved."""
 
-  families = ("softmax", "sigmoid")
-  GROUPS = True
-  # Where Triton's kernels run, for both launch paths: every GPU from sm80
-  # whose shared memory per block is known (the configs fit it). Newer GPUs
-  # are untested; below sm80 Triton has no bfloat16 dot.
-  RUNS_ON = capability.RunsOn(
-      tuned=tuple(cc for cc in capability.SMEM_PER_BLOCK if cc >= (8, 0)),
-      floor=(8, 0), unknown_gpu=capability.UNTESTED,
-      needs="an NVIDIA GPU of compute capability 8.0 or newer (Triton has "
-            "no bfloat16 dot below)")
+  def __init__(self, kernels: Kernels, *, name: str, interpret: bool,
+               f32_default, diagonal_outside: bool):
+    self.kernels = kernels
+    self.name = name  # The backend's, for the int32 guard's message.
+    self.interpret = interpret
+    self.f32_default = f32_default
+    self.diagonal_outside = diagonal_outside
 
-  # Without the diagonal's test per logit the grouped "mask" sigmoid ran
-  # 8.6 points faster with Pallas-Triton on an H200, and the Triton-language
-  # sigmoid panel (latency-bound: one 8-warp CTA per SM) 17% faster.
-  GROUP_DIAGONAL_OUTSIDE = True
-  KERNELS: Kernels  # The subclass's kernel set.
+  @staticmethod
+  def default_block_sizes(platform, dtype):
+    """The ``CONFIGS`` entry that fits this GPU (``default_here``)."""
+    return default_here(platform, dtype)
 
-  def kernels(self) -> Kernels:
-    return self.KERNELS
+  def precision(self, bs, dtype, depth):
+    """The matmul precision (``backends.precision``, as ``base``'s)."""
+    return precision_lib.matmul_precision(dtype, bs.f32_precision,
+                                          self.f32_default, depth)
 
   def _kernel_kw(self) -> dict:
-    return {}
+    return {"interpret": self.interpret} if self.kernels.takes_interpret \
+        else {}
 
   def _kernel_precision(self, prec):
-    """What the kernels take for ``prec`` (a ``lax.Precision``; the
-    Triton-language kernels map it to ``tl.dot``'s input precision)."""
-    return prec
+    """What the kernels take for ``prec`` (a ``lax.Precision``)."""
+    return self.kernels.precision(prec, self.interpret)
 
   def _operands(self, x, y, bs):
     """x and y as the kernels take them: on TF32 tiles, compiled, rounded
     to nearest TF32 (``backends.precision``: Triton's TF32 dot truncates);
     the interpreters' dots are exact float32, so there as they are."""
     if self.interpret or not precision_lib.tf32_tiles(
-        x.dtype, bs.f32_precision, self.F32_DEFAULT, x.shape[-1]):
+        x.dtype, bs.f32_precision, self.f32_default, x.shape[-1]):
       return x, y
     return precision_lib.round_tf32(x), precision_lib.round_tf32(y)
 
@@ -124,14 +155,14 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
 
   # ------------------------------------------------------------ softmax
 
-  def _lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
+  def lse(self, x, y, scale, bias, *, rows, cols, bs, groups=None):
     n, m = x.shape[0], y.shape[0]
     x, y = self._operands(x, y, bs)
     xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
     nprog = bs.num_programs or _device.num_sms()
     check_int32(self.name, column_workspace=min(
         nprog, xp.shape[0] // bs.block_q) * yp.shape[0])
-    return self.kernels().lse_fwd(
+    return self.kernels.lse_fwd(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         rows=rows, cols=cols, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, num_programs=nprog, num_warps=bs.num_warps,
@@ -148,15 +179,15 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
     beside TF32's own error there; where float32 is asked to be exact
     ("high", "highest") and in the exact interpreters G stays float32."""
     return not self.interpret and precision_lib.tf32_tiles(
-        x.dtype, bs.f32_precision, self.F32_DEFAULT, x.shape[-1])
+        x.dtype, bs.f32_precision, self.f32_default, x.shape[-1])
 
-  def _lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
-                col_coef, *, bs, groups=None):
+  def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
+               col_coef, *, bs, groups=None):
     prec = self.precision(bs, x.dtype, x.shape[-1])
     half = self._half_panels(x, bs)
     x, y = self._operands(x, y, bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
-        self.kernels().lse_panel, g_dtype=jnp.float16 if half else x.dtype,
+        self.kernels.lse_panel, g_dtype=jnp.float16 if half else x.dtype,
         block_q=bs.bwd_block_q,
         block_k=bs.bwd_block_k, block_d=bs.block_d,
         num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages,
@@ -170,12 +201,12 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
 
   # ------------------------------------------------------------ sigmoid
 
-  def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
-                   groups=None, group_mode="mask"):
+  def sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
+                  groups=None, group_mode="mask"):
     n, m = x.shape[0], y.shape[0]
     x, y = self._operands(x, y, bs)
     xp, yp = pad_inputs(x, y, bs.block_q, bs.block_k, bs.block_d)
-    rows = self.kernels().sigmoid_rows(
+    rows = self.kernels.sigmoid_rows(
         xp, yp, jnp.asarray(scale, F32), jnp.asarray(bias, F32), n=n, m=m,
         has_diagonal=has_diagonal, block_q=bs.block_q, block_k=bs.block_k,
         block_d=bs.block_d, target_programs=bs.num_programs or _device.num_sms(),
@@ -185,12 +216,12 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         **self._groups_kw(groups, xp, yp, group_mode), **self._kernel_kw())
     return jnp.sum(rows)
 
-  def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
-                    groups=None, group_mode="mask"):
+  def sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
+                   groups=None, group_mode="mask"):
     prec = self.precision(bs, x.dtype, x.shape[-1])
     kprec = self._kernel_precision(prec)
     x, y = self._operands(x, y, bs)
-    kernel, kernel_kw = self.kernels().sigmoid_panel, self._kernel_kw()
+    kernel, kernel_kw = self.kernels.sigmoid_panel, self._kernel_kw()
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
       return kernel(
@@ -205,7 +236,7 @@ class TritonTilesBackend(kernel_backend.KernelBackend):
         panel=None if bs.bwd_impl == "xla" else panel,
         **({} if groups is None else {
             "groups": groups, "group_mode": group_mode,
-            "diagonal_outside": self.GROUP_DIAGONAL_OUTSIDE}))
+            "diagonal_outside": self.diagonal_outside}))
 
 
 # ------------------------------------------------------------------ tuning
