@@ -151,8 +151,8 @@ class MosaicBackend(base.KernelBackend):
   # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
   STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
             "sigmoid_grad": "mosaic"}
-  # ``groups=`` (``base``): the Mosaic kernels take the group ids; the
-  # Triton path passes them to its own kernels.
+  # ``groups=`` (``base.KernelBackend.GROUPS``): the Mosaic kernels take
+  # the group ids; the Triton path passes them to its own kernels.
   # ``diagonal=``: the ids (i, i) of the kernels' groups, already sorted, so
   # without ``GroupOrder``'s sorts and permutations: the kernels mask only
   # the column blocks that cross a row block's diagonal.
