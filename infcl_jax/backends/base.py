@@ -1,15 +1,14 @@
 """What every tile backend shares: the seam's guards, block sizes, precision.
 
-A backend subclasses ``TileBackend`` and implements the underscored
-operations (``_lse``, ``_lse_grad``, ``_sigmoid_sum``, ``_sigmoid_grad``)
-of the families it lists; a backend of GPU kernels subclasses
-``KernelBackend`` (interpret mode off the GPU), which has the kernels it
-runs and hands those operations to their tile ops. The public operations of the seam
-(``registry.SoftmaxTiles`` / ``SigmoidTiles``) are defined here once, so
-that each guard has one home: a softmax call that asks for no statistic,
-a sigmoid block pair whose diagonal cannot exist, the block sizes resolved
-(with the backend's defaults) and the float32 precision policy
-(``precision``).
+A backend subclasses ``TileBackend`` and implements the underscored operations
+(``_lse``, ``_lse_grad``, ``_sigmoid_sum``, ``_sigmoid_grad``) of the families
+it lists; a backend of GPU kernels subclasses ``KernelBackend`` (interpret
+mode off the GPU), which has the kernels it runs and hands those operations to
+their tile ops. The public operations of the seam (``registry.SoftmaxTiles`` /
+``SigmoidTiles``) are defined here once, so that each guard has one home: a
+softmax call that asks for no statistic, a sigmoid block pair whose diagonal
+cannot exist, the block sizes resolved (with the backend's defaults) and the
+float32 precision policy (``precision``).
 
 Groups. Every operation takes ``groups=None`` or ``(gx, gy)``: (n,) and
 (m,) int32 group ids of the tile's rows and columns; pair (i, j) is

@@ -1,7 +1,7 @@
 """Mosaic GPU forward: row and column log-sum-exp of s = t * x y^T + b.
 
-Same contract as ``infcl_jax.kernels.pallas.lse_fwd.lse_fwd`` (padded inputs in,
-natural-log LSE vectors out), written for Hopper with TMA + wgmma.
+Same contract as ``infcl_jax.kernels.pallas.lse_fwd.lse_fwd`` (padded inputs
+in, natural-log LSE vectors out), written for Hopper with TMA + wgmma.
 
 Schedule. A persistent grid of P CTAs; CTA p owns the row blocks p, p + P,
 ... (``block_q`` rows each). Each CTA is three warpgroups (see
