@@ -3,7 +3,7 @@
   python benchmarks/bench_configs.py --smem_probe --out OUT
 
 ``backend="auto"`` picks ``BlockSizes`` by the GPU's shared memory per block
-(``triton_configs.TRITON_CONFIGS``). A config that fits a smaller GPU runs
+(``triton_tiles.CONFIGS``). A config that fits a smaller GPU runs
 on a larger one too, so one H200 measures what each config (and each of
 ``CANDIDATES``) costs: one fwd+bwd step at B = 65,536, D = 768, bf16, both
 losses, beside the formula's shared-memory estimate. ``--smem_probe`` also
@@ -26,10 +26,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from infcl_jax.backends import capability  # noqa: E402
-from infcl_jax.backends import triton_configs as bsm  # noqa: E402
+from infcl_jax.backends import triton_tiles as bsm  # noqa: E402
 from infcl_jax.block_sizes import BlockSizes  # noqa: E402
 
-# Alternatives with the same shared-memory budget as a TRITON_CONFIGS entry
+# Alternatives with the same shared-memory budget as a CONFIGS entry
 # (bf16 / f16 inputs): name -> (the entry whose limit it must fit, config).
 CANDIDATES = {
     # sm80 budget, K-step 32: 128 x 256 forward with 4 stages (104 KB total)
@@ -41,7 +41,7 @@ CANDIDATES = {
     # sm86 budget with 8 warps per program: 1.00-1.03x slower than smem99k
     # (4 warps) on the H200.
     "smem99k_w8": ("smem99k", dataclasses.replace(
-        bsm.TRITON_CONFIGS["smem99k"][1], num_warps=8, bwd_num_warps=8)),
+        bsm.CONFIGS["smem99k"][1], num_warps=8, bwd_num_warps=8)),
 }
 
 CASE_MARK = "SMEM_CASE "
@@ -52,7 +52,7 @@ _SMEM_ERROR = re.compile(r"Shared memory size limit exceeded[^\n]*")
 def capabilities_of(tier: str) -> str:
   """The compute capabilities whose default config is ``tier``."""
   caps = [cc for cc in sorted(capability.SMEM_PER_BLOCK)
-          if cc >= (8, 0) and bsm.triton_config_name(cc) == tier]
+          if cc >= (8, 0) and bsm.config_name(cc) == tier]
   return " ".join(f"sm{a}{b}" for a, b in caps)
 
 
@@ -60,7 +60,7 @@ def configs(dtype) -> dict[str, tuple[str, BlockSizes]]:
   """name -> (tier, BlockSizes) of every config and candidate for dtype."""
   wide = np.dtype(dtype).itemsize >= 4
   out = {name: (name, wide_bs if wide else narrow)
-         for name, (_, narrow, wide_bs) in bsm.TRITON_CONFIGS.items()}
+         for name, (_, narrow, wide_bs) in bsm.CONFIGS.items()}
   if not wide:
     out.update(CANDIDATES)
   return out
@@ -73,9 +73,9 @@ def describe(bs: BlockSizes) -> str:
 
 
 def smem_columns(bs: BlockSizes, dtype, tier: str) -> dict:
-  f = bsm.triton_smem(bs, dtype, "fwd")
-  b = bsm.triton_smem(bs, dtype, "bwd")
-  return dict(smem_limit=bsm.TRITON_CONFIGS[tier][0],
+  f = bsm.smem(bs, dtype, "fwd")
+  b = bsm.smem(bs, dtype, "bwd")
+  return dict(smem_limit=bsm.CONFIGS[tier][0],
               smem_fwd_peak=f.peak, smem_fwd_total=f.total,
               smem_bwd_peak=b.peak, smem_bwd_total=b.total)
 
@@ -139,13 +139,13 @@ def parse_probe_log(text):
       if info.get("end"):
         if cur is not None:
           bs = configs(info["dtype"])[info["config"]][1]
-          est = bsm.triton_smem(bs, info["dtype"], info["kernel"])
+          est = bsm.smem(bs, info["dtype"], info["kernel"])
           rows.append(dict(
               {k: info[k] for k in ("config", "tier", "dtype", "family",
                                     "kernel", "status")},
               xla_reported=" ".join(seen),
               est_peak=est.peak, est_total=est.total,
-              limit=bsm.TRITON_CONFIGS[info["tier"]][0]))
+              limit=bsm.CONFIGS[info["tier"]][0]))
         cur, seen = None, []
       else:
         cur, seen = info, []

@@ -12,7 +12,7 @@ step's time goes (B = 65,536)".
 ``--compare``: whole fwd + bwd steps of ``backend="mosaic"``, compiled in
 one process and timed in interleaved rounds (the median of the rounds'
 medians): the bf16 steps, and float32's softmax step with its panels G in
-float16 and 16-bit GEMMs (``TritonTilesBackend._half_panels``, the default)
+float16 and 16-bit GEMMs (``TritonTiles._half_panels``, the default)
 beside G in float32 with TF32 GEMMs.
 
 ``--profile``: where one whole step's device time goes: three steps of
@@ -37,8 +37,8 @@ def bench_stages(b, d, dtype, reps, r_list=(4096, 8192)):
   # pylint: disable=import-outside-toplevel
   from infcl_jax.backends import mosaic as mb
   from infcl_jax.backends import registry
-  from infcl_jax.kernels import lse_bwd as tb
-  from infcl_jax.kernels import sigmoid_bwd as tsb
+  from infcl_jax.kernels.pallas import lse_bwd as tb
+  from infcl_jax.kernels.pallas import sigmoid_bwd as tsb
   from infcl_jax.kernels.mosaic import sigmoid as ms
   # pylint: enable=import-outside-toplevel
   x, y = inputs(b, d, dtype)
@@ -107,7 +107,7 @@ def compare(b, d, rounds=3):
   import numpy as np
   from infcl_jax.backends import triton_tiles as tt
   # pylint: enable=import-outside-toplevel
-  half = tt.TritonTilesBackend._half_panels  # pylint: disable=protected-access
+  half = tt.TritonTiles._half_panels  # pylint: disable=protected-access
   variants = [  # (family, dtype, name, float16 G on TF32 tiles)
       ("softmax", "bfloat16", "default", True),
       ("sigmoid", "bfloat16", "default", True),
@@ -117,12 +117,12 @@ def compare(b, d, rounds=3):
   steps = {}
   for family, dt, name, half_g in variants:
     jax.clear_caches()  # the losses' inner traces see the setting below
-    tt.TritonTilesBackend._half_panels = half if half_g else (  # pylint: disable=protected-access
+    tt.TritonTiles._half_panels = half if half_g else (  # pylint: disable=protected-access
         lambda self, x, bs: False)
     step, scalars = harness.loss_step(family, "mosaic")
     args = (*data[dt], *scalars)
     steps[(family, dt, name)] = (step.lower(*args).compile(), args)
-  tt.TritonTilesBackend._half_panels = half  # pylint: disable=protected-access
+  tt.TritonTiles._half_panels = half  # pylint: disable=protected-access
   times = {k: [] for k in steps}
   for _ in range(rounds):
     for k, (fn, args) in steps.items():

@@ -2,8 +2,9 @@
 
 Layers, top to bottom: ``api`` (the public losses: checks and dispatch) ->
 ``losses`` (one ``custom_vjp`` per family, for 1..N devices) -> ``backends``
-(the tile computations, registered by name) -> ``kernels`` (Pallas). Kernel
-code is imported only when a kernel backend is first used.
+(the tile computations, one module per registered name) -> ``kernels``
+(one folder per lowering: Pallas, Triton, Mosaic GPU). Kernel code is
+imported only when a kernel backend is first used.
 """
 from infcl_jax import reference
 from infcl_jax import xla_flags

@@ -8,7 +8,7 @@ O(B * D), or a fixed number of rows times B (the Pallas backward's
 
 Each backend owns its defaults (``default_block_sizes`` on the backend
 class): the XLA backend's in ``backends/xla.py``, the Triton kernels'
-per-GPU tables in ``backends/triton_configs.py``, the Mosaic kernels' tiles
+per-GPU table in ``backends/triton_tiles.py``, the Mosaic kernels' tiles
 in ``backends/mosaic.py``. Pass a ``BlockSizes`` only to override them.
 
 The XLA backend reads only ``block_q`` and ``block_k``. The Pallas backend

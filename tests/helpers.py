@@ -189,9 +189,9 @@ def compiled_pallas_class():
   interpreted) kernels, e.g. under shard_map. Imported lazily, so that
   importing this module loads no kernel code.
   """
-  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas  # pylint: disable=import-outside-toplevel
 
-  class CompiledPallas(pallas_triton.PallasTritonBackend):
+  class CompiledPallas(pallas.PallasBackend):
 
     def __init__(self, platform=None):
       del platform
@@ -208,7 +208,7 @@ def compiled_kernels_in_shard_map(monkeypatch, mesh, loss_fn, dtype):
   Tracing only (no lowering), so a CPU can check the compiled path for type
   errors of the varying mesh axes (e.g. a scan carry that does not vary like
   what the panels add to it), which the interpret-mode tests cannot see:
-  interpret mode runs kernel bodies differently (kernels/interpret_vma).
+  interpret mode runs kernel bodies differently (kernels/pallas/interpret_vma.py).
   ``loss_fn(x, y, t, b, backend)`` is the local loss; the backend is
   registered under a test-only name (so no cached trace of "pallas" is
   reused), and monkeypatch removes it afterwards.

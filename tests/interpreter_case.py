@@ -33,13 +33,10 @@ HOPPER = (9, 0)
 def gpu_tiles(backend, loss, dtype):
   """The ``BlockSizes`` ``backend`` runs on a Hopper GPU for ``dtype``."""
   # pylint: disable=import-outside-toplevel
-  if backend == "triton":
-    from infcl_jax.backends import native_triton_configs
-    bs = native_triton_configs.default("gpu", HOPPER, dtype)
-  elif backend == "pallas" or jnp.dtype(dtype) == jnp.float32:
+  if backend in ("triton", "pallas") or jnp.dtype(dtype) == jnp.float32:
     # Mosaic's float32 inputs take the Triton path, with its tiles.
-    from infcl_jax.backends import triton_configs
-    bs = triton_configs.default("gpu", HOPPER, dtype)
+    from infcl_jax.backends import triton_tiles
+    bs = triton_tiles.default("gpu", HOPPER, dtype)
   else:
     from infcl_jax.backends import mosaic
     bs = mosaic.GPU_TILES

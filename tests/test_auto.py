@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infcl_jax.backends import triton_configs as tc
+from infcl_jax.backends import triton_tiles as tc
 from infcl_jax import contrastive_loss
 from infcl_jax.backends import capability
 from infcl_jax.backends import registry
@@ -65,7 +65,7 @@ def _clean(monkeypatch):
   monkeypatch.delenv(ENV, raising=False)
   monkeypatch.setitem(sys.modules, "triton", None)
   monkeypatch.setitem(sys.modules, "jax_triton", None)
-  monkeypatch.delitem(sys.modules, "infcl_jax.backends.native_triton",
+  monkeypatch.delitem(sys.modules, "infcl_jax.backends.triton",
                       raising=False)
   capability.reset_warnings()
   yield
@@ -192,7 +192,7 @@ def test_auto_rule_per_gpu(monkeypatch, kind, cc, want, verdicts, config,
     # The Triton defaults on this GPU are that capability's config.
     be = registry.get("pallas", family, platform="gpu")
     for dtype, idx in ((jnp.bfloat16, 1), (jnp.float16, 1), (jnp.float32, 2)):
-      assert be.default_block_sizes("gpu", dtype) == tc.TRITON_CONFIGS[
+      assert be.default_block_sizes("gpu", dtype) == tc.CONFIGS[
           config][idx]
 
 
@@ -369,18 +369,18 @@ def test_compiled_kernel_backend_does_not_warn():
 # ------------------------------------------------------------ shared memory
 
 def test_smem_formula_by_hand():
-  h200 = tc.TRITON_CONFIGS["smem227k"][1]
-  fwd = tc.triton_smem(h200, jnp.bfloat16, "fwd")
+  h200 = tc.CONFIGS["smem227k"][1]
+  fwd = tc.smem(h200, jnp.bfloat16, "fwd")
   # 3 stages x (128 + 256) rows x 64 x 2 bytes: the "~147 KB" of the H200.
   assert fwd.pipeline == 3 * 384 * 64 * 2 == 147456
   assert fwd.epilogue == 8 * 256 * 4
-  bwd = tc.triton_smem(h200, jnp.bfloat16, "bwd")
+  bwd = tc.smem(h200, jnp.bfloat16, "bwd")
   assert bwd.epilogue == 128 * 256 * 2 + 8 * 256 * 4
   assert (bwd.peak, bwd.total) == (147456, 147456 + 73728)
-  f32 = tc.triton_smem(tc.TRITON_CONFIGS["smem227k"][2], jnp.float32, "fwd")
+  f32 = tc.smem(tc.CONFIGS["smem227k"][2], jnp.float32, "fwd")
   assert f32.pipeline == 3 * 384 * 32 * 4
   with pytest.raises(ValueError, match="kernel"):
-    tc.triton_smem(h200, jnp.bfloat16, "both")
+    tc.smem(h200, jnp.bfloat16, "both")
 
 
 @pytest.mark.parametrize("cc", sorted(c for c in capability.SMEM_PER_BLOCK
@@ -388,12 +388,12 @@ def test_smem_formula_by_hand():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_every_capability_config_fits_its_shared_memory(cc, dtype):
   limit = capability.SMEM_PER_BLOCK[cc]
-  name = tc.triton_config_name(cc)
+  name = tc.config_name(cc)
   bs = tc.default("gpu", cc, dtype)
   bs.check_pallas()
-  assert tc.TRITON_CONFIGS[name][0] <= limit
+  assert tc.CONFIGS[name][0] <= limit
   for kernel in ("fwd", "bwd"):
-    est = tc.triton_smem(bs, dtype, kernel)
+    est = tc.smem(bs, dtype, kernel)
     assert est.peak <= limit, (cc, kernel, est)
     if name != "smem227k":
       # Untested GPUs: fits even if Triton reused no buffer.
@@ -401,23 +401,23 @@ def test_every_capability_config_fits_its_shared_memory(cc, dtype):
 
 
 def test_config_names_by_capability():
-  assert tc.triton_config_name(None) == "smem227k"  # Unknown: H200's.
-  assert tc.triton_config_name((9, 0)) == "smem227k"
-  assert tc.triton_config_name((8, 0)) == "smem163k"
-  assert tc.triton_config_name((8, 9)) == "smem99k"
-  assert tc.triton_config_name((7, 5)) == "smem99k"  # Smallest: best effort.
-  assert tc.triton_config_name((42, 0)) == "smem227k"
+  assert tc.config_name(None) == "smem227k"  # Unknown: H200's.
+  assert tc.config_name((9, 0)) == "smem227k"
+  assert tc.config_name((8, 0)) == "smem163k"
+  assert tc.config_name((8, 9)) == "smem99k"
+  assert tc.config_name((7, 5)) == "smem99k"  # Smallest: best effort.
+  assert tc.config_name((42, 0)) == "smem227k"
   # Without a capability, the H200 configs; off the GPU, the interpreter's.
-  assert tc.default("gpu", None, jnp.bfloat16) == tc.TRITON_CONFIGS[
+  assert tc.default("gpu", None, jnp.bfloat16) == tc.CONFIGS[
       "smem227k"][1]
-  assert tc.default("gpu", None, jnp.float32) == tc.TRITON_CONFIGS[
+  assert tc.default("gpu", None, jnp.float32) == tc.CONFIGS[
       "smem227k"][2]
   assert tc.default("cpu", (9, 0), jnp.bfloat16) == tc.INTERPRET
 
 
 # ------------------------------------------------------------ exactness
 
-NON_HOPPER = [n for n in tc.TRITON_CONFIGS if n != "smem227k"]
+NON_HOPPER = [n for n in tc.CONFIGS if n != "smem227k"]
 
 
 @pytest.mark.parametrize("name", NON_HOPPER)
@@ -425,7 +425,7 @@ NON_HOPPER = [n for n in tc.TRITON_CONFIGS if n != "smem227k"]
 def test_non_hopper_config_exact_in_interpret_mode_softmax(name, dtype):
   """The config's tiles in interpret mode: 300 rows are 3 row blocks and
   2 column blocks, D = 45 two K-steps, all with padding."""
-  bs = tc.triton_config(_cc_of(name), dtype)
+  bs = tc.config(_cc_of(name), dtype)
   rng = np.random.default_rng(11)
   x, y = rand_emb(rng, 300, 45, dtype), rand_emb(rng, 300, 45, dtype)
   softmax_checks.check_loss(x, y, 14.3, -0.5, "both", dtype, bs,
@@ -435,7 +435,7 @@ def test_non_hopper_config_exact_in_interpret_mode_softmax(name, dtype):
 @pytest.mark.parametrize("name", NON_HOPPER)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_non_hopper_config_exact_in_interpret_mode_sigmoid(name, dtype):
-  bs = tc.triton_config(_cc_of(name), dtype)
+  bs = tc.config(_cc_of(name), dtype)
   rng = np.random.default_rng(12)
   x, y = rand_emb(rng, 300, 45, dtype), rand_emb(rng, 300, 45, dtype)
   sigmoid_checks.check_loss(x, y, 10.0, -10.0, bs, rtol=tol(dtype),
@@ -445,7 +445,7 @@ def test_non_hopper_config_exact_in_interpret_mode_sigmoid(name, dtype):
 
 def _cc_of(name):
   return min(cc for cc in capability.SMEM_PER_BLOCK
-             if cc >= (8, 0) and tc.triton_config_name(cc) == name)
+             if cc >= (8, 0) and tc.config_name(cc) == name)
 
 
 # ------------------------------------------------------------------- GPU
@@ -472,12 +472,12 @@ class TestConfigsOnGpu:
     assert registry.resolve("auto", "softmax") == want
     assert registry.resolve("auto", "sigmoid") == want
     be = registry.get("pallas", "softmax")
-    assert be.default_block_sizes("gpu", jnp.bfloat16) == tc.triton_config(
+    assert be.default_block_sizes("gpu", jnp.bfloat16) == tc.config(
         info.capability, jnp.bfloat16)
 
   @pytest.mark.parametrize("name", GPU_CHECKED)
   def test_softmax_b4096_matches_float64(self, name):
-    bs = tc.TRITON_CONFIGS[name][1]
+    bs = tc.CONFIGS[name][1]
     rng = np.random.default_rng(5)
     x = rand_emb(rng, 4096, 768, jnp.bfloat16)
     y = rand_emb(rng, 4096, 768, jnp.bfloat16)
@@ -486,7 +486,7 @@ class TestConfigsOnGpu:
 
   @pytest.mark.parametrize("name", GPU_CHECKED)
   def test_sigmoid_b4096_matches_float64(self, name):
-    bs = tc.TRITON_CONFIGS[name][1]
+    bs = tc.CONFIGS[name][1]
     rng = np.random.default_rng(41)
     x = rand_emb(rng, 4096, 768, jnp.bfloat16)
     y = rand_emb(rng, 4096, 768, jnp.bfloat16)

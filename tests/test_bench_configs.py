@@ -6,7 +6,7 @@ import os
 import jax.numpy as jnp
 
 from benchmarks import bench_configs
-from infcl_jax.backends import triton_configs as tc
+from infcl_jax.backends import triton_tiles as tc
 
 
 def test_bench_configs_runs_and_writes_csv(tmp_path, capsys):
@@ -33,9 +33,9 @@ def test_bench_configs_runs_and_writes_csv(tmp_path, capsys):
 def test_every_config_and_candidate_fits_its_tier():
   for dtype in (jnp.bfloat16, jnp.float32):
     for name, (tier, bs) in bench_configs.configs(dtype).items():
-      limit = tc.TRITON_CONFIGS[tier][0]
+      limit = tc.CONFIGS[tier][0]
       for kernel in ("fwd", "bwd"):
-        est = tc.triton_smem(bs, dtype, kernel)
+        est = tc.smem(bs, dtype, kernel)
         assert est.peak <= limit, (name, kernel)
         if tier != "smem227k":
           assert est.total <= limit, (name, kernel)

@@ -129,7 +129,7 @@ def test_slug_follows_github(heading, want):
 PROJECT_URL = "https://github.com/infcl-jax/infcl-jax"
 _CODE_DIRS = ("infcl_jax", "train", "benchmarks", "scripts", "tests", "configs")
 # The repository's top-level directories, and the package directories that a
-# text may name relative to infcl_jax/ or train/ ("kernels/lse_fwd.py").
+# text may name relative to infcl_jax/ or train/ ("kernels/pallas/lse_fwd.py").
 _TOP = {"infcl_jax", "train", "benchmarks", "scripts", "tests", "docs",
         "configs", "notebooks", ".ci"}
 _PACKAGE_DIRS = {"backends", "kernels", "losses", "data", "eval", "towers"}

@@ -294,9 +294,9 @@ def test_kernel_backend_says_it_runs_the_xla_tiles_on_the_gpu():
   """On the GPU a kernel backend handed ``positives=`` warns once that it
   runs the xla tiles (built here for platform "gpu"; the fallback's tiles
   are XLA, so they run on the CPU too)."""
-  from infcl_jax.backends import capability, pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import capability, pallas  # pylint: disable=import-outside-toplevel
   capability.reset_warnings()
-  tiles = pallas_triton.BACKEND(platform="gpu")
+  tiles = pallas.BACKEND(platform="gpu")
   x = jnp.ones((4, 8), jnp.float32)
   pos = jnp.arange(4, dtype=jnp.int32)
   with pytest.warns(capability.InfclPerformanceWarning, match="'xla'"):

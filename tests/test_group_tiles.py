@@ -1,4 +1,4 @@
-"""``kernels.group_tiles`` and the Mosaic kernels' use of it.
+"""``kernels.mosaic.group_tiles`` and the Mosaic kernels' use of it.
 
 ``tile_order`` and ``dirty_spans`` must never call a tile that holds a
 related pair clean (for ids in any order), and on sorted ids must leave
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from infcl_jax.backends import panel_backward as pb
-from infcl_jax.kernels import group_tiles
+from infcl_jax.kernels.mosaic import group_tiles
 from infcl_jax.kernels.mosaic import g_panel as mg_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
 from tests import group_reference as gref

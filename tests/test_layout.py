@@ -158,6 +158,25 @@ def test_backend_modules_are_registered_and_found():
   assert set(registry.BUILTIN) <= set(registry.names())
 
 
+def test_files_are_named_by_what_they_hold():
+  """One backend module per registered name (``backends/<name>.py``), one
+  kernel folder per lowering (``kernels/<lowering>/``), and no backend
+  built on another: each subclasses ``base.TileBackend`` or
+  ``base.KernelBackend`` and has what else it runs (read from the source:
+  the triton backend needs its extra to import)."""
+  from infcl_jax.backends import registry
+  assert registry.BUILTIN == {name: f"infcl_jax.backends.{name}"
+                              for name in registry.BUILTIN}
+  lowerings = {p.name for p in (PKG / "kernels").iterdir()
+               if p.is_dir() and p.name != "__pycache__"}
+  assert lowerings == {"pallas", "triton", "mosaic"}
+  for name in registry.BUILTIN:
+    tree = ast.parse((PKG / "backends" / f"{name}.py").read_text())
+    bases = {ast.unparse(b) for node in ast.walk(tree)
+             if isinstance(node, ast.ClassDef) for b in node.bases}
+    assert bases <= {"base.TileBackend", "base.KernelBackend"}, (name, bases)
+
+
 def _run(code):
   return subprocess.run([sys.executable, "-c", code], capture_output=True,
                         text=True, check=True).stdout
@@ -169,7 +188,7 @@ def test_import_loads_no_kernel_code_until_a_kernel_backend_is_used():
       "def loaded():\n"
       "  return sorted(m for m in sys.modules if m.startswith(("
       "'jax.experimental.pallas', 'jax._src.pallas', 'infcl_jax.kernels', "
-      "'infcl_jax.backends.pallas_triton')))\n"
+      "'infcl_jax.backends.pallas')))\n"
       "import jax.numpy as jnp\n"
       "import infcl_jax\n"
       "print('import', loaded())\n"
@@ -178,7 +197,7 @@ def test_import_loads_no_kernel_code_until_a_kernel_backend_is_used():
       "infcl_jax.sigmoid_loss(x, x, 1.0, 0.0, backend='xla')\n"
       "print('xla', loaded())\n"
       "infcl_jax.contrastive_loss(x, x, 1.0, backend='pallas')\n"
-      "print('pallas', 'infcl_jax.kernels.lse_fwd' in loaded())\n")
+      "print('pallas', 'infcl_jax.kernels.pallas.lse_fwd' in loaded())\n")
   lines = out.strip().splitlines()
   assert lines == ["import []", "xla []", "pallas True"], out
 

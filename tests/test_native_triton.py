@@ -329,7 +329,7 @@ _HIDE_PALLAS_TRITON = textwrap.dedent("""
     hidden = [m for m in sys.modules if m.startswith(
         ("jax.experimental.pallas.triton", "jax._src.pallas.triton"))]
     assert not hidden, hidden
-    assert "infcl_jax.backends.native_triton" in sys.modules
+    assert "infcl_jax.backends.triton" in sys.modules
     print("OK without pallas.triton")
 """)
 
@@ -382,13 +382,13 @@ def test_gpu_launch_traces_under_vmap_and_shard_map(monkeypatch, family):
   """The compiled path (jax_triton.triton_call) under jax.grad inside
   shard_map with check_vma=True, and under vmap: the launch gives the
   outputs their inputs' varying axes and batches problem by problem."""
-  from infcl_jax.backends import native_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import triton as triton_backend  # pylint: disable=import-outside-toplevel
   from infcl_jax.kernels.triton import launch  # pylint: disable=import-outside-toplevel
   fake = _fake_jax_triton()
   monkeypatch.setitem(sys.modules, "jax_triton", fake)
   monkeypatch.setattr(launch, "interpreting", lambda: False)
 
-  class Compiled(native_triton.NativeTritonBackend):
+  class Compiled(triton_backend.TritonBackend):
     def __init__(self, platform=None):
       del platform
       super().__init__(platform="gpu")

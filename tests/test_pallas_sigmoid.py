@@ -16,7 +16,7 @@ import pytest
 
 from infcl_jax import BlockSizes, sigmoid_loss
 from infcl_jax.backends import registry
-from infcl_jax.kernels import sigmoid_fwd
+from infcl_jax.kernels.pallas import sigmoid_fwd
 
 from tests import np_reference
 from tests.helpers import (as64, assert_rel_close, default_tiles,

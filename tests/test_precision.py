@@ -147,16 +147,16 @@ def test_triton_operands_rounded_on_compiled_tf32_tiles_only():
   """Compiled TF32 tiles get operands rounded to nearest TF32 (Triton's
   TF32 dot truncates); the interpreter and the other precisions get them
   as they are."""
-  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed_of("operands"))
   x = jnp.asarray(rng.standard_normal((8, 5)), jnp.float32)
   y = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
-  gpu = pallas_triton.PallasTritonBackend(platform="gpu")
-  cpu = pallas_triton.PallasTritonBackend(platform="cpu")
+  gpu = pallas.PallasBackend(platform="gpu")
+  cpu = pallas.PallasBackend(platform="cpu")
   for be, f32p, rounded in [(gpu, "default", True), (gpu, "high", False),
                             (gpu, "highest", False), (cpu, "default", False)]:
     bs = be.block_sizes(BlockSizes(f32_precision=f32p), jnp.float32)
-    xo, yo = be._operands(x, y, bs)  # pylint: disable=protected-access
+    xo, yo = be.tiles._operands(x, y, bs)  # pylint: disable=protected-access
     want = (precision_lib.round_tf32(x), precision_lib.round_tf32(y)) if (
         rounded) else (x, y)
     np.testing.assert_array_equal(np.asarray(xo), np.asarray(want[0]))
@@ -164,10 +164,12 @@ def test_triton_operands_rounded_on_compiled_tf32_tiles_only():
   # "high": Pallas' lowering needs the 3-pass TF32 preset (its reading of
   # Precision.HIGH is plain TF32); the interpreter runs exact float32.
   # pylint: disable=protected-access
-  assert gpu._kernel_precision(lax.Precision.HIGH) == (
+  assert gpu.tiles._kernel_precision(lax.Precision.HIGH) == (
       lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
-  assert cpu._kernel_precision(lax.Precision.HIGH) == lax.Precision.HIGHEST
-  assert gpu._kernel_precision(lax.Precision.DEFAULT) == lax.Precision.DEFAULT
+  assert cpu.tiles._kernel_precision(lax.Precision.HIGH) == (
+      lax.Precision.HIGHEST)
+  assert gpu.tiles._kernel_precision(lax.Precision.DEFAULT) == (
+      lax.Precision.DEFAULT)
 
 
 # ------------------------------------------------------ float64 references
@@ -359,12 +361,12 @@ def test_scaled_half_keeps_each_column_to_float16_rounding():
                                        (768, 50.0, 3.0)])
 def test_half_panels_within_1e3_of_float64(monkeypatch, d, t, noise):
   """The float16 G and 16-bit GEMMs that float32 TF32 tiles take on the GPU
-  (``TritonTilesBackend._half_panels``), forced on here over XLA's panels
+  (``triton_tiles.TritonTiles._half_panels``), forced on here over XLA's panels
   (whose logits are exact float32 on the CPU, so what is left is G's and
   the operands' float16 rounding): within 1e-3 of float64 on trained-looking
   inputs, the loss untouched. NaN still reaches the gradients."""
   from infcl_jax.backends import triton_tiles  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(triton_tiles.TritonTilesBackend, "_half_panels",
+  monkeypatch.setattr(triton_tiles.TritonTiles, "_half_panels",
                       lambda self, x, bs: x.dtype == jnp.float32)
   x, y = _trained(515, 515, d, noise, seed_of("half panels", d, t))
   bs = BlockSizes(block_q=64, block_k=64, block_d=32, bwd_block_q=64,

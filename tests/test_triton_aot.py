@@ -6,7 +6,7 @@ bundled ptxas), so this leg catches what a first GPU run would: a kernel
 that does not compile for an architecture, shared memory past the GPU's
 limit, registers spilled to local memory. The launches compiled are the
 ones the losses make (``launch.record`` while tracing them with each GPU's
-default tiles, ``native_triton_configs``), the same ``launch.Launch`` that
+default tiles, ``triton_tiles.CONFIGS``), the same ``launch.Launch`` that
 ``jax_triton.triton_call`` is given on the GPU (checked below with a
 stand-in for jax-triton).
 
@@ -23,8 +23,8 @@ import pytest
 
 from infcl_jax import contrastive_loss, sigmoid_loss
 from infcl_jax.backends import capability
-from infcl_jax.backends import native_triton
-from infcl_jax.backends import native_triton_configs
+from infcl_jax.backends import triton as triton_backend
+from infcl_jax.backends import triton_tiles
 from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends import registry
 from infcl_jax.kernels.triton import aot
@@ -42,7 +42,7 @@ MAX_LOCAL_BYTES = 0
 NAME = "triton_aot_for_test"
 
 
-class _OnGpu(native_triton.NativeTritonBackend):
+class _OnGpu(triton_backend.TritonBackend):
   """The backend as it runs on a GPU (no interpreter), on any host."""
 
   def __init__(self, platform=None):
@@ -114,7 +114,7 @@ def assert_within_budget(launches, cc):
 
 def recorded_launches(cc, dtype):
   """The distinct launches of both families' fwd + bwd on sm``cc``."""
-  bs = native_triton_configs.config((cc // 10, cc % 10), dtype)
+  bs = triton_tiles.config((cc // 10, cc % 10), dtype)
   distinct = {}
   for loss, bx, by, d in _losses(bs, dtype):
     with launch.record() as launches:
@@ -140,7 +140,7 @@ def recorded_group_launches(cc, dtype):
   """The distinct launches of the tile ops with ``groups=`` (both softmax
   statistics, both sigmoid modes) on sm``cc``, at an odd size (the masks
   on: the most registers)."""
-  bs = native_triton_configs.config((cc // 10, cc % 10), dtype)
+  bs = triton_tiles.config((cc // 10, cc % 10), dtype)
   be = _OnGpu()
   distinct = {}
   for n, d in ((3001, 1000),):
@@ -181,9 +181,9 @@ def test_every_groups_kernel_compiles_within_budget(cc, dtype):
 
 def test_every_config_entry_is_compiled():
   # Each tuned entry is chosen by one of the compiled targets.
-  chosen = {native_triton_configs.config_name((cc // 10, cc % 10))
+  chosen = {triton_tiles.config_name((cc // 10, cc % 10))
             for cc in TARGETS}
-  assert chosen == set(native_triton_configs.CONFIGS), chosen
+  assert chosen == set(triton_tiles.CONFIGS), chosen
 
 
 @pytest.mark.parametrize("family", ["softmax", "sigmoid"])
@@ -203,7 +203,7 @@ def test_triton_call_gets_the_recorded_launches(monkeypatch, family):
 
   monkeypatch.setitem(sys.modules, "jax_triton",
                       types.SimpleNamespace(triton_call=triton_call))
-  bs = native_triton_configs.config((9, 0), jnp.float16)
+  bs = triton_tiles.config((9, 0), jnp.float16)
   # text_to_image (B_x > B_y) and sigmoid, odd sizes.
   loss = _losses(bs, jnp.float16)[2 if family == "softmax" else 3][0]
   by = 277 if family == "softmax" else 300

@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from infcl_jax.backends import base
 from infcl_jax.backends import capability
-from infcl_jax.backends import native_triton_configs as ntc
 from infcl_jax.backends import registry
-from infcl_jax.backends import triton_configs as tc
-from infcl_jax.backends import triton_tiles
+from infcl_jax.backends import triton_tiles as tc
 
 
 class FakeDevice:
@@ -26,13 +25,14 @@ class FakeDevice:
     self.device_kind, self.platform, self.compute_capability = kind, "gpu", cc
 
 
-class StubTriton(triton_tiles.TritonTilesBackend):
-  """A registered "triton" with the real backend's RUNS_ON (the one it
-  inherits), standing in where the extra is not installed."""
+class StubTriton(base.KernelBackend):
+  """A registered "triton" with the real backend's RUNS_ON (the Triton
+  kernels'), standing in where the extra is not installed."""
   name = "triton"
+  RUNS_ON = tc.RUNS_ON
 
   def default_block_sizes(self, platform, dtype):
-    return ntc.default_here(platform, dtype)
+    return tc.default_here(platform, dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +59,7 @@ GPUS = [
     ("NVIDIA B300", "10.3", "smem227k"),
 ]
 # The 227 KB entry is compiled on the H200, where the compiler's shared
-# memory equals the liveness-based peak (triton_configs' notes); H100 and
+# memory equals the liveness-based peak (triton_tiles' tuning notes); H100 and
 # B200 share its budget. The other entries are for GPUs not at hand.
 COMPILED = {"smem227k"}
 
@@ -70,30 +70,30 @@ def test_config_of_each_gpu_fits_its_budget(monkeypatch, kind, cc, name,
                                             dtype):
   monkeypatch.setattr(jax, "devices", lambda *a, **k: [FakeDevice(kind, cc)])
   cap = capability.device_capability()
-  assert ntc.config_name(cap) == name
+  assert tc.config_name(cap) == name
   bs = StubTriton(platform="gpu").default_block_sizes("gpu", dtype)
-  assert bs == ntc.config(cap, dtype)
+  assert bs == tc.config(cap, dtype)
   limit = capability.smem_limit(cap)
   for kernel in ("fwd", "bwd"):
-    est = tc.triton_smem(bs, dtype, kernel)
+    est = tc.smem(bs, dtype, kernel)
     # Entries never compiled must fit without relying on the allocator's
     # reuse; the compiled one by the liveness-based peak.
     used = est.peak if name in COMPILED else est.total
     assert used <= limit, (kind, kernel, est)
-    assert ntc.tile_registers(bs, kernel) <= ntc.REG_BUDGET, (kind, kernel)
+    assert tc.tile_registers(bs, kernel) <= tc.REG_BUDGET, (kind, kernel)
   bs.check_pallas()  # Powers of two, panels of whole row blocks.
 
 
 def test_budget_formulas_by_hand():
-  bs = ntc.CONFIGS["smem227k"][1]  # 128 x 256 x 64, 3 stages, 8 warps.
-  assert tc.triton_smem(bs, jnp.bfloat16, "fwd").pipeline == 3 * 384 * 64 * 2
-  assert ntc.tile_registers(bs, "fwd") == 128 * 256 // 256
+  bs = tc.CONFIGS["smem227k"][1]  # 128 x 256 x 64, 3 stages, 8 warps.
+  assert tc.smem(bs, jnp.bfloat16, "fwd").pipeline == 3 * 384 * 64 * 2
+  assert tc.tile_registers(bs, "fwd") == 128 * 256 // 256
   with pytest.raises(ValueError, match="kernel must be"):
-    ntc.tile_registers(bs, "both")
+    tc.tile_registers(bs, "both")
 
 
 def test_off_the_gpu_defaults_are_the_interpreter_tiles():
-  assert ntc.default("cpu", None, jnp.float32) == tc.INTERPRET
+  assert tc.default("cpu", None, jnp.float32) == tc.INTERPRET
 
 
 # Written down: kind, capability, auto's choice with the extra, without it,
@@ -117,7 +117,7 @@ AUTO = [
 def _hide_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, "triton", None)
   monkeypatch.setitem(sys.modules, "jax_triton", None)
-  monkeypatch.delitem(sys.modules, "infcl_jax.backends.native_triton",
+  monkeypatch.delitem(sys.modules, "infcl_jax.backends.triton",
                       raising=False)
 
 
@@ -126,9 +126,8 @@ def _hide_pallas_triton(monkeypatch):
   so the "pallas" backend's kernels) fails."""
   for mod in list(sys.modules):
     if mod.startswith(("jax.experimental.pallas.triton",
-                       "infcl_jax.backends.pallas_triton",
-                       "infcl_jax.kernels.lse_", "infcl_jax.kernels.sigmoid_",
-                       "infcl_jax.kernels.panel_call")):
+                       "infcl_jax.backends.pallas",
+                       "infcl_jax.kernels.pallas")):
       monkeypatch.delitem(sys.modules, mod)
       # ``from package import module`` reads the attribute first.
       parent, _, leaf = mod.rpartition(".")
@@ -192,29 +191,34 @@ def test_import_infcl_jax_needs_only_jax():
 @pytest.mark.parametrize("path,extra", [("triton", True), ("triton", False),
                                         ("pallas", True)])
 def test_mosaic_triton_path_kernels(monkeypatch, path, extra):
-  """Mosaic's Triton path (float32 inputs, stages set to "pallas") runs the
-  Triton-language kernels only with ``TRITON_PATH = "triton"`` on a GPU
-  where the extra imports; otherwise, and always off the GPU (the
-  interpreter), Pallas-Triton's. A bad ``TRITON_PATH`` is one line."""
+  """Mosaic's Triton path (``fallback``: float32 inputs, stages set to
+  "pallas") runs the Triton-language kernels only with ``TRITON_PATH =
+  "triton"`` on a GPU where the extra imports; otherwise, and always off
+  the GPU (the interpreter), Pallas-Triton's. A bad ``TRITON_PATH`` is one
+  line."""
   import types  # pylint: disable=import-outside-toplevel
   from infcl_jax import backends  # pylint: disable=import-outside-toplevel
   from infcl_jax.backends import mosaic  # pylint: disable=import-outside-toplevel
-  from infcl_jax.backends import pallas_triton  # pylint: disable=import-outside-toplevel
+  from infcl_jax.backends import pallas  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(jax, "devices",
                       lambda *a, **k: [FakeDevice("NVIDIA H200", "9.0")])
-  fake = types.ModuleType("infcl_jax.backends.native_triton")
-  fake.KERNELS = object()
-  monkeypatch.delattr(backends, "native_triton", raising=False)
-  monkeypatch.setitem(sys.modules, "infcl_jax.backends.native_triton",
+  fake = types.ModuleType("infcl_jax.backends.triton")
+  fake.KERNELS = tc.Kernels(*(object() for _ in range(4)))
+  monkeypatch.delattr(backends, "triton", raising=False)
+  monkeypatch.setitem(sys.modules, "infcl_jax.backends.triton",
                       fake if extra else None)
   cls = type("M", (mosaic.MosaicBackend,), {"TRITON_PATH": path})
   gpu, cpu = cls(platform="gpu"), cls(platform="cpu")
+  # pylint: disable=protected-access
   if path == "triton" and extra:
-    assert gpu.kernels() is fake.KERNELS and gpu._kernel_kw() == {}  # pylint: disable=protected-access
+    assert gpu.fallback.kernels is fake.KERNELS
+    assert gpu.fallback._kernel_kw() == {}
   else:
-    assert gpu.kernels() is pallas_triton.KERNELS
-    assert gpu._kernel_kw() == {"interpret": False}  # pylint: disable=protected-access
-  assert cpu.kernels() is pallas_triton.KERNELS
+    assert gpu.fallback.kernels is pallas.KERNELS
+    assert gpu.fallback._kernel_kw() == {"interpret": False}
+  assert cpu.fallback.kernels is pallas.KERNELS
+  assert cpu.fallback._kernel_kw() == {"interpret": True}
+  # pylint: enable=protected-access
   bad = type("B", (mosaic.MosaicBackend,), {"TRITON_PATH": "cuda"})
   with pytest.raises(ValueError, match="TRITON_PATH must be 'pallas' or "
                      "'triton', got 'cuda'"):

@@ -1,13 +1,14 @@
 """What every tile backend shares: the seam's guards, block sizes, precision.
 
-A backend subclasses ``TileBackend`` and implements the underscored
-operations (``_lse``, ``_lse_grad``, ``_sigmoid_sum``, ``_sigmoid_grad``)
-of the families it lists. The public operations of the seam
-(``registry.SoftmaxTiles`` / ``SigmoidTiles``) are defined here once, so
-that each guard has one home: a softmax call that asks for no statistic,
-a sigmoid block pair whose diagonal cannot exist, the block sizes resolved
-(with the backend's defaults) and the float32 precision policy
-(``precision``).
+A backend subclasses ``TileBackend`` and implements the underscored operations
+(``_lse``, ``_lse_grad``, ``_sigmoid_sum``, ``_sigmoid_grad``) of the families
+it lists; a backend of GPU kernels subclasses ``KernelBackend`` (interpret
+mode off the GPU), which has the kernels it runs and hands those operations to
+their tile ops. The public operations of the seam (``registry.SoftmaxTiles`` /
+``SigmoidTiles``) are defined here once, so that each guard has one home: a
+softmax call that asks for no statistic, a sigmoid block pair whose diagonal
+cannot exist, the block sizes resolved (with the backend's defaults) and the
+float32 precision policy (``precision``).
 
 Groups. Every operation takes ``groups=None`` or ``(gx, gy)``: (n,) and
 (m,) int32 group ids of the tile's rows and columns; pair (i, j) is
@@ -48,6 +49,7 @@ import jax.numpy as jnp
 from infcl_jax.backends import capability
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends import precision as precision_lib
+from infcl_jax.backends import registry
 
 F32 = jnp.float32
 
@@ -145,7 +147,6 @@ class TileBackend:
                        f"{x.shape[0]} rows, got {positives.shape}")
     if self.POSITIVES:
       return self
-    from infcl_jax.backends import xla  # pylint: disable=import-outside-toplevel
     if self.platform == "gpu":
       capability.warn_once(
           f"positives-{self.name}",
@@ -154,7 +155,8 @@ class TileBackend:
           f"or a pair of id arrays in group_mode='mask') on the 'xla' "
           f"backend's tiles: exact, but slower than its kernels.",
           stacklevel=6)
-    return xla.XlaBackend(self.platform)
+    # Through the registry: ``xla`` builds on this module.
+    return registry.get("xla", "softmax", self.platform)
 
   # ------------------------------------------------------------ softmax
 
@@ -224,3 +226,81 @@ class TileBackend:
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
         bs=self.block_sizes(block_sizes, x.dtype),
         **self._group_kw(x, y, groups, group_mode))
+
+
+class KernelBackend(TileBackend):
+  """A backend of GPU kernels: interpret mode off the GPU, and its kernels.
+
+  Off the GPU the kernels run through their interpreter: exact, but several
+  times slower than ``backend="xla"``; the first kernel call in a process
+  warns about it (``capability.InfclPerformanceWarning``). On the GPU each
+  backend's ``default_block_sizes`` follow the device, so that they fit its
+  shared memory.
+
+  A kernel backend has the kernels it runs. ``KERNELS`` is its kernel set
+  (``triton_tiles.Kernels``), whose tile ops (``tiles``, made for this
+  backend: ``triton_tiles.TritonTiles``) compute the underscored operations
+  and give the default block sizes; a backend that computes them itself
+  (``mosaic``) leaves it None and overrides them.
+
+  Every kernel backend here implements both families with ``groups=``, and
+  runs the grouped sigmoid tiles of a diagonal block pair without the
+  diagonal's test (``GROUP_DIAGONAL_OUTSIDE``, above).
+  """
+
+  name = "kernel"
+  families = ("softmax", "sigmoid")
+  GROUPS = True
+  # Without the diagonal's test per logit the grouped "mask" sigmoid ran
+  # 8.6 points faster with Pallas-Triton on an H200, and the Triton-language
+  # sigmoid panel (latency-bound: one 8-warp CTA per SM) 17% faster.
+  GROUP_DIAGONAL_OUTSIDE = True
+  # float32 within 1e-3 of float64 by default: TF32 with the positive put
+  # back where the depth allows it, else 3-pass TF32 (``backends.precision``).
+  F32_DEFAULT = precision_lib.BY_DEPTH
+  # The kernel set (see above), or None.
+  KERNELS = None
+
+  def __init__(self, platform: str | None = None):
+    super().__init__(platform)
+    # Anything but a GPU runs the same kernels through the interpreter.
+    self.interpret = self.platform != "gpu"
+    self.tiles = None if self.KERNELS is None else self.KERNELS.tiles(self)
+
+  def warn_if_interpreted(self):
+    """Warns once per process when this backend's kernels are interpreted.
+
+    Called on every kernel op (through ``block_sizes``), not on
+    construction, so that probing a backend (``registry.available``) is
+    silent.
+    """
+    if self.interpret:
+      capability.warn_once(
+          "interpret",
+          f"infcl_jax: backend={self.name!r} runs its GPU kernels in "
+          f"interpret mode on platform {self.platform!r} (they are GPU "
+          f"kernels): exact, but several times slower than backend='xla'. "
+          f"Use backend='auto' or 'xla' off the GPU.", stacklevel=5)
+
+  def block_sizes(self, block_sizes, dtype):
+    self.warn_if_interpreted()
+    bs = super().block_sizes(block_sizes, dtype)
+    bs.check_pallas()
+    return bs
+
+  # ----------------------------------------------- the kernels' tile ops
+
+  def default_block_sizes(self, platform, dtype):
+    return self.tiles.default_block_sizes(platform, dtype)
+
+  def _lse(self, x, y, scale, bias, **kw):
+    return self.tiles.lse(x, y, scale, bias, **kw)
+
+  def _lse_grad(self, *args, **kw):
+    return self.tiles.lse_grad(*args, **kw)
+
+  def _sigmoid_sum(self, x, y, scale, bias, **kw):
+    return self.tiles.sigmoid_sum(x, y, scale, bias, **kw)
+
+  def _sigmoid_grad(self, *args, **kw):
+    return self.tiles.sigmoid_grad(*args, **kw)

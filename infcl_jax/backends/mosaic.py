@@ -29,16 +29,18 @@ sigmoid 47.66 ms vs 56.56 ms; at B = 16384 softmax 2.87 vs 3.49 ms, sigmoid
 ``STAGES`` holds the choice per stage ("mosaic" or "pallas"); a subclass
 registered under its own name can override it (the tests run every hybrid).
 
-float32 inputs: routed to the Triton path, whose precisions are
-``backends.precision``'s (TF32 with the operands rounded to nearest and the
-positives put back in float32 from D = 64 on, 3-pass TF32 below it, IEEE
-float32 with "highest"). The Mosaic kernels take 16-bit operands only (TF32
-wgmma would need float32 SMEM tiles, half the K-depth per stage, and is not
-written). That path runs the Triton-language kernels (``backend="triton"``'s)
-where the triton extra imports, else Pallas-Triton's (``TRITON_PATH``): a
-device profile of the float32 softmax step at B = 65,536 on the H200 put
-the first at 108.2 ms and the second at 143.0 ms, the kernels 56.7 against
-92.0 ms of it (the float32 GEMMs, ~50 ms, are the same cuBLAS calls).
+float32 inputs: routed to the Triton path (``fallback``: the Triton kernels'
+tile ops, ``triton_tiles.TritonTiles``, which the backend has beside its own
+kernels), whose precisions are ``backends.precision``'s (TF32 with the
+operands rounded to nearest and the positives put back in float32 from D = 64
+on, 3-pass TF32 below it, IEEE float32 with "highest"). The Mosaic kernels
+take 16-bit operands only (TF32 wgmma would need float32 SMEM tiles, half the
+K-depth per stage, and is not written). That path runs the Triton-language
+kernels (``backend="triton"``'s) where the triton extra imports, else
+Pallas-Triton's (``TRITON_PATH``): a device profile of the float32 softmax
+step at B = 65,536 on the H200 put the first at 108.2 ms and the second at
+143.0 ms, the kernels 56.7 against 92.0 ms of it (the float32 GEMMs, ~50 ms,
+are the same cuBLAS calls).
 
 Where it runs: sm90 only (``RUNS_ON``, read by ``capability.support``). On
 any other GPU ``backend="mosaic"`` fails in one line that names the GPU and
@@ -71,7 +73,7 @@ the ungrouped kernels, unchanged), loaded like the kernels' other per-row /
 per-column vectors; per logit one compare and one select
 (``kernels.mosaic``). The softmax kernels run on rows and columns sorted
 by id (``GroupOrder``) and pay the compare and select only in the tiles
-whose id ranges overlap (``kernels.group_tiles``). The Triton path is
+whose id ranges overlap (``kernels.mosaic.group_tiles``). The Triton path is
 handed the ids only when given.
 
 Inside ``shard_map``: the Mosaic kernels' outputs are typed device-varying
@@ -87,8 +89,9 @@ import jax
 import jax.numpy as jnp
 
 from infcl_jax import _device
+from infcl_jax.backends import base
 from infcl_jax.backends import capability
-from infcl_jax.backends import pallas_triton
+from infcl_jax.backends import pallas
 from infcl_jax.backends import panel_backward as pb
 from infcl_jax.backends.padding import check_int32
 from infcl_jax.backends.padding import pad_ids
@@ -96,7 +99,7 @@ from infcl_jax.backends.padding import pad_inputs
 from infcl_jax.backends.padding import round_up
 from infcl_jax.backends.padding import row_ids
 from infcl_jax.block_sizes import BlockSizes
-from infcl_jax.kernels import group_tiles
+from infcl_jax.kernels.mosaic import group_tiles
 from infcl_jax.kernels.mosaic import common as mcommon
 from infcl_jax.kernels.mosaic import g_panel as mg_panel
 from infcl_jax.kernels.mosaic import lse_fwd as mlse_fwd
@@ -135,11 +138,11 @@ INTERPRET_TILES = BlockSizes(block_q=64, block_k=128, block_d=64,
                              bwd_block_k=128, panel_rows=64)
 
 
-class MosaicBackend(pallas_triton.PallasTritonBackend):
-  """Mosaic GPU tiles for bf16 / f16; the Triton path for the rest."""
+class MosaicBackend(base.KernelBackend):
+  """Mosaic GPU tiles for bf16 / f16; the Triton path (``fallback``) for the
+  rest."""
 
   name = "mosaic"
-  families = ("softmax", "sigmoid")
   # Hopper only: wgmma and TMA are sm90 instructions; sm100 (B200) has
   # neither wgmma nor a Mosaic GPU lowering tested here.
   RUNS_ON = capability.RunsOn(
@@ -148,9 +151,8 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   # Per stage: "mosaic" (the Mosaic GPU kernel) or "pallas" (Triton's).
   STAGES = {"lse": "mosaic", "lse_grad": "mosaic", "sigmoid_sum": "mosaic",
             "sigmoid_grad": "mosaic"}
-  # ``groups=`` (``base``): the Mosaic kernels take the group ids; the
-  # Triton path passes them to its own kernels.
-  GROUPS = True
+  # ``groups=`` (``base.KernelBackend.GROUPS``): the Mosaic kernels take
+  # the group ids; the Triton path passes them to its own kernels.
   # ``diagonal=``: the ids (i, i) of the kernels' groups, already sorted, so
   # without ``GroupOrder``'s sorts and permutations: the kernels mask only
   # the column blocks that cross a row block's diagonal.
@@ -171,28 +173,21 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     if self.TRITON_PATH not in ("pallas", "triton"):
       raise ValueError(f"{type(self).__name__}.TRITON_PATH must be 'pallas' "
                        f"or 'triton', got {self.TRITON_PATH!r}")
-    self.native_kernels = self._native_triton_kernels()
+    # The Triton path: the tile ops of the Triton kernels for this backend.
+    self.fallback = self._triton_kernels().tiles(self)
 
-  def _native_triton_kernels(self):
+  def _triton_kernels(self):
     """The Triton-language kernels when ``TRITON_PATH`` asks for them and
-    they can run compiled here, else None (Pallas-Triton's, which also run
-    in the interpreter off the GPU)."""
-    if self.TRITON_PATH != "triton" or self.interpret:
-      return None
-    try:
-      from infcl_jax.backends import native_triton  # pylint: disable=import-outside-toplevel
-    except ImportError:
-      return None
-    return native_triton.KERNELS
-
-  def kernels(self):
-    return self.native_kernels or super().kernels()
-
-  def _kernel_kw(self):
-    return {} if self.native_kernels else super()._kernel_kw()
-
-  def _kernel_precision(self, prec):
-    return prec if self.native_kernels else super()._kernel_precision(prec)
+    they can run compiled here (the triton extra imports), else
+    Pallas-Triton's (which also run in the interpreter off the GPU)."""
+    if self.TRITON_PATH == "triton" and not self.interpret:
+      try:
+        from infcl_jax.backends import triton as triton_backend  # pylint: disable=import-outside-toplevel
+      except ImportError:
+        pass
+      else:
+        return triton_backend.KERNELS
+    return pallas.KERNELS
 
   def _mosaic(self, stage, *arrays):
     return (self.mosaic_ok and self.STAGES[stage] == "mosaic"
@@ -200,12 +195,11 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
                     for a in arrays)
             and len({jnp.dtype(a.dtype) for a in arrays}) == 1)
 
-
   def default_block_sizes(self, platform, dtype):
     """Mosaic's own tiles for the 16-bit inputs its kernels take; the Triton
     path's defaults for the rest (float32)."""
     if jnp.dtype(dtype) not in mcommon.SUPPORTED_DTYPES:
-      return super().default_block_sizes(platform, dtype)
+      return self.fallback.default_block_sizes(platform, dtype)
     return GPU_TILES if platform == "gpu" else INTERPRET_TILES
 
   @staticmethod
@@ -230,8 +224,8 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     if diagonal:
       groups = _iota_ids(x, y)
     if not self._mosaic("lse", x, y):
-      return super()._lse(x, y, scale, bias, rows=rows, cols=cols, bs=bs,
-                          **_group_kw(groups))
+      return self.fallback.lse(x, y, scale, bias, rows=rows, cols=cols,
+                               bs=bs, **_group_kw(groups))
     mb = mosaic_blocks(bs)
     n, m = x.shape[0], y.shape[0]
     nprog = bs.num_programs or _device.num_sms()
@@ -259,8 +253,9 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
     if diagonal:
       groups = _iota_ids(x, y)
     if not self._mosaic("lse_grad", x, y):
-      return super()._lse_grad(x, y, scale, bias, row_lse, col_lse, row_coef,
-                               col_coef, bs=bs, **_group_kw(groups))
+      return self.fallback.lse_grad(x, y, scale, bias, row_lse, col_lse,
+                                    row_coef, col_coef, bs=bs,
+                                    **_group_kw(groups))
     mb = mosaic_blocks(bs)
     panel = None if bs.bwd_impl == "xla" else functools.partial(
         mg_panel.g_panel, g_dtype=x.dtype, block_q=mb.bwd_block_q,
@@ -292,9 +287,9 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   def _sigmoid_sum(self, x, y, scale, bias, *, has_diagonal, bs,
                    groups=None, group_mode="mask"):
     if not self._mosaic("sigmoid_sum", x, y):
-      return super()._sigmoid_sum(x, y, scale, bias,
-                                  has_diagonal=has_diagonal, bs=bs,
-                                  **_group_kw(groups, group_mode))
+      return self.fallback.sigmoid_sum(x, y, scale, bias,
+                                       has_diagonal=has_diagonal, bs=bs,
+                                       **_group_kw(groups, group_mode))
     n, m = x.shape[0], y.shape[0]
     mb = mosaic_blocks(bs)
     xp, yp = pad_inputs(x, y, mb.block_q, mb.block_k, mb.block_d)
@@ -310,9 +305,9 @@ class MosaicBackend(pallas_triton.PallasTritonBackend):
   def _sigmoid_grad(self, x, y, scale, bias, coef, *, has_diagonal, bs,
                     groups=None, group_mode="mask"):
     if not self._mosaic("sigmoid_grad", x, y):
-      return super()._sigmoid_grad(x, y, scale, bias, coef,
-                                   has_diagonal=has_diagonal, bs=bs,
-                                   **_group_kw(groups, group_mode))
+      return self.fallback.sigmoid_grad(x, y, scale, bias, coef,
+                                        has_diagonal=has_diagonal, bs=bs,
+                                        **_group_kw(groups, group_mode))
     mb = mosaic_blocks(bs)
 
     def panel(x_p, yp, rid_p, params, mode, **kw):
@@ -337,7 +332,7 @@ class GroupOrder:
   The softmax kernels run on sorted rows and columns: a row block's related
   pairs then lie in the few column blocks that hold its ids, and every
   other tile runs without the compare and select
-  (``kernels.group_tiles``). The sorts and permutations cost
+  (``kernels.mosaic.group_tiles``). The sorts and permutations cost
   O(B log B + B D) beside the tiles' O(B^2 D); what the kernels return is
   put back in the caller's order.
   """

@@ -37,7 +37,7 @@ def pad1(v, n, fill):
 def pad_ids(ids, n):
   """Group ids padded to ``n`` with the last id: the kernels mask padded
   pairs whatever their ids, and a repeated last id keeps the id range of
-  a sorted block tight (``kernels.group_tiles``)."""
+  a sorted block tight (``kernels.mosaic.group_tiles``)."""
   ids = ids.astype(jnp.int32)
   if ids.shape[0] == n:
     return ids

@@ -52,9 +52,9 @@ FAMILIES = ("softmax", "sigmoid")
 # name -> module defining BACKEND. Strings, so nothing is imported here.
 BUILTIN = {
     "xla": "infcl_jax.backends.xla",
-    "pallas": "infcl_jax.backends.pallas_triton",
+    "pallas": "infcl_jax.backends.pallas",
     "mosaic": "infcl_jax.backends.mosaic",
-    "triton": "infcl_jax.backends.native_triton",
+    "triton": "infcl_jax.backends.triton",
 }
 _TABLE: dict[str, object] = dict(BUILTIN)
 

@@ -1,12 +1,10 @@
-"""Pallas kernels of the tile seam, one concept per module.
+"""The GPU kernels of the tile seam, one folder per lowering.
 
-``lse_fwd``: the fused softmax forward (row and column log-sum-exp in one
-sweep). ``lse_bwd``: the softmax backward's probability-panel kernel.
-``sigmoid_fwd`` / ``sigmoid_bwd``: the same two for the SigLIP loss.
-``tile_dot``: the logit tile they all start from. ``panel_call``: the grid
-and block specs of both backward panels. ``interpret_vma``: runs a
-kernel body so that interpret mode works inside ``shard_map``.
-All lower through Pallas' Triton backend on GPU and run with
-``interpret=True`` elsewhere. ``infcl_jax.backends.pallas_triton`` wires
-them into the tile seam; the Mosaic GPU kernels live in ``mosaic/``.
+``pallas/``: Pallas kernels lowered through Pallas' Triton backend (the
+``pallas`` backend). ``triton/``: the same algorithms in the Triton
+language, launched through jax-triton (the ``triton`` backend).
+``mosaic/``: Mosaic GPU kernels for Hopper (the ``mosaic`` backend).
+``grid``: the persistent grid's column split, the one helper that both
+Triton lowerings share (free of any kernel import). Nothing here is
+imported by ``import infcl_jax``; a backend imports its folder on first use.
 """

@@ -1,8 +1,8 @@
 """Mosaic GPU backward panel for softmax: G = a_r * P^r + a_c * P^c.
 
-Same contract as ``infcl_jax.kernels.lse_bwd.g_panel``: for a panel x of R
-rows against all of y, recompute each logit tile once (TMA + wgmma over D),
-form
+Same contract as ``infcl_jax.kernels.pallas.lse_bwd.g_panel``: for a panel
+x of R rows against all of y, recompute each logit tile once (TMA + wgmma
+over D), form
 
     G_ij = a_r * 2^(s_ij - r_i) + a_c * 2^(s_ij - c_j)      (base 2)
 
@@ -50,8 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from infcl_jax import _device
-from infcl_jax.kernels import group_tiles
 from infcl_jax.kernels.mosaic import common
+from infcl_jax.kernels.mosaic import group_tiles
 
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA

@@ -1,7 +1,7 @@
 """Mosaic GPU forward: row and column log-sum-exp of s = t * x y^T + b.
 
-Same contract as ``infcl_jax.kernels.lse_fwd.lse_fwd`` (padded inputs in,
-natural-log LSE vectors out), written for Hopper with TMA + wgmma.
+Same contract as ``infcl_jax.kernels.pallas.lse_fwd.lse_fwd`` (padded inputs
+in, natural-log LSE vectors out), written for Hopper with TMA + wgmma.
 
 Schedule. A persistent grid of P CTAs; CTA p owns the row blocks p, p + P,
 ... (``block_q`` rows each). Each CTA is three warpgroups (see
@@ -71,8 +71,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from infcl_jax import _device
 from infcl_jax import _math
-from infcl_jax.kernels import group_tiles
 from infcl_jax.kernels.mosaic import common
+from infcl_jax.kernels.mosaic import group_tiles
 
 F32 = jnp.float32
 WGMMA = plgpu.Layout.WGMMA

@@ -17,7 +17,7 @@ block pair has a diagonal) and -1 elsewhere:
   ``params[2]`` when ``scaled``; the partial sums of G * (x y^T) and of G
   (from the unscaled float32 G) as per-row register vectors.
 * ``mode="max"``: the largest |G| only (the float16 pre-pass that picks the
-  panel's divisor; see ``backends.pallas_triton``).
+  panel's divisor; see ``backends.pallas``).
 
 No column statistics: no cross-warp reduction, so the consumers need no
 turns. Each term is evaluated on its own: softplus(u) = max(u, 0) +

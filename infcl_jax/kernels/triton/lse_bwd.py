@@ -1,11 +1,11 @@
 """Softmax backward panel in the Triton language: G = a_r P^r + a_c P^c.
 
 The kernel of the panel backward (``backends/panel_backward.py``), as the
-Pallas-Triton ``kernels/lse_bwd.py`` (whose docstring gives the design):
-program (i, j) recomputes the (BQ, BK) logit tile of a panel of R rows once,
-forms G_ij = a_r 2^(s_ij - r_i) + a_c 2^(s_ij - c_j), writes it in the
-input dtype, and writes the tile's sums of G * (x y^T) and of G (the scale
-and bias gradients). The library GEMMs then form dx and dy.
+Pallas-Triton ``kernels/pallas/lse_bwd.py`` (whose docstring gives the
+design): program (i, j) recomputes the (BQ, BK) logit tile of a panel of R
+rows once, forms G_ij = a_r 2^(s_ij - r_i) + a_c 2^(s_ij - c_j), writes it
+in the input dtype, and writes the tile's sums of G * (x y^T) and of G (the
+scale and bias gradients). The library GEMMs then form dx and dy.
 
 One exponential per logit with both statistics:
 G = 2^(s - K) (a_r 2^(K - r_i) + a_c 2^(K - c_j)) with K the tile's largest

@@ -1,12 +1,13 @@
 """Softmax forward in the Triton language: row and column LSE in one sweep.
 
-The same schedule as the Pallas-Triton kernel (``kernels/lse_fwd.py``), whose
-docstring explains it: a persistent grid of P programs, program p owning row
-blocks p, p + P, ...; for each it walks every column block, accumulates the
-(BQ, BK) logit tile over D (``common.tile_dot``), keeps the row statistics
-in registers and merges the tile's column statistics into its own row of a
-(P, B_y) workspace, which the wrapper merges in XLA. No logit leaves the
-chip; the workspace is linear in B.
+The same schedule as the Pallas-Triton kernel
+(``kernels/pallas/lse_fwd.py``), whose docstring explains it: a persistent
+grid of P programs, program p owning row blocks p, p + P, ...; for each it
+walks every column block, accumulates the (BQ, BK) logit tile over D
+(``common.tile_dot``), keeps the row statistics in registers and merges the
+tile's column statistics into its own row of a (P, B_y) workspace, which the
+wrapper merges in XLA. No logit leaves the chip; the workspace is linear in
+B.
 
 One exponential per logit where the tile allows it (every row's and
 column's sum under the tile's own max stays >= 2^-64), otherwise the tile

@@ -1,8 +1,8 @@
 """Sigmoid backward panel in the Triton language: G = (-z) sigmoid(-z s).
 
-As the Pallas-Triton ``kernels/sigmoid_bwd.py`` (its docstring gives the
-design): program (i, j) recomputes the (BQ, BK) logit tile of a panel of R
-rows once and writes ``G * g_scale`` in the input dtype with the tile's
+As the Pallas-Triton ``kernels/pallas/sigmoid_bwd.py`` (its docstring gives
+the design): program (i, j) recomputes the (BQ, BK) logit tile of a panel
+of R rows once and writes ``G * g_scale`` in the input dtype with the tile's
 float32 sums of G * (x y^T) and of G; ``_max_kernel`` runs the same
 recompute and writes only the tile's largest |G| (the float16 pre-pass of
 ``panel_backward.sigmoid_grad``). Positives and padding come from global

@@ -1,8 +1,8 @@
 """Sigmoid forward in the Triton language: per-row sums of softplus(-z s).
 
-As the Pallas-Triton ``kernels/sigmoid_fwd.py`` (its docstring gives the
-design): a grid of (row blocks) x (column splits); program (i, c) walks the
-column blocks of split c, accumulates each (BQ, BK) logit tile over D,
+As the Pallas-Triton ``kernels/pallas/sigmoid_fwd.py`` (its docstring gives
+the design): a grid of (row blocks) x (column splits); program (i, c) walks
+the column blocks of split c, accumulates each (BQ, BK) logit tile over D,
 adds the tile's softplus row sums to a (BQ,) register accumulator and
 writes it once. Programs share nothing. Each term is computed on its own
 (``common.softplus``), so that a tiny loss keeps its relative accuracy.

@@ -9,7 +9,7 @@ D in ``block_d`` steps, like the forward), forms
 and writes it to HBM in the input dtype (the (R, B) panel is the only
 O(R * B) buffer), together with each tile's partial sums of G * (x y^T) and
 G, the scale and bias gradients. The library GEMMs then form dx = G y and
-dy += G^T x (see ``infcl_jax.backends.pallas_triton``).
+dy += G^T x (see ``infcl_jax.backends.pallas``).
 
 Why not a fully fused dX / dY kernel: accumulating dX over D = 768 in one
 Triton program needs three 256-wide float32 accumulators and spilled on the
@@ -39,9 +39,9 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from infcl_jax.kernels import interpret_vma
-from infcl_jax.kernels import panel_call
-from infcl_jax.kernels import tile_dot
+from infcl_jax.kernels.pallas import interpret_vma
+from infcl_jax.kernels.pallas import panel_call
+from infcl_jax.kernels.pallas import tile_dot
 
 F32 = jnp.float32
 _MAX_SPREAD = 64.0

@@ -9,7 +9,7 @@ once (matmul over D in ``block_d`` steps), forms
 and writes ``G * g_scale`` to HBM in the input dtype, together with each
 tile's partial sums of G * (x y^T) and of G (the scale and bias gradients,
 from the float32 G). The library GEMMs then form dx = G y and dy += G^T x
-(``infcl_jax.backends.pallas_triton``). The same design reasons apply as for
+(``infcl_jax.backends.pallas``). The same design reasons apply as for
 the softmax panel: a fully fused dX / dY kernel at D = 768 spills its
 float32 accumulators, and writing G once lets cuBLAS run both products.
 
@@ -34,9 +34,9 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from infcl_jax.kernels import interpret_vma
-from infcl_jax.kernels import panel_call
-from infcl_jax.kernels import tile_dot
+from infcl_jax.kernels.pallas import interpret_vma
+from infcl_jax.kernels.pallas import panel_call
+from infcl_jax.kernels.pallas import tile_dot
 
 F32 = jnp.float32
 MODES = ("g", "max")

@@ -38,9 +38,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from infcl_jax._axes import out_struct
 from infcl_jax._math import softplus
-from infcl_jax.kernels import interpret_vma
+from infcl_jax.kernels.pallas import interpret_vma
 from infcl_jax.kernels.grid import column_splits
-from infcl_jax.kernels import tile_dot
+from infcl_jax.kernels.pallas import tile_dot
 
 F32 = jnp.float32
 

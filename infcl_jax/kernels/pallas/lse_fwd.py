@@ -49,8 +49,8 @@ from infcl_jax._math import LOG2E
 from infcl_jax._math import lse2_of_partials
 from infcl_jax._math import MIN_SUM as _MIN_SUM
 from infcl_jax._math import safe_max as _safe
-from infcl_jax.kernels import interpret_vma
-from infcl_jax.kernels import tile_dot
+from infcl_jax.kernels.pallas import interpret_vma
+from infcl_jax.kernels.pallas import tile_dot
 
 F32 = jnp.float32
 
