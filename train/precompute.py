@@ -42,10 +42,8 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from train import mesh as mesh_lib
 from train import step as step_lib
 from train.data import decoders
 from train.data import embeddings as emb_lib
@@ -144,12 +142,12 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   if batch_decoder is not None:
     meta["decoder"] = batch_decoder.name  # (absent: the host's)
   _check_or_write_meta(out, meta)
-  local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
+  local_mesh = mesh_lib.make_mesh(jax.local_devices())
   n_local = local_mesh.size
   bs = batch_size or config.eval.batch_size
   bs = -(-bs // n_local) * n_local
   embed = step_lib.make_embed_fn(local_mesh, tower)
-  params = jax.device_put(tower.params, NamedSharding(local_mesh, P()))
+  params = jax.device_put(tower.params, mesh_lib.replicated(local_mesh))
   # The host delivers uint8 at host_size; Tower.embed resizes on the device
   # from config.data.decode_size, as in training.
   size = pipeline.host_size(data)
@@ -353,5 +351,4 @@ def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
         shard = shard.at[jax.device_put(at, device)].set(images)
     arrays.append(shard)
   return jax.make_array_from_single_device_arrays(
-      (bs, size, size, 3), NamedSharding(mesh, P(step_lib.AXIS)),
-      arrays), items
+      (bs, size, size, 3), mesh_lib.rows(mesh), arrays), items

@@ -28,14 +28,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train import diagnostics
 from train import gradcache
+from train import mesh as mesh_lib
+from train.mesh import AXIS
 from train.towers import tower as tower_lib
-
-AXIS = "data"
 
 
 # ----------------------------------------------------------------- the loss
@@ -205,9 +204,9 @@ def make_embed_fn(mesh, tower):
   read all of it (``np.asarray``) even when the mesh spans several processes.
   ``params`` must live on ``mesh``'s devices (replicated).
   """
-  sharding = NamedSharding(mesh, P(AXIS))
+  sharding = mesh_lib.rows(mesh)
 
-  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
+  @functools.partial(jax.jit, out_shardings=mesh_lib.replicated(mesh))
   def embed(params, x):
     x = jax.lax.with_sharding_constraint(x, sharding)
     return embed_fn_of(tower)(params, x)
@@ -220,7 +219,7 @@ def init_state(mesh, params, optimizer) -> dict[str, Any]:
   so the first and later steps share one compiled program)."""
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
            "opt_state": jax.jit(optimizer.init)(params)}
-  return jax.device_put(state, NamedSharding(mesh, P()))
+  return jax.device_put(state, mesh_lib.replicated(mesh))
 
 
 def to_global(sharding, value):
@@ -236,6 +235,6 @@ def to_global(sharding, value):
 
 def shard_batch(mesh, batch: dict):
   """Process-local batch -> global arrays sharded on "data"."""
-  sharding = NamedSharding(mesh, P(AXIS))
+  sharding = mesh_lib.rows(mesh)
   return {k: to_global(sharding, v) for k, v in batch.items()}
 

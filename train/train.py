@@ -40,9 +40,6 @@ from typing import Callable
 from absl import logging
 import jax
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from train import checkpoint as checkpoint_lib
 from train import config_base
@@ -51,6 +48,7 @@ from train import diagnostics
 from train import evaluate
 from train import file_keys
 from train import memory as memory_lib
+from train import mesh as mesh_lib
 from train import model as model_lib
 from train import optim
 from train import preemption
@@ -296,7 +294,7 @@ def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
   if config.microbatch_size != "auto" and limit is None:
     mb = config.microbatch_size
     return memory_lib.Sizing(mb if 0 < mb < b else b, None, None, ""), {}
-  rows = NamedSharding(mesh, P(step_lib.AXIS))
+  rows = mesh_lib.rows(mesh)
   shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
                                                      sharding=rows)
   abstract_state = jax.tree.map(
@@ -333,7 +331,7 @@ def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
     if streamed:
       params = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(
-              x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+              x.shape, x.dtype, sharding=mesh_lib.replicated(mesh)),
           tower.params)
       with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
         stream_bytes = memory_lib.plan_bytes(embed.lower(
@@ -618,11 +616,11 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
           + ("" if reevaluate else "; to evaluate again, add --reevaluate")
           + ".", flush=True)
   if summary is None or reevaluate:
-    mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+    mesh = mesh_lib.make_mesh()
     tokenizer = data_lib.make_tokenizer(config)
     image_tower, text_tower, _ = make_models(config, tokenizer)
     params = jax.device_put(ckpt.restore_params(latest),
-                            NamedSharding(mesh, P()))
+                            mesh_lib.replicated(mesh))
     evaluator = make_evaluator(config, mesh, image_tower, text_tower,
                                tokenizer)
     if is_main:
@@ -652,7 +650,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   (and restored). ``stops`` (``_EarlyStops``): the safe points before the
   first step."""
   # Model, params, optimizer, state.
-  mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+  mesh = mesh_lib.make_mesh()
   tokenizer = data_lib.make_tokenizer(config)
   image_tower, text_tower, head = make_models(config, tokenizer)
   params = init_params(config, image_tower, text_tower, head, tokenizer)
@@ -773,7 +771,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   streamer = None
   if streamed:
     streamer = stream_lib.StreamedImageTower(
-        mesh, tower, jax.device_put(tower.params, NamedSharding(mesh, P())),
+        mesh, tower, jax.device_put(tower.params, mesh_lib.replicated(mesh)),
         depth=max(1, config.data.prefetch_batches), embed=embed,
         progress=step_progress)
 

@@ -32,21 +32,16 @@ import threading
 
 import numpy as np
 
+from train import mesh as mesh_lib
 from train.data.source import BadDataLedger
 from train.data.source import CountsBadData
 from train.data.stopwatch import Stopwatch
 
 
 def data_sharding():
-  """The trainer's batch sharding (train/train.py): rows over every device
+  """The trainer's batch sharding (train/mesh.py): rows over every device
   of every process, in ``jax.devices()`` order, on the "data" axis."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from train import step as step_lib  # pylint: disable=import-outside-toplevel
-  return NamedSharding(Mesh(np.array(jax.devices()), (step_lib.AXIS,)),
-                       P(step_lib.AXIS))
+  return mesh_lib.rows(mesh_lib.make_mesh())
 
 
 def shard_plan(sharding, rows: int, tail: tuple):

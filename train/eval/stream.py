@@ -21,10 +21,8 @@ import dataclasses
 from absl import logging
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-AXIS = "data"
+from train import mesh as mesh_lib
 
 
 @dataclasses.dataclass
@@ -41,7 +39,7 @@ def make_image_embed(mesh, embed):
 
   ``embed(params, uint8)`` is the tower's (``Tower.embed``).
   """
-  return jax.jit(embed, out_shardings=NamedSharding(mesh, P()))
+  return jax.jit(embed, out_shardings=mesh_lib.replicated(mesh))
 
 
 def _local_rows(sharding, shape) -> list[int]:
@@ -92,7 +90,7 @@ def embed_split(split, *, mesh, image_embed, params, batch_size: int,
                      f"{mesh.size} devices")
   n, s = split.num_examples, split.image_size
   shape = (batch_size, s, s, 3)
-  sharding = NamedSharding(mesh, P(AXIS))
+  sharding = mesh_lib.rows(mesh)
   mine = _local_rows(sharding, shape)
   emb = None
   meta = []  # (global index, label, captions) of the rows read here.
