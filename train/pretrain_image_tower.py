@@ -16,7 +16,7 @@ pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
 
 The trainer runs this itself (with a log line) when ``config.model.image.init``
 is empty and the ``config.model.image.pretrain_path`` it names instead does
-not exist yet, or was made by another recipe (``train.towers.build``): a
+not exist yet, or was made by another recipe (``train.model``): a
 cached tower is only as good as the code and config that made it, so
 ``pretrain`` writes ``recipe(...)`` beside it (``PATH.recipe``) and a file
 whose recipe differs is made again rather than used silently.

@@ -1,8 +1,8 @@
 """The seam between an image tower and the rest of the trainer.
 
-A ``Tower`` is what loading a tower returns (``train.pretrained``, or the
-config's own ViT/CNN) and all that the data pipeline, the step, evaluation
-and the precomputed-embedding cache see of it:
+A ``Tower`` is what loading a tower returns (``train.towers.pretrained``,
+or the config's own ViT/CNN) and all that the data pipeline, the step,
+evaluation and the precomputed-embedding cache see of it:
 
 - ``image_size``: S, the tower's input size;
 - ``normalization``: applied on the device to uint8 pixels, so images cross
