@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs import lit_demo
 from train import data as data_lib
-from train import evaluate
+from train.eval import evaluator
 from train import step as step_lib
 from train.data import pipeline
 from train import train
@@ -27,7 +27,7 @@ from train.data import eval_sets
 from train.data import synthetic
 from train.eval import names
 from train.eval import retrieval
-from train.eval import stream
+from train.eval import embed as embed_lib
 from train.eval import zeroshot
 
 TFDS_IMAGENET_LABELS = os.path.join(
@@ -261,7 +261,7 @@ def _in_memory(config, tokenizer, image_tower, text_tower, params):
       {"params": params["txt"]}, tokenizer.encode(prompts))),
       len(zs.classnames))
   labels = np.array([e["label"] for e in examples])
-  texts, owner = evaluate.caption_table([e["captions"] for e in examples])
+  texts, owner = evaluator.caption_table([e["captions"] for e in examples])
   txt = np.asarray(text_tower.apply({"params": params["txt"]},
                                     tokenizer.encode(texts)))
   out = zeroshot.accuracy(_unit(img), cls, labels)
@@ -285,7 +285,7 @@ def test_streamed_evaluation_equals_the_in_memory_one(data_dir):
     assert got["retrieval_num_captions"] == 29  # One caption per test image.
     for k, v in want.items():
       assert got[k] == pytest.approx(v, abs=1e-9), (bs, k)
-    emb = stream.embed_split(
+    emb = embed_lib.embed_split(
         ev.zeroshot.split, mesh=mesh, image_embed=ev._embed_img,
         params=params["img"], batch_size=bs)
     np.testing.assert_allclose(emb.images, img_ref, rtol=1e-5, atol=1e-6)
@@ -330,16 +330,16 @@ def test_streamed_memory_does_not_grow_with_the_split():
   size, d, bs = 64, 8, 16
   w = jnp.asarray(np.random.default_rng(0).normal(size=(size * size * 3, d)),
                   jnp.float32)
-  embed = stream.make_image_embed(
+  embed = embed_lib.make_image_embed(
       mesh, lambda p, x: x.reshape(x.shape[0], -1).astype(jnp.float32) @ p)
   peaks = {}
   for n in (64, 512):
     split = _fake_split(n, size)
-    stream.embed_split(split, mesh=mesh, image_embed=embed, params=w,
-                       batch_size=bs)  # Compiles; warms caches.
+    embed_lib.embed_split(split, mesh=mesh, image_embed=embed, params=w,
+                          batch_size=bs)  # Compiles; warms caches.
     tracemalloc.start()
-    emb = stream.embed_split(split, mesh=mesh, image_embed=embed, params=w,
-                             batch_size=bs)
+    emb = embed_lib.embed_split(split, mesh=mesh, image_embed=embed,
+                                params=w, batch_size=bs)
     peaks[n] = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert emb.images.shape == (n, d) and emb.labels.tolist() == [

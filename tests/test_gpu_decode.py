@@ -340,7 +340,7 @@ def test_device_major_keeps_decoded_rows_on_their_devices(corpus):
   # decoded micro-batches is the host micro-batches' device_major, in the
   # same sharding, each device's block made from its own shards.
   import jax  # pylint: disable=import-outside-toplevel
-  from train import stream as stream_lib  # pylint: disable=import-outside-toplevel
+  from train import streamed_tower  # pylint: disable=import-outside-toplevel
   config = _config("webdataset:" + corpus.pattern)
   n_dev = len(jax.devices())
   host = _take(D.make_train_iterator(config, batch_size=48, seed=6,
@@ -348,8 +348,8 @@ def test_device_major_keeps_decoded_rows_on_their_devices(corpus):
   it = D.make_train_iterator(config, batch_size=48, seed=6,
                              microbatch_size=16, batch_decoder=_Failing())
   parts = [b["image"] for b in _take(it, 3)]
-  got = stream_lib.device_major(parts, n_dev)
-  want = stream_lib.device_major([b["image"] for b in host], n_dev)
+  got = streamed_tower.device_major(parts, n_dev)
+  want = streamed_tower.device_major([b["image"] for b in host], n_dev)
   assert got.sharding == parts[0].sharding and got.shape == want.shape
   assert np.array_equal(np.asarray(got), want)
   for shard in got.addressable_shards:

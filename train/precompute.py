@@ -44,13 +44,13 @@ import jax
 import numpy as np
 
 from train import mesh as mesh_lib
-from train import step as step_lib
 from train.data import decoders
 from train.data import embeddings as emb_lib
 from train.data import pipeline
 from train.data import remote
 from train.data import sources
 from train.data.source import Bad
+from train.eval import embed as embed_lib
 
 DEFAULT_ROWS_PER_SHARD = 65536
 
@@ -146,7 +146,7 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   n_local = local_mesh.size
   bs = batch_size or config.eval.batch_size
   bs = -(-bs // n_local) * n_local
-  embed = step_lib.make_embed_fn(local_mesh, tower)
+  embed = embed_lib.make_embed_fn(local_mesh, tower)
   params = jax.device_put(tower.params, mesh_lib.replicated(local_mesh))
   # The host delivers uint8 at host_size; Tower.embed resizes on the device
   # from config.data.decode_size, as in training.

@@ -45,7 +45,6 @@ from train import checkpoint as checkpoint_lib
 from train import config_base
 from train import data as data_lib
 from train import diagnostics
-from train import evaluate
 from train import file_keys
 from train import memory as memory_lib
 from train import mesh as mesh_lib
@@ -54,9 +53,10 @@ from train import optim
 from train import preemption
 from train import precompute as precompute_lib
 from train import step as step_lib
-from train import stream as stream_lib
+from train import streamed_tower
 from train import workdir as workdir_lib
 from train.data import remote
+from train.eval import evaluator as evaluator_lib
 from train.eval import zeroshot as zeroshot_lib
 
 # The model's builders, where callers of this module have always found them.
@@ -353,9 +353,9 @@ def _round_up(x, m):
 
 
 def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
-  """The held-out ``evaluate.Evaluator`` of ``config`` (sets read lazily)."""
+  """The held-out ``evaluator.Evaluator`` of ``config`` (sets read lazily)."""
   sets = data_lib.eval_sets_of(config)
-  return evaluate.Evaluator(
+  return evaluator_lib.Evaluator(
       mesh=mesh, image_tower=image_tower, text_tower=text_tower,
       tokenizer=tokenizer, zeroshot=sets.zeroshot, retrieval=sets.retrieval,
       batch_size=_round_up(config.eval.batch_size, mesh.size),
@@ -674,7 +674,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
                             schedule, precomputed, grouped)
   # The locked tower's embedding call of a streamed step (compiled once:
   # the sizing's compile is the streamer's).
-  embed = stream_lib.make_embed(mesh, tower)
+  embed = streamed_tower.make_embed(mesh, tower)
 
   # The micro-batch, sized against the device's memory from XLA's plan of
   # the compiled step, before any data is decoded (train/memory.py).
@@ -735,8 +735,9 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   record()
 
   # The step. With more than one device the loss runs the ring. Streamed:
-  # the locked tower embeds each micro-batch as it arrives (train/stream.py)
-  # and the step sees the (B, D) embeddings, as with precomputed ones.
+  # the locked tower embeds each micro-batch as it arrives
+  # (train/streamed_tower.py) and the step sees the (B, D) embeddings, as
+  # with precomputed ones.
   if is_main:
     across = "" if mesh.size == 1 else ", ring across devices"
     print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
@@ -765,12 +766,12 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
                                                               flush=True)
   # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
   # (from a thread: the host may wait on the device or the input).
-  step_progress = stream_lib.StepProgress(say if is_main else None,
+  step_progress = streamed_tower.StepProgress(say if is_main else None,
                                           interval_s=PROGRESS_INTERVAL_S)
   progress.update(pbar=pbar, writer=writer, step_progress=step_progress)
   streamer = None
   if streamed:
-    streamer = stream_lib.StreamedImageTower(
+    streamer = streamed_tower.StreamedImageTower(
         mesh, tower, jax.device_put(tower.params, mesh_lib.replicated(mesh)),
         depth=max(1, config.data.prefetch_batches), embed=embed,
         progress=step_progress)
@@ -778,13 +779,13 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   def next_inputs():
     """The step's global batch: embedded micro-batch by micro-batch when
     streamed, else the micro-batches put on the devices as one batch (in
-    the same device-major order, see train/stream.py)."""
+    the same device-major order, see train/streamed_tower.py)."""
     if streamer is not None:
       return streamer.step_inputs(train_iter, num_micro)
     parts = [next(train_iter) for _ in range(num_micro)]
     key = "image_emb" if precomputed else "image"
     return step_lib.shard_batch(mesh, {
-        k: stream_lib.device_major([p[k] for p in parts], n_local)
+        k: streamed_tower.device_major([p[k] for p in parts], n_local)
         for k in (key, "text") + (("group",) if grouped else ())})
 
   def run_eval():

@@ -179,3 +179,10 @@ class Tower:
                        "dtype": str(jnp.dtype(self.dtype))}, sort_keys=True)
     return hashlib.blake2b((meta + params_digest(self.params)).encode(),
                            digest_size=16).hexdigest()
+
+
+def embed_fn_of(tower):
+  """``embed(params, x) -> (b, D)`` of a Tower (uint8 in) or a Flax module."""
+  if isinstance(tower, Tower):
+    return tower.embed
+  return lambda p, x: tower.apply({"params": p}, x)
