@@ -36,7 +36,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 
 
 def write_shards(directory, num, per_shard=1024):
-  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  from train.data.sources import synthetic  # pylint: disable=import-outside-toplevel
   pool = synthetic.JpegPool(num, size=256, pool=min(num, 512))
   n_shards = -(-num // per_shard)
   for s in range(n_shards):
@@ -344,7 +344,7 @@ def _key(r):
 
 def decoders(args, rows, res):
   """--decoders: the host libraries per core, nvImageCodec on the GPU."""
-  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  from train.data.sources import synthetic  # pylint: disable=import-outside-toplevel
   res.update(harness.device_meta())
   pool = synthetic.JpegPool(args.num, size=256, pool=min(args.num, 512))
   jpgs = [pool[i]["image"] for i in range(min(args.num, 512))]
@@ -379,7 +379,7 @@ def decoders(args, rows, res):
 def reading_and_pipeline(args, rows, res, threads, workers):
   """Reading the shards, one core's decode, the pipeline cases."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from train.data import webdataset as wds_lib  # pylint: disable=import-outside-toplevel
+  from train.data.sources import webdataset as wds_lib  # pylint: disable=import-outside-toplevel
   meta = dict(date=res["date"], jax=res["jax"])
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()

@@ -350,7 +350,7 @@ def stream_child(spec) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from train import streamed_tower  # pylint: disable=g-import-not-at-top
   from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  from train.data.sources import synthetic  # pylint: disable=g-import-not-at-top
   config = input_config(spec)
   t0 = time.perf_counter()
   host = harness.HostMemory().__enter__()
@@ -491,7 +491,7 @@ def precompute_child(spec) -> dict:
   from train import precompute as precompute_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
   from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  from train.data.sources import synthetic  # pylint: disable=g-import-not-at-top
   from train.eval import embed as embed_lib  # pylint: disable=g-import-not-at-top
   config = input_config(spec)
   # precompute reads (and with the host decoder decodes) on threads.

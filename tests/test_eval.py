@@ -24,7 +24,7 @@ from train import step as step_lib
 from train.data import pipeline
 from train import train
 from train.data import eval_sets
-from train.data import synthetic
+from train.data.sources import synthetic
 from train.eval import names
 from train.eval import retrieval
 from train.eval import embed as embed_lib
@@ -382,8 +382,9 @@ def test_config_check_names_bad_zero_shot_keys(tmp_path):
 def test_the_training_split_size_feeds_the_batch_warning(data_dir):
   from train import optim  # pylint: disable=import-outside-toplevel
   from train.data import sources  # pylint: disable=import-outside-toplevel
+  from train.data.sources import tfds  # pylint: disable=import-outside-toplevel
   config = _tiny(data_dir)
-  sources.builder_for(config.data)  # Prepared.
+  tfds.builder_for(config.data)  # Prepared.
   # The trainer passes the training source's length (any source format).
   n = len(sources.open_source(config.data, config.data.split))
   assert n == config.data.num_train_examples == 128

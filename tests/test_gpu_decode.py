@@ -25,8 +25,8 @@ from train.data import decoders
 from train.data import image as image_lib
 from train.data import pipeline
 from train.data import stopwatch
-from train.data.source import BadExample
-from train.data.source import TooMuchBadData
+from train.data.sources.contract import BadExample
+from train.data.ledger import TooMuchBadData
 
 S = corpus_lib.IMAGE_SIZE
 
@@ -242,7 +242,7 @@ def test_encoded_images_cross_from_workers_flat_and_come_back_whole():
   # A worker's chunk carries the encoded images as one uint8 array and
   # their ends (shared memory, not a pickle); the training process gets the
   # same bytes back, trailing NULs and all, the other fields untouched.
-  from train.data.source import Bad  # pylint: disable=import-outside-toplevel
+  from train.data.sources.contract import Bad  # pylint: disable=import-outside-toplevel
   blobs = [b"\xff\xd8abc\x00\x00", b"\xff\xd8" + bytes(range(256)), b"\x00"]
   items = [(10, {"encoded": blobs[0], "key": "a", "label": np.int32(1)}),
            (11, Bad("b", "why")),
@@ -822,7 +822,7 @@ PIXEL_MAX, PIXEL_MEAN = 2, 0.01
 
 
 def _pool(n=256, size=256):
-  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  from train.data.sources import synthetic  # pylint: disable=import-outside-toplevel
   pool = synthetic.JpegPool(n, size=size, pool=n)
   return [pool[i]["image"] for i in range(n)]
 
@@ -1072,7 +1072,7 @@ def test_precompute_on_the_batch_path_writes_the_host_paths_shards(
   from tests import test_stream  # pylint: disable=import-outside-toplevel
   from train import precompute as precompute_lib  # pylint: disable=import-outside-toplevel
   from train import train as train_lib  # pylint: disable=import-outside-toplevel
-  from train.data import embeddings as emb_lib  # pylint: disable=import-outside-toplevel
+  from train.data.sources import embeddings as emb_lib  # pylint: disable=import-outside-toplevel
   config = test_stream._tiny(  # pylint: disable=protected-access
       "webdataset:" + corpus.pattern, "", tmp_path / "tfds",
       precompute_image_embeddings=False)

@@ -117,7 +117,7 @@ def test_the_decoders_import_neither_each_other_nor_the_pipeline():
   for mod in ("train.data.decode", "train.data.gpu_decode"):
     assert not graph[mod] & upper, (mod, graph[mod] & upper)
   assert not graph["train.data.batching"] & upper, graph["train.data.batching"]
-  assert not graph["train.data.image"] - {"train.data.source"}
+  assert not graph["train.data.image"] - {"train.data.sources.contract"}
 
 
 def test_the_library_imports_neither_the_trainer_nor_the_benchmarks():

@@ -21,7 +21,7 @@ from PIL import Image
 from tests import corpus as corpus_lib
 from train import data as D
 from train.data import pipeline
-from train.data.source import TooMuchBadData
+from train.data.ledger import TooMuchBadData
 from train.towers import tower as tower_lib
 
 S = corpus_lib.IMAGE_SIZE

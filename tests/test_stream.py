@@ -33,7 +33,7 @@ from train import precompute as precompute_lib
 from train import step as step_lib
 from train import streamed_tower
 from train import train as train_lib
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.towers import tower as tower_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

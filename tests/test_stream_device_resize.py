@@ -28,7 +28,7 @@ from tests import test_stream as ts
 from train import data as D
 from train import precompute as precompute_lib
 from train import train as train_lib
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
 from train.towers import own
 from train.towers import resize as resize_lib

@@ -34,9 +34,9 @@ from train import data as data_lib
 from train import precompute as precompute_lib
 from train import step as step_lib
 from train import train as train_lib
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
-from train.data import table
+from train.data.sources import table
 from train.towers import text as text_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

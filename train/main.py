@@ -248,7 +248,7 @@ def _main(argv) -> None:
     # jax.distributed installs its own SIGTERM handler (its preemption
     # notifier): the trainer's agreement replaces it (train/preemption.py).
     preemption.catch(signals)
-  from train.data import remote  # pylint: disable=g-import-not-at-top
+  from train.data.sources import remote  # pylint: disable=g-import-not-at-top
   try:
     try:
       from train import train  # pylint: disable=g-import-not-at-top

@@ -7,7 +7,7 @@ The config's image tower (``config.model.image``, loaded as for training)
 runs over ``config.data.split`` of ``config.data.name`` in source order;
 the embeddings are written as bfloat16 shards with the keys, captions and
 labels of their examples and the tower's fingerprint (layout:
-train/data/embeddings.py). Training then reads them by example index and
+train/data/sources/embeddings.py). Training then reads them by example index and
 decodes no image; a tower or preprocessing other than the one that made
 them is refused. Each row also records its image id and a hash of its
 decoded pixels (``content_hash``): training groups duplicate images by it
@@ -45,11 +45,11 @@ import numpy as np
 
 from train import mesh as mesh_lib
 from train.data import decoders
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
-from train.data import remote
+from train.data.sources import remote
 from train.data import sources
-from train.data.source import Bad
+from train.data.sources.contract import Bad
 from train.eval import embed as embed_lib
 
 DEFAULT_ROWS_PER_SHARD = 65536

@@ -54,7 +54,7 @@ _UNCATCHABLE = ("SIGKILL", "SIGSTOP", "SIGINT")
 
 class Preempted(Exception):
   """Raised by the trainer once what can be resumed is saved after a
-  preemption signal (or a storage outage, ``train.data.remote.Outage``):
+  preemption signal (or a storage outage, ``train.data.sources.remote.Outage``):
   the checkpoint of ``step``, or before the first step (``step`` None)
   nothing, or the precompute progress. ``train.main`` exits with
   EXIT_PREEMPTED."""

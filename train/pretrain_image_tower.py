@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from train.towers import own
-from train.data import sources
+from train.data.sources import tfds
 from train.data.pipeline import preprocess_image
 
 # Attribute features of synthetic_shapes and their number of classes.
@@ -90,7 +90,7 @@ class _Classifier(nn.Module):
 
 def load_split(data_config, split: str, limit: int = 0):
   """Images (preprocessed like the train pipeline) and attribute labels."""
-  builder = sources.builder_for(data_config)
+  builder = tfds.builder_for(data_config)
   source = builder.as_data_source(split=split)
   n = len(source) if not limit else min(limit, len(source))
   examples = []

@@ -55,7 +55,7 @@ from train import precompute as precompute_lib
 from train import step as step_lib
 from train import streamed_tower
 from train import workdir as workdir_lib
-from train.data import remote
+from train.data.sources import remote
 from train.eval import evaluator as evaluator_lib
 from train.eval import zeroshot as zeroshot_lib
 
@@ -851,7 +851,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       # config.data.max_bad_fraction).
       train_metrics["data/bad_examples"] = train_iter.bad
       train_metrics["data/bad_fraction"] = train_iter.ledger.fraction
-      # Transient failures of remote reads retried (train/data/remote.py).
+      # Transient failures of remote reads retried (train/data/sources/remote.py).
       train_metrics["data/retries"] = train_iter.ledger.retries
       train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
       writer.write(step, train_metrics)

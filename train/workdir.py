@@ -278,7 +278,7 @@ class _Tee:
     return getattr(self._stream, name)
 
 
-# Set while a run log is attached (train/data/remote.py: a data worker
+# Set while a run log is attached (train/data/sources/remote.py: a data worker
 # process appends its retry lines to the file this names).
 LOG_ENV = "INFCL_RUN_LOG"
 

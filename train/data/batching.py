@@ -33,8 +33,8 @@ import threading
 import numpy as np
 
 from train import mesh as mesh_lib
-from train.data.source import BadDataLedger
-from train.data.source import CountsBadData
+from train.data.ledger import BadDataLedger
+from train.data.ledger import CountsBadData
 from train.data.stopwatch import Stopwatch
 
 

@@ -9,7 +9,7 @@ a single-line ValueError, so a bad config fails before any training starts.
 import ml_collections
 
 from train.data import decoders as decoders_lib
-from train.data import remote
+from train.data.sources import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 from train.eval import names as names_lib
@@ -53,7 +53,7 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.table_image_column = "image"
   c.table_caption_column = "caption"
   c.table_label_column = ""
-  # Shards, tables and images on object storage (train/data/remote.py;
+  # Shards, tables and images on object storage (train/data/sources/remote.py;
   # the cloud extra): names and image paths may be fsspec URLs, s3://,
   # gs://, http(s)://. Credentials come from each store's environment
   # (AWS_*, GOOGLE_APPLICATION_CREDENTIALS); storage_options is JSON mapping

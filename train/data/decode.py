@@ -20,7 +20,7 @@ import copy
 import numpy as np
 
 from train.data import image as image_lib
-from train.data.source import BadExample
+from train.data.sources.contract import BadExample
 
 
 class HostBatchDecoder:

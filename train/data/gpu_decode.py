@@ -44,7 +44,7 @@ import numpy as np
 
 from train.data import image as image_lib
 from train.data.image import crop_geometry
-from train.data.source import BadExample
+from train.data.sources.contract import BadExample
 from train.data.stopwatch import Stopwatch
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")

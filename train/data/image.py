@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from train.data.source import BadExample
+from train.data.sources.contract import BadExample
 
 _SOI = b"\xff\xd8"
 _EOI = b"\xff\xd9"

@@ -1,7 +1,7 @@
 """The training input pipeline: source -> grain -> uint8 micro-batches.
 
     source (random access by example index; this process's shard: examples
-            p, p+P, p+2P, ...; see train/data/source.py)
+            p, p+P, p+2P, ...; see train/data/sources/contract.py)
       -> map: read, decode, resize + central crop to image_size (uint8),
          or with data.decode_size C to C x C (an image decoded at C x C is
          left as it is) for the device to resize (host_size); done once and
@@ -42,7 +42,7 @@ import numpy as np
 
 from train.data import batching
 from train.data import decoders
-from train.data import remote
+from train.data.sources import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
 # The host's image ops, which the trainer, evaluation and tests also reach
@@ -52,12 +52,12 @@ from train.data.image import jpeg_problem
 from train.data.image import preprocess_image  # pylint: disable=unused-import
 from train.data.image import resize_crop
 from train.data.image import to_float  # pylint: disable=unused-import
-from train.data.source import Bad
-from train.data.source import BadDataLedger
-from train.data.source import CountsBadData
-from train.data.source import BadExample
-from train.data.source import read_many
-from train.data.source import start_of_check
+from train.data.sources.contract import Bad
+from train.data.ledger import BadDataLedger
+from train.data.ledger import CountsBadData
+from train.data.sources.contract import BadExample
+from train.data.sources.contract import read_many
+from train.data.ledger import start_of_check
 
 
 def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
@@ -486,7 +486,7 @@ class TrainIterator(CountsBadData):
     self._chunk_size = chunk
     self._fingerprint = fingerprint
     # The source's test of a saved "dataset" written otherwise (embeddings
-    # named by their directory before: train/data/embeddings.py).
+    # named by their directory before: train/data/sources/embeddings.py).
     self._same_dataset = same_dataset
     self.microbatch_size = microbatch_size
     self.ledger = ledger

@@ -505,6 +505,13 @@ _pools: dict = {}
 _pools_lock = threading.Lock()
 
 
+def make_store(data) -> Store:
+  """The reader of remote files config.data asks for: its storage_options
+  and remote_outage_s."""
+  return Store(data.get("storage_options", ""),
+               outage_s=data.get("remote_outage_s", DEFAULT_OUTAGE_S))
+
+
 def _pool(parallelism: int):
   """This process's thread pool of ``parallelism`` readers (made on first
   use, again in a forked child)."""

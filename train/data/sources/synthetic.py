@@ -469,7 +469,7 @@ class JpegPool:
   once; example i carries pool image i % pool as encoded bytes, so the input
   pipeline decodes, resizes and crops every example as it would a web
   corpus, without gigabytes of shards on disk. Captions are short random
-  word strings. Meets the source contract (train/data/source.py).
+  word strings. Meets the source contract (train/data/sources/contract.py).
   """
 
   encoded_images = True  # JPEG bytes: config.data.decoder="gpu" takes them
