@@ -324,7 +324,7 @@ def input_config(spec):
   config.data.num_workers = spec.get("workers") or default_workers()
   config.data.num_threads = 1
   # With decoder="gpu" the workers still read the bytes, check each JPEG's
-  # markers and tokenize (the device decodes: train/data/gpu_decode.py).
+  # markers and tokenize (the device decodes: train/data/decode/gpu.py).
   # --gpu_host_threads N does that in N threads of this process instead,
   # where they share the GIL with the decoder and the tower (bench_data.py
   # --bytes_only on 2 VM cores: 12,979 img/s from 1 thread, 6,032 from 4,
@@ -709,7 +709,7 @@ def gpu_variants(text: str) -> list:
   "threads=N": N nvImageCodec decoders per GPU on their threads;
   "read_ahead=N": N chunks read ahead on a thread of their own. A bad
   variant is a one-line error before any case runs."""
-  from train.data import gpu_decode  # pylint: disable=g-import-not-at-top
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=g-import-not-at-top
   out = []
   for variant in text.split(";"):
     words, settings, extra, options = variant.split(), {}, {}, []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from train import data as D
-from train.data import pipeline
+from train.data.decode import host as host_lib
 from train.data.sources import synthetic
 from train.data.sources import tfds
 from train.data import tokenizer as tokenizer_lib
@@ -303,10 +303,10 @@ def test_process_shards_disjoint_and_covering(data_dir):
 def test_preprocess_resize_crop_gray():
   img = np.zeros((40, 80, 3), np.uint8)
   img[:, 20:60] = 255  # a centered white band: the central crop keeps it
-  out = pipeline.preprocess_image(img, 16)
+  out = host_lib.preprocess_image(img, 16)
   assert out.shape == (16, 16, 3) and out.dtype == np.float32
   assert out[:, 2:14].min() > 0.9
-  gray = pipeline.preprocess_image(np.full((20, 10, 1), 255, np.uint8), 8)
+  gray = host_lib.preprocess_image(np.full((20, 10, 1), 255, np.uint8), 8)
   assert gray.shape == (8, 8, 3) and np.allclose(gray, 1.0)
 
 

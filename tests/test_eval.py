@@ -21,7 +21,7 @@ from configs import lit_demo
 from train import data as data_lib
 from train.eval import evaluator
 from train import step as step_lib
-from train.data import pipeline
+from train.data.decode import host as host_lib
 from train import train
 from train.data import eval_sets
 from train.data.sources import synthetic
@@ -253,7 +253,7 @@ def _in_memory(config, tokenizer, image_tower, text_tower, params):
   """The whole split in memory, one forward pass, as [-1, 1] floats."""
   zs, rs = data_lib.make_eval_sets(config, tokenizer)
   examples = zs.split.read_all()
-  images = pipeline.to_float(np.stack([e["image"] for e in examples]))
+  images = host_lib.to_float(np.stack([e["image"] for e in examples]))
   img = np.asarray(image_tower.module.apply({"params": params["img"]},
                                             images))
   prompts = zeroshot.prompts(zs.classnames, zs.templates)

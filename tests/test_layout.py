@@ -102,9 +102,9 @@ def test_no_import_cycles_in_the_trainer():
   # that imports it back (train/data: sources, then the decoders, then the
   # pipeline that batches, prefetches and places).
   graph = _import_graph(TRAIN)
-  assert len(graph) > 40 and "train.data.gpu_decode" in graph
+  assert len(graph) > 40 and "train.data.decode.gpu" in graph
   assert graph["train.data.pipeline"] >= {"train.data.batching",
-                                          "train.data.decoders"}
+                                          "train.data.decode.choice"}
   assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
 
 
@@ -112,12 +112,11 @@ def test_the_decoders_import_neither_each_other_nor_the_pipeline():
   # Each decoder is one file that changes without the other: they share
   # only the lower modules (image, source, stopwatch).
   graph = _import_graph(TRAIN)
-  upper = {"train.data.decode", "train.data.gpu_decode", "train.data.decoders",
+  upper = {"train.data.decode.choice", "train.data.decode.gpu",
            "train.data.batching", "train.data.pipeline", "train.data"}
-  for mod in ("train.data.decode", "train.data.gpu_decode"):
-    assert not graph[mod] & upper, (mod, graph[mod] & upper)
+  assert not graph["train.data.decode.gpu"] & upper, graph["train.data.decode.gpu"]
   assert not graph["train.data.batching"] & upper, graph["train.data.batching"]
-  assert not graph["train.data.image"] - {"train.data.sources.contract"}
+  assert not graph["train.data.decode.host"] - {"train.data.sources.contract"}
 
 
 def test_the_library_imports_neither_the_trainer_nor_the_benchmarks():

@@ -198,8 +198,8 @@ def test_precompute_then_train_gives_the_on_the_fly_loss(tmp_path, corpus,
   # A row is the tower's embedding of the example, to bf16 rounding.
   i = 11
   ex = train_lib.data_lib.open_source(fly.data, "train")[i]
-  from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  pix = pipeline.resize_crop(pipeline.decode_image(ex["image"], "", S), S)
+  from train.data.decode import host as host_lib  # pylint: disable=g-import-not-at-top
+  pix = host_lib.resize_crop(host_lib.decode_host(ex["image"], "", S), S)
   want = np.asarray(tower(pix[None]))[0]
   assert source.row_of(ex["key"]) == i
   np.testing.assert_allclose(source[i]["image_emb"], want, rtol=8e-3,

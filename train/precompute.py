@@ -25,7 +25,7 @@ continues from there. Bad examples (an image that does not decode, an empty capt
 are recorded as bad rows and skipped by training.
 
 ``config.data.decoder`` decides where the JPEGs are decoded, as in training
-(train/data/decoders.py): "host" in the reader threads (data.num_threads),
+(train/data/decode/choice.py): "host" in the reader threads (data.num_threads),
 "gpu" by nvImageCodec on each local device (its contiguous rows of each
 batch; the threads only read the bytes and check the JPEGs), "auto" by the
 measured rates. A directory holds one decoder's embeddings (the GPU's
@@ -44,9 +44,9 @@ import jax
 import numpy as np
 
 from train import mesh as mesh_lib
-from train.data import decoders
 from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
+from train.data.decode import choice as decoder_choice
 from train.data.sources import remote
 from train.data import sources
 from train.data.sources.contract import Bad
@@ -137,8 +137,8 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   if sources.kind_of(source.spec) == "embeddings":
     raise ValueError("config.data.name already names precomputed embeddings")
   meta = _meta(source, tower, rows_per_shard, data.decode_size)
-  batch_decoder = decoders.make_batch_decoder(data, source, config.get("model"),
-                                              log=log)
+  batch_decoder = decoder_choice.make_batch_decoder(
+      data, source, config.get("model"), log=log)
   if batch_decoder is not None:
     meta["decoder"] = batch_decoder.name  # (absent: the host's)
   _check_or_write_meta(out, meta)

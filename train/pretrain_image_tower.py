@@ -38,7 +38,7 @@ import optax
 
 from train.towers import own
 from train.data.sources import tfds
-from train.data.pipeline import preprocess_image
+from train.data.decode.host import preprocess_image
 
 # Attribute features of synthetic_shapes and their number of classes.
 ATTRIBUTES = {"label": 8, "color": 8, "size": 3, "hpos": 3, "vpos": 3,

@@ -2,14 +2,14 @@
 
 The batch path of the pipeline (config.data.decoder = "gpu", or any batch
 decoder): the reader threads or worker processes only read each example's
-bytes and check that each JPEG is whole (``image.jpeg_problem``: a truncated
+bytes and check that each JPEG is whole (``host.jpeg_problem``: a truncated
 JPEG decodes silently into an image on the GPU, so it is caught on the
 host, for both decoders). ``DecodedIterator`` then takes the micro-batch's
 encoded images from the stream and has each local device decode its own
 contiguous shard of them (``decoder.for_device(device).decode``: the GPU
-decoder in train/data/gpu_decode.py, one per GPU; the host decoder in
-train/data/decode.py runs the same contract on the host, its shards put on
-their devices, for tests on CPU devices and machines without a GPU); the
+decoder in train/data/decode/gpu.py, one per GPU; a decoder that answers
+numpy on the host has its shards put on their devices, as the tests'
+tests/host_decoder.py on CPU devices); the
 micro-batch's images are one global array made from the devices' shards, in
 the trainer's batch sharding. Each one that fails is replaced by the next
 example of the stream, the rows after it moving up (the devices whose rows
@@ -19,8 +19,8 @@ those of the host path, so a run can resume on either decoder. ``Prefetch``
 runs that on a thread with a bounded queue, so a micro-batch is decoded
 while the previous one's tower step runs.
 
-Any object with the batch contract is a decoder here (decode.py's module
-doc): this module imports neither decoder.
+Any object with the batch contract is a decoder here (the module doc of
+train/data/decode/): this module imports no decoder.
 """
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ a single-line ValueError, so a bad config fails before any training starts.
 
 import ml_collections
 
-from train.data import decoders as decoders_lib
 from train.data.sources import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
+from train.data.decode import choice as decoder_choice
 from train.eval import names as names_lib
 
 
@@ -129,13 +129,13 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.num_workers = 0
   # Micro-batches held ahead on the host, in all (workers included).
   c.prefetch_batches = 2
-  # Where JPEGs are decoded (train/data/decoders.py): "host" (the reader
+  # Where JPEGs are decoded (train/data/decode/choice.py): "host" (the reader
   # threads / workers; simplejpeg when installed, else Pillow), "gpu"
   # (nvImageCodec on the device, per micro-batch: the gpu-decode extra;
   # webdataset and table sources), "auto" (gpu where it can run and the
   # host cannot keep pace with the image tower, by measured rates).
   c.decoder = "host"
-  # decoder="gpu": nvImageCodec's settings (train/data/gpu_decode.py
+  # decoder="gpu": nvImageCodec's settings (train/data/decode/gpu.py
   # GpuBatchDecoder). The backend: "auto" (nvImageCodec's choice), "hw",
   # "hybrid", "cuda", or a mix with load hints ("hw:0.7,hybrid"); more of
   # its decoder options, space-separated ("nvjpeg_cuda_decoder:
@@ -235,4 +235,4 @@ def check_data_config(config) -> None:
                      " must be a number in [0, 1]")
   remote.parse_storage_options(data.storage_options)
   sources.check_sources(data)
-  decoders_lib.check_decoder(data)
+  decoder_choice.check_decoder(data)

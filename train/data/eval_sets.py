@@ -22,6 +22,7 @@ import numpy as np
 
 from train.data import pipeline
 from train.data import sources
+from train.data.decode import host as host_lib
 from train.data.sources import synthetic
 from train.data.sources import tfds
 from train.data.sources.contract import Bad
@@ -134,7 +135,7 @@ class _ClassificationReader:
 
   def __call__(self, indices):
     examples = self._source.__getitems__(list(indices)) if len(indices) else []
-    return [{"image": pipeline.resize_crop(
+    return [{"image": host_lib.resize_crop(
                  np.asarray(tfds.value_at(ex, self._image_key)),
                  self._image_size),
              "captions": [],

@@ -41,30 +41,19 @@ import sys
 import numpy as np
 
 from train.data import batching
-from train.data import decoders
-from train.data.sources import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
-# The host's image ops, which the trainer, evaluation and tests also reach
-# here (train/data/image.py holds them).
-from train.data.image import decode_host
-from train.data.image import jpeg_problem
-from train.data.image import preprocess_image  # pylint: disable=unused-import
-from train.data.image import resize_crop
-from train.data.image import to_float  # pylint: disable=unused-import
-from train.data.sources.contract import Bad
+from train.data.decode import choice
+from train.data.decode.host import decode_host
+from train.data.decode.host import jpeg_problem
+from train.data.decode.host import resize_crop
 from train.data.ledger import BadDataLedger
 from train.data.ledger import CountsBadData
+from train.data.ledger import start_of_check
+from train.data.sources import remote
+from train.data.sources.contract import Bad
 from train.data.sources.contract import BadExample
 from train.data.sources.contract import read_many
-from train.data.ledger import start_of_check
-
-
-def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
-  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3]
-  (``image.decode_host``: with ``size``, a JPEG at the smallest DCT scale
-  that keeps both sides >= size; BadExample if it does not decode fully)."""
-  return decode_host(data, where, size)
 
 
 def host_size(data) -> int:
@@ -126,7 +115,7 @@ class Compact:
           out["encoded"], out["key"] = bytes(image), ex["key"]
           return out
         if isinstance(image, (bytes, bytearray, memoryview)):
-          image = decode_image(image, ex["key"], self.image_size)
+          image = decode_host(image, ex["key"], self.image_size)
         out["image"] = resize_crop(image, self.image_size)
       return out
     except BadExample as e:
@@ -650,7 +639,7 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     captions_per_image: ``config.captions_per_image``: each image at k
       consecutive stream positions with distinct captions (``each_k``).
     batch_decoder: decodes each micro-batch's encoded images in one call
-      (train/data/decoders.py); default: config.data.decoder's ("host":
+      (train/data/decode/choice.py); default: config.data.decoder's ("host":
       none, every example decoded where it is read; "auto": by the image
       tower of config.model). With one, the iterator is a
       ``batching.Prefetch`` of a ``batching.DecodedIterator``.
@@ -680,8 +669,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if not (isinstance(k, int) and k >= 1):
     raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   if batch_decoder is None:
-    batch_decoder = decoders.make_batch_decoder(data, source,
-                                                config.get("model"))
+    batch_decoder = choice.make_batch_decoder(data, source,
+                                              config.get("model"))
   compact = Compact(source, host_size(data), decode=batch_decoder is None)
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
@@ -716,7 +705,7 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   # A process's share of the bad examples found while opening.
   bad_open = source.bad_at_open[process_index::process_count]
   # Counted once each, over this process's share: its examples and the
-  # bad ones found while opening (source.py, BadDataLedger).
+  # bad ones found while opening (train/data/ledger.py).
   corpus = len(shard) + len(bad_open)
   ledger = BadDataLedger(data.max_bad_fraction,
                          min_seen=start_of_check(corpus),

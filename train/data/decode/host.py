@@ -1,9 +1,11 @@
 """One image on the host: the JPEG check, the decode, the resize and crop.
 
-The lowest layer of the input path, shared by both decoders (decode.py on
-the host, gpu_decode.py on the device: what nvImageCodec cannot decode is
-decoded here) and by the pipeline (pipeline.py), which import it and which
-it does not import.
+config.data.decoder = "host": the pipeline (train/data/pipeline.py) calls
+``decode_host`` and ``resize_crop`` on every example where it is read, in
+the reader threads or worker processes. The lowest layer of the decoding,
+shared by the GPU decoder (gpu.py: what nvImageCodec cannot decode is
+decoded here), the pipeline and evaluation, which import it and which it
+does not import.
 
 ``decode_host`` decodes one encoded image: libjpeg-turbo through
 ``simplejpeg`` when it is installed (about twice Pillow's rate per core, and
@@ -12,7 +14,7 @@ Pillow's draft mode), else Pillow. ``jpeg_problem`` finds a truncated JPEG
 from its markers (nvJPEG decodes one silently into an image, so the reader
 threads check every JPEG before either decoder sees it). ``resize_crop`` is
 the host's shorter-side bicubic resize and central crop, which the device
-resize (gpu_decode.py, train/towers/resize.py) reproduces.
+resize (gpu.py, train/towers/resize.py) reproduces.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """JPEG decoding on the GPU: nvImageCodec (nvJPEG) -> jax, resized on device.
 
-``GpuBatchDecoder`` meets the batch contract of train/data/decode.py's
+``GpuBatchDecoder`` meets the batch contract of train/data/decode/'s
 module doc (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3]
 of the k that decode, which did, and the others named) for one local
 device: each device's shard of a micro-batch (``batching.DecodedIterator``)
@@ -12,7 +12,7 @@ each image up on the calling thread: one thread's setup, not the GPU,
 bounded the decoder in the streamed step); each decoded image is
 handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
-(``image.resize_crop``: shorter side to ``size``, Pillow's reduce and
+(``host.resize_crop``: shorter side to ``size``, Pillow's reduce and
 separable antialiased bicubic, each step rounded to whole levels, then the
 central square), and the result stays uint8 until the tower normalises it.
 The resize (``resize_crop_batch``, see the comment above it) takes any mix
@@ -27,7 +27,7 @@ file that is no image) is decoded on the host instead, so the kept
 examples are the host path's: only what the host cannot decode either is
 bad, with the host's reason. Truncated JPEGs, which nvJPEG decodes
 silently into an image, never get here: the reader threads check every
-JPEG's markers first (image.jpeg_problem).
+JPEG's markers first (host.jpeg_problem).
 
 Needs the ``gpu-decode`` extra (nvidia-nvimgcodec-cu13 with nvidia-nvjpeg:
 CUDA 13, as the jax CUDA plugin beside it) and a CUDA device; importing
@@ -42,8 +42,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from train.data import image as image_lib
-from train.data.image import crop_geometry
+from train.data.decode import host as host_lib
+from train.data.decode.host import crop_geometry
 from train.data.sources.contract import BadExample
 from train.data.stopwatch import Stopwatch
 
@@ -137,7 +137,7 @@ def check_settings(backend: str, options: str, cpu_threads: int,
 # count: every group compiled a new stack and a new resize. Here the
 # resize is Pillow's arithmetic written as data, not as shapes:
 #
-# * Pillow's bicubic (the host path, image.resize_crop) is two separable
+# * Pillow's bicubic (the host path, host.resize_crop) is two separable
 #   passes, each out = clip(floor(X · K^T / 2^22 + 1/2)) with K its integer
 #   (22-bit) coefficients (Resample.c: precompute_coeffs,
 #   normalize_coeffs_8bpc). The coefficients and the pass order are computed
@@ -300,7 +300,7 @@ class Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=1 << 16)
 def plan(h: int, w: int, size: int) -> Plan:
-  """The plan of ``image.resize_crop`` for an (h, w) image."""
+  """The plan of ``host.resize_crop`` for an (h, w) image."""
   nh, nw, top, left = crop_geometry(h, w, size)
   gap = size / min(h, w) < 1  # reducing_gap=2.0 only when shrinking.
   fx = (int(w / nw / 2.0) or 1) if gap else 1
@@ -471,7 +471,7 @@ def _pass_taps(p: Plan):
 
 
 def resize_crop_into(out, images: list, rows: list):
-  """Writes ``image.resize_crop`` of each uint8 [h, w, 3] device array
+  """Writes ``host.resize_crop`` of each uint8 [h, w, 3] device array
   in images to its row of out (uint8 [k, size, size, 3], on the images'
   device), returning the new out (the old one is donated).
 
@@ -526,7 +526,7 @@ def resize_crop_into(out, images: list, rows: list):
 def resize_crop_batch(images: list, size: int, device=None):
   """uint8 [h_i, w_i, 3] device arrays (any mix of shapes) -> uint8
   [len(images), size, size, 3] on ``device`` (default: the first image's),
-  each as ``image.resize_crop`` makes it (see the comment above)."""
+  each as ``host.resize_crop`` makes it (see the comment above)."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   if device is None:
     device = next(iter(images[0].devices())) if images else jax.devices()[0]
@@ -726,8 +726,8 @@ class GpuBatchDecoder:
         try:
           # Decoded and resized on the host: on the device, it is a
           # (size, size) image that the resize only places.
-          a = jax.device_put(image_lib.resize_crop(
-              image_lib.decode_host(encoded[i], wheres[i], size), size),
+          a = jax.device_put(host_lib.resize_crop(
+              host_lib.decode_host(encoded[i], wheres[i], size), size),
                              self.device)
         except BadExample as e:
           bad.append((i, e.where, e.reason))
