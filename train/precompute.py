@@ -40,10 +40,18 @@ import os
 import sys
 import time
 
+from absl import app
+from absl import flags
 import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 
+from train import config_base
+from train import data as data_lib
+from train import file_keys
 from train import mesh as mesh_lib
+from train import model as model_lib
 from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
 from train.data.decode import choice as decoder_choice
@@ -270,10 +278,6 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
 
 def main(argv) -> None:
   del argv
-  from train import config_base  # pylint: disable=import-outside-toplevel
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
-  from train import file_keys  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
   if FLAGS.jax_distributed:
     jax.distributed.initialize()
   config = FLAGS.config
@@ -300,27 +304,6 @@ def main(argv) -> None:
         flush=True)
 
 
-if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  FLAGS = flags.FLAGS
-  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py"
-                                  "), optionally with ':arg'; "
-                                  "--config.<key>=<value> overrides.",
-                                  lock_config=True)
-  flags.DEFINE_string("out", None, "Embeddings directory (resumed if it "
-                      "holds a partial run of the same tower and source).")
-  flags.DEFINE_integer("rows_per_shard", DEFAULT_ROWS_PER_SHARD,
-                       "Examples per shard file.")
-  flags.DEFINE_integer("batch_size", 0, "Images per embedding call "
-                       "(0 = config.eval.batch_size).")
-  flags.DEFINE_bool("jax_distributed", False, "Multi-process: call "
-                    "jax.distributed.initialize() first; process p writes "
-                    "shards p, p+P, ...")
-  app.run(main)
-
-
 def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
                        size: int, mesh):
   """A batch's encoded images (``Compact(decode=False)`` items, up to
@@ -329,7 +312,6 @@ def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
   mesh's batch sharding, the items with each that did not decode replaced by
   a Bad). A bad row, or one past the items, is zeros (its embedding is not
   kept)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   per, items = bs // len(devices), list(items)
   arrays = []
   for k, device in enumerate(devices):
@@ -352,3 +334,21 @@ def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
     arrays.append(shard)
   return jax.make_array_from_single_device_arrays(
       (bs, size, size, 3), mesh_lib.rows(mesh), arrays), items
+
+
+if __name__ == "__main__":
+  FLAGS = flags.FLAGS
+  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py"
+                                  "), optionally with ':arg'; "
+                                  "--config.<key>=<value> overrides.",
+                                  lock_config=True)
+  flags.DEFINE_string("out", None, "Embeddings directory (resumed if it "
+                      "holds a partial run of the same tower and source).")
+  flags.DEFINE_integer("rows_per_shard", DEFAULT_ROWS_PER_SHARD,
+                       "Examples per shard file.")
+  flags.DEFINE_integer("batch_size", 0, "Images per embedding call "
+                       "(0 = config.eval.batch_size).")
+  flags.DEFINE_bool("jax_distributed", False, "Multi-process: call "
+                    "jax.distributed.initialize() first; process p writes "
+                    "shards p, p+P, ...")
+  app.run(main)

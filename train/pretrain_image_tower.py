@@ -30,9 +30,12 @@ import os
 import sys
 import time
 
+from absl import app
+from absl import flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 import optax
 
@@ -197,7 +200,6 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
 
 
 def _main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   ic = FLAGS.config.model.image
@@ -215,9 +217,6 @@ def _main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file("config", None, "Trainer config file.")
   flags.DEFINE_string("out", "", "Output .npz (default: model.image.init, "
                       "else model.image.pretrain_path).")

@@ -34,11 +34,13 @@ import functools
 import json
 import logging as std_logging
 import os
+import threading
 import time
 from typing import Callable
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from train import checkpoint as checkpoint_lib
@@ -98,6 +100,7 @@ class MetricWriter:
       with open(self.path, "w") as f:
         f.writelines(keep)
     try:
+      # Lazy and optional: ~0.4 s, and only process 0 writes scalars.
       import tensorboardX  # pylint: disable=g-import-not-at-top
       # Written by tensorboardX's thread every flush_secs and at close, not
       # flushed per row: its flush fsyncs (0.1-1 s on a slow or network
@@ -127,7 +130,7 @@ class MetricWriter:
 def _progress_bar(config, total, initial, enabled):
   if not (config.progress_bar and enabled):
     return None
-  try:
+  try:  # Lazy and optional: only process 0 shows a bar, if asked.
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
@@ -156,7 +159,6 @@ def _training_source(config, workdir, tower, is_main, stops=None):
         log=print if is_main else (lambda *_: None),
         between_rounds=stops.precompute)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices("precompute image embeddings")
     with data.unlocked():
       data.name = f"embeddings:{out}"
@@ -511,7 +513,6 @@ def _catch_signals(names) -> bool:
   """Records ``names`` instead of their default action while the run
   trains (only the main thread may install signal handlers: elsewhere,
   e.g. a run started from a thread, the signals keep their action)."""
-  import threading  # pylint: disable=g-import-not-at-top
   if not names or threading.current_thread() is not threading.main_thread():
     return False
   preemption.catch(names)
@@ -686,7 +687,6 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   if config.microbatch_size == "auto" and jax.process_count() > 1:
     # Every process must take the same size: the smallest chosen (it fits
     # wherever a larger one does).
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
     if agreed != mb and is_main:
       print(f"[lit] micro-batch auto: {agreed}, the smallest any process "

@@ -30,6 +30,8 @@ import functools
 import queue
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from train import mesh as mesh_lib
@@ -77,7 +79,6 @@ def shard_plan(sharding, rows: int, tail: tuple):
 def _on_device(images, device):
   """A shard's decoded images on ``device``: numpy ones (the host decoder)
   are put there; a device decoder's must already be there."""
-  import jax  # pylint: disable=import-outside-toplevel
   if isinstance(images, jax.Array):
     if images.devices() != {device}:
       raise RuntimeError(
@@ -268,15 +269,12 @@ class DecodedIterator:
   def _whole(self, results: list, fields: dict) -> dict:
     """The micro-batch when every device decoded its whole shard: the host
     fields of the one ``take``, the images the devices' own arrays."""
-    import jax  # pylint: disable=import-outside-toplevel
     out = dict(fields)
     out["image"] = jax.make_array_from_single_device_arrays(
         self._global_shape, self.sharding, [images for images, _, _ in results])
     return out
 
   def _assemble(self, rows: list, done: dict, chunks: list) -> dict:
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     arrays = []
     for device, start, stop in self._plan:
       runs = []  # [images, first row, end row] taken whole from one call
@@ -329,7 +327,6 @@ def _next_batch(it, num_microbatches: int) -> dict:
 def _concatenate(arrays):
   if isinstance(arrays[0], np.ndarray):
     return np.concatenate(arrays)
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   return jnp.concatenate(arrays)
 
 

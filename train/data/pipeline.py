@@ -36,8 +36,14 @@ to the device, where the tower resizes them from decode_size (if set),
 normalises them and casts them (``Tower.embed``, train/towers/tower.py).
 """
 
+import concurrent.futures
+import queue
 import sys
+import threading
+import time
 
+from absl import flags
+import grain
 import numpy as np
 
 from train.data import batching
@@ -187,7 +193,6 @@ def each_k(ds, k: int):
   positions: the images of a ``captions_per_image`` stream, shuffled as
   whole images, so the k captions of one image land in one batch (a k that
   divides the micro-batch keeps them in one micro-batch too)."""
-  import grain  # pylint: disable=import-outside-toplevel
   n = len(ds)
   return grain.MapDataset.range(n if n >= sys.maxsize else n * k).map(
       _CopyOf(ds, k))
@@ -252,7 +257,6 @@ def worker_buffers(read_options, num_workers: int):
   (A worker reading ahead by the whole prefetch_buffer_size, as the
   threads-only pipeline does, would hold num_workers times that.)
   """
-  import grain  # pylint: disable=import-outside-toplevel
   threads = read_options.num_threads
   inner = grain.ReadOptions(num_threads=threads,
                             prefetch_buffer_size=max(2, threads))
@@ -400,8 +404,6 @@ class _ReadAhead:
   """
 
   def __init__(self, iterator, ahead: int):
-    import queue  # pylint: disable=import-outside-toplevel
-    import threading  # pylint: disable=import-outside-toplevel
     self._queue = queue.Queue(maxsize=max(1, ahead))
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, args=(iterator,),
@@ -409,7 +411,6 @@ class _ReadAhead:
     self._thread.start()
 
   def _run(self, iterator):
-    import queue  # pylint: disable=import-outside-toplevel
     while not self._stop.is_set():
       try:
         item = (_unflatten(next(iterator)), None)
@@ -433,8 +434,6 @@ class _ReadAhead:
   def close(self, timeout_s: float = 60.0):
     """Stops the thread: at once when it waits for room, after the chunk it
     waits for otherwise (given up after ``timeout_s``: a daemon thread)."""
-    import queue  # pylint: disable=import-outside-toplevel
-    import time  # pylint: disable=import-outside-toplevel
     self._stop.set()
     deadline = time.monotonic() + timeout_s
     while self._thread.is_alive() and time.monotonic() < deadline:
@@ -502,8 +501,6 @@ class TrainIterator(CountsBadData):
         # Worker processes, each on a slice of the positions, interleaved
         # back in order: the stream is the same for any number of workers
         # (the pipeline has no filter; a bad example is an element too).
-        import grain  # pylint: disable=import-outside-toplevel
-        from absl import flags  # pylint: disable=import-outside-toplevel
         if not flags.FLAGS.is_parsed():
           # grain reads absl flags in its workers (defaults when not parsed,
           # e.g. outside train.main).
@@ -647,7 +644,6 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
       micro-batch's images, each local device decoding its rows (default:
       the trainer's, ``batching.data_sharding``).
   """
-  import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
     raise ValueError(f"batch_size={batch_size} must be >= 1")
   microbatch_size = microbatch_size or batch_size
@@ -760,7 +756,6 @@ def _read_all(compact, shard: range, num_threads: int,
               parallelism: int = 0) -> list:
   """compact(i) for every i of the shard, in order, on reader threads (a
   remote source's, with ``parallelism``, a chunk's reads at a time)."""
-  import concurrent.futures  # pylint: disable=import-outside-toplevel
   if parallelism:
     step = max(CHUNK_ENCODED, parallelism)
     return [c for a in range(0, len(shard), step)

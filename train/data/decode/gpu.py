@@ -40,7 +40,9 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import PIL
 
 from train.data.decode import host as host_lib
 from train.data.decode.host import crop_geometry
@@ -321,7 +323,6 @@ def plan(h: int, w: int, size: int) -> Plan:
 
 @functools.lru_cache(maxsize=None)
 def _pillow_major() -> int:
-  import PIL  # pylint: disable=import-outside-toplevel
   return int(PIL.__version__.split(".")[0])
 
 
@@ -340,7 +341,6 @@ def _mult(n: int) -> int:
 
 def _reduce(x, rows: _Axis, cols: _Axis):
   """Pillow's box reduce of the window x (uint8 [h, w, 3]), exactly."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   fy, fx = rows.factor, cols.factor
   h, w = x.shape[:2]
   hr, wr = -(-h // fy), -(-w // fx)
@@ -363,7 +363,6 @@ def _reduce(x, rows: _Axis, cols: _Axis):
 def _canvas(image, size: int):
   """uint8 [h, w, 3] -> the uint8 canvas its resize takes, or for a
   crop-only plan the [size, size, 3] result (traced: its plan is static)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   p = plan(*image.shape[:2], size)
   x = image[p.rows.lo:p.rows.hi, p.cols.lo:p.cols.hi]
   if p.crop_only:
@@ -383,7 +382,6 @@ _prepare = jax.jit(_canvas, static_argnums=1)
 def _dense(start, taps, width: int):
   """Taps -> float32 matrices: start int32 [n, s], taps int32 [n, s, T]
   -> [n, s, width], each row's T coefficients from its start on."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   t = jnp.arange(width)[None, None, :] - start[:, :, None]
   inside = (t >= 0) & (t < taps.shape[-1])
   k = jnp.take_along_axis(taps, jnp.clip(t, 0, taps.shape[-1] - 1), axis=2)
@@ -392,7 +390,6 @@ def _dense(start, taps, width: int):
 
 def _round(v):
   """Pillow's (sum + 2^21) >> 22, clipped to a level."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   return jnp.clip(jnp.floor(v + 0.5), 0.0, 255.0)
 
 
@@ -400,7 +397,6 @@ def _two_passes(x, sa, ka, sb, kb):
   """uint8 canvases [n, Hc, Wc, 3] -> float32 [n, size, size, 3], whole
   levels: the first pass along a canvas row, then along its columns, by
   each canvas's taps ([n, size] starts, [n, size, TAPS] coefficients)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   hp = jax.lax.Precision.HIGHEST
   x = x.astype(jnp.float32)
   y = _round(jnp.einsum("nhwc,nsw->nhsc", x, _dense(sa, ka, x.shape[2]),
@@ -414,7 +410,6 @@ def _resize_into(out, canvases, sa, ka, sb, kb, flip, rows):
   """Resizes n canvases (a tuple of uint8 [Hc, Wc, 3]) by their taps and
   writes them to rows ``rows`` of out (uint8 [k, size, size, 3]; a row >= k
   is padding, dropped). One executable per (k, canvas, n)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   z = _two_passes(jnp.stack(canvases), sa, ka, sb, kb)
   z = jnp.where(flip[:, None, None, None], jnp.swapaxes(z, 1, 2), z)
   return out.at[rows].set(z.astype(jnp.uint8), mode="drop")
@@ -425,7 +420,6 @@ def _resize_same_into(out, images, rows):
   """``_prepare`` and ``_resize_into`` in one executable for n images of
   one shape (a tuple of uint8 [h, w, 3]), whose plan and taps are then
   constants. One executable per (k, shape, n)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   n, size = len(images), out.shape[1]
   p = plan(*images[0].shape[:2], size)
   x = jax.vmap(lambda im: _canvas(im, size))(jnp.stack(images))
@@ -440,7 +434,6 @@ def _resize_same_into(out, images, rows):
 @functools.partial(jax.jit, donate_argnums=0)
 def _place_into(out, images, rows):
   """Writes a tuple of uint8 [size, size, 3] to rows ``rows`` of out."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   return out.at[rows].set(jnp.stack(images), mode="drop")
 
 
@@ -527,7 +520,6 @@ def resize_crop_batch(images: list, size: int, device=None):
   """uint8 [h_i, w_i, 3] device arrays (any mix of shapes) -> uint8
   [len(images), size, size, 3] on ``device`` (default: the first image's),
   each as ``host.resize_crop`` makes it (see the comment above)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   if device is None:
     device = next(iter(images[0].devices())) if images else jax.devices()[0]
   out = jnp.zeros((len(images), size, size, 3), jnp.uint8, device=device)
@@ -582,6 +574,7 @@ class GpuBatchDecoder:
   def __init__(self, backend: str = "auto", device=None,
                fancy_upsampling: bool = True, options: str = "",
                cpu_threads: int = 0, threads: int = 1):
+    # Lazy: the gpu-decode extra, needed only where this decoder is made.
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel
     kinds, options = check_settings(backend, options, cpu_threads, threads)
     self.backend, self.options = backend, options
@@ -712,7 +705,6 @@ class GpuBatchDecoder:
     return None
 
   def decode(self, encoded: list, wheres: list, size: int):
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     n = len(encoded)
     ok, bad = np.zeros(n, bool), []
     # Rows for every member, so that the resize's executables key on the

@@ -18,11 +18,18 @@ resize (gpu.py, train/towers/resize.py) reproduces.
 """
 from __future__ import annotations
 
+import io
 import re
 
 import numpy as np
+from PIL import Image
 
 from train.data.sources.contract import BadExample
+
+try:  # Optional: without it, Pillow decodes every image.
+  import simplejpeg as _simplejpeg
+except ImportError:
+  _simplejpeg = None
 
 _SOI = b"\xff\xd8"
 _EOI = b"\xff\xd9"
@@ -81,11 +88,7 @@ def jpeg_problem(data) -> str:
 
 def simplejpeg():
   """The simplejpeg module, or None where it is not installed."""
-  try:
-    import simplejpeg  # pylint: disable=import-outside-toplevel
-    return simplejpeg
-  except ImportError:
-    return None
+  return _simplejpeg
 
 
 def _draft_scale(h: int, w: int, size: int) -> int:
@@ -107,8 +110,6 @@ def _decode_simplejpeg(sj, data, size: int):
 
 
 def _decode_pillow(data, size: int):
-  import io  # pylint: disable=import-outside-toplevel
-  from PIL import Image  # pylint: disable=import-outside-toplevel
   with Image.open(io.BytesIO(data)) as im:
     if size:
       im.draft("RGB", (size, size))
@@ -184,7 +185,6 @@ def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
   image = image[..., :3]
   h, w = image.shape[:2]
   if (h, w) != (size, size):
-    from PIL import Image  # pylint: disable=import-outside-toplevel
     nh, nw, top, left = crop_geometry(h, w, size)
     image = np.asarray(Image.fromarray(image).resize(
         (nw, nh), Image.BICUBIC,

@@ -26,6 +26,7 @@ import json
 import os
 import tarfile
 
+import braceexpand
 import numpy as np
 
 from train.data.sources import contract
@@ -51,7 +52,6 @@ def expand_shards(pattern: str, what: str = "config.data.name",
 
 def _expand(pattern, what, store, num_threads):
   """(paths, {url: info} of the remote ones)."""
-  import braceexpand  # pylint: disable=import-outside-toplevel
   paths = []
   for part in pattern.split("::"):  # "a-{0..9}.tar::b-{0..3}.tar" mixes sets
     paths.extend(p if remote.is_url(p) else remote.local_path(p)
