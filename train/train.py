@@ -5,15 +5,17 @@
 1. Check the config (``validate``: unknown keys, sizes, the checkpoint,
    the tokenizer, the data, the devices) before any work; only then is
    the workdir created.
-2. Build the towers and the loss head; load the locked image tower.
-3. Build the optimizer (locked tower masked out) and the train state.
-4. Resume from the newest checkpoint in ``workdir`` if there is one (train
-   state and data iterator state), else start fresh.
-5. Loop: micro-batches -> image embeddings (the locked tower per
+2. ``_build``: the towers and the loss head (the locked image tower
+   loaded), the optimizer (locked tower masked out) and the train state,
+   the micro-batch sized against the device's memory, the held-out sets,
+   the training data.
+3. ``_resume`` from the newest checkpoint in ``workdir`` if there is one
+   (train state and data iterator state), else start fresh.
+4. ``_loop``: micro-batches -> image embeddings (the locked tower per
    micro-batch, or precomputed) -> train step -> metrics
    (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
-   checkpoint every M steps.
-6. Final checkpoint, final eval, and a summary with zero-shot vs chance
+   checkpoint every M steps; the final checkpoint.
+5. ``_summary``: the final eval, and a summary with zero-shot vs chance
    (uniform: 1 / number of classes).
 
 A workdir already at ``config.total_steps`` trains nothing (its summary is
@@ -36,7 +38,7 @@ import logging as std_logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -644,13 +646,71 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
 
 def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
            progress, record, stops, clock=time.monotonic) -> dict:
-  """The training run of ``train_and_evaluate``. Keeps ``progress["step"]``
-  (the last step done, for the interrupt message) and hands its progress bar
-  and metric writer to the caller via ``progress`` (closed however the run
-  ends). ``record()`` writes the workdir's record once the state is built
-  (and restored). ``stops`` (``_EarlyStops``): the safe points before the
-  first step."""
-  # Model, params, optimizer, state.
+  """The training run of ``train_and_evaluate``: build, resume, loop,
+  summary. Keeps ``progress["step"]`` (the last step done, for the interrupt
+  message) and hands its progress bar and metric writer to the caller via
+  ``progress`` (closed however the run ends). ``record()`` writes the
+  workdir's record once the state is built (and restored). ``stops``
+  (``_EarlyStops``): the safe points before the first step."""
+  run = _build(config, workdir, is_main, stops)
+  start_step = _resume(run, ckpt, progress, stops)
+  record()
+  if is_main:
+    print(_run_line(run), flush=True)
+  train_metrics = _loop(run, ckpt, start_step, progress, on_metrics, clock)
+  return _summary(run, start_step, train_metrics, progress["writer"],
+                  t_start)
+
+
+@dataclasses.dataclass
+class _Run:
+  """What ``_build`` makes before the first step, for the loop and the
+  summary. ``state`` is the train state, replaced by each step."""
+  config: Any
+  workdir: str
+  is_main: bool
+  mesh: Any
+  state: dict
+  # The locked image tower as the data path sees it, with a host copy of
+  # its params (the train step donates the state's), and its embedding
+  # call of a streamed step.
+  tower: Any
+  embed: Callable
+  make_step: Callable  # micro-batch -> the jitted train step
+  steps: dict  # the steps compiled while sizing, by micro-batch
+  microbatch: int  # global; 0 or the batch: not chunked
+  evaluator: Any
+  source: Any
+  train_iter: Any
+  precomputed: bool
+  grouped: bool
+
+  @property
+  def chunked(self) -> bool:
+    return 0 < self.microbatch < self.config.batch_size
+
+  @property
+  def streamed(self) -> bool:
+    """The locked tower embeds each micro-batch as it arrives
+    (train/streamed_tower.py): the step sees the (B, D) embeddings, as with
+    precomputed ones."""
+    return (not self.precomputed and self.chunked
+            and self.config.model.image.locked)
+
+  @property
+  def device(self):
+    return jax.local_devices()[0]
+
+  def evaluate(self) -> dict:
+    with memory_lib.phase("eval", self.device, memory_lib.EVAL_HINT):
+      return self.evaluator(self.state["params"])
+
+
+def _build(config, workdir, is_main, stops) -> _Run:
+  """The model and its train state, the micro-batch sized against the
+  device's memory, the held-out sets, then the training data: what can
+  fail fails before the more costly next part (``stops`` is checked after
+  the sets and after the data)."""
   mesh = mesh_lib.make_mesh()
   tokenizer = data_lib.make_tokenizer(config)
   image_tower, text_tower, head = make_models(config, tokenizer)
@@ -660,40 +720,20 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
       image_locked=config.model.image.locked)
   state = step_lib.init_state(mesh, params, optimizer)
   del params
-
-  # The locked image tower as the data path sees it: images cross the host
-  # and the transfer as uint8 and are resized (from config.data.decode_size),
-  # normalised and cast on the device (Tower.embed). (A host copy
-  # of its params: the train step donates the state's.)
+  # Images cross the host and the transfer as uint8 and are resized (from
+  # config.data.decode_size), normalised and cast on the device
+  # (Tower.embed).
   tower = dataclasses.replace(image_tower,
                               params=jax.device_get(state["params"]["img"]))
-  n_proc, n_local = jax.process_count(), len(jax.local_devices())
   precomputed = (config.precompute_image_embeddings or
                  data_lib.sources.kind_of(config.data.name) == "embeddings")
   grouped = config.loss.groups != "none"
   make_step = _step_builder(config, mesh, tower, text_tower, head, optimizer,
                             schedule, precomputed, grouped)
-  # The locked tower's embedding call of a streamed step (compiled once:
-  # the sizing's compile is the streamer's).
+  # Compiled once: the sizing's compile is the streamer's.
   embed = streamed_tower.make_embed(mesh, tower)
-
-  # The micro-batch, sized against the device's memory from XLA's plan of
-  # the compiled step, before any data is decoded (train/memory.py).
-  sizing, steps = _size_step(config, mesh, state, tower, embed, make_step,
-                             tokenizer, precomputed, grouped)
-  if is_main and sizing.line:
-    print(sizing.line, flush=True)
-  mb = sizing.microbatch
-  if config.microbatch_size == "auto" and jax.process_count() > 1:
-    # Every process must take the same size: the smallest chosen (it fits
-    # wherever a larger one does).
-    agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
-    if agreed != mb and is_main:
-      print(f"[lit] micro-batch auto: {agreed}, the smallest any process "
-            "chose", flush=True)
-    mb = agreed
-  chunked = 0 < mb < config.batch_size
-  num_micro = config.batch_size // mb if chunked else 1
+  mb, steps = _microbatch(config, mesh, state, tower, embed, make_step,
+                          tokenizer, precomputed, grouped, is_main)
 
   # The held-out sets first: their checks (e.g. a label outside the class
   # names) fail before the embeddings of the training split are computed.
@@ -703,10 +743,11 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   stops.check("building the model and the held-out sets")
 
   # Data: each process reads its own shard, as micro-batches.
-  device = jax.local_devices()[0]
-  with memory_lib.phase("precompute", device, memory_lib.EVAL_HINT):
+  with memory_lib.phase("precompute", jax.local_devices()[0],
+                        memory_lib.EVAL_HINT):
     source = _training_source(config, workdir, tower, is_main, stops)
-  streamed = not precomputed and chunked and config.model.image.locked
+  n_proc = jax.process_count()
+  chunked = 0 < mb < config.batch_size
   train_iter = data_lib.make_train_iterator(
       config, batch_size=config.batch_size // n_proc,
       microbatch_size=(mb if chunked else config.batch_size) // n_proc,
@@ -721,45 +762,84 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   if warning and is_main:
     print(warning, flush=True)
   stops.check("opening the training data")
+  return _Run(config=config, workdir=workdir, is_main=is_main, mesh=mesh,
+              state=state, tower=tower, embed=embed, make_step=make_step,
+              steps=steps, microbatch=mb, evaluator=evaluator,
+              source=source, train_iter=train_iter, precomputed=precomputed,
+              grouped=grouped)
 
-  # Resume.
-  start_step = 0
-  if ckpt.latest_step() is not None:
-    state, data_state = ckpt.restore(state)
-    train_iter.set_state(data_state)
-    start_step = int(state["step"])
-    progress["step"] = start_step
-    print(f"[lit] resumed from the checkpoint of step {start_step} in "
-          f"{workdir}", flush=True)
-    stops.check(f"restoring the checkpoint of step {start_step}")
-  record()
 
-  # The step. With more than one device the loss runs the ring. Streamed:
-  # the locked tower embeds each micro-batch as it arrives
-  # (train/streamed_tower.py) and the step sees the (B, D) embeddings, as
-  # with precomputed ones.
-  if is_main:
-    across = "" if mesh.size == 1 else ", ring across devices"
-    print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
+def _microbatch(config, mesh, state, tower, embed, make_step, tokenizer,
+                precomputed, grouped, is_main) -> tuple:
+  """(the global micro-batch, {micro-batch: its compiled step}): sized
+  against the device's memory from XLA's plan of the compiled step, before
+  any data is decoded (train/memory.py), the same on every process."""
+  sizing, steps = _size_step(config, mesh, state, tower, embed, make_step,
+                             tokenizer, precomputed, grouped)
+  if is_main and sizing.line:
+    print(sizing.line, flush=True)
+  mb = sizing.microbatch
+  if config.microbatch_size == "auto" and jax.process_count() > 1:
+    # Every process must take the same size: the smallest chosen (it fits
+    # wherever a larger one does).
+    agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
+    if agreed != mb and is_main:
+      print(f"[lit] micro-batch auto: {agreed}, the smallest any process "
+            "chose", flush=True)
+    mb = agreed
+  return mb, steps
+
+
+def _resume(run: _Run, ckpt, progress: dict, stops) -> int:
+  """The step the run starts from: the newest checkpoint's, its train state
+  and data iterator state restored, or 0."""
+  if ckpt.latest_step() is None:
+    return 0
+  run.state, data_state = ckpt.restore(run.state)
+  run.train_iter.set_state(data_state)
+  start_step = int(run.state["step"])
+  progress["step"] = start_step
+  print(f"[lit] resumed from the checkpoint of step {start_step} in "
+        f"{run.workdir}", flush=True)
+  stops.check(f"restoring the checkpoint of step {start_step}")
+  return start_step
+
+
+def _run_line(run: _Run) -> str:
+  """One line for the log: the devices, the batch, the loss and the image
+  tower of the run. With more than one device the loss runs the ring."""
+  config, mesh = run.config, run.mesh
+  across = "" if mesh.size == 1 else ", ring across devices"
+  return (f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
           f"{jax.process_count()} process(es); global batch "
           f"{config.batch_size}"
-          + (f", GradCache micro-batch {mb}" if chunked else "")
+          + (f", GradCache micro-batch {run.microbatch}" if run.chunked
+             else "")
           + (f" (text blocks remat {config.model.text.remat})"
-             if chunked and config.model.text.remat != "none" else "")
+             if run.chunked and config.model.text.remat != "none" else "")
           + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
           + (f", groups {config.loss.groups} ({config.loss.group_mode})"
-             if grouped else "")
+             if run.grouped else "")
           + (f"; {config.captions_per_image} captions per image"
              if config.captions_per_image > 1 else "")
           + f"; image tower {config.model.image.kind}"
           + (" locked" if config.model.image.locked else " trained")
-          + (", precomputed embeddings" if precomputed else "")
-          + (", embedded on the fly per micro-batch" if streamed else "")
+          + (", precomputed embeddings" if run.precomputed else "")
+          + (", embedded on the fly per micro-batch" if run.streamed else "")
           + (f"; images resized on the device from {config.data.decode_size}"
-             " px" if config.data.decode_size and not precomputed else ""),
-          flush=True)
-  train_step = steps.get(mb) or make_step(mb)
-  writer = MetricWriter(workdir, start_step, enabled=is_main,
+             " px" if config.data.decode_size and not run.precomputed
+             else ""))
+
+
+def _loop(run: _Run, ckpt, start_step: int, progress: dict, on_metrics,
+          clock) -> dict:
+  """Steps ``start_step`` + 1 .. config.total_steps, each: its inputs, the
+  train step, its metrics, an evaluation and a checkpoint when due, a stop
+  when a signal or an outage asks for one; then the final checkpoint. The
+  last train metrics logged."""
+  config, is_main = run.config, run.is_main
+  train_step = run.steps.get(run.microbatch) or run.make_step(run.microbatch)
+  writer = MetricWriter(run.workdir, start_step, enabled=is_main,
                         on_write=on_metrics)
   pbar = _progress_bar(config, config.total_steps, start_step, is_main)
   say = pbar.write if pbar is not None else functools.partial(print,
@@ -767,76 +847,20 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
   # (from a thread: the host may wait on the device or the input).
   step_progress = streamed_tower.StepProgress(say if is_main else None,
-                                          interval_s=PROGRESS_INTERVAL_S)
+                                              interval_s=PROGRESS_INTERVAL_S)
   progress.update(pbar=pbar, writer=writer, step_progress=step_progress)
-  streamer = None
-  if streamed:
-    streamer = streamed_tower.StreamedImageTower(
-        mesh, tower, jax.device_put(tower.params, mesh_lib.replicated(mesh)),
-        depth=max(1, config.data.prefetch_batches), embed=embed,
-        progress=step_progress)
-
-  def next_inputs():
-    """The step's global batch: embedded micro-batch by micro-batch when
-    streamed, else the micro-batches put on the devices as one batch (in
-    the same device-major order, see train/streamed_tower.py)."""
-    if streamer is not None:
-      return streamer.step_inputs(train_iter, num_micro)
-    parts = [next(train_iter) for _ in range(num_micro)]
-    key = "image_emb" if precomputed else "image"
-    return step_lib.shard_batch(mesh, {
-        k: streamed_tower.device_major([p[k] for p in parts], n_local)
-        for k in (key, "text") + (("group",) if grouped else ())})
-
-  def run_eval():
-    with memory_lib.phase("eval", device, memory_lib.EVAL_HINT):
-      return evaluator(state["params"])
-
-  train_metrics = {}
+  inputs_of = _StepInputs(run, ckpt, progress, step_progress)
   # Preemption signals and the clock of time-based checkpoints, agreed by
   # all processes (train/preemption.py).
   triggers = preemption.SaveTriggers(
       every_minutes=config.checkpoint.every_minutes, clock=clock,
       enabled=bool(config.preemption_signals))
-  # Before each step its inputs: a signal while the main thread waits for
-  # them (a slow or unreachable store), or a storage outage past
-  # config.data.remote_outage_s, stops the run with the step reached saved
-  # (the data state taken before the wait). With several processes only
-  # where every process can agree on it first (a blocking all-gather per
-  # step): a remote training source, the one that can wait that long.
-  remote_source = getattr(source, "is_remote", False)
-  agree_per_step = n_proc > 1 and remote_source
-  stop_before_step = n_proc == 1 or agree_per_step
-  interrupt = stop_before_step and preemption.catching()
+  train_metrics = {}
   t_loop, steps_run = time.time(), 0
-  def in_step():
-    return memory_lib.phase("step", device, memory_lib.STEP_HINT)
   for step in range(start_step + 1, config.total_steps + 1):
-    before = train_iter.get_state() if stop_before_step else None
-    signal_name, outage = None, None
-    # The progress line watches the step's micro-batches from here: a
-    # streamed step embeds them while its inputs are fetched.
-    step_progress.step_begins(step)
-    try:
-      with in_step(), preemption.interrupting_waits(interrupt):
-        inputs = next_inputs()
-    except preemption.WaitInterrupted as e:
-      signal_name = e.args[0]
-    except remote.Outage as e:
-      if not stop_before_step:
-        raise
-      outage = e
-    if stop_before_step:
-      flags = [signal_name is not None, outage is not None]
-      if agree_per_step:
-        flags = preemption.agree(flags)
-      if any(flags):
-        _stop_before_step(ckpt, step - 1, state, before, progress, is_main,
-                          signal_name or (
-                              "a signal to another process" if flags[0]
-                              else "storage outage"), outage, bool(flags[1]))
-    with in_step():
-      state, metrics = train_step(state, inputs)
+    inputs = inputs_of(step)
+    with _in_step(run):
+      run.state, metrics = train_step(run.state, inputs)
       step_progress.step_dispatched(metrics["loss"])
     del inputs
     progress["step"] = step
@@ -844,30 +868,14 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     if pbar is not None:
       pbar.update(1)
     if step % config.log_every_steps == 0 or step == config.total_steps:
-      with in_step():
-        train_metrics = {k: float(v)
-                         for k, v in jax.device_get(metrics).items()}
-      # This process's skipped examples (its ledger also stops the run past
-      # config.data.max_bad_fraction).
-      train_metrics["data/bad_examples"] = train_iter.bad
-      train_metrics["data/bad_fraction"] = train_iter.ledger.fraction
-      # Transient failures of remote reads retried (train/data/sources/remote.py).
-      train_metrics["data/retries"] = train_iter.ledger.retries
-      train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
+      train_metrics = _train_metrics(run, metrics, steps_run, t_loop)
       writer.write(step, train_metrics)
       if pbar is not None:
         pbar.set_postfix(loss=f"{train_metrics['loss']:.4f}",
                          temp=f"{train_metrics['temperature']:.4f}")
     if (config.eval.every_steps and step % config.eval.every_steps == 0
         and step < config.total_steps):
-      try:
-        eval_metrics = run_eval()
-      except remote.Outage as e:
-        if n_proc > 1:
-          raise  # Not agreed across processes (train.main: exit 75).
-        ckpt.save(step, state, train_iter.get_state())
-        _stop_before_step(ckpt, step, state, None, progress, is_main,
-                          "storage outage", e, True)
+      eval_metrics = _evaluate_or_stop(run, ckpt, step, progress)
       writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
       if is_main:
         say(_eval_line(step, eval_metrics))
@@ -877,7 +885,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
     preempted, timed = triggers.poll(step)
     if (preempted or timed or ckpt.should_save(step)
         or step == config.total_steps):
-      ckpt.save(step, state, train_iter.get_state())
+      ckpt.save(step, run.state, run.train_iter.get_state())
       triggers.saved()
     if preempted:
       _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
@@ -887,7 +895,7 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   if pbar is not None:
     pbar.close()
     progress["pbar"] = None
-  ckpt.save(config.total_steps, state, train_iter.get_state())
+  ckpt.save(config.total_steps, run.state, run.train_iter.get_state())
   ckpt.close()  # Waits for the last save.
   # A signal after the last step's check: the final checkpoint is complete;
   # the evaluation is left to the rerun (it evaluates a finished run whose
@@ -896,15 +904,129 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   if name is not None:
     _stop_for_preemption(ckpt, config.total_steps, name, progress, is_main)
   preemption.release()  # During the final evaluation a signal ends the run.
+  return train_metrics
+
+
+def _in_step(run: _Run):
+  return memory_lib.phase("step", run.device, memory_lib.STEP_HINT)
+
+
+class _StepInputs:
+  """``(step)`` -> the step's global batch: embedded micro-batch by
+  micro-batch when streamed, else the micro-batches put on the devices as
+  one batch (in the same device-major order, see train/streamed_tower.py).
+
+  Before each step its inputs: a signal while the main thread waits for
+  them (a slow or unreachable store), or a storage outage past
+  config.data.remote_outage_s, stops the run with the step reached saved
+  (the data state taken before the wait). With several processes only
+  where every process can agree on it first (a blocking all-gather per
+  step): a remote training source, the one that can wait that long.
+  """
+
+  def __init__(self, run: _Run, ckpt, progress: dict, step_progress):
+    self.run, self.ckpt, self.progress = run, ckpt, progress
+    self.step_progress = step_progress
+    self.num_micro = (run.config.batch_size // run.microbatch if run.chunked
+                      else 1)
+    self.streamer = None
+    if run.streamed:
+      self.streamer = streamed_tower.StreamedImageTower(
+          run.mesh, run.tower,
+          jax.device_put(run.tower.params, mesh_lib.replicated(run.mesh)),
+          depth=max(1, run.config.data.prefetch_batches), embed=run.embed,
+          progress=step_progress)
+    self.n_local = len(jax.local_devices())
+    n_proc = jax.process_count()
+    remote_source = getattr(run.source, "is_remote", False)
+    self.agree_per_step = n_proc > 1 and remote_source
+    self.stop_before_step = n_proc == 1 or self.agree_per_step
+    self.interrupt = self.stop_before_step and preemption.catching()
+
+  def _fetch(self):
+    run = self.run
+    if self.streamer is not None:
+      return self.streamer.step_inputs(run.train_iter, self.num_micro)
+    parts = [next(run.train_iter) for _ in range(self.num_micro)]
+    key = "image_emb" if run.precomputed else "image"
+    return step_lib.shard_batch(run.mesh, {
+        k: streamed_tower.device_major([p[k] for p in parts], self.n_local)
+        for k in (key, "text") + (("group",) if run.grouped else ())})
+
+  def __call__(self, step: int):
+    run = self.run
+    before = run.train_iter.get_state() if self.stop_before_step else None
+    inputs, signal_name, outage = None, None, None
+    # The progress line watches the step's micro-batches from here: a
+    # streamed step embeds them while its inputs are fetched.
+    self.step_progress.step_begins(step)
+    try:
+      with _in_step(run), preemption.interrupting_waits(self.interrupt):
+        inputs = self._fetch()
+    except preemption.WaitInterrupted as e:
+      signal_name = e.args[0]
+    except remote.Outage as e:
+      if not self.stop_before_step:
+        raise
+      outage = e
+    if self.stop_before_step:
+      flags = [signal_name is not None, outage is not None]
+      if self.agree_per_step:
+        flags = preemption.agree(flags)
+      if any(flags):
+        _stop_before_step(self.ckpt, step - 1, run.state, before,
+                          self.progress, run.is_main, signal_name or (
+                              "a signal to another process" if flags[0]
+                              else "storage outage"), outage, bool(flags[1]))
+    return inputs
+
+
+def _train_metrics(run: _Run, metrics, steps_run: int, t_loop: float) -> dict:
+  """The step's metrics as floats, with this process's data counts and the
+  rate since the loop started (at ``t_loop``)."""
+  with _in_step(run):
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  ledger = run.train_iter.ledger
+  # This process's skipped examples (its ledger also stops the run past
+  # config.data.max_bad_fraction).
+  out["data/bad_examples"] = run.train_iter.bad
+  out["data/bad_fraction"] = ledger.fraction
+  # Transient failures of remote reads retried
+  # (train/data/sources/remote.py).
+  out["data/retries"] = ledger.retries
+  out["steps_per_sec"] = steps_run / (time.time() - t_loop)
+  return out
+
+
+def _evaluate_or_stop(run: _Run, ckpt, step: int, progress: dict) -> dict:
+  """The held-out metrics after ``step``; a storage outage (one process)
+  saves the step and stops the run."""
+  try:
+    return run.evaluate()
+  except remote.Outage as e:
+    if jax.process_count() > 1:
+      raise  # Not agreed across processes (train.main: exit 75).
+    ckpt.save(step, run.state, run.train_iter.get_state())
+    _stop_before_step(ckpt, step, run.state, None, progress, run.is_main,
+                      "storage outage", e, True)
+    raise  # Not reached: _stop_before_step raises Preempted.
+
+
+def _summary(run: _Run, start_step: int, train_metrics: dict, writer,
+             t_start: float) -> dict:
+  """The final evaluation and the run's summary (printed, summary.json):
+  the last train metrics, the bad examples and retries of every process,
+  the held-out metrics."""
+  config = run.config
   # The skipped examples and retries of every process.
   ledgers = checkpoint_lib.gather_json(
-      {"by_reason": dict(train_iter.ledger.by_reason),
-       "retries": train_iter.ledger.retries})
+      {"by_reason": dict(run.train_iter.ledger.by_reason),
+       "retries": run.train_iter.ledger.retries})
   by_reason = collections.Counter()
   for ledger in ledgers:
     by_reason.update(ledger["by_reason"])
 
-  eval_metrics = run_eval()
+  eval_metrics = run.evaluate()
   writer.write(config.total_steps, {f"eval/{k}": v
                                     for k, v in eval_metrics.items()})
   summary = {"steps": config.total_steps, "resumed_from": start_step,
@@ -912,9 +1034,9 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
              "data/skipped_by_reason": dict(sorted(by_reason.items())),
              "data/retries_all_processes": sum(l["retries"] for l in ledgers),
              **{f"eval/{k}": v for k, v in eval_metrics.items()}}
-  if is_main:
+  if run.is_main:
     print_summary(summary)
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
   return summary
 
