@@ -16,8 +16,19 @@ from train.eval import names as names_lib
 
 
 def default_data_config() -> ml_collections.ConfigDict:
-  """Defaults: the embedded synthetic_shapes dataset at 32x32."""
+  """Defaults: the embedded synthetic_shapes dataset at 32x32. The keys, each
+  with what it means, by concern: the training source, its images, the
+  held-out sets, the input pipeline."""
   c = ml_collections.ConfigDict()
+  _source_keys(c)
+  _image_keys(c)
+  _held_out_keys(c)
+  _input_keys(c)
+  return c
+
+
+def _source_keys(c) -> None:
+  """The training source, where it is stored, and its bad examples."""
   # The training source:
   #   "synthetic_shapes" (generated locally) or a TFDS dataset name,
   #     optionally with config and version: "coco_captions/2017:1.1.0";
@@ -78,6 +89,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   # fraction of the examples seen stops the run, checked once min(1000,
   # corpus size) examples have been seen (per process: its share).
   c.max_bad_fraction = 0.01
+
+
+def _image_keys(c) -> None:
+  """The images' sizes, and the generated synthetic_shapes."""
   c.image_size = 32
   # 0: the host resizes (shorter side, bicubic) and centre-crops every image
   # to image_size. C >= image_size: the host delivers C x C (an image that
@@ -89,6 +104,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   # synthetic_shapes only: examples generated for train and test, and seed.
   c.num_train_examples = 4096
   c.synthetic_seed = 0
+
+
+def _held_out_keys(c) -> None:
+  """The held-out sets: retrieval on eval_split, zero-shot classification."""
   # Eval examples: the size of synthetic_shapes' test split; for a TFDS
   # dataset, the first N of eval_split (0 = all) used for retrieval.
   c.num_eval_examples = 512
@@ -116,6 +135,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   # CLIP's "a photo of a {}.").
   c.zeroshot_templates = ()
   c.zeroshot_templates_file = ""
+
+
+def _input_keys(c) -> None:
+  """The input pipeline: its threads and processes, where JPEGs are
+  decoded, and the in-memory cache of small datasets."""
   # Input pipeline: reader (decode) threads, and micro-batches prefetched
   # ahead on the host.
   c.num_threads = 2
@@ -155,7 +179,6 @@ def default_data_config() -> ml_collections.ConfigDict:
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
   # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.
   c.cache_max_mb = 1024
-  return c
 
 
 def default_tokenizer_config() -> ml_collections.ConfigDict:

@@ -198,34 +198,20 @@ def each_k(ds, k: int):
       _CopyOf(ds, k))
 
 
-class _InMemorySource:
-  """Compact examples held in memory: a random-access source for grain.
+class _Sequence:
+  """A sequence as a random-access source for grain: the compact examples
+  of a small dataset held in memory (synthetic_shapes: decoded once instead
+  of once per epoch; decoding is most of the per-example cost), or the
+  example indices of one process's shard."""
 
-  Small datasets (synthetic_shapes) are decoded once instead of once per
-  epoch; decoding is most of the per-example cost.
-  """
-
-  def __init__(self, examples: list):
-    self._examples = examples
+  def __init__(self, items):
+    self._items = items
 
   def __len__(self):
-    return len(self._examples)
+    return len(self._items)
 
   def __getitem__(self, index):
-    return self._examples[index]
-
-
-class _Indices:
-  """The example indices of one process's shard, as a grain source."""
-
-  def __init__(self, indices: range):
-    self._indices = indices
-
-  def __len__(self):
-    return len(self._indices)
-
-  def __getitem__(self, i):
-    return self._indices[i]
+    return self._items[index]
 
 
 # Consecutive stream positions travel together (stacked where they are read,
@@ -680,15 +666,15 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   finalize = Finalize(tokenizer, seed=seed, stream=process_index,
                       groups=groups, captions_per_image=k)
   if len(shard) * example_bytes <= data.cache_max_mb * 2**20:
-    ds = grain.MapDataset.source(_InMemorySource(
+    ds = grain.MapDataset.source(_Sequence(
         _read_all(compact, shard, data.num_threads, parallelism)))
   elif parallelism:
     # The stream of example indices: shuffled and repeated as the examples
     # themselves would be (map commutes with shuffle and repeat).
-    ds = grain.MapDataset.source(_Indices(shard))
+    ds = grain.MapDataset.source(_Sequence(shard))
     read_chunk = _ReadChunk(compact, finalize, parallelism)
   else:
-    ds = grain.MapDataset.source(_Indices(shard)).map(compact)
+    ds = grain.MapDataset.source(_Sequence(shard)).map(compact)
   ds = ds.shuffle(seed=seed).repeat(None)
   if k > 1:
     ds = each_k(ds, k)

@@ -245,6 +245,16 @@ def torch_block(t: Tensors, num_heads: int, names: dict) -> dict:
   return out
 
 
+def torch_blocks(t: Tensors, num_heads: int, depth: int, prefix: str,
+                 parts: dict) -> dict:
+  """``{"block{i}": torch_block(...)}`` of ``depth`` blocks, block i's
+  names ``{prefix}{i}.{part}``: ``parts`` maps torch_block's names to each
+  block's own (``{"fc1": "mlp.fc1", ...}``)."""
+  return {f"block{i}": torch_block(t, num_heads, {
+      name: f"{prefix}{i}.{part}" for name, part in parts.items()})
+          for i in range(depth)}
+
+
 def qkv_bias_of(block_params: dict) -> bool:
   return "bias" in block_params.get("attn", {}).get("qkv", {})
 
