@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from configs import lit_demo
 from train import data as data_lib
 from train.eval import evaluator
+from train import metrics
 from train import step as step_lib
 from train.data.decode import host as host_lib
 from train import train
@@ -131,7 +132,7 @@ def test_chance_is_printed_one_way():
        "zeroshot_num_classes": 8.0, "zeroshot_chance": zeroshot.chance(8)}
   assert zeroshot.describe(m) == ("top-1 54.7%, top-5 98.0% (8 classes; "
                                   "chance 1/8 = 12.5%, 4.4x)")
-  line = train._eval_line(3, m)
+  line = metrics.eval_line(3, m)
   assert "zero-shot " + zeroshot.describe(m) in line
 
 

@@ -51,6 +51,7 @@ from train import data as data_lib
 from train import diagnostics
 from train import file_keys
 from train import memory as memory_lib
+from train import metrics as metrics_lib
 from train import mesh as mesh_lib
 from train import model as model_lib
 from train import optim
@@ -61,7 +62,6 @@ from train import streamed_tower
 from train import workdir as workdir_lib
 from train.data.sources import remote
 from train.eval import evaluator as evaluator_lib
-from train.eval import zeroshot as zeroshot_lib
 
 # The model's builders, where callers of this module have always found them.
 make_head = model_lib.make_head
@@ -69,337 +69,11 @@ make_models = model_lib.make_models
 make_locked_tower = model_lib.make_locked_tower
 init_params = model_lib.init_params
 
-
-# ----------------------------------------------------------------- logging
-
-
-TB_FLUSH_S = 10
 # A step longer than this says how far it got, this often (tests lower it).
 PROGRESS_INTERVAL_S = 10.0
 
 
-class MetricWriter:
-  """metrics.jsonl (one JSON object per line) + TensorBoard scalars.
-
-  ``on_write(step, row)``, if given, is called after each row is written (the
-  notebook redraws its live loss curve from it).
-  """
-
-  def __init__(self, workdir: str, start_step: int, enabled: bool = True,
-               on_write: Callable[[int, dict], None] | None = None):
-    self.enabled = enabled
-    self.on_write = on_write
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = None
-    if not enabled:
-      return
-    # A resumed run drops the lines a killed run wrote after its checkpoint,
-    # so the file reads like one uninterrupted run.
-    if os.path.exists(self.path):
-      with open(self.path) as f:
-        keep = [l for l in f if l.strip() and
-                json.loads(l).get("step", 0) <= start_step]
-      with open(self.path, "w") as f:
-        f.writelines(keep)
-    try:
-      # Lazy and optional: ~0.4 s, and only process 0 writes scalars.
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-      # Written by tensorboardX's thread every flush_secs and at close, not
-      # flushed per row: its flush fsyncs (0.1-1 s on a slow or network
-      # disk, in the training loop). metrics.jsonl is the record.
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"),
-                                            flush_secs=TB_FLUSH_S)
-    except ImportError:
-      logging.warning("tensorboardX not installed: no TensorBoard scalars")
-
-  def write(self, step: int, metrics: dict) -> None:
-    if not self.enabled:
-      return
-    row = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    if self._tb is not None:
-      for k, v in metrics.items():
-        self._tb.add_scalar(k, float(v), step)
-    if self.on_write is not None:
-      self.on_write(int(step), row)
-
-  def close(self):
-    if self._tb is not None:
-      self._tb.close()
-
-
-def _progress_bar(config, total, initial, enabled):
-  if not (config.progress_bar and enabled):
-    return None
-  try:  # Lazy and optional: only process 0 shows a bar, if asked.
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-              smoothing=0.1)
-
-
-def _training_source(config, workdir, tower, is_main, stops=None):
-  """The source of config.data; with precompute_image_embeddings, the
-  embeddings of it in ``workdir/image_embeddings`` (computed there first,
-  once: a resumed run reuses them, a preempted pass is continued).
-  ``stops`` (``_EarlyStops``) is asked after each chunk of shards indexed
-  and each round of shards precomputed."""
-  stops = stops or _EarlyStops(False, is_main)
-  # Training needs no labels (zero-shot reads those of the held-out source).
-  data = data_lib.without_labels(config.data)
-  if (config.precompute_image_embeddings
-      and data_lib.sources.kind_of(data.name) != "embeddings"):
-    out = os.path.join(workdir, "image_embeddings")
-    precompute_lib.precompute(
-        config, out, tower,
-        source=data_lib.open_source(data, data.split,
-                                    between_chunks=stops.indexing),
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        log=print if is_main else (lambda *_: None),
-        between_rounds=stops.precompute)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("precompute image embeddings")
-    with data.unlocked():
-      data.name = f"embeddings:{out}"
-  source = data_lib.open_source(data, data.split,
-                                between_chunks=stops.indexing)
-  if data_lib.sources.kind_of(source.spec) == "embeddings":
-    source.check_fingerprint(tower.fingerprint, "config.model.image")
-  return source
-
-
-class _EarlyStops:
-  """The safe points before the first step (train/preemption.py): a
-  preemption signal (to any process) or a storage outage stops the run at
-  the next one, all processes at the same one, with what can be resumed
-  kept; ``train.main`` exits 75.
-
-  Args:
-    enabled: signals are caught (config.preemption_signals).
-    is_main: process 0 (says why the run stopped).
-    start_step: the step the run starts from.
-  """
-
-  def __init__(self, enabled: bool, is_main: bool, start_step: int = 0):
-    self.enabled, self.is_main, self.start_step = (enabled, is_main,
-                                                   start_step)
-
-  def check(self, phase: str, outage=None, kept: str = "") -> None:
-    """Stops the run (``preemption.Preempted``) if a signal came, on any
-    process, or if ``outage`` (a ``remote.Outage`` of this process) or
-    another process's stopped it; every process calls it at the same
-    point."""
-    name = preemption.first_signal() if self.enabled else None
-    signalled, outaged = preemption.agree([name is not None,
-                                           outage is not None])
-    if not (signalled or outaged):
-      return
-    where = (f"before step {self.start_step + 1} ({phase}"
-             + (f"; {kept}" if kept else "") + "); rerun to resume")
-    if outage is not None:  # Said by the process that met it.
-      print(f"[lit] storage outage {where}: {outage}", flush=True)
-    elif self.is_main:
-      print(f"[lit] storage outage on another process {where}" if outaged
-            else f"[lit] preempted {where}", flush=True)
-    raise preemption.Preempted(None, name or (
-        "storage outage" if outaged else "a signal to another process"))
-
-  def indexing(self, done: int, total: int, outage=None) -> None:
-    self.check(f"indexing the training shards, {done} of {total} done",
-               outage)
-
-  def precompute(self, done: int, total: int, outage=None) -> None:
-    self.check("precomputing the image embeddings", outage,
-               kept=f"{done} of this process's {total} shard(s) written, "
-               "kept for the rerun")
-
-
-# ----------------------------------------------------------------- checks
-
-
-def validate(config):
-  """Every check of ``config`` that needs no training work, in the order a
-  user thinks of the run: the keys and values, the keys that name files
-  (``train.file_keys``: a URL where none is taken is refused; the files of
-  URLs are fetched), the image tower checkpoint
-  (``train.model.check_checkpoints``: the loader's own message), the
-  tokenizer and the data (``train.data.check_data_config``), then the
-  devices. One-line ValueError or FileNotFoundError for the first problem.
-
-  Returns:
-    ``config`` with the URLs of its file keys replaced by their local
-    copies (``config`` itself when it names none): the config to run.
-  """
-  file_keys.check(config)
-  config_base.check_config(config)
-  config = file_keys.localized(config)
-  model_lib.check_checkpoints(config)
-  data_lib.check_data_config(config)
-  check_devices(config)
-  return config
-
-
-def check_devices(config) -> None:
-  """One-line errors for batch sizes that do not fit the devices."""
-  n_dev, n_proc = jax.device_count(), jax.process_count()
-  if config.batch_size % n_dev:
-    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
-                     f"by the device count {n_dev}")
-  if config.batch_size % n_proc:
-    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
-                     f"by the process count {n_proc}")
-  mb = config.microbatch_size
-  if mb != "auto" and 0 < mb < config.batch_size and mb % n_dev:
-    raise ValueError(f"config.microbatch_size={mb} is not divisible by the "
-                     f"device count {n_dev}")
-
-
-# ----------------------------------------------------------------- the step
-
-
-def _step_builder(config, mesh, tower, text_tower, head, optimizer, schedule,
-                  precomputed: bool, grouped: bool):
-  """``make_step(microbatch) -> jitted train step`` of the run: GradCache
-  over micro-batches of that size (0 or the batch: the un-chunked step);
-  streamed (the step sees image embeddings) when the locked tower is
-  embedded per micro-batch."""
-  def make_step(mb):
-    chunked = 0 < mb < config.batch_size
-    streamed = not precomputed and chunked and config.model.image.locked
-    grad_fn = step_lib.make_grad_fn(
-        mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
-        microbatch_size=mb, global_batch=config.batch_size,
-        precomputed=precomputed or streamed,
-        image_locked=config.model.image.locked, groups=grouped,
-        loss_dtype=config.loss.get("dtype") or None)
-    # The loss diagnostics re-embed a few pairs of the batch as the step
-    # sees them: uint8 images through the tower, or the embeddings.
-    embed_sample = diagnostics.make_sample_embedder(
-        embed_img=None if (precomputed or streamed) else tower.embed,
-        embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
-    return step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                    optimizer=optimizer, schedule=schedule,
-                                    embed_sample=embed_sample)
-  return make_step
-
-
-def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
-               precomputed: bool, grouped: bool):
-  """(``memory.Sizing`` of config.microbatch_size, {micro-batch: its
-  compiled train step}): the step compiled for abstract inputs of the
-  run's shapes, XLA's plan of it, plus for a streamed step the embedding
-  call and the images it holds in flight (train/memory.py)."""
-  b, n_dev = config.batch_size, mesh.size
-  device = jax.local_devices()[0]
-  limit, source = memory_lib.device_limit(config.device_memory_gb, device)
-  if config.microbatch_size != "auto" and limit is None:
-    mb = config.microbatch_size
-    return memory_lib.Sizing(mb if 0 < mb < b else b, None, None, ""), {}
-  rows = mesh_lib.rows(mesh)
-  shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
-                                                     sharding=rows)
-  abstract_state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      state)
-  side = data_lib.host_size(config.data)
-  image_bytes = side * side * 3  # One uint8 image.
-  # A batch decoder (config.data.decoder "gpu") holds its decoded
-  # micro-batches on the device too: those in its queue and the one it
-  # decodes.
-  decoded_ahead = (0 if config.data.decoder == "host"
-                   else max(1, config.data.prefetch_batches) + 1)
-  depth = max(1, config.data.prefetch_batches)
-  steps = {}
-  # A set micro-batch is compiled as the step will be (its call reuses it);
-  # "auto"'s sizes are compiled faster on a GPU (memory.plan_bytes).
-  search = config.microbatch_size == "auto"
-
-  def plan_fn(mb):
-    chunked = 0 < mb < b
-    streamed = not precomputed and chunked and config.model.image.locked
-    batch = {"text": shaped((b, tokenizer.max_len), np.int32)}
-    if precomputed or streamed:
-      batch["image_emb"] = shaped((b, tower.embed_dim), np.float32)
-    else:
-      batch["image"] = shaped((b, side, side, 3), np.uint8)
-    if grouped:
-      batch["group"] = shaped((b,), np.int32)
-    steps[mb] = make_step(mb)
-    with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
-      step_bytes = memory_lib.plan_bytes(
-          steps[mb].lower(abstract_state, batch), device.platform, search)
-    stream_bytes = 0
-    if streamed:
-      params = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(
-              x.shape, x.dtype, sharding=mesh_lib.replicated(mesh)),
-          tower.params)
-      with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
-        stream_bytes = memory_lib.plan_bytes(embed.lower(
-            params, shaped((mb, side, side, 3), np.uint8)), device.platform,
-            search)
-      stream_bytes += (depth + decoded_ahead) * (mb // n_dev) * image_bytes
-    elif not precomputed:
-      stream_bytes = decoded_ahead * (b // n_dev) * image_bytes
-    return memory_lib.Plan(mb if chunked else b, step_bytes, stream_bytes)
-
-  sizing = memory_lib.size_microbatch(
-      requested=config.microbatch_size, batch=b, multiple=n_dev,
-      plan_fn=plan_fn, limit=limit, source=source)
-  return sizing, steps
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
-
-
-def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
-  """The held-out ``evaluator.Evaluator`` of ``config`` (sets read lazily)."""
-  sets = data_lib.eval_sets_of(config)
-  return evaluator_lib.Evaluator(
-      mesh=mesh, image_tower=image_tower, text_tower=text_tower,
-      tokenizer=tokenizer, zeroshot=sets.zeroshot, retrieval=sets.retrieval,
-      batch_size=_round_up(config.eval.batch_size, mesh.size),
-      zeroshot_skipped=sets.zeroshot_skipped)
-
-
-def _eval_line(step: int, m: dict) -> str:
-  """One console line for an evaluation in the middle of a run."""
-  parts = []
-  if "zeroshot_top1" in m:
-    parts.append("zero-shot " + zeroshot_lib.describe(m))
-  if "i2t_r1" in m:
-    parts.append(f"retrieval R@1 image->text {100 * m['i2t_r1']:.1f}%, "
-                 f"text->image {100 * m['t2i_r1']:.1f}%")
-  return f"[lit] eval at step {step}: " + ("; ".join(parts) or "no eval sets")
-
-
-def _read_json(path: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
-def _last_train_row(workdir: str) -> dict:
-  """The last train-metrics row of metrics.jsonl (without "step"), or {}."""
-  row = {}
-  try:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      for line in f:
-        r = json.loads(line) if line.strip() else {}
-        if "loss" in r:
-          row = {k: v for k, v in r.items() if k != "step"}
-  except (OSError, ValueError):
-    pass
-  return row
-
-
-# ----------------------------------------------------------------- main loop
+# ----------------------------------------------------------------- the run
 
 
 def train_and_evaluate(config, workdir: str, *,
@@ -506,142 +180,46 @@ def train_and_evaluate(config, workdir: str, *,
     ckpt.close()  # After an error: lets the save in flight finish.
 
 
+def validate(config):
+  """Every check of ``config`` that needs no training work, in the order a
+  user thinks of the run: the keys and values, the keys that name files
+  (``train.file_keys``: a URL where none is taken is refused; the files of
+  URLs are fetched), the image tower checkpoint
+  (``train.model.check_checkpoints``: the loader's own message), the
+  tokenizer and the data (``train.data.check_data_config``), then the
+  devices. One-line ValueError or FileNotFoundError for the first problem.
+
+  Returns:
+    ``config`` with the URLs of its file keys replaced by their local
+    copies (``config`` itself when it names none): the config to run.
+  """
+  file_keys.check(config)
+  config_base.check_config(config)
+  config = file_keys.localized(config)
+  model_lib.check_checkpoints(config)
+  data_lib.check_data_config(config)
+  check_devices(config)
+  return config
+
+
+def check_devices(config) -> None:
+  """One-line errors for batch sizes that do not fit the devices."""
+  n_dev, n_proc = jax.device_count(), jax.process_count()
+  if config.batch_size % n_dev:
+    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
+                     f"by the device count {n_dev}")
+  if config.batch_size % n_proc:
+    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
+                     f"by the process count {n_proc}")
+  mb = config.microbatch_size
+  if mb != "auto" and 0 < mb < config.batch_size and mb % n_dev:
+    raise ValueError(f"config.microbatch_size={mb} is not divisible by the "
+                     f"device count {n_dev}")
+
+
 def checkpoint_dir(config, workdir: str) -> str:
   """config.checkpoint.directory, or <workdir>/checkpoints."""
   return config.checkpoint.directory or os.path.join(workdir, "checkpoints")
-
-
-def _catch_signals(names) -> bool:
-  """Records ``names`` instead of their default action while the run
-  trains (only the main thread may install signal handlers: elsewhere,
-  e.g. a run started from a thread, the signals keep their action)."""
-  if not names or threading.current_thread() is not threading.main_thread():
-    return False
-  preemption.catch(names)
-  return True
-
-
-def _stop_for_preemption(ckpt, step: int, signal_name: str, progress: dict,
-                         is_main: bool):
-  """Waits for the checkpoint of ``step`` (already started) to be
-  finalized, says so, and raises Preempted."""
-  if progress["pbar"] is not None:
-    progress["pbar"].close()
-    progress["pbar"] = None
-  ckpt.close()  # Waits for the save: further signals are only recorded.
-  if is_main:
-    print(f"[lit] preempted at step {step}; checkpoint saved; rerun to "
-          "resume", flush=True)
-  raise preemption.Preempted(step, signal_name)
-
-
-def _stop_before_step(ckpt, reached: int, state, data_state, progress: dict,
-                      is_main: bool, why: str, outage, outaged: bool):
-  """Stops the run before step ``reached`` + 1, whose inputs did not come
-  (a signal during the wait, or a storage outage on this or another
-  process): saves ``state`` (the train state of step ``reached``) with
-  ``data_state`` (the data iterator's state before the wait; None: saved
-  already), says why, and raises Preempted."""
-  if progress["pbar"] is not None:
-    progress["pbar"].close()
-    progress["pbar"] = None
-  if data_state is not None and reached > 0:
-    ckpt.save(reached, state, data_state)
-  ckpt.close()  # Waits for the save: further signals are only recorded.
-  saved = "checkpoint saved" if reached > 0 else "nothing to save"
-  if outage is not None:  # Said by the process that met it.
-    print(f"[lit] storage outage at step {reached}: {outage}; {saved}; "
-          "rerun to resume", flush=True)
-  elif is_main:
-    print(f"[lit] storage outage on another process at step {reached}; "
-          f"{saved}; rerun to resume" if outaged else
-          f"[lit] preempted at step {reached}; {saved}; rerun to resume",
-          flush=True)
-  raise preemption.Preempted(reached, why)
-
-
-class _DropInterrupts(std_logging.Filter):
-  """Drops log records of an exception that is a KeyboardInterrupt."""
-
-  def filter(self, record):
-    return not (record.exc_info and record.exc_info[0] is not None
-                and issubclass(record.exc_info[0], KeyboardInterrupt))
-
-
-def _stop_after_interrupt(ckpt, progress: dict, is_main: bool) -> None:
-  """Finishes (or, on a second Ctrl-C, abandons) the checkpoint in flight."""
-  if progress["pbar"] is not None:
-    progress["pbar"].close()
-    progress["pbar"] = None
-  in_flight = ckpt.latest_step()
-  note = ""
-  # A second Ctrl-C interrupts orbax's wait, which logs it with a traceback.
-  absl_logger = logging.get_absl_logger()
-  quiet = _DropInterrupts()
-  absl_logger.addFilter(quiet)
-  if is_main:
-    print(flush=True)  # After the terminal's "^C".
-  try:
-    if is_main and in_flight is not None and (
-        in_flight not in ckpt.finalized_steps()):
-      print(f"[lit] interrupted: finishing the checkpoint of step "
-            f"{in_flight} (Ctrl-C again to abandon it)", flush=True)
-    # Orbax writes the checkpoint in flight to a temporary directory and
-    # renames it into place (atomically) when complete.
-    ckpt.close()
-  except KeyboardInterrupt:
-    pass  # Abandoned (orbax logs the interrupted wait: not shown).
-  finally:
-    absl_logger.removeFilter(quiet)
-  last = max(ckpt.finalized_steps(), default=None)
-  if in_flight is not None and in_flight != last:
-    note = (f" (the checkpoint of step {in_flight} in flight was abandoned: "
-            "an incomplete checkpoint is never restored, and its temporary "
-            "directory is deleted on the next run)")
-  if is_main:
-    print(f"[lit] interrupted at step {progress['step']}; last checkpoint "
-          f"step {'none' if last is None else last}; rerun to resume{note}",
-          flush=True)
-
-
-def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
-  """A rerun of a finished run: nothing to train; evaluate only if asked (or
-  if the run was stopped before its final evaluation wrote summary.json)."""
-  path = os.path.join(workdir, "summary.json")
-  summary = _read_json(path)
-  n = config.total_steps
-  if is_main:
-    where = ("already at" if latest == n
-             else f"at step {latest}, beyond")
-    print(f"[lit] {workdir} is {where} config.total_steps={n}: nothing to "
-          f"train. To train further, rerun with --config.total_steps=N "
-          f"(N > {latest})"
-          + ("" if reevaluate else "; to evaluate again, add --reevaluate")
-          + ".", flush=True)
-  if summary is None or reevaluate:
-    mesh = mesh_lib.make_mesh()
-    tokenizer = data_lib.make_tokenizer(config)
-    image_tower, text_tower, _ = make_models(config, tokenizer)
-    params = jax.device_put(ckpt.restore_params(latest),
-                            mesh_lib.replicated(mesh))
-    evaluator = make_evaluator(config, mesh, image_tower, text_tower,
-                               tokenizer)
-    if is_main:
-      print("\n".join(evaluator.describe()), flush=True)
-    with memory_lib.phase("eval", jax.local_devices()[0],
-                          memory_lib.EVAL_HINT):
-      eval_metrics = evaluator(params)
-    if summary is None:  # Stopped after the final checkpoint.
-      summary = {"steps": latest, "resumed_from": latest,
-                 **_last_train_row(workdir)}
-    summary.update({f"eval/{k}": v for k, v in eval_metrics.items()})
-    if is_main:
-      with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
-  if is_main:
-    print(f"[lit] summary of the finished run ({path}):", flush=True)
-    print_summary(summary, done_line=False)
-  return summary
 
 
 def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
@@ -660,6 +238,9 @@ def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
   train_metrics = _loop(run, ckpt, start_step, progress, on_metrics, clock)
   return _summary(run, start_step, train_metrics, progress["writer"],
                   t_start)
+
+
+# ----------------------------------------------------------------- build
 
 
 @dataclasses.dataclass
@@ -790,6 +371,146 @@ def _microbatch(config, mesh, state, tower, embed, make_step, tokenizer,
   return mb, steps
 
 
+def _step_builder(config, mesh, tower, text_tower, head, optimizer, schedule,
+                  precomputed: bool, grouped: bool):
+  """``make_step(microbatch) -> jitted train step`` of the run: GradCache
+  over micro-batches of that size (0 or the batch: the un-chunked step);
+  streamed (the step sees image embeddings) when the locked tower is
+  embedded per micro-batch."""
+  def make_step(mb):
+    chunked = 0 < mb < config.batch_size
+    streamed = not precomputed and chunked and config.model.image.locked
+    grad_fn = step_lib.make_grad_fn(
+        mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
+        microbatch_size=mb, global_batch=config.batch_size,
+        precomputed=precomputed or streamed,
+        image_locked=config.model.image.locked, groups=grouped,
+        loss_dtype=config.loss.get("dtype") or None)
+    # The loss diagnostics re-embed a few pairs of the batch as the step
+    # sees them: uint8 images through the tower, or the embeddings.
+    embed_sample = diagnostics.make_sample_embedder(
+        embed_img=None if (precomputed or streamed) else tower.embed,
+        embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
+    return step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                    optimizer=optimizer, schedule=schedule,
+                                    embed_sample=embed_sample)
+  return make_step
+
+
+def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
+               precomputed: bool, grouped: bool):
+  """(``memory.Sizing`` of config.microbatch_size, {micro-batch: its
+  compiled train step}): the step compiled for abstract inputs of the
+  run's shapes, XLA's plan of it, plus for a streamed step the embedding
+  call and the images it holds in flight (train/memory.py)."""
+  b, n_dev = config.batch_size, mesh.size
+  device = jax.local_devices()[0]
+  limit, source = memory_lib.device_limit(config.device_memory_gb, device)
+  if config.microbatch_size != "auto" and limit is None:
+    mb = config.microbatch_size
+    return memory_lib.Sizing(mb if 0 < mb < b else b, None, None, ""), {}
+  rows = mesh_lib.rows(mesh)
+  shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
+                                                     sharding=rows)
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  side = data_lib.host_size(config.data)
+  image_bytes = side * side * 3  # One uint8 image.
+  # A batch decoder (config.data.decoder "gpu") holds its decoded
+  # micro-batches on the device too: those in its queue and the one it
+  # decodes.
+  decoded_ahead = (0 if config.data.decoder == "host"
+                   else max(1, config.data.prefetch_batches) + 1)
+  depth = max(1, config.data.prefetch_batches)
+  steps = {}
+  # A set micro-batch is compiled as the step will be (its call reuses it);
+  # "auto"'s sizes are compiled faster on a GPU (memory.plan_bytes).
+  search = config.microbatch_size == "auto"
+
+  def plan_fn(mb):
+    chunked = 0 < mb < b
+    streamed = not precomputed and chunked and config.model.image.locked
+    batch = {"text": shaped((b, tokenizer.max_len), np.int32)}
+    if precomputed or streamed:
+      batch["image_emb"] = shaped((b, tower.embed_dim), np.float32)
+    else:
+      batch["image"] = shaped((b, side, side, 3), np.uint8)
+    if grouped:
+      batch["group"] = shaped((b,), np.int32)
+    steps[mb] = make_step(mb)
+    with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
+      step_bytes = memory_lib.plan_bytes(
+          steps[mb].lower(abstract_state, batch), device.platform, search)
+    stream_bytes = 0
+    if streamed:
+      params = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(
+              x.shape, x.dtype, sharding=mesh_lib.replicated(mesh)),
+          tower.params)
+      with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
+        stream_bytes = memory_lib.plan_bytes(embed.lower(
+            params, shaped((mb, side, side, 3), np.uint8)), device.platform,
+            search)
+      stream_bytes += (depth + decoded_ahead) * (mb // n_dev) * image_bytes
+    elif not precomputed:
+      stream_bytes = decoded_ahead * (b // n_dev) * image_bytes
+    return memory_lib.Plan(mb if chunked else b, step_bytes, stream_bytes)
+
+  sizing = memory_lib.size_microbatch(
+      requested=config.microbatch_size, batch=b, multiple=n_dev,
+      plan_fn=plan_fn, limit=limit, source=source)
+  return sizing, steps
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
+  """The held-out ``evaluator.Evaluator`` of ``config`` (sets read lazily)."""
+  sets = data_lib.eval_sets_of(config)
+  return evaluator_lib.Evaluator(
+      mesh=mesh, image_tower=image_tower, text_tower=text_tower,
+      tokenizer=tokenizer, zeroshot=sets.zeroshot, retrieval=sets.retrieval,
+      batch_size=_round_up(config.eval.batch_size, mesh.size),
+      zeroshot_skipped=sets.zeroshot_skipped)
+
+
+def _training_source(config, workdir, tower, is_main, stops=None):
+  """The source of config.data; with precompute_image_embeddings, the
+  embeddings of it in ``workdir/image_embeddings`` (computed there first,
+  once: a resumed run reuses them, a preempted pass is continued).
+  ``stops`` (``_EarlyStops``) is asked after each chunk of shards indexed
+  and each round of shards precomputed."""
+  stops = stops or _EarlyStops(False, is_main)
+  # Training needs no labels (zero-shot reads those of the held-out source).
+  data = data_lib.without_labels(config.data)
+  if (config.precompute_image_embeddings
+      and data_lib.sources.kind_of(data.name) != "embeddings"):
+    out = os.path.join(workdir, "image_embeddings")
+    precompute_lib.precompute(
+        config, out, tower,
+        source=data_lib.open_source(data, data.split,
+                                    between_chunks=stops.indexing),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        log=print if is_main else (lambda *_: None),
+        between_rounds=stops.precompute)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("precompute image embeddings")
+    with data.unlocked():
+      data.name = f"embeddings:{out}"
+  source = data_lib.open_source(data, data.split,
+                                between_chunks=stops.indexing)
+  if data_lib.sources.kind_of(source.spec) == "embeddings":
+    source.check_fingerprint(tower.fingerprint, "config.model.image")
+  return source
+
+
+# ----------------------------------------------------------------- resume
+
+
 def _resume(run: _Run, ckpt, progress: dict, stops) -> int:
   """The step the run starts from: the newest checkpoint's, its train state
   and data iterator state restored, or 0."""
@@ -831,6 +552,9 @@ def _run_line(run: _Run) -> str:
              else ""))
 
 
+# ----------------------------------------------------------------- the loop
+
+
 def _loop(run: _Run, ckpt, start_step: int, progress: dict, on_metrics,
           clock) -> dict:
   """Steps ``start_step`` + 1 .. config.total_steps, each: its inputs, the
@@ -839,9 +563,9 @@ def _loop(run: _Run, ckpt, start_step: int, progress: dict, on_metrics,
   last train metrics logged."""
   config, is_main = run.config, run.is_main
   train_step = run.steps.get(run.microbatch) or run.make_step(run.microbatch)
-  writer = MetricWriter(run.workdir, start_step, enabled=is_main,
+  writer = metrics_lib.MetricWriter(run.workdir, start_step, enabled=is_main,
                         on_write=on_metrics)
-  pbar = _progress_bar(config, config.total_steps, start_step, is_main)
+  pbar = metrics_lib.progress_bar(config, config.total_steps, start_step, is_main)
   say = pbar.write if pbar is not None else functools.partial(print,
                                                               flush=True)
   # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
@@ -878,7 +602,7 @@ def _loop(run: _Run, ckpt, start_step: int, progress: dict, on_metrics,
       eval_metrics = _evaluate_or_stop(run, ckpt, step, progress)
       writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
       if is_main:
-        say(_eval_line(step, eval_metrics))
+        say(metrics_lib.eval_line(step, eval_metrics))
     # The step is done (with its logging and evaluation, so that the log
     # of a resumed run reads like one uninterrupted run): save it if a
     # signal (on any process) or the clock asks for it.
@@ -1012,6 +736,9 @@ def _evaluate_or_stop(run: _Run, ckpt, step: int, progress: dict) -> dict:
     raise  # Not reached: _stop_before_step raises Preempted.
 
 
+# ----------------------------------------------------------------- summary
+
+
 def _summary(run: _Run, start_step: int, train_metrics: dict, writer,
              t_start: float) -> dict:
   """The final evaluation and the run's summary (printed, summary.json):
@@ -1035,10 +762,217 @@ def _summary(run: _Run, start_step: int, train_metrics: dict, writer,
              "data/retries_all_processes": sum(l["retries"] for l in ledgers),
              **{f"eval/{k}": v for k, v in eval_metrics.items()}}
   if run.is_main:
-    print_summary(summary)
+    metrics_lib.print_summary(summary)
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
   return summary
+
+
+# ----------------------------------------------------------------- stops: signals, outages, Ctrl-C
+
+
+class _EarlyStops:
+  """The safe points before the first step (train/preemption.py): a
+  preemption signal (to any process) or a storage outage stops the run at
+  the next one, all processes at the same one, with what can be resumed
+  kept; ``train.main`` exits 75.
+
+  Args:
+    enabled: signals are caught (config.preemption_signals).
+    is_main: process 0 (says why the run stopped).
+    start_step: the step the run starts from.
+  """
+
+  def __init__(self, enabled: bool, is_main: bool, start_step: int = 0):
+    self.enabled, self.is_main, self.start_step = (enabled, is_main,
+                                                   start_step)
+
+  def check(self, phase: str, outage=None, kept: str = "") -> None:
+    """Stops the run (``preemption.Preempted``) if a signal came, on any
+    process, or if ``outage`` (a ``remote.Outage`` of this process) or
+    another process's stopped it; every process calls it at the same
+    point."""
+    name = preemption.first_signal() if self.enabled else None
+    signalled, outaged = preemption.agree([name is not None,
+                                           outage is not None])
+    if not (signalled or outaged):
+      return
+    where = (f"before step {self.start_step + 1} ({phase}"
+             + (f"; {kept}" if kept else "") + "); rerun to resume")
+    if outage is not None:  # Said by the process that met it.
+      print(f"[lit] storage outage {where}: {outage}", flush=True)
+    elif self.is_main:
+      print(f"[lit] storage outage on another process {where}" if outaged
+            else f"[lit] preempted {where}", flush=True)
+    raise preemption.Preempted(None, name or (
+        "storage outage" if outaged else "a signal to another process"))
+
+  def indexing(self, done: int, total: int, outage=None) -> None:
+    self.check(f"indexing the training shards, {done} of {total} done",
+               outage)
+
+  def precompute(self, done: int, total: int, outage=None) -> None:
+    self.check("precomputing the image embeddings", outage,
+               kept=f"{done} of this process's {total} shard(s) written, "
+               "kept for the rerun")
+
+
+def _catch_signals(names) -> bool:
+  """Records ``names`` instead of their default action while the run
+  trains (only the main thread may install signal handlers: elsewhere,
+  e.g. a run started from a thread, the signals keep their action)."""
+  if not names or threading.current_thread() is not threading.main_thread():
+    return False
+  preemption.catch(names)
+  return True
+
+
+def _stop_for_preemption(ckpt, step: int, signal_name: str, progress: dict,
+                         is_main: bool):
+  """Waits for the checkpoint of ``step`` (already started) to be
+  finalized, says so, and raises Preempted."""
+  if progress["pbar"] is not None:
+    progress["pbar"].close()
+    progress["pbar"] = None
+  ckpt.close()  # Waits for the save: further signals are only recorded.
+  if is_main:
+    print(f"[lit] preempted at step {step}; checkpoint saved; rerun to "
+          "resume", flush=True)
+  raise preemption.Preempted(step, signal_name)
+
+
+def _stop_before_step(ckpt, reached: int, state, data_state, progress: dict,
+                      is_main: bool, why: str, outage, outaged: bool):
+  """Stops the run before step ``reached`` + 1, whose inputs did not come
+  (a signal during the wait, or a storage outage on this or another
+  process): saves ``state`` (the train state of step ``reached``) with
+  ``data_state`` (the data iterator's state before the wait; None: saved
+  already), says why, and raises Preempted."""
+  if progress["pbar"] is not None:
+    progress["pbar"].close()
+    progress["pbar"] = None
+  if data_state is not None and reached > 0:
+    ckpt.save(reached, state, data_state)
+  ckpt.close()  # Waits for the save: further signals are only recorded.
+  saved = "checkpoint saved" if reached > 0 else "nothing to save"
+  if outage is not None:  # Said by the process that met it.
+    print(f"[lit] storage outage at step {reached}: {outage}; {saved}; "
+          "rerun to resume", flush=True)
+  elif is_main:
+    print(f"[lit] storage outage on another process at step {reached}; "
+          f"{saved}; rerun to resume" if outaged else
+          f"[lit] preempted at step {reached}; {saved}; rerun to resume",
+          flush=True)
+  raise preemption.Preempted(reached, why)
+
+
+class _DropInterrupts(std_logging.Filter):
+  """Drops log records of an exception that is a KeyboardInterrupt."""
+
+  def filter(self, record):
+    return not (record.exc_info and record.exc_info[0] is not None
+                and issubclass(record.exc_info[0], KeyboardInterrupt))
+
+
+def _stop_after_interrupt(ckpt, progress: dict, is_main: bool) -> None:
+  """Finishes (or, on a second Ctrl-C, abandons) the checkpoint in flight."""
+  if progress["pbar"] is not None:
+    progress["pbar"].close()
+    progress["pbar"] = None
+  in_flight = ckpt.latest_step()
+  note = ""
+  # A second Ctrl-C interrupts orbax's wait, which logs it with a traceback.
+  absl_logger = logging.get_absl_logger()
+  quiet = _DropInterrupts()
+  absl_logger.addFilter(quiet)
+  if is_main:
+    print(flush=True)  # After the terminal's "^C".
+  try:
+    if is_main and in_flight is not None and (
+        in_flight not in ckpt.finalized_steps()):
+      print(f"[lit] interrupted: finishing the checkpoint of step "
+            f"{in_flight} (Ctrl-C again to abandon it)", flush=True)
+    # Orbax writes the checkpoint in flight to a temporary directory and
+    # renames it into place (atomically) when complete.
+    ckpt.close()
+  except KeyboardInterrupt:
+    pass  # Abandoned (orbax logs the interrupted wait: not shown).
+  finally:
+    absl_logger.removeFilter(quiet)
+  last = max(ckpt.finalized_steps(), default=None)
+  if in_flight is not None and in_flight != last:
+    note = (f" (the checkpoint of step {in_flight} in flight was abandoned: "
+            "an incomplete checkpoint is never restored, and its temporary "
+            "directory is deleted on the next run)")
+  if is_main:
+    print(f"[lit] interrupted at step {progress['step']}; last checkpoint "
+          f"step {'none' if last is None else last}; rerun to resume{note}",
+          flush=True)
+
+
+# ----------------------------------------------------------------- a finished run
+
+
+def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
+  """A rerun of a finished run: nothing to train; evaluate only if asked (or
+  if the run was stopped before its final evaluation wrote summary.json)."""
+  path = os.path.join(workdir, "summary.json")
+  summary = _read_json(path)
+  n = config.total_steps
+  if is_main:
+    where = ("already at" if latest == n
+             else f"at step {latest}, beyond")
+    print(f"[lit] {workdir} is {where} config.total_steps={n}: nothing to "
+          f"train. To train further, rerun with --config.total_steps=N "
+          f"(N > {latest})"
+          + ("" if reevaluate else "; to evaluate again, add --reevaluate")
+          + ".", flush=True)
+  if summary is None or reevaluate:
+    mesh = mesh_lib.make_mesh()
+    tokenizer = data_lib.make_tokenizer(config)
+    image_tower, text_tower, _ = make_models(config, tokenizer)
+    params = jax.device_put(ckpt.restore_params(latest),
+                            mesh_lib.replicated(mesh))
+    evaluator = make_evaluator(config, mesh, image_tower, text_tower,
+                               tokenizer)
+    if is_main:
+      print("\n".join(evaluator.describe()), flush=True)
+    with memory_lib.phase("eval", jax.local_devices()[0],
+                          memory_lib.EVAL_HINT):
+      eval_metrics = evaluator(params)
+    if summary is None:  # Stopped after the final checkpoint.
+      summary = {"steps": latest, "resumed_from": latest,
+                 **_last_train_row(workdir)}
+    summary.update({f"eval/{k}": v for k, v in eval_metrics.items()})
+    if is_main:
+      with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+  if is_main:
+    print(f"[lit] summary of the finished run ({path}):", flush=True)
+    metrics_lib.print_summary(summary, done_line=False)
+  return summary
+
+
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _last_train_row(workdir: str) -> dict:
+  """The last train-metrics row of metrics.jsonl (without "step"), or {}."""
+  row = {}
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        r = json.loads(line) if line.strip() else {}
+        if "loss" in r:
+          row = {k: v for k, v in r.items() if k != "step"}
+  except (OSError, ValueError):
+    pass
+  return row
 
 
 def load_params(workdir: str, step: int | None = None) -> dict:
@@ -1059,35 +993,3 @@ def load_params(workdir: str, step: int | None = None) -> dict:
     return ckpt.restore_params(step)
   finally:
     ckpt.close()
-
-
-def print_summary(s: dict, done_line: bool = True) -> None:
-  lines = []
-  if done_line:
-    lines.append(f"[lit] done: {s['steps']} steps in {s['wall_s']:.0f}s"
-                 + (f" (resumed from step {s['resumed_from']})"
-                    if s["resumed_from"] else ""))
-  if "loss" in s:
-    lines.append(f"[lit] final train loss {s['loss']:.4f}, temperature "
-                 f"{s['temperature']:.4f}")
-  if "data/skipped_by_reason" in s:
-    reasons = s["data/skipped_by_reason"]
-    n = sum(reasons.values())
-    lines.append(
-        "[lit] training data: "
-        + (f"{n} bad example(s) skipped ("
-           + ", ".join(f"{k}: {v}" for k, v in reasons.items()) + ")"
-           if n else "no bad example skipped")
-        + f"; {s.get('data/retries_all_processes', 0)} remote read(s) "
-        "retried")
-  if "eval/zeroshot_top1" in s:
-    lines.append("[lit] zero-shot " + zeroshot_lib.describe(s, "eval/")
-                 + " on the held-out split")
-  if "eval/i2t_r1" in s:
-    lines.append("[lit] retrieval R@1/5/10 image->text "
-                 + "/".join(f"{100 * s[f'eval/i2t_r{k}']:.1f}"
-                            for k in (1, 5, 10))
-                 + ", text->image "
-                 + "/".join(f"{100 * s[f'eval/t2i_r{k}']:.1f}"
-                            for k in (1, 5, 10)))
-  print("\n".join(lines), flush=True)
