@@ -25,8 +25,8 @@ Arguments (default ``hf``):
 - ``user``: a first run on one GPU with the user's own checkpoint (any
   format ``train.towers.pretrained`` reads; its tokenizer.json or
   vocab.json + merges.txt as the CLIP BPE tokenizer unless
-  config.tokenizer.bpe_path says otherwise) and webdataset shards (or a CSV/TSV/JSONL table): the
-  image tower locked and embedded once, a 6-layer text tower trained from
+  config.tokenizer.bpe_path says otherwise) and webdataset shards (or a
+  CSV/TSV/JSONL table): the image tower locked and embedded once, a 6-layer text tower trained from
   scratch, zero-shot on the held-out shards from their json ``label`` and
   the class names, retrieval on the same shards. Its sizes are in
   ``_user`` below, each with why.

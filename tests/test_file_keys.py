@@ -1,6 +1,6 @@
 """Every config key that names a file takes a URL, read through the remote
-layer (train/data/sources/remote.py; here the local S3 server), or refuses one in
-a line that names the key (train/file_keys.py)."""
+layer (train/data/sources/remote.py; here the local S3 server), or refuses
+one in a line that names the key (train/file_keys.py)."""
 import os
 
 import pytest

@@ -212,7 +212,8 @@ def test_the_decoders_import_neither_each_other_nor_the_pipeline():
   graph = _import_graph(TRAIN)
   upper = {"train.data.decode.choice", "train.data.decode.gpu",
            "train.data.batching", "train.data.pipeline", "train.data"}
-  assert not graph["train.data.decode.gpu"] & upper, graph["train.data.decode.gpu"]
+  gpu = graph["train.data.decode.gpu"]
+  assert not gpu & upper, gpu
   assert not graph["train.data.batching"] & upper, graph["train.data.batching"]
   assert not graph["train.data.decode.host"] - {"train.data.sources.contract"}
 

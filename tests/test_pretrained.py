@@ -1,4 +1,5 @@
-"""train.towers.pretrained against the reference implementations' own embeddings.
+"""train.towers.pretrained against the reference implementations' own
+embeddings.
 
 The fixtures (tests/fixtures/towers/) are tiny random checkpoints written by
 transformers, timm and open_clip in the layouts users get, plus the

@@ -272,7 +272,8 @@ def test_auto_microbatch_is_logged_and_a_long_step_reports_progress(
   def slow(self, images):
     time.sleep(0.05)
     return embed(self, images)
-  monkeypatch.setattr(streamed_tower.StreamedImageTower, "embed_microbatch", slow)
+  monkeypatch.setattr(streamed_tower.StreamedImageTower, "embed_microbatch",
+                      slow)
   config = _streamed(data_dir, microbatch_size="auto", device_memory_gb=1.0,
                      batch_size=32)
   out = io.StringIO()

@@ -33,7 +33,8 @@ LOCAL_ONLY = {
     "model.image.pretrain_path": "the run writes the pretrained tower there "
                                  "when it is missing",
 }
-# Read in place (train/data/sources/remote.py) or written by orbax: for the docs.
+# Read in place (train/data/sources/remote.py) or written by orbax: for the
+# docs.
 READ_IN_PLACE = ("data.name", "data.eval_split", "data.shard_index_cache",
                  "checkpoint.directory")
 

@@ -565,7 +565,8 @@ def _loop(run: _Run, ckpt, start_step: int, progress: dict, on_metrics,
   train_step = run.steps.get(run.microbatch) or run.make_step(run.microbatch)
   writer = metrics_lib.MetricWriter(run.workdir, start_step, enabled=is_main,
                         on_write=on_metrics)
-  pbar = metrics_lib.progress_bar(config, config.total_steps, start_step, is_main)
+  pbar = metrics_lib.progress_bar(config, config.total_steps, start_step,
+                                  is_main)
   say = pbar.write if pbar is not None else functools.partial(print,
                                                               flush=True)
   # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
@@ -768,7 +769,7 @@ def _summary(run: _Run, start_step: int, train_metrics: dict, writer,
   return summary
 
 
-# ----------------------------------------------------------------- stops: signals, outages, Ctrl-C
+# ----------------------------------------------------------------- stops
 
 
 class _EarlyStops:
@@ -910,7 +911,7 @@ def _stop_after_interrupt(ckpt, progress: dict, is_main: bool) -> None:
           flush=True)
 
 
-# ----------------------------------------------------------------- a finished run
+# ----------------------------------------------------------------- finished
 
 
 def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:

@@ -102,7 +102,8 @@ def decode_text(text) -> str:
 
 class _SourceReader:
   """``read(indices)`` of a training-format source (TFDS, webdataset, CSV:
-  train/data/sources/contract.py): uint8 images at ``image_size``, text decoded."""
+  train/data/sources/contract.py): uint8 images at ``image_size``, text
+  decoded."""
 
   def __init__(self, source, image_size: int):
     self.source = source

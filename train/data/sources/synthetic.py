@@ -17,7 +17,7 @@ attribute combinations and new phrasings (chance: 1/8).
 
 The dataset is written as a TFDS dataset (array_record files) into a data
 directory by `prepare()`, then read back by the same TFDS data-source code
-path as any other TFDS dataset (see pipeline.py).
+path as any other TFDS dataset (see tfds.py).
 """
 
 import contextlib

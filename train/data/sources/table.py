@@ -8,11 +8,11 @@ Columns are named by ``config.data.table_image_column`` and
 are relative to the table file's directory unless absolute. The table and
 its images may be fsspec URLs (``s3://``, ``gs://``, ``https://``; a
 relative image path of a remote table is relative to its URL), read through
-train/data/sources/remote.py: an image that is not there is a bad example, like a
-local one; other permanent failures stop the run in one line. A JSONL caption
-may be a list of captions (one is drawn per epoch). The table is read whole
-at start-up (the standard library's csv and json: a million rows take
-seconds); the images are read when their example is. Rows with an empty
+train/data/sources/remote.py: an image that is not there is a bad example,
+like a local one; other permanent failures stop the run in one line. A JSONL
+caption may be a list of captions (one is drawn per epoch). The table is
+read whole at start-up (the standard library's csv and json: a million rows
+take seconds); the images are read when their example is. Rows with an empty
 caption or no image path are listed in ``bad_at_open``; an image file that
 cannot be read, or does not decode, is skipped when it is reached. Rows
 that name the same image file share an image id (the group of

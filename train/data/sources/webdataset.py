@@ -9,8 +9,8 @@ read once (the standard library's ``tarfile``; no member data is read) into
 an index of (shard, offset, size) per member. An example is then two
 ``os.pread`` calls at known offsets, from any thread, in any order: the
 pipeline shuffles the whole corpus by example index, and a resumed run only
-needs its position (see pipeline.py). This was measured against the
-``webdataset`` package's sequential reader (BENCHMARKS.md "Data path"):
+needs its position (see train/data/pipeline.py). This was measured against
+the ``webdataset`` package's sequential reader (BENCHMARKS.md "Data path"):
 reading members is not the bottleneck either way (JPEG decoding is), and
 random access is what makes exact resumption and a full shuffle free.
 
