@@ -255,32 +255,37 @@ def test_lit_pretrained_tiny_trains_end_to_end(tmp_path):
   assert "[lit] done: 6 steps" in r.stdout
 
 
+def _made(pit, c):
+  """The demo's tower as the trainer makes it: its cache, then the tower."""
+  pit.make_current(c)
+  return build.make_image_tower(c, jnp.float32)
+
+
 def test_the_demo_tower_cache_is_remade_when_its_recipe_changes(tmp_path):
   """The demo's pretrained tower is cached at model.image.pretrain_path with
   its recipe beside it: reused while the recipe holds, made again (not used
   silently) when the file has no recipe or another one."""
-  from train import model as model_lib  # pylint: disable=g-import-not-at-top
   from train import pretrain_image_tower as pit  # pylint: disable=g-import-not-at-top
   c = _config("d:")
   c.data.data_dir = str(tmp_path / "tfds")
   c.model.image.pretrain_path = str(tmp_path / "tower.npz")
   c.model.image.pretrain_steps = 2
   path = c.model.image.pretrain_path
-  t1 = model_lib.make_image_tower(c, jnp.float32)
+  t1 = _made(pit, c)
   recipe = open(path + ".recipe").read().strip()
   assert recipe == pit.recipe(c, 2) and pit.is_current(path, c, 2)
   stamp = os.stat(path).st_mtime_ns
-  t2 = model_lib.make_image_tower(c, jnp.float32)   # the cache, as it is
+  t2 = _made(pit, c)   # the cache, as it is
   assert os.stat(path).st_mtime_ns == stamp
   assert t2.fingerprint == t1.fingerprint
   # Another recipe (more steps): the file is stale and made again.
   c.model.image.pretrain_steps = 3
   assert pit.recipe(c, 3) != recipe and not pit.is_current(path, c, 3)
-  model_lib.make_image_tower(c, jnp.float32)
+  _made(pit, c)
   assert os.stat(path).st_mtime_ns != stamp
   assert open(path + ".recipe").read().strip() == pit.recipe(c, 3)
   # A tower without its recipe (e.g. written by an older version): remade.
   os.remove(path + ".recipe")
   assert not pit.is_current(path, c, 3)
-  model_lib.make_image_tower(c, jnp.float32)
+  _made(pit, c)
   assert pit.is_current(path, c, 3)

@@ -3,9 +3,10 @@ their initial parameters.
 
 Training (``train.train``) and the embedding precompute (``train.precompute``)
 both build the locked image tower from here, so neither imports the other.
-An own tower's ``config.model.image.pretrain_path`` is made here first
-(``train.pretrain_image_tower``) where it is missing or was made by another
-recipe; ``train.towers.build`` then loads it.
+An own tower's ``config.model.image.pretrain_path`` is made first where it
+is missing or was made by another recipe
+(``train.pretrain_image_tower.make_current``); ``train.towers.build`` then
+loads it.
 """
 from __future__ import annotations
 
@@ -61,30 +62,14 @@ def make_head(config, axis_name=None) -> ContrastiveLoss:
       block_sizes=block_sizes, axis_name=axis_name)
 
 
-def make_image_tower(config, dtype, rng=None) -> tower_lib.Tower:
-  """``towers.build.make_image_tower``, after making an own tower's
-  ``config.model.image.pretrain_path`` (``init`` empty) where it does not
-  exist or was made by another recipe (``pretrain_image_tower.recipe``): a
-  cached tower is only as good as the code and config that made it."""
-  ic = config.model.image
-  path = os.path.expanduser(ic.pretrain_path)
-  if ic.kind != "pretrained" and not ic.init and path and (
-      not pretrain_image_tower.is_current(path, config, ic.pretrain_steps)):
-    why = "made by another recipe" if os.path.exists(path) else "not made yet"
-    print(f"[lit] pretraining the image tower -> {path} ({why}; "
-          f"{ic.pretrain_steps} steps, config.model.image.pretrain_path)",
-          flush=True)
-    pretrain_image_tower.pretrain(config, path, steps=ic.pretrain_steps)
-  return towers_build.make_image_tower(config, dtype, rng)
-
-
 def make_models(config, tokenizer):
   """(image ``Tower`` with its params, text module, loss head)."""
   dtype = jnp.dtype(config.model.dtype)
   # The first of init_params' three keys: a random own tower is initialised
   # as it always was.
   rng_img = jax.random.split(jax.random.key(config.seed), 3)[0]
-  image_tower = make_image_tower(config, dtype, rng_img)
+  pretrain_image_tower.make_current(config)
+  image_tower = towers_build.make_image_tower(config, dtype, rng_img)
   embed_dim = towers_build.image_embed_dim(config, image_tower)
   text_tower = towers_build.make_text_tower(config, tokenizer, embed_dim,
                                             dtype)

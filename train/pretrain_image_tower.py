@@ -16,7 +16,7 @@ pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
 
 The trainer runs this itself (with a log line) when ``config.model.image.init``
 is empty and the ``config.model.image.pretrain_path`` it names instead does
-not exist yet, or was made by another recipe (``train.model``): a
+not exist yet, or was made by another recipe (``make_current``): a
 cached tower is only as good as the code and config that made it, so
 ``pretrain`` writes ``recipe(...)`` beside it (``PATH.recipe``) and a file
 whose recipe differs is made again rather than used silently.
@@ -76,6 +76,22 @@ def is_current(path: str, config, steps: int) -> bool:
       return os.path.exists(path) and f.read().strip() == recipe(config, steps)
   except OSError:
     return False
+
+
+def make_current(config) -> None:
+  """Makes config.model.image.pretrain_path (an own tower, ``init`` empty)
+  where it does not exist or was made by another recipe, saying so in one
+  line; the trainer calls it before it loads the tower."""
+  ic = config.model.image
+  path = os.path.expanduser(ic.pretrain_path)
+  if ic.kind == "pretrained" or ic.init or not path or is_current(
+      path, config, ic.pretrain_steps):
+    return
+  why = "made by another recipe" if os.path.exists(path) else "not made yet"
+  print(f"[lit] pretraining the image tower -> {path} ({why}; "
+        f"{ic.pretrain_steps} steps, config.model.image.pretrain_path)",
+        flush=True)
+  pretrain(config, path, steps=ic.pretrain_steps)
 
 
 class _Classifier(nn.Module):

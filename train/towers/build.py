@@ -8,8 +8,8 @@
   ``config.data.image_size``;
 - "cnn" / "vit": this project's own tower (``train.towers.own``), from the
   ``.npz`` at ``init``; with ``init`` empty, from ``pretrain_path`` (which
-  the trainer first makes with ``train.pretrain_image_tower`` where it is
-  missing or stale: ``train.model.make_image_tower``), or, with neither,
+  the trainer first makes where it is missing or stale:
+  ``train.pretrain_image_tower.make_current``), or, with neither,
   randomly initialised (tests and benchmarks only).
 
 A path that is given and does not exist is always an error.
