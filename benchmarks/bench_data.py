@@ -36,7 +36,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 
 
 def write_shards(directory, num, per_shard=1024):
-  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  from train.data.sources import synthetic  # pylint: disable=import-outside-toplevel
   pool = synthetic.JpegPool(num, size=256, pool=min(num, 512))
   n_shards = -(-num // per_shard)
   for s in range(n_shards):
@@ -74,16 +74,16 @@ def read_webdataset(pattern):
 
 def per_core_rates(jpgs, image_size, decode_size, reps):
   """img/s on one thread: decode only at decode_size, decode + resize."""
-  from train.data import pipeline  # pylint: disable=import-outside-toplevel
+  from train.data.decode import host as host_lib  # pylint: disable=import-outside-toplevel
 
   def decode_only():
     for j in jpgs:
-      pipeline.resize_crop(pipeline.decode_image(j, "", decode_size),
+      host_lib.resize_crop(host_lib.decode_host(j, "", decode_size),
                            decode_size)  # A no-op for C x C JPEGs.
 
   def decode_resize():
     for j in jpgs:
-      pipeline.resize_crop(pipeline.decode_image(j, "", image_size),
+      host_lib.resize_crop(host_lib.decode_host(j, "", image_size),
                            image_size)
 
   out = {}
@@ -98,16 +98,15 @@ def host_library_rates(jpgs, image_size, reps):
   """img/s on one thread per host JPEG library, a row each as it finishes:
   decode at full size (the 256 px JPEGs of decode_size=256) and decode +
   resize/crop to image_size (each library at its own DCT scale, then
-  pipeline.resize_crop)."""
+  host.resize_crop)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from train.data import image  # pylint: disable=import-outside-toplevel
-  from train.data import pipeline  # pylint: disable=import-outside-toplevel
+  from train.data.decode import host as host_lib  # pylint: disable=import-outside-toplevel
   libs = {}
-  libs["pillow"] = lambda j, s: image.decode_host(j, "", s, "pillow")
+  libs["pillow"] = lambda j, s: host_lib.decode_host(j, "", s, "pillow")
   try:
     import simplejpeg  # pylint: disable=import-outside-toplevel,unused-import
-    libs["simplejpeg"] = lambda j, s: image.decode_host(j, "", s,
-                                                        "simplejpeg")
+    libs["simplejpeg"] = lambda j, s: host_lib.decode_host(j, "", s,
+                                                           "simplejpeg")
   except ImportError as e:
     libs["simplejpeg"] = e
   try:
@@ -117,8 +116,8 @@ def host_library_rates(jpgs, image_size, reps):
         np.frombuffer(j, np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
   except Exception as e:  # pylint: disable=broad-except
     libs["opencv"] = e
-  ref = [pipeline.resize_crop(image.decode_host(j, "", image_size,
-                                                "pillow"), image_size)
+  ref = [host_lib.resize_crop(host_lib.decode_host(j, "", image_size,
+                                                   "pillow"), image_size)
          for j in jpgs[:64]]
   for name, fn in libs.items():
     if isinstance(fn, Exception):
@@ -126,7 +125,7 @@ def host_library_rates(jpgs, image_size, reps):
              "status": f"unavailable: {type(fn).__name__}: {fn}"[:200]}
       continue
     decode_only = lambda fn=fn: [fn(j, 0) for j in jpgs]
-    decode_resize = lambda fn=fn: [pipeline.resize_crop(fn(j, image_size),
+    decode_resize = lambda fn=fn: [host_lib.resize_crop(fn(j, image_size),
                                                         image_size)
                                    for j in jpgs]
     row = {"kind": "host_library", "library": name, "status": "ok"}
@@ -134,7 +133,7 @@ def host_library_rates(jpgs, image_size, reps):
                      ("decode_resize", decode_resize)):
       t = harness.timeit(f, reps=reps, warmup=1)
       row[f"{label}_img_s_per_core"] = len(jpgs) / t.median
-    got = [pipeline.resize_crop(fn(j, image_size), image_size)
+    got = [host_lib.resize_crop(fn(j, image_size), image_size)
            for j in jpgs[:64]]
     diff = np.abs(np.stack(got).astype(np.int16) - np.stack(ref))
     row["max_abs_diff_vs_pillow"] = int(diff.max())
@@ -183,10 +182,10 @@ def gpu_beside_load_rates(jpgs, image_size, batch, reps):
   """GpuBatchDecoder.decode of one trainer micro-batch (``batch``), alone
   and beside a bf16 matmul load, and the load's rate alone and beside it:
   how much each slows the other (one row)."""
-  from train.data import decoders  # pylint: disable=import-outside-toplevel
-  if decoders.gpu_unavailable():
+  from train.data.decode import choice  # pylint: disable=import-outside-toplevel
+  if choice.gpu_unavailable():
     return
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   batch_jpgs = [jpgs[i % len(jpgs)] for i in range(batch)]
   load = _MatmulLoad()
   dec = gpu_decode.GpuBatchDecoder("auto")
@@ -211,15 +210,15 @@ def gpu_decoder_rates(jpgs, image_size, batches, reps):
   row each as it finishes."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from train.data import decode  # pylint: disable=import-outside-toplevel
-  from train.data import decoders  # pylint: disable=import-outside-toplevel
-  why = decoders.gpu_unavailable()
+  from train.data.decode import choice  # pylint: disable=import-outside-toplevel
+  from train.data.decode import host as host_lib  # pylint: disable=import-outside-toplevel
+  why = choice.gpu_unavailable()
   if why:
     yield {"kind": "gpu_decoder", "status": f"unavailable: {why}"}
     return
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
-  host = np.stack([decode.HostBatchDecoder().decode(
-      jpgs[:256], [""] * 256, image_size)[0]])[0]
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
+  host = np.stack([host_lib.resize_crop(host_lib.decode_host(
+      j, "", image_size), image_size) for j in jpgs[:256]])
   for backend in ("auto", "hw", "cuda"):
     try:
       dec = gpu_decode.GpuBatchDecoder(backend)
@@ -344,7 +343,7 @@ def _key(r):
 
 def decoders(args, rows, res):
   """--decoders: the host libraries per core, nvImageCodec on the GPU."""
-  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  from train.data.sources import synthetic  # pylint: disable=import-outside-toplevel
   res.update(harness.device_meta())
   pool = synthetic.JpegPool(args.num, size=256, pool=min(args.num, 512))
   jpgs = [pool[i]["image"] for i in range(min(args.num, 512))]
@@ -379,7 +378,7 @@ def decoders(args, rows, res):
 def reading_and_pipeline(args, rows, res, threads, workers):
   """Reading the shards, one core's decode, the pipeline cases."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from train.data import webdataset as wds_lib  # pylint: disable=import-outside-toplevel
+  from train.data.sources import webdataset as wds_lib  # pylint: disable=import-outside-toplevel
   meta = dict(date=res["date"], jax=res["jax"])
   with tempfile.TemporaryDirectory() as tmp:
     t0 = time.perf_counter()

@@ -85,11 +85,11 @@ def trained(args):
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
   from train import data as data_lib  # pylint: disable=import-outside-toplevel
-  from train import evaluate  # pylint: disable=import-outside-toplevel
+  from train.eval import evaluator  # pylint: disable=import-outside-toplevel
   from train import step as step_lib  # pylint: disable=import-outside-toplevel
   from train import train  # pylint: disable=import-outside-toplevel
   from train.eval import retrieval  # pylint: disable=import-outside-toplevel
-  from train.eval import stream  # pylint: disable=import-outside-toplevel
+  from train.eval import embed as embed_lib  # pylint: disable=import-outside-toplevel
   from train.eval import zeroshot  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location("cfg", args.config)
   module = importlib.util.module_from_spec(spec)
@@ -103,15 +103,15 @@ def trained(args):
   got, t_eval = _once(ev, params)
   print(f"\n{args.workdir}: the evaluator's pass in {t_eval:.1f} s: "
         + ", ".join(f"{k} {v:.4f}" for k, v in got.items()))
-  emb = stream.embed_split(ev.zeroshot.split, mesh=mesh,
-                           image_embed=ev._embed_img,  # pylint: disable=protected-access
-                           params=params["img"], batch_size=ev.batch_size)
-  cls = evaluate.class_embeddings(ev._embed_txt, params["txt"], tokenizer,  # pylint: disable=protected-access
-                                  ev.zeroshot.classnames,
-                                  ev.zeroshot.templates, ev.batch_size)
-  texts, owner = evaluate.caption_table(emb.captions)
-  txt = evaluate.embed_all(ev._embed_txt, params["txt"],  # pylint: disable=protected-access
-                           tokenizer.encode(texts), ev.batch_size)
+  emb = embed_lib.embed_split(ev.zeroshot.split, mesh=mesh,
+                              image_embed=ev._embed_img,  # pylint: disable=protected-access
+                              params=params["img"], batch_size=ev.batch_size)
+  cls = evaluator.class_embeddings(ev._embed_txt, params["txt"], tokenizer,  # pylint: disable=protected-access
+                                   ev.zeroshot.classnames,
+                                   ev.zeroshot.templates, ev.batch_size)
+  texts, owner = evaluator.caption_table(emb.captions)
+  txt = evaluator.embed_all(ev._embed_txt, params["txt"],  # pylint: disable=protected-access
+                            tokenizer.encode(texts), ev.batch_size)
   _compare("trained run, zero-shot",
            lambda i, k, l: zeroshot.accuracy(_unit(i), _unit(k), l),
            emb.images, cls, emb.labels)

@@ -169,8 +169,8 @@ def main(argv=None):
   meta = {"date": harness.now(), "cores": cores, "num": args.num,
           "host": socket.gethostname()}
   procs = []
-  from train.data import remote  # pylint: disable=import-outside-toplevel
-  from train.data import webdataset  # pylint: disable=import-outside-toplevel
+  from train.data.sources import remote  # pylint: disable=import-outside-toplevel
+  from train.data.sources import webdataset  # pylint: disable=import-outside-toplevel
   try:
     with tempfile.TemporaryDirectory() as tmp:
       shard_dir = os.path.join(tmp, "shards")

@@ -269,7 +269,7 @@ def _hf_clip_b16(path):
 def _lit_tower(spec):
   """(Tower, load seconds): the HF-CLIP-layout checkpoint, loaded."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from train import pretrained  # pylint: disable=import-outside-toplevel
+  from train.towers import pretrained  # pylint: disable=import-outside-toplevel
   path = FIXTURE_HF if spec["quick"] else _hf_clip_b16(spec["hf_dir"])
   t0 = time.perf_counter()
   tower = pretrained.load_image_tower(path, dtype=jnp.bfloat16)

@@ -37,8 +37,8 @@ sys.path.insert(0, ROOT)
 from benchmarks import harness  # pylint: disable=wrong-import-position
 
 PHASE_TAG = "BENCH_TRAIN_PHASE "
-# A stream case's progress lines (train.stream.StepProgress), echoed by the
-# parent into its log as they come.
+# A stream case's progress lines (train.streamed_tower.StepProgress), echoed
+# by the parent into its log as they come.
 PROGRESS_TAG = ("[bench_train] step", "[bench_train] micro-batch")
 PROGRESS_INTERVAL_S = 10.0
 # Where a child is (build, compile, embed, step, stages): an out-of-memory
@@ -96,7 +96,7 @@ def _build(spec):
   from train.towers import text as text_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
 
-  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  from train import streamed_tower  # pylint: disable=g-import-not-at-top
 
   PHASE[0] = "build"
   m = spec["model"]
@@ -118,7 +118,7 @@ def _build(spec):
     if mb not in steps:
       steps[mb] = make_step(mb)
     return steps[mb]
-  embed = stream_lib.make_embed(mesh, tower)
+  embed = streamed_tower.make_embed(mesh, tower)
   sizing = _size(spec, step_for, state, tower, embed, mesh)
   train_step = step_for(sizing.microbatch)
   # Copies: the train step donates the state's params.
@@ -324,7 +324,7 @@ def input_config(spec):
   config.data.num_workers = spec.get("workers") or default_workers()
   config.data.num_threads = 1
   # With decoder="gpu" the workers still read the bytes, check each JPEG's
-  # markers and tokenize (the device decodes: train/data/gpu_decode.py).
+  # markers and tokenize (the device decodes: train/data/decode/gpu.py).
   # --gpu_host_threads N does that in N threads of this process instead,
   # where they share the GIL with the decoder and the tower (bench_data.py
   # --bytes_only on 2 VM cores: 12,979 img/s from 1 thread, 6,032 from 4,
@@ -343,14 +343,14 @@ def input_config(spec):
 
 def stream_child(spec) -> dict:
   """A stream case: the step on embeddings streamed from JPEG bytes through
-  the trainer's input path (train/stream.py), the host's time split into
-  waiting for the pipeline, device_put and the rest; and the device's
+  the trainer's input path (train/streamed_tower.py), the host's time split
+  into waiting for the pipeline, device_put and the rest; and the device's
   embedding rate alone."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  from train import streamed_tower  # pylint: disable=g-import-not-at-top
   from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  from train.data.sources import synthetic  # pylint: disable=g-import-not-at-top
   config = input_config(spec)
   t0 = time.perf_counter()
   host = harness.HostMemory().__enter__()
@@ -361,12 +361,12 @@ def stream_child(spec) -> dict:
   b, mb = spec["batch"], parts["microbatch"]
   jax_params = jax.device_put(parts["params_img"])
   # The trainer's progress line, every PROGRESS_INTERVAL_S of a step.
-  progress = stream_lib.StepProgress(
+  progress = streamed_tower.StepProgress(
       lambda line: print(line, flush=True), interval_s=spec.get(
           "progress_interval_s", PROGRESS_INTERVAL_S), tag="[bench_train]")
-  streamer = stream_lib.StreamedImageTower(mesh, tower, jax_params, depth=2,
-                                           embed=parts["embed"],
-                                           progress=progress)
+  streamer = streamed_tower.StreamedImageTower(mesh, tower, jax_params,
+                                               depth=2, embed=parts["embed"],
+                                               progress=progress)
   steps = spec.get("steps", 1)
   source = synthetic.JpegPool(b * steps + mb, size=spec["jpeg_size"],
                               pool=1024)
@@ -491,7 +491,8 @@ def precompute_child(spec) -> dict:
   from train import precompute as precompute_lib  # pylint: disable=g-import-not-at-top
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
   from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  from train.data.sources import synthetic  # pylint: disable=g-import-not-at-top
+  from train.eval import embed as embed_lib  # pylint: disable=g-import-not-at-top
   config = input_config(spec)
   # precompute reads (and with the host decoder decodes) on threads.
   config.data.num_threads = spec.get("workers") or default_workers()
@@ -522,7 +523,7 @@ def precompute_child(spec) -> dict:
                                    / (marks[-1][0] - marks[0][0]))
   # The device alone: the embedding call on a fixed uint8 batch.
   mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
-  embed = step_lib.make_embed_fn(mesh, tower)
+  embed = embed_lib.make_embed_fn(mesh, tower)
   params = jax.device_put(tower.params, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec()))
   c = pipeline.host_size(config.data)
@@ -560,7 +561,7 @@ def stages_child(spec) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
   from train import step as step_lib  # pylint: disable=g-import-not-at-top
-  from train import stream as stream_lib  # pylint: disable=g-import-not-at-top
+  from train import streamed_tower  # pylint: disable=g-import-not-at-top
   from train.towers import resize as resize_lib  # pylint: disable=g-import-not-at-top
   PHASE[0] = "stages"
   t0 = time.perf_counter()
@@ -611,10 +612,10 @@ def stages_child(spec) -> dict:
       {"params": p}, a).astype(jnp.float32))
   rate("tower", forward, params, z)
   del z
-  embed = stream_lib.make_embed(mesh, tower)
+  embed = streamed_tower.make_embed(mesh, tower)
   rate("embed_device", embed, params, xd)
-  streamer = stream_lib.StreamedImageTower(mesh, tower, params, depth=2,
-                                           embed=embed)
+  streamer = streamed_tower.StreamedImageTower(mesh, tower, params, depth=2,
+                                               embed=embed)
   rate("embed_host", streamer.embed_microbatch, x)
 
   def pipelined(k=4):
@@ -708,7 +709,7 @@ def gpu_variants(text: str) -> list:
   "threads=N": N nvImageCodec decoders per GPU on their threads;
   "read_ahead=N": N chunks read ahead on a thread of their own. A bad
   variant is a one-line error before any case runs."""
-  from train.data import gpu_decode  # pylint: disable=g-import-not-at-top
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=g-import-not-at-top
   out = []
   for variant in text.split(";"):
     words, settings, extra, options = variant.split(), {}, {}, []

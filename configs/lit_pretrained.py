@@ -1,6 +1,6 @@
 """LiT with a pretrained ViT-B/16 the user already has on disk.
 
-The image tower is read by ``train.pretrained`` from a local checkpoint
+The image tower is read by ``train.towers.pretrained`` from a local checkpoint
 (format, architecture, mean/std and embedding size come from its files),
 locked, and run at ``config.data.image_size``; the text tower is trained
 from scratch (or started from the CLIP text tower, ``:hf_text``) with the
@@ -23,10 +23,10 @@ shards"):
 Arguments (default ``hf``):
 
 - ``user``: a first run on one GPU with the user's own checkpoint (any
-  format ``train.pretrained`` reads; its tokenizer.json or vocab.json +
-  merges.txt as the CLIP BPE tokenizer unless config.tokenizer.bpe_path
-  says otherwise) and webdataset shards (or a CSV/TSV/JSONL table): the
-  image tower locked and embedded once, a 6-layer text tower trained from
+  format ``train.towers.pretrained`` reads; its tokenizer.json or
+  vocab.json + merges.txt as the CLIP BPE tokenizer unless
+  config.tokenizer.bpe_path says otherwise) and webdataset shards (or a
+  CSV/TSV/JSONL table): the image tower locked and embedded once, a 6-layer text tower trained from
   scratch, zero-shot on the held-out shards from their json ``label`` and
   the class names, retrieval on the same shards. Its sizes are in
   ``_user`` below, each with why.

@@ -14,7 +14,7 @@ import tarfile
 import ml_collections
 
 from train import data as data_lib
-from train.data import synthetic
+from train.data.sources import synthetic
 
 IMAGE_SIZE = 16
 PER_SHARD = 16

@@ -17,13 +17,13 @@ import os
 import shutil
 import tarfile
 
-from train.data import synthetic
+from train.data.sources import synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOWERS = os.path.join(ROOT, "tests", "fixtures", "towers")
 IMAGE_SIZE = 16
 # The kinds of bad member a web corpus has, and the reason each is counted
-# under (train/data/source.py, reason_kind).
+# under (train/data/ledger.py, reason_kind).
 PLANTED = {
     "corrupt_jpeg": "undecodable image",    # a JPEG cut short
     "not_a_jpeg": "undecodable image",      # an HTML error page as .jpg

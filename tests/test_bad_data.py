@@ -14,7 +14,7 @@ import pytest
 
 from tests import lit_fixtures
 from train import data as D
-from train.data.source import TooMuchBadData
+from train.data.ledger import TooMuchBadData
 
 sys.path.insert(0, lit_fixtures.ROOT)
 
@@ -162,7 +162,8 @@ def test_a_caption_that_is_not_utf8_is_bad_not_trained_on(tmp_path):
   it = _run(D.make_train_iterator(config, batch_size=4, seed=0), 6)
   assert dict(it.ledger.by_reason) == {"caption is not valid UTF-8": 1}
   assert it.ledger.state()["counted"] == ["u-000000.tar:000004"]
-  with pytest.raises(D.sources.BadExample, match=r"u-000000.tar:000004: "
+  with pytest.raises(D.sources.contract.BadExample,
+                     match=r"u-000000.tar:000004: "
                      r"caption is not valid UTF-8 \(byte 0xe9 at 16\)"):
     source[source.keys.index("u-000000.tar:000004")]
   # A CSV row with such a caption: bad at open, named by file:line.

@@ -221,13 +221,13 @@ def test_gpu_decoder_cases_run_end_to_end_on_the_stand_in(kind, monkeypatch):
   import sys  # pylint: disable=import-outside-toplevel
   import types  # pylint: disable=import-outside-toplevel
   from tests import test_gpu_decode  # pylint: disable=import-outside-toplevel
-  from train.data import decoders  # pylint: disable=import-outside-toplevel
+  from train.data.decode import choice  # pylint: disable=import-outside-toplevel
   made = []
   module = test_gpu_decode._fake_nvimgcodec(made)  # pylint: disable=protected-access
   monkeypatch.setitem(sys.modules, "nvidia",
                       types.SimpleNamespace(nvimgcodec=module))
   monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", module)
-  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(choice, "gpu_unavailable", lambda: "")
   variant, = bench_train.gpu_variants("threads=3 read_ahead=2")
   spec = dict(kind=kind, mode=kind, batch=256, microbatch=32,
               measure_loss=False, reps=1, steps=1, workers=1,

@@ -210,7 +210,7 @@ def test_zero_shot_on_a_table_label_column(files, tmp_path):
   """A CSV held-out set with a label column, class names keyed by the
   integer labels ("label<TAB>name", any order)."""
   from train import data as data_lib  # pylint: disable=g-import-not-at-top
-  from train.data import synthetic  # pylint: disable=g-import-not-at-top
+  from train.data.sources import synthetic  # pylint: disable=g-import-not-at-top
   rows = ["image,caption,label"]
   for i in range(6):
     image, attrs, _ = synthetic.render_example(2, "test", i, 16)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from train import data as D
-from train.data import pipeline
-from train.data import sources
-from train.data import synthetic
+from train.data.decode import host as host_lib
+from train.data.sources import synthetic
+from train.data.sources import tfds
 from train.data import tokenizer as tokenizer_lib
 
 IMAGE_SIZE = 16
@@ -160,7 +160,7 @@ def test_shapes_and_sizes_differ_in_pixels():
 
 
 def test_heldout_combinations_and_templates(data_dir):
-  builder = sources.builder_for(_config(data_dir).data)
+  builder = tfds.builder_for(_config(data_dir).data)
   for split, want_heldout in (("train", False), ("test", True)):
     source = builder.as_data_source(split=split)
     combos = {(int(ex["label"]), int(ex["color"])) for ex in
@@ -192,11 +192,11 @@ def test_prepare_is_cached_and_reproducible(data_dir, tmp_path):
   assert synthetic.prepare(tmp_path / "k", image_size=8, num_train=16,
                            num_test=4) == stale
   assert not os.path.exists(partial)
-  assert len(sources._builder_from_dir(stale).as_data_source(split="train")) == 16
+  assert len(tfds._builder_from_dir(stale).as_data_source(split="train")) == 16
   # Two processes generating into one directory at once (multi-process
   # start-up) both succeed; a generation in another directory reads back
   # identical examples (deterministic generation and TFDS write order).
-  code = ("import sys; from train.data import synthetic; "
+  code = ("import sys; from train.data.sources import synthetic; "
           "print(synthetic.prepare(sys.argv[1], image_size=8, num_train=48, "
           "num_test=8))")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,7 +207,7 @@ def test_prepare_is_cached_and_reproducible(data_dir, tmp_path):
   outs = [p.communicate(timeout=120) for p in procs]
   assert all(p.returncode == 0 for p in procs), outs
   assert outs[0][0] == outs[1][0]
-  builders = [sources._builder_from_dir(out.strip().splitlines()[-1])
+  builders = [tfds._builder_from_dir(out.strip().splitlines()[-1])
               for out, _ in (outs[0], outs[2])]
   for split, n in (("train", 48), ("test", 8)):
     a, b = (bld.as_data_source(split=split) for bld in builders)
@@ -303,10 +303,10 @@ def test_process_shards_disjoint_and_covering(data_dir):
 def test_preprocess_resize_crop_gray():
   img = np.zeros((40, 80, 3), np.uint8)
   img[:, 20:60] = 255  # a centered white band: the central crop keeps it
-  out = pipeline.preprocess_image(img, 16)
+  out = host_lib.preprocess_image(img, 16)
   assert out.shape == (16, 16, 3) and out.dtype == np.float32
   assert out[:, 2:14].min() > 0.9
-  gray = pipeline.preprocess_image(np.full((20, 10, 1), 255, np.uint8), 8)
+  gray = host_lib.preprocess_image(np.full((20, 10, 1), 255, np.uint8), 8)
   assert gray.shape == (8, 8, 3) and np.allclose(gray, 1.0)
 
 
@@ -329,7 +329,7 @@ def test_eval_sets(data_dir):
   for captions, label in zip(retrieval.captions, zeroshot.labels):
     assert captions and synthetic.SHAPES[label] in captions[0]
   # The held-out split really is held out: its images' combos are unseen.
-  builder = sources.builder_for(config.data)
+  builder = tfds.builder_for(config.data)
   test = builder.as_data_source(split="test")
   assert all(synthetic.is_heldout(int(test[i]["label"]), int(test[i]["color"]))
              for i in range(len(test)))

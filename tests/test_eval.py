@@ -19,15 +19,16 @@ from jax.sharding import PartitionSpec as P
 
 from configs import lit_demo
 from train import data as data_lib
-from train import evaluate
+from train.eval import evaluator
+from train import metrics
 from train import step as step_lib
-from train.data import pipeline
+from train.data.decode import host as host_lib
 from train import train
 from train.data import eval_sets
-from train.data import synthetic
+from train.data.sources import synthetic
 from train.eval import names
 from train.eval import retrieval
-from train.eval import stream
+from train.eval import embed as embed_lib
 from train.eval import zeroshot
 
 TFDS_IMAGENET_LABELS = os.path.join(
@@ -131,7 +132,7 @@ def test_chance_is_printed_one_way():
        "zeroshot_num_classes": 8.0, "zeroshot_chance": zeroshot.chance(8)}
   assert zeroshot.describe(m) == ("top-1 54.7%, top-5 98.0% (8 classes; "
                                   "chance 1/8 = 12.5%, 4.4x)")
-  line = train._eval_line(3, m)
+  line = metrics.eval_line(3, m)
   assert "zero-shot " + zeroshot.describe(m) in line
 
 
@@ -253,7 +254,7 @@ def _in_memory(config, tokenizer, image_tower, text_tower, params):
   """The whole split in memory, one forward pass, as [-1, 1] floats."""
   zs, rs = data_lib.make_eval_sets(config, tokenizer)
   examples = zs.split.read_all()
-  images = pipeline.to_float(np.stack([e["image"] for e in examples]))
+  images = host_lib.to_float(np.stack([e["image"] for e in examples]))
   img = np.asarray(image_tower.module.apply({"params": params["img"]},
                                             images))
   prompts = zeroshot.prompts(zs.classnames, zs.templates)
@@ -261,7 +262,7 @@ def _in_memory(config, tokenizer, image_tower, text_tower, params):
       {"params": params["txt"]}, tokenizer.encode(prompts))),
       len(zs.classnames))
   labels = np.array([e["label"] for e in examples])
-  texts, owner = evaluate.caption_table([e["captions"] for e in examples])
+  texts, owner = evaluator.caption_table([e["captions"] for e in examples])
   txt = np.asarray(text_tower.apply({"params": params["txt"]},
                                     tokenizer.encode(texts)))
   out = zeroshot.accuracy(_unit(img), cls, labels)
@@ -285,7 +286,7 @@ def test_streamed_evaluation_equals_the_in_memory_one(data_dir):
     assert got["retrieval_num_captions"] == 29  # One caption per test image.
     for k, v in want.items():
       assert got[k] == pytest.approx(v, abs=1e-9), (bs, k)
-    emb = stream.embed_split(
+    emb = embed_lib.embed_split(
         ev.zeroshot.split, mesh=mesh, image_embed=ev._embed_img,
         params=params["img"], batch_size=bs)
     np.testing.assert_allclose(emb.images, img_ref, rtol=1e-5, atol=1e-6)
@@ -330,16 +331,16 @@ def test_streamed_memory_does_not_grow_with_the_split():
   size, d, bs = 64, 8, 16
   w = jnp.asarray(np.random.default_rng(0).normal(size=(size * size * 3, d)),
                   jnp.float32)
-  embed = stream.make_image_embed(
+  embed = embed_lib.make_image_embed(
       mesh, lambda p, x: x.reshape(x.shape[0], -1).astype(jnp.float32) @ p)
   peaks = {}
   for n in (64, 512):
     split = _fake_split(n, size)
-    stream.embed_split(split, mesh=mesh, image_embed=embed, params=w,
-                       batch_size=bs)  # Compiles; warms caches.
+    embed_lib.embed_split(split, mesh=mesh, image_embed=embed, params=w,
+                          batch_size=bs)  # Compiles; warms caches.
     tracemalloc.start()
-    emb = stream.embed_split(split, mesh=mesh, image_embed=embed, params=w,
-                             batch_size=bs)
+    emb = embed_lib.embed_split(split, mesh=mesh, image_embed=embed,
+                                params=w, batch_size=bs)
     peaks[n] = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert emb.images.shape == (n, d) and emb.labels.tolist() == [
@@ -382,8 +383,9 @@ def test_config_check_names_bad_zero_shot_keys(tmp_path):
 def test_the_training_split_size_feeds_the_batch_warning(data_dir):
   from train import optim  # pylint: disable=import-outside-toplevel
   from train.data import sources  # pylint: disable=import-outside-toplevel
+  from train.data.sources import tfds  # pylint: disable=import-outside-toplevel
   config = _tiny(data_dir)
-  sources.builder_for(config.data)  # Prepared.
+  tfds.builder_for(config.data)  # Prepared.
   # The trainer passes the training source's length (any source format).
   n = len(sources.open_source(config.data, config.data.split))
   assert n == config.data.num_train_examples == 128

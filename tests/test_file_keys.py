@@ -1,6 +1,6 @@
 """Every config key that names a file takes a URL, read through the remote
-layer (train/data/remote.py; here the local S3 server), or refuses one in
-a line that names the key (train/file_keys.py)."""
+layer (train/data/sources/remote.py; here the local S3 server), or refuses
+one in a line that names the key (train/file_keys.py)."""
 import os
 
 import pytest
@@ -10,7 +10,7 @@ from tests import lit_fixtures
 from tests.netservers import moto_endpoint  # noqa: F401  (fixture)
 from tests.netservers import s3  # noqa: F401  (fixture)
 from train import file_keys
-from train.data import remote
+from train.data.sources import remote
 
 pytest.importorskip("s3fs", reason="the cloud extra")
 pytest.importorskip("moto", reason="the dev extra")

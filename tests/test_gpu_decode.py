@@ -20,13 +20,13 @@ from PIL import Image
 from tests import corpus as corpus_lib
 from train import data as D
 from train.data import batching
-from train.data import decode
-from train.data import decoders
-from train.data import image as image_lib
+from tests import host_decoder
+from train.data.decode import choice
+from train.data.decode import host as host_lib
 from train.data import pipeline
 from train.data import stopwatch
-from train.data.source import BadExample
-from train.data.source import TooMuchBadData
+from train.data.sources.contract import BadExample
+from train.data.ledger import TooMuchBadData
 
 S = corpus_lib.IMAGE_SIZE
 
@@ -93,42 +93,42 @@ def _images(seed=0):
 
 def test_every_cut_of_a_jpeg_is_found_and_whole_ones_pass():
   for data in _images():
-    assert image_lib.jpeg_problem(data) == ""
-    assert image_lib.jpeg_problem(data + b"trailing bytes") == ""
+    assert host_lib.jpeg_problem(data) == ""
+    assert host_lib.jpeg_problem(data + b"trailing bytes") == ""
     for cut in range(2, len(data) - 1):  # the last byte of EOI included
-      problem = image_lib.jpeg_problem(data[:cut])
+      problem = host_lib.jpeg_problem(data[:cut])
       assert problem.startswith(("truncated JPEG", "corrupt JPEG")), cut
-  assert image_lib.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
-  assert image_lib.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
+  assert host_lib.jpeg_problem(b"<html>not found</html>") == ""  # not a JPEG
+  assert host_lib.jpeg_problem(b"\xff\xd8garbage").startswith("corrupt JPEG")
 
 
 def test_host_decoders_agree_bitwise_with_pillow_and_name_bad_images():
   pytest.importorskip("simplejpeg")
   for data in _images():
     for size in (0, 16, 40, 64):
-      fast = image_lib.decode_host(data, "k", size, library="simplejpeg")
-      slow = image_lib.decode_host(data, "k", size, library="pillow")
+      fast = host_lib.decode_host(data, "k", size, library="simplejpeg")
+      slow = host_lib.decode_host(data, "k", size, library="pillow")
       assert fast.shape == slow.shape and np.array_equal(fast, slow), size
   png = io.BytesIO()
   Image.fromarray(np.zeros((5, 7, 3), np.uint8)).save(png, format="PNG")
-  assert image_lib.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
+  assert host_lib.decode_host(png.getvalue(), "k").shape == (5, 7, 3)
   whole = _images()[0]
   for data, fragment in ((whole[:len(whole) // 3], "truncated JPEG"),
                          (whole[:-2], "no end-of-image marker"),
                          (b"<html>404</html>", "not an image"),
                          (b"", "not an image")):
     with pytest.raises(BadExample, match=fragment) as e:
-      image_lib.decode_host(data, "shard.tar:0042", 16)
+      host_lib.decode_host(data, "shard.tar:0042", 16)
     assert e.value.where == "shard.tar:0042"
     assert e.value.reason.startswith("undecodable image")
 
 
 def test_device_resize_crop_is_the_hosts_within_one_level():
   # The GPU decoder's resize/crop (jax, here on the CPU) against the host's
-  # pipeline.resize_crop on the same pixels (more shapes, the reducing gap
+  # host.resize_crop on the same pixels (more shapes, the reducing gap
   # and the executables' bound: tests/test_gpu_decode_resize.py).
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(1)
   cases = [(16, 16, 16), (24, 16, 16), (16, 30, 16), (50, 70, 40),
            (60, 33, 32), (256, 256, 224), (256, 340, 224), (300, 256, 224)]
@@ -138,7 +138,7 @@ def test_device_resize_crop_is_the_hosts_within_one_level():
     im = np.clip(im + rng.normal(0, 10, im.shape), 0, 255).astype(np.uint8)
     dev = np.asarray(gpu_decode.resize_crop_batch([jnp.asarray(im)],
                                                   size))[0]
-    host = pipeline.resize_crop(im, size)
+    host = host_lib.resize_crop(im, size)
     assert dev.shape == host.shape == (size, size, 3)
     d = np.abs(dev.astype(np.int16) - host)
     assert d.max() <= 1 and (d > 0).mean() <= 0.005, (h, w, size)
@@ -146,7 +146,7 @@ def test_device_resize_crop_is_the_hosts_within_one_level():
 
 # ----------------------------------------- the batch path, on the host decoder
 
-class _Failing(decode.HostBatchDecoder):
+class _Failing(host_decoder.HostBatchDecoder):
   """The host decoder, failing the images whose decoded pixels are in
   ``digests`` (as a GPU decode can fail where the host's succeeds), and
   recording, for every device it is bound to (``for_device`` copies share
@@ -242,7 +242,7 @@ def test_encoded_images_cross_from_workers_flat_and_come_back_whole():
   # A worker's chunk carries the encoded images as one uint8 array and
   # their ends (shared memory, not a pickle); the training process gets the
   # same bytes back, trailing NULs and all, the other fields untouched.
-  from train.data.source import Bad  # pylint: disable=import-outside-toplevel
+  from train.data.sources.contract import Bad  # pylint: disable=import-outside-toplevel
   blobs = [b"\xff\xd8abc\x00\x00", b"\xff\xd8" + bytes(range(256)), b"\x00"]
   items = [(10, {"encoded": blobs[0], "key": "a", "label": np.int32(1)}),
            (11, Bad("b", "why")),
@@ -340,7 +340,7 @@ def test_device_major_keeps_decoded_rows_on_their_devices(corpus):
   # decoded micro-batches is the host micro-batches' device_major, in the
   # same sharding, each device's block made from its own shards.
   import jax  # pylint: disable=import-outside-toplevel
-  from train import stream as stream_lib  # pylint: disable=import-outside-toplevel
+  from train import streamed_tower  # pylint: disable=import-outside-toplevel
   config = _config("webdataset:" + corpus.pattern)
   n_dev = len(jax.devices())
   host = _take(D.make_train_iterator(config, batch_size=48, seed=6,
@@ -348,8 +348,8 @@ def test_device_major_keeps_decoded_rows_on_their_devices(corpus):
   it = D.make_train_iterator(config, batch_size=48, seed=6,
                              microbatch_size=16, batch_decoder=_Failing())
   parts = [b["image"] for b in _take(it, 3)]
-  got = stream_lib.device_major(parts, n_dev)
-  want = stream_lib.device_major([b["image"] for b in host], n_dev)
+  got = streamed_tower.device_major(parts, n_dev)
+  want = streamed_tower.device_major([b["image"] for b in host], n_dev)
   assert got.sharding == parts[0].sharding and got.shape == want.shape
   assert np.array_equal(np.asarray(got), want)
   for shard in got.addressable_shards:
@@ -434,7 +434,7 @@ def test_decoder_config_errors_are_one_line(corpus):
   with pytest.raises(ValueError, match=r"config.data.decoder='cpu' must be "
                      "one of host, gpu, auto"):
     D.check_data_config(config)
-  why = decoders.gpu_unavailable()
+  why = choice.gpu_unavailable()
   if why:  # This machine: no extra or no GPU.
     config = _config("webdataset:" + corpus.pattern, decoder="gpu")
     with pytest.raises(ValueError) as e:
@@ -456,9 +456,9 @@ def test_decoder_config_errors_are_one_line(corpus):
   config = _config("webdataset:" + corpus.pattern, decoder="gpu")
   if not why:
     with pytest.raises(ValueError, match=r"decoded:0 delivers decoded ones"):
-      decoders.make_batch_decoder(config.data, Decoded())
+      choice.make_batch_decoder(config.data, Decoded())
   config.data.decoder = "auto"
-  assert decoders.make_batch_decoder(config.data, Decoded()) is None
+  assert choice.make_batch_decoder(config.data, Decoded()) is None
 
 
 def test_auto_picks_by_tower_and_cores_per_gpu_and_says_so(monkeypatch):
@@ -468,14 +468,14 @@ def test_auto_picks_by_tower_and_cores_per_gpu_and_says_so(monkeypatch):
   import ml_collections  # pylint: disable=import-outside-toplevel
   # The FLOP model against the rates measured on the H200: ViT-B/16 in the
   # streamed step (8,151-8,508 img/s), ViT-B/32 from outside (36,576).
-  flops = lambda patch, w=768, d=12, mlp=3072: decoders.vit_flops(
+  flops = lambda patch, w=768, d=12, mlp=3072: choice.vit_flops(
       224, patch, w, d, mlp)
-  assert 8151 <= decoders.VIT_FLOP_S / flops(16) <= 8508
-  assert 0.8 < decoders.VIT_FLOP_S / flops(32) / 36576 < 1.1
-  assert decoders.host_img_s(12, 16, 1) == 12 * 860  # 10,312 measured
-  assert decoders.host_img_s(16, 16, 1) == 12 * 860  # capped: cores - 4
-  assert decoders.host_img_s(12, 16, 2) == 12 * 860 / 2
-  assert decoders.host_img_s(0, 16, 1) == 1687  # threads alone
+  assert 8151 <= choice.VIT_FLOP_S / flops(16) <= 8508
+  assert 0.8 < choice.VIT_FLOP_S / flops(32) / 36576 < 1.1
+  assert choice.host_img_s(12, 16, 1) == 12 * 860  # 10,312 measured
+  assert choice.host_img_s(16, 16, 1) == 12 * 860  # capped: cores - 4
+  assert choice.host_img_s(12, 16, 2) == 12 * 860 / 2
+  assert choice.host_img_s(0, 16, 1) == 1687  # threads alone
 
   def model(patch, kind="vit"):
     m = ml_collections.ConfigDict()
@@ -487,11 +487,11 @@ def test_auto_picks_by_tower_and_cores_per_gpu_and_says_so(monkeypatch):
     spec, encoded_images, bad_at_open = "webdataset:x", True, []
   data = _config("synthetic_shapes", decoder="auto", eval_split="test",
                  num_workers=12, image_size=224).data
-  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(choice, "gpu_unavailable", lambda: "")
 
   def pick(m, cores, gpus=1):
     lines = []
-    got = decoders.pick(data, Encoded(), m, cores=cores, gpus=gpus,
+    got = choice.pick(data, Encoded(), m, cores=cores, gpus=gpus,
                         log=lines.append)
     assert len(lines) == 1 and lines[0].startswith(
         f"[data] decoder='auto': {got}: "), lines
@@ -508,18 +508,18 @@ def test_auto_picks_by_tower_and_cores_per_gpu_and_says_so(monkeypatch):
   # Fewer cores per GPU (two GPUs on 16 cores: ~5.2k each): the GPU.
   assert pick(model(16), 16, gpus=2)[0] == "gpu"
   # A GPU decoder at its ceiling (the goal: 18k in the step) takes B/32.
-  monkeypatch.setattr(decoders, "GPU_IMG_S", 18000)
+  monkeypatch.setattr(choice, "GPU_IMG_S", 18000)
   assert pick(model(16), 16)[0] == "host"
   got, line = pick(model(32), 16)
   assert got == "gpu" and "cannot keep pace" in line
   # An unknown tower: the faster decoder; no GPU decoder: the host.
   assert pick(model(16, kind="cnn"), 16)[0] == "gpu"
-  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "no GPU here")
+  monkeypatch.setattr(choice, "gpu_unavailable", lambda: "no GPU here")
   got, line = pick(model(32), 16)
   assert got == "host" and "no GPU here" in line
   # make_batch_decoder: "auto" -> host is no batch decoder.
   lines = []
-  assert decoders.make_batch_decoder(data, Encoded(), model(16),
+  assert choice.make_batch_decoder(data, Encoded(), model(16),
                                      log=lines.append) is None
   assert len(lines) == 1
 
@@ -537,7 +537,7 @@ def _fake_nvimgcodec(made):
 
   def one(data):
     data = bytes(data)
-    if image_lib.jpeg_problem(data) or not image_lib.is_jpeg(data) or (
+    if host_lib.jpeg_problem(data) or not host_lib.is_jpeg(data) or (
         b"\xff\xc2" in data[:data.find(b"\xff\xda")]):
       return None
     with Image.open(io.BytesIO(data)) as im:
@@ -581,7 +581,7 @@ def test_gpu_decoder_groups_falls_back_and_keeps_order_on_its_device(
   # resize, the host fallback, the order, the device it answers on) on CPU
   # devices, nvImageCodec's call made by the stand-in above.
   import jax  # pylint: disable=import-outside-toplevel
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   devices = jax.devices()
   png = io.BytesIO()
   Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(png, "PNG")
@@ -596,7 +596,7 @@ def test_gpu_decoder_groups_falls_back_and_keeps_order_on_its_device(
                              devices[-1].local_hardware_id]
   for size in (16, 40):
     g, ok, bad = dec.decode(items, where, size)
-    h, hok, hbad = decode.HostBatchDecoder().decode(items, where, size)
+    h, hok, hbad = host_decoder.HostBatchDecoder().decode(items, where, size)
     assert g.devices() == {devices[-1]} and g.dtype == np.uint8
     assert np.array_equal(ok, hok) and [b[:2] for b in bad] == [
         b[:2] for b in hbad] == [(1, "k1"), (7, "k7")]
@@ -623,12 +623,12 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   # config.data.gpu_decoder_* -> nvImageCodec's Decoder(...) of every
   # device's decoder, through the trainer's make_batch_decoder.
   import jax  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(choice, "gpu_unavailable", lambda: "")
 
   class Encoded:
     spec, encoded_images, bad_at_open = "webdataset:x", True, []
   config = _config("synthetic_shapes", decoder="gpu", eval_split="test")
-  dec = decoders.make_batch_decoder(config.data, Encoded())
+  dec = choice.make_batch_decoder(config.data, Encoded())
   assert dec._decoder.kwargs == {"options": ":fancy_upsampling=1"}  # pylint: disable=protected-access
   config.data.gpu_decoder_backend = "hw:0.7, hybrid"
   config.data.gpu_decoder_options = (
@@ -636,7 +636,7 @@ def test_gpu_decoder_settings_reach_nvimgcodec(fake_nvimgcodec,
   config.data.gpu_decoder_cpu_threads = 3
   D.check_data_config(config)
   del fake_nvimgcodec[:]
-  dec = decoders.make_batch_decoder(config.data, Encoded())
+  dec = choice.make_batch_decoder(config.data, Encoded())
   other = dec.for_device(jax.devices()[-1])
   want = {"backends": [("hw", 0.7), ("hybrid", None)],
           "max_num_cpu_threads": 3,
@@ -657,7 +657,7 @@ def test_several_gpu_decoders_split_a_shard_and_keep_its_order(
   # are one decoder's, bitwise, and the parts cover the shard once.
   import threading  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   device = jax.devices()[-1]
   png = io.BytesIO()
   Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(png, "PNG")
@@ -729,7 +729,7 @@ def test_gpu_decoder_bad_members_anywhere_keep_the_host_rows(
   # shard, the host decoder's ok, bad and rows (the rows after a bad one
   # move up; the tail the bad ones leave is cut off).
   import jax  # pylint: disable=import-outside-toplevel
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   del fake_nvimgcodec
   device = jax.devices()[-1]
   jpgs = _images()
@@ -739,7 +739,7 @@ def test_gpu_decoder_bad_members_anywhere_keep_the_host_rows(
   dec = gpu_decode.GpuBatchDecoder(device=device)
   for size in (16, 40):
     g, ok, bad = dec.decode(items, where, size)
-    h, hok, hbad = decode.HostBatchDecoder().decode(items, where, size)
+    h, hok, hbad = host_decoder.HostBatchDecoder().decode(items, where, size)
     assert g.devices() == {device} and g.shape == h.shape
     assert np.array_equal(ok, hok) and bad == hbad
     assert [b[1] for b in bad] == ["k0", "k3", "k7", "k10"]
@@ -757,7 +757,7 @@ def test_gpu_path_on_cpu_devices_gives_the_host_stream(
   # Pillow's full decode is the host path's, so the stream is the host
   # path's bitwise.
   import jax  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
+  monkeypatch.setattr(choice, "gpu_unavailable", lambda: "")
   name = "webdataset:" + corpus.pattern
   host = D.make_train_iterator(_config(name), batch_size=16, seed=8)
   gpu = D.make_train_iterator(_config(name, decoder="gpu"), batch_size=16,
@@ -812,7 +812,7 @@ def test_stopwatch_tells_waiting_from_working():
 
 # ------------------------------------------------------------------- GPU
 
-GPU_WHY = decoders.gpu_unavailable()
+GPU_WHY = choice.gpu_unavailable()
 # Measured on an H200 (nvImageCodec 0.9.0.20 with nvJPEG 13.2, fancy
 # upsampling, 256 px JPEGs at quality 90): the GPU's pixels against the
 # host path's (libjpeg-turbo): max |diff| 1 level and 0.01% of the pixels
@@ -822,13 +822,13 @@ PIXEL_MAX, PIXEL_MEAN = 2, 0.01
 
 
 def _pool(n=256, size=256):
-  from train.data import synthetic  # pylint: disable=import-outside-toplevel
+  from train.data.sources import synthetic  # pylint: disable=import-outside-toplevel
   pool = synthetic.JpegPool(n, size=size, pool=n)
   return [pool[i]["image"] for i in range(n)]
 
 
 def _rgb(image):
-  """uint8 [h, w(, c)] -> [h, w, 3] as pipeline.resize_crop takes it."""
+  """uint8 [h, w(, c)] -> [h, w, 3] as host.resize_crop takes it."""
   image = np.asarray(image)
   if image.ndim == 2:
     image = image[..., None]
@@ -838,14 +838,14 @@ def _rgb(image):
 
 
 def _gpu_vs_host(jpgs, size, **kw):
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   where = [f"k{i}" for i in range(len(jpgs))]
   dec = gpu_decode.GpuBatchDecoder(**kw)
   try:
     g, gok, gbad = dec.decode(jpgs, where, size)
   finally:
     dec.close()
-  h, hok, hbad = decode.HostBatchDecoder().decode(jpgs, where, size)
+  h, hok, hbad = host_decoder.HostBatchDecoder().decode(jpgs, where, size)
   assert np.array_equal(gok, hok) and [b[:2] for b in gbad] == [
       b[:2] for b in hbad]
   assert g.dtype == np.uint8 and g.shape == h.shape
@@ -904,7 +904,7 @@ class TestGpuDecoder:
     # made on the CPU with the host's full decode in the GPU's place
     # (there: mean 3.2 levels at 16 px, 0.06 at 40).
     import jax  # pylint: disable=import-outside-toplevel
-    from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+    from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
     jpgs = _images()
     where = [f"k{i}" for i in range(len(jpgs))]
     for backend in ("auto", "hw"):
@@ -915,12 +915,12 @@ class TestGpuDecoder:
         g, ok, bad = dec.decode(jpgs, where, size)
         assert ok.all() and not bad and g.devices() == {dec.device}
         g = np.asarray(g)
-        h = decode.HostBatchDecoder().decode(jpgs, where, size)[0]
+        h = host_decoder.HostBatchDecoder().decode(jpgs, where, size)[0]
         for i, data in enumerate(jpgs):
           if not on_gpu[i]:
             assert np.array_equal(g[i], h[i]), (backend, size, i)
             continue
-          full = _rgb(image_lib.decode_host(data, "", 0))
+          full = _rgb(host_lib.decode_host(data, "", 0))
           ref = np.asarray(gpu_decode.resize_crop_batch(
               [jax.device_put(full, dec.device)], size))[0]
           d = np.abs(g[i].astype(np.int16) - ref)
@@ -976,7 +976,7 @@ class TestGpuDecoder:
     # its own rows with its own decoder, and holds them: the rows the host
     # path gives that device, within the pixel bound of the stream test.
     import jax  # pylint: disable=import-outside-toplevel
-    from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
+    from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
     n = len(jax.local_devices())
     name = "webdataset:" + corpus.pattern
     host = D.make_train_iterator(_config(name), batch_size=8 * n, seed=7)
@@ -1039,11 +1039,11 @@ def test_the_trainer_runs_the_batch_path_to_the_host_paths_loss(
   # The GPU call swapped for the host decoder: the trainer takes the batch
   # path's Prefetch iterator (state, ledger) and gets the same loss, bitwise.
   host = _step_one_loss(tmp_path / "host", "host")
-  monkeypatch.setattr(decoders, "gpu_unavailable", lambda: "")
-  import train.data.gpu_decode as gpu_decode  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(choice, "gpu_unavailable", lambda: "")
+  from train.data.decode import gpu as gpu_decode  # pylint: disable=import-outside-toplevel
   calls = []
 
-  class Counted(decode.HostBatchDecoder):
+  class Counted(host_decoder.HostBatchDecoder):
     def __init__(self, backend, options, cpu_threads, threads):
       # make_batch_decoder's call, the config's defaults.
       assert (backend, options, cpu_threads, threads) == ("auto", "", 0, 1)
@@ -1072,7 +1072,7 @@ def test_precompute_on_the_batch_path_writes_the_host_paths_shards(
   from tests import test_stream  # pylint: disable=import-outside-toplevel
   from train import precompute as precompute_lib  # pylint: disable=import-outside-toplevel
   from train import train as train_lib  # pylint: disable=import-outside-toplevel
-  from train.data import embeddings as emb_lib  # pylint: disable=import-outside-toplevel
+  from train.data.sources import embeddings as emb_lib  # pylint: disable=import-outside-toplevel
   config = test_stream._tiny(  # pylint: disable=protected-access
       "webdataset:" + corpus.pattern, "", tmp_path / "tfds",
       precompute_image_embeddings=False)
@@ -1083,12 +1083,12 @@ def test_precompute_on_the_batch_path_writes_the_host_paths_shards(
   precompute_lib.precompute(config, str(tmp_path / "host"), tower, **kw)
   calls = []
 
-  class Counted(decode.HostBatchDecoder):
+  class Counted(host_decoder.HostBatchDecoder):
     def decode(self, encoded, wheres, size):
       calls.append((self.device, len(encoded)))
       return super().decode(encoded, wheres, size)
   made = []
-  monkeypatch.setattr(decoders, "make_batch_decoder",
+  monkeypatch.setattr(choice, "make_batch_decoder",
                       lambda *a, **k: made.append(a) or Counted())
   capsys.readouterr()
   precompute_lib.precompute(config, str(tmp_path / "batch"), tower, **kw)

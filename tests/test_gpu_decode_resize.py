@@ -1,5 +1,5 @@
-"""The GPU decoder's resize (train/data/gpu_decode.py: resize_crop_batch), on
-jax CPU arrays: pixels against the host path's ``pipeline.resize_crop``
+"""The GPU decoder's resize (train/data/decode/gpu.py: resize_crop_batch), on
+jax CPU arrays: pixels against the host path's ``host.resize_crop``
 (Pillow) on odd shapes, Pillow's reducing gap and pass order included, and
 the number of executables it compiles on a web-like mix of shapes. The
 ``gpu`` test runs the whole GpuBatchDecoder on such a mix.
@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 from tests.helpers import seed_of
-from train.data import decode
-from train.data import decoders
-from train.data import gpu_decode as G
-from train.data import pipeline
+from tests import host_decoder
+from train.data.decode import choice
+from train.data.decode import gpu as G
+from train.data.decode import host as host_lib
 
 # Measured on the CPU (float32 matmuls of Pillow's 22-bit coefficients): 1
 # level in ~1e-5 of the pixels, where the exact sum lies within float32's
@@ -88,7 +88,7 @@ def test_plans_are_pillows_arithmetic_bitwise(size):
   rng = np.random.default_rng(seed_of("plans", size))
   for h, w in CASES:
     x = _image(rng, h, w)
-    assert np.array_equal(_exact(x, size), pipeline.resize_crop(x, size)), (
+    assert np.array_equal(_exact(x, size), host_lib.resize_crop(x, size)), (
         h, w, size)
 
 
@@ -100,7 +100,7 @@ def test_device_resize_is_the_hosts_on_odd_shapes(size):
   assert got.shape == (len(images), size, size, 3) and got.dtype == np.uint8
   diffs = []
   for (h, w), x, g in zip(CASES, images, got):
-    d = np.abs(g.astype(np.int16) - pipeline.resize_crop(x, size))
+    d = np.abs(g.astype(np.int16) - host_lib.resize_crop(x, size))
     diffs.append(d)
     assert d.max() <= PIXEL_MAX, (h, w, size, d.max())
   frac = np.mean([(d > 0).mean() for d in diffs])
@@ -155,7 +155,7 @@ def test_executables_stay_bounded_on_a_web_mix_of_shapes():
     got = np.asarray(G.resize_crop_batch(_device(images), size))
     for x, g in zip(images, got):
       assert np.abs(g.astype(np.int16)
-                    - pipeline.resize_crop(x, size)).max() <= PIXEL_MAX
+                    - host_lib.resize_crop(x, size)).max() <= PIXEL_MAX
   after = G.compiled_counts()
   distinct = {s for b in batches for s in b}
   canvases = {G.plan(h, w, size).canvas for h, w in distinct}
@@ -177,7 +177,7 @@ def test_executables_stay_bounded_on_a_web_mix_of_shapes():
     got = np.asarray(G.resize_crop_batch(_device(images), size))
     for x, g in zip(images, got):
       assert np.abs(g.astype(np.int16)
-                    - pipeline.resize_crop(x, size)).max() <= PIXEL_MAX
+                    - host_lib.resize_crop(x, size)).max() <= PIXEL_MAX
   again = G.compiled_counts()
   assert again["resize"] == after["resize"]
   assert again["prepare"] - after["prepare"] <= len(renamed)
@@ -200,7 +200,7 @@ def test_squares_at_size_only_move_and_the_order_is_kept():
   got = np.asarray(G.resize_crop_batch(_device(mixed), size))
   for x, g in zip(mixed, got):
     assert np.abs(g.astype(np.int16)
-                  - pipeline.resize_crop(x, size)).max() <= PIXEL_MAX
+                  - host_lib.resize_crop(x, size)).max() <= PIXEL_MAX
   assert G.resize_crop_batch([], size).shape == (0, size, size, 3)
 
 
@@ -220,7 +220,7 @@ def test_a_shapes_many_members_resize_in_one_executable_as_pillow(shape):
   assert after["same"] - before["same"] == 1
   assert after["prepare"] == before["prepare"]
   assert after["resize"] == before["resize"]
-  diff = np.stack([np.abs(g.astype(np.int16) - pipeline.resize_crop(x, size))
+  diff = np.stack([np.abs(g.astype(np.int16) - host_lib.resize_crop(x, size))
                    for x, g in zip(images, got)])
   assert diff.max() <= PIXEL_MAX
   # Fewer than SAME of a shape: the per-shape cut and canvas path, whose
@@ -250,7 +250,7 @@ def test_counts_are_padded_to_powers_of_two_in_chunks():
 
 # ------------------------------------------------------------------- GPU
 
-GPU_WHY = decoders.gpu_unavailable()
+GPU_WHY = choice.gpu_unavailable()
 
 
 def _jpeg(image):
@@ -275,7 +275,7 @@ def test_gpu_decoder_on_a_web_mix_of_shapes_is_the_host_paths():
   for _ in range(2):
     g, ok, bad = dec.decode(jpgs, where, 224)
     assert ok.all() and not bad and g.devices() == {dec.device}
-  h, hok, _ = decode.HostBatchDecoder().decode(jpgs, where, 224)
+  h, hok, _ = host_decoder.HostBatchDecoder().decode(jpgs, where, 224)
   assert hok.all()
   d = np.abs(np.asarray(g).astype(np.int16) - h)
   resize = G.compiled_counts()["resize"] - before

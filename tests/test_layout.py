@@ -97,27 +97,125 @@ def test_no_import_cycles():
   assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
 
 
+# train/ is layered too. Its modules (train/*.py: the entry points, the
+# loop, the step, the model) sit on top of its packages (train/data,
+# train/towers, train/eval), which import none of them but the base (the
+# one-axis mesh). Within train/data the sources come first, then the
+# decoders, then the pipeline that batches, prefetches and places, then the
+# config check and the held-out sets. Imports inside functions count.
+TRAIN_BASE = {"train.mesh"}
+TRAIN_PACKAGES = ("train.data", "train.towers", "train.eval")
+DATA_LAYERS = [("sources", "ledger", "stopwatch", "tokenizer"), ("decode",),
+               ("batching", "pipeline"), ("config", "eval_sets", "")]
+# The only imports of the trainer's own modules that wait until a function
+# runs: train.main loads the trainer (and JAX with it) once the signals are
+# caught.
+LAZY_TRAINER_IMPORTS = {("train.main", "train.train"),
+                        ("train.main", "train.data.sources.remote")}
+
+
+def _trainer_modules(graph):
+  """train/*.py: the modules of train/ that are in none of its packages."""
+  return {m for m in graph if m.count(".") == 1 and not any(
+      m == p for p in TRAIN_PACKAGES)}
+
+
+def _data_layer(mod):
+  """The index in DATA_LAYERS of a module of train/data."""
+  part = mod.split(".")[2] if mod.count(".") >= 2 else ""
+  return next(i for i, layer in enumerate(DATA_LAYERS) if part in layer)
+
+
+def _local_imports(path, prefix="train"):
+  """The modules named ``prefix``... that the file imports inside its
+  functions (a ``from a import b`` names a.b)."""
+  out = set()
+  for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      continue
+    for node in ast.walk(fn):
+      if isinstance(node, ast.Import):
+        out |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        out |= {f"{node.module}.{a.name}" for a in node.names}
+  return {m for m in out if m == prefix or m.startswith(prefix + ".")}
+
+
 def test_no_import_cycles_in_the_trainer():
   # train/ too, imports inside functions included: no module imports one
-  # that imports it back (train/data: sources, then the decoders, then the
-  # pipeline that batches, prefetches and places).
+  # that imports it back.
   graph = _import_graph(TRAIN)
-  assert len(graph) > 40 and "train.data.gpu_decode" in graph
+  assert len(graph) > 40 and "train.data.decode.gpu" in graph
   assert graph["train.data.pipeline"] >= {"train.data.batching",
-                                          "train.data.decoders"}
+                                          "train.data.decode.choice"}
   assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
 
 
-def test_the_decoders_import_neither_each_other_nor_the_pipeline():
-  # Each decoder is one file that changes without the other: they share
-  # only the lower modules (image, source, stopwatch).
+def test_the_trainer_packages_import_nothing_of_the_trainer_above_them():
   graph = _import_graph(TRAIN)
-  upper = {"train.data.decode", "train.data.gpu_decode", "train.data.decoders",
+  top = _trainer_modules(graph)
+  assert {"train.train", "train.step", "train.model", "train.main"} <= top
+  assert not top & {"train.data", "train.towers", "train.eval"}
+  bad = [f"{m} -> {d}" for m, deps in graph.items()
+         if m.startswith(tuple(p + "." for p in TRAIN_PACKAGES))
+         or m in TRAIN_PACKAGES
+         for d in sorted(deps & (top - TRAIN_BASE))]
+  assert not bad, bad
+
+
+def test_train_data_imports_only_downwards():
+  # sources < decoders < the pipeline < the config and the held-out sets.
+  graph = _import_graph(TRAIN)
+  data = [m for m in graph if m == "train.data" or m.startswith("train.data.")]
+  assert {_data_layer(m) for m in data} == set(range(len(DATA_LAYERS)))
+  bad = [f"{m} -> {d}" for m in data for d in sorted(graph[m])
+         if (d == "train.data" or d.startswith("train.data."))
+         and _data_layer(d) > _data_layer(m)]
+  assert not bad, bad
+
+
+def test_the_entry_points_are_on_top():
+  # Nothing imports train.main, and only train.main the training loop.
+  graph = _import_graph(TRAIN)
+  assert not [m for m, deps in graph.items() if "train.main" in deps]
+  assert [m for m, deps in graph.items() if "train.train" in deps] == [
+      "train.main"]
+
+
+def test_the_trainer_imports_its_own_modules_at_the_top():
+  # A module of train/ imported inside a function hides a dependency (and
+  # an upward one hides a layering error from the reader): only train.main's
+  # lazy load of the trainer does it.
+  found = {(m, d) for m, path in _modules(TRAIN).items()
+           for d in _local_imports(path)}
+  assert found == LAZY_TRAINER_IMPORTS, found ^ LAZY_TRAINER_IMPORTS
+
+
+def test_the_import_checks_see_what_they_forbid(tmp_path):
+  """The checkers themselves: a planted function-local import is found,
+  and a data module's layer is its directory's."""
+  f = tmp_path / "m.py"
+  f.write_text("import os\n\ndef f():\n  from train import step\n"
+               "  import train.data.pipeline as p\n  import json\n")
+  assert _local_imports(f) == {"train.step", "train.data.pipeline"}
+  assert _data_layer("train.data.sources.tfds") < _data_layer(
+      "train.data.decode.gpu") < _data_layer("train.data.pipeline") < (
+          _data_layer("train.data"))
+  assert _trainer_modules({"train.step": set(), "train.data": set(),
+                           "train.data.config": set()}) == {"train.step"}
+
+
+def test_the_decoders_import_neither_each_other_nor_the_pipeline():
+  # Each decoder is one file that changes without the other: the GPU one
+  # shares only the lower modules (the host's decode, the source contract,
+  # the stopwatch).
+  graph = _import_graph(TRAIN)
+  upper = {"train.data.decode.choice", "train.data.decode.gpu",
            "train.data.batching", "train.data.pipeline", "train.data"}
-  for mod in ("train.data.decode", "train.data.gpu_decode"):
-    assert not graph[mod] & upper, (mod, graph[mod] & upper)
+  gpu = graph["train.data.decode.gpu"]
+  assert not gpu & upper, gpu
   assert not graph["train.data.batching"] & upper, graph["train.data.batching"]
-  assert not graph["train.data.image"] - {"train.data.source"}
+  assert not graph["train.data.decode.host"] - {"train.data.sources.contract"}
 
 
 def test_the_library_imports_neither_the_trainer_nor_the_benchmarks():

@@ -87,7 +87,7 @@ def before(module, name):
     return fn(*args, **kw)
   setattr(module, name, wrapped)
 from train import precompute, step, train
-from train.data import remote, webdataset
+from train.data.sources import remote, webdataset
 if "REMOTE_BURST_GAP_S" in env:
   remote.BURST_GAP_S = float(env["REMOTE_BURST_GAP_S"])
 if "INDEX_CHUNK" in env:

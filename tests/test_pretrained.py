@@ -1,4 +1,5 @@
-"""train.pretrained against the reference implementations' own embeddings.
+"""train.towers.pretrained against the reference implementations' own
+embeddings.
 
 The fixtures (tests/fixtures/towers/) are tiny random checkpoints written by
 transformers, timm and open_clip in the layouts users get, plus the
@@ -19,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 from safetensors.numpy import save_file
 
-from train import pretrained
+from train.towers import pretrained
 from train import towers
 from train.data import tokenizer as tokenizer_lib
 from train.towers import text as text_lib

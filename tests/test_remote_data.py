@@ -33,10 +33,9 @@ from tests.netservers import http_dir  # noqa: F401  (fixture)
 from tests.netservers import moto_endpoint  # noqa: F401  (fixture)
 from tests.netservers import s3  # noqa: F401  (fixture)
 from train import data as D
-from train.data import remote
-from train.data import sources
-from train.data import webdataset
-from train.data.source import BadExample
+from train.data.sources import remote
+from train.data.sources import webdataset
+from train.data.sources.contract import BadExample
 
 pytest.importorskip("s3fs", reason="the cloud extra")
 pytest.importorskip("moto", reason="the dev extra")
@@ -608,9 +607,9 @@ def test_storage_options_are_checked_in_one_line():
       remote.parse_storage_options(bad)
   assert remote.parse_storage_options('{"gcs": {"token": "anon"}}') == {
       "gs": {"token": "anon"}}
-  assert sources.index_cache_of(config.data) == remote.default_index_cache()
+  assert webdataset.index_cache_of(config.data) == remote.default_index_cache()
   config.data.shard_index_cache = "none"
-  assert sources.index_cache_of(config.data) == ""
+  assert webdataset.index_cache_of(config.data) == ""
 
 
 @pytest.mark.parametrize("kind", ["s3", "http"])

@@ -20,8 +20,8 @@ from PIL import Image
 
 from tests import corpus as corpus_lib
 from train import data as D
-from train.data import pipeline
-from train.data.source import TooMuchBadData
+from train.data.decode import host as host_lib
+from train.data.ledger import TooMuchBadData
 from train.towers import tower as tower_lib
 
 S = corpus_lib.IMAGE_SIZE
@@ -45,7 +45,7 @@ def _same(a, b):
 
 
 def _pixels(jpg):
-  return pipeline.resize_crop(np.asarray(Image.open(io.BytesIO(jpg)).convert(
+  return host_lib.resize_crop(np.asarray(Image.open(io.BytesIO(jpg)).convert(
       "RGB")), S)
 
 
@@ -201,7 +201,7 @@ def test_uint8_normalised_on_device_equals_the_host_float_path():
   rng = np.random.default_rng(0)
   images = rng.integers(0, 256, (5, 7, 9, 3), dtype=np.uint8)
   images[0, 0, 0] = (0, 128, 255)
-  host = pipeline.to_float(images)
+  host = host_lib.to_float(images)
   device = np.asarray(jax.jit(tower_lib.SYMMETRIC)(images))
   np.testing.assert_array_equal(device, host)  # bitwise
   assert host.min() == -1.0 and host.max() == 1.0

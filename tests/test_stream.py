@@ -31,9 +31,9 @@ from train.towers import own
 from train.towers import text as text_lib
 from train import precompute as precompute_lib
 from train import step as step_lib
-from train import stream as stream_lib
+from train import streamed_tower
 from train import train as train_lib
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.towers import tower as tower_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,10 +75,10 @@ def streamed_and_whole(tower, txt, head, params, images, tokens, n_dev, mb):
            for i in range(0, b, mb)]
   # Today's step: the whole batch of uint8 images, in the device-major
   # order the streamed step builds (each device's rows of each micro-batch).
-  batch = {k: stream_lib.device_major([m[k] for m in micro], n_dev)
+  batch = {k: streamed_tower.device_major([m[k] for m in micro], n_dev)
            for k in ("image", "text")}
   loss0, g0 = whole(params, step_lib.shard_batch(mesh, batch))
-  streamer = stream_lib.StreamedImageTower(mesh, tower, params["img"],
+  streamer = streamed_tower.StreamedImageTower(mesh, tower, params["img"],
                                            depth=1)
   inputs = streamer.step_inputs(iter(micro), b // mb)
   loss1, g1 = streamed(params, inputs)
@@ -198,8 +198,8 @@ def test_precompute_then_train_gives_the_on_the_fly_loss(tmp_path, corpus,
   # A row is the tower's embedding of the example, to bf16 rounding.
   i = 11
   ex = train_lib.data_lib.open_source(fly.data, "train")[i]
-  from train.data import pipeline  # pylint: disable=g-import-not-at-top
-  pix = pipeline.resize_crop(pipeline.decode_image(ex["image"], "", S), S)
+  from train.data.decode import host as host_lib  # pylint: disable=g-import-not-at-top
+  pix = host_lib.resize_crop(host_lib.decode_host(ex["image"], "", S), S)
   want = np.asarray(tower(pix[None]))[0]
   assert source.row_of(ex["key"]) == i
   np.testing.assert_allclose(source[i]["image_emb"], want, rtol=8e-3,

@@ -2,7 +2,7 @@
 C x C, ``Tower.embed`` resizes C -> image_size per micro-batch.
 
 - The device resize (train/towers/resize.py) is the host's Pillow bicubic
-  (``pipeline.resize_crop``) to within the levels pinned here, on random and
+  (``host.resize_crop``) to within the levels pinned here, on random and
   on smooth images; at C = image_size ``Tower.embed`` is unchanged, bitwise.
 - The iterator delivers C x C (an image already C x C untouched), and
   decode_size is part of its fingerprint: a saved stream of another
@@ -28,8 +28,9 @@ from tests import test_stream as ts
 from train import data as D
 from train import precompute as precompute_lib
 from train import train as train_lib
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
+from train.data.decode import host as host_lib
 from train.towers import own
 from train.towers import resize as resize_lib
 from train.towers import text as text_lib
@@ -64,7 +65,7 @@ def test_device_resize_is_the_hosts_pillow_bicubic(c, s, kind, max_diff,
     images = _smooth(4, c)
   device = np.asarray(jax.jit(resize_lib.resize_square,
                               static_argnums=1)(images, s))
-  host = np.stack([pipeline.resize_crop(im, s) for im in images])
+  host = np.stack([host_lib.resize_crop(im, s) for im in images])
   assert device.shape == host.shape == (4, s, s, 3)
   assert device.dtype == np.float32
   np.testing.assert_array_equal(device, np.round(device))  # whole levels
@@ -125,7 +126,7 @@ def test_streamed_step_equals_the_whole_batch_step_with_decode_size(n_dev):
                                         tokens, n_dev, mb)
   # And both are the tower's embeddings of the host-resized images, to the
   # resize's few levels.
-  host = np.stack([pipeline.resize_crop(im, s) for im in batch["image"]])
+  host = np.stack([host_lib.resize_crop(im, s) for im in batch["image"]])
   np.testing.assert_allclose(np.asarray(inputs["image_emb"]),
                              np.asarray(tower(host)), rtol=0.05, atol=0.05)
 
@@ -207,7 +208,7 @@ def test_precompute_and_train_with_decode_size(tmp_path, corpus, shapes_dir):
   precompute_lib.precompute(fly, str(out), tower, rows_per_shard=40)
   source = emb_lib.EmbeddingSource(str(out))
   ex = train_lib.data_lib.open_source(fly.data, "train")[11]
-  pix = pipeline.resize_crop(pipeline.decode_image(ex["image"], "", 24), 24)
+  pix = host_lib.resize_crop(host_lib.decode_host(ex["image"], "", 24), 24)
   np.testing.assert_allclose(source[11]["image_emb"],
                              np.asarray(tower(pix[None]))[0], rtol=8e-3,
                              atol=1e-3)

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 from train import step as step_lib
-from train import stream as stream_lib
+from train import streamed_tower
 from train.data import config as data_config
 from train.data import pipeline
 from tests.test_stream import _parts
@@ -101,7 +101,7 @@ def _streamed_peak(num_microbatches, mb, c):
   resized on the device to the tower's S), after one step as warm-up."""
   tower, _, _, params, _, _ = _parts()
   mesh = Mesh(np.array(jax.devices()[:1]), (step_lib.AXIS,))
-  streamer = stream_lib.StreamedImageTower(mesh, tower, params["img"],
+  streamer = streamed_tower.StreamedImageTower(mesh, tower, params["img"],
                                            depth=2)
   it = pipeline.make_train_iterator(
       _config(decode_size=c), batch_size=mb, microbatch_size=mb, seed=0,

@@ -255,6 +255,12 @@ def test_lit_pretrained_tiny_trains_end_to_end(tmp_path):
   assert "[lit] done: 6 steps" in r.stdout
 
 
+def _made(pit, c):
+  """The demo's tower as the trainer makes it: its cache, then the tower."""
+  pit.make_current(c)
+  return build.make_image_tower(c, jnp.float32)
+
+
 def test_the_demo_tower_cache_is_remade_when_its_recipe_changes(tmp_path):
   """The demo's pretrained tower is cached at model.image.pretrain_path with
   its recipe beside it: reused while the recipe holds, made again (not used
@@ -265,21 +271,21 @@ def test_the_demo_tower_cache_is_remade_when_its_recipe_changes(tmp_path):
   c.model.image.pretrain_path = str(tmp_path / "tower.npz")
   c.model.image.pretrain_steps = 2
   path = c.model.image.pretrain_path
-  t1 = build.make_image_tower(c, jnp.float32)
+  t1 = _made(pit, c)
   recipe = open(path + ".recipe").read().strip()
   assert recipe == pit.recipe(c, 2) and pit.is_current(path, c, 2)
   stamp = os.stat(path).st_mtime_ns
-  t2 = build.make_image_tower(c, jnp.float32)       # the cache, as it is
+  t2 = _made(pit, c)   # the cache, as it is
   assert os.stat(path).st_mtime_ns == stamp
   assert t2.fingerprint == t1.fingerprint
   # Another recipe (more steps): the file is stale and made again.
   c.model.image.pretrain_steps = 3
   assert pit.recipe(c, 3) != recipe and not pit.is_current(path, c, 3)
-  build.make_image_tower(c, jnp.float32)
+  _made(pit, c)
   assert os.stat(path).st_mtime_ns != stamp
   assert open(path + ".recipe").read().strip() == pit.recipe(c, 3)
   # A tower without its recipe (e.g. written by an older version): remade.
   os.remove(path + ".recipe")
   assert not pit.is_current(path, c, 3)
-  build.make_image_tower(c, jnp.float32)
+  _made(pit, c)
   assert pit.is_current(path, c, 3)

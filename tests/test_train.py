@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 
 from infcl_jax import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
-from train import evaluate
+from train.eval import embed as embed_lib
+from train.eval import evaluator
 from train.towers import own
 from train.towers import text as text_lib
 from train import optim
@@ -131,13 +132,14 @@ def _train(params, optimizer, schedule, batches, *, precomputed, mb, mesh):
   train_step = step_lib.make_train_step(grad_fn=fn, head=head,
                                         optimizer=optimizer, schedule=schedule)
   state = step_lib.init_state(mesh, jax.tree.map(jnp.copy, params), optimizer)
-  embed = step_lib.make_embed_fn(mesh, img)
+  embed = embed_lib.make_embed_fn(mesh, img)
   for images, tokens in batches:
     inputs = {"text": tokens}
     if precomputed:
       # Embedded apart from the step, in batches of 16 (as precomputing
       # does, in batches of its own).
-      inputs["image_emb"] = evaluate.embed_all(embed, params["img"], images, 16)
+      inputs["image_emb"] = evaluator.embed_all(embed, params["img"], images,
+                                                16)
     else:
       inputs["image"] = images
     state, _ = train_step(state, step_lib.shard_batch(mesh, inputs))

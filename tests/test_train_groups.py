@@ -34,9 +34,9 @@ from train import data as data_lib
 from train import precompute as precompute_lib
 from train import step as step_lib
 from train import train as train_lib
-from train.data import embeddings as emb_lib
+from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
-from train.data import table
+from train.data.sources import table
 from train.towers import text as text_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -314,22 +314,22 @@ def test_grouped_run_resumes_bitwise(tmp_path, shapes_dir):
 
 def test_the_streamed_tower_carries_the_groups_in_step_order():
   from tests import test_stream  # pylint: disable=import-outside-toplevel
-  from train import stream as stream_lib  # pylint: disable=import-outside-toplevel
+  from train import streamed_tower  # pylint: disable=import-outside-toplevel
   tower, _, _, params, images, tokens = test_stream._parts()  # pylint: disable=protected-access
   n_dev, mb = 2, 8
   mesh = Mesh(np.array(jax.devices()[:n_dev]), (step_lib.AXIS,))
   groups = (np.arange(len(images)) // 2).astype(np.int32)
   micro = [{"image": images[i:i + mb], "text": tokens[i:i + mb],
             "group": groups[i:i + mb]} for i in range(0, len(images), mb)]
-  streamer = stream_lib.StreamedImageTower(mesh, tower, params["img"])
+  streamer = streamed_tower.StreamedImageTower(mesh, tower, params["img"])
   out = streamer.step_inputs(iter(micro), len(micro))
   # The ids sit beside their own pairs' tokens, device-major.
   np.testing.assert_array_equal(
       np.asarray(out["group"]),
-      stream_lib.device_major([m["group"] for m in micro], n_dev))
+      streamed_tower.device_major([m["group"] for m in micro], n_dev))
   np.testing.assert_array_equal(
       np.asarray(out["text"]),
-      stream_lib.device_major([m["text"] for m in micro], n_dev))
+      streamed_tower.device_major([m["text"] for m in micro], n_dev))
   assert "group" not in streamer.step_inputs(
       iter([{k: v for k, v in m.items() if k != "group"} for m in micro]),
       len(micro))

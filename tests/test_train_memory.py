@@ -34,7 +34,7 @@ from infcl_jax import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
 from train import memory
 from train import step as step_lib
-from train import stream as stream_lib
+from train import streamed_tower
 from train import train as train_lib
 from train.towers import text as text_lib
 
@@ -267,12 +267,13 @@ def test_auto_microbatch_is_logged_and_a_long_step_reports_progress(
   monkeypatch.setattr(memory, "size_microbatch", sized)
   # A step of 4 micro-batches, each 50 ms late: several progress lines.
   monkeypatch.setattr(train_lib, "PROGRESS_INTERVAL_S", 0.02)
-  embed = stream_lib.StreamedImageTower.embed_microbatch
+  embed = streamed_tower.StreamedImageTower.embed_microbatch
 
   def slow(self, images):
     time.sleep(0.05)
     return embed(self, images)
-  monkeypatch.setattr(stream_lib.StreamedImageTower, "embed_microbatch", slow)
+  monkeypatch.setattr(streamed_tower.StreamedImageTower, "embed_microbatch",
+                      slow)
   config = _streamed(data_dir, microbatch_size="auto", device_memory_gb=1.0,
                      batch_size=32)
   out = io.StringIO()

@@ -24,10 +24,12 @@ are still there.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import re
 
+from etils import epath
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
@@ -72,7 +74,6 @@ def check_directory(directory: str, what: str = "config.checkpoint.directory"
         f"{what}={directory}: orbax-checkpoint cannot write checkpoints to "
         f"{scheme}:// (it writes to local or mounted directories, gs:// and "
         "s3://)")
-  import importlib.util  # pylint: disable=g-import-not-at-top
   module = {"gs": "gcsfs", "s3": "s3fs"}[scheme]
   if importlib.util.find_spec(module) is None:
     raise ValueError(f"{what}={directory}: {scheme}:// needs {module} (pip "
@@ -88,6 +89,7 @@ def _tensorstore_builder():
   """orbax's builder of TensorStore kvstore specs (one function every array
   read and write goes through), or None where this orbax has none."""
   try:
+    # Lazy: a private module of orbax's, which another version may lack.
     from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
@@ -128,6 +130,7 @@ def _s3_kvstores() -> None:
   every other directory, orbax's own spec. The bytes are written and read
   by TensorStore; nothing of orbax's is copied.
   """
+  # Lazy: see _tensorstore_builder (an s3:// directory has checked it).
   from orbax.checkpoint._src.serialization import tensorstore_utils  # pylint: disable=g-import-not-at-top
   build = tensorstore_utils.build_kvstore_tspec
   if getattr(build, "with_s3", False):
@@ -190,7 +193,6 @@ class Checkpointer:
     """The steps whose checkpoints are complete on disk (orbax renames a
     checkpoint to its plain step number only when it is complete; on an
     object store it writes commit_success.txt last)."""
-    from etils import epath  # pylint: disable=g-import-not-at-top
     path = epath.Path(self.directory)
     if not path.is_dir():
       return []

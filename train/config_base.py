@@ -54,8 +54,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"     # Compute dtype of the towers (params: f32).
   c.model.image = ml_collections.ConfigDict()
   # "pretrained": a checkpoint of HF (CLIP, SigLIP), timm, OpenCLIP or
-  # big_vision at `init` (train.pretrained; architecture, normalisation and
-  # embedding size come from it). "cnn" | "vit": this project's own tower.
+  # big_vision at `init` (train.towers.pretrained; architecture,
+  # normalisation and embedding size come from it). "cnn" | "vit": this
+  # project's own tower.
   c.model.image.kind = "cnn"
   c.model.image.cnn_features = (32, 64, 128)
   c.model.image.patch_size = 4  # Own-ViT keys.

@@ -1,7 +1,7 @@
 """The config keys that name files, and which of them take URLs.
 
 Every key that names a file either reads it through the remote layer
-(train/data/remote.py: the same stores, credentials, retries and outage
+(train/data/sources/remote.py: the same stores, credentials, retries and outage
 budget as the training data) or refuses a URL in one line that names the
 key. docs/data.md lists them.
 
@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import copy
 
-from train.data import remote
-from train.data import sources
+from train.data.sources import remote
 
 # Keys whose file (or directory of files) is fetched from a URL.
 FETCHED = ("data.zeroshot_classnames_file", "data.zeroshot_templates_file",
@@ -34,7 +33,8 @@ LOCAL_ONLY = {
     "model.image.pretrain_path": "the run writes the pretrained tower there "
                                  "when it is missing",
 }
-# Read in place (train/data/remote.py) or written by orbax: for the docs.
+# Read in place (train/data/sources/remote.py) or written by orbax: for the
+# docs.
 READ_IN_PLACE = ("data.name", "data.eval_split", "data.shard_index_cache",
                  "checkpoint.directory")
 
@@ -78,7 +78,7 @@ def localized(config):
       urls[key] = value
   if not urls:
     return config
-  store = sources.make_store(config.data)
+  store = remote.make_store(config.data)
   out = copy.deepcopy(config)
   for key, url in urls.items():
     try:

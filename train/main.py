@@ -48,11 +48,15 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from train import preemption
+from train import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -153,6 +157,7 @@ def _set_xla_flags() -> None:
   """The ring's recommended GPU flags (``infcl_jax.xla_flags``), before JAX
   starts its backends: XLA reads them once. Flags already in XLA_FLAGS are
   kept; if JAX has started already, say so and go on without them."""
+  # Lazy: infcl_jax imports JAX, which comes after the signals are caught.
   from infcl_jax import xla_flags  # pylint: disable=g-import-not-at-top
   try:
     xla_flags.apply()
@@ -167,6 +172,7 @@ def _init_distributed() -> None:
   (e.g. several processes on one machine) all three must be given.
   """
   kw = _distributed_args()
+  # Lazy (as JAX is everywhere here): after the signals are caught.
   import jax  # pylint: disable=g-import-not-at-top
   try:
     jax.distributed.initialize(**kw)
@@ -198,14 +204,12 @@ def _config():
 
 
 def main(argv) -> None:
-  from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   # What the run prints goes to <workdir>/train.log too (once the config
   # has been validated and the workdir made).
   run_log = workdir_lib.RunLog.capture()
   try:
     _main(argv)
   except Exception:  # A crash: its traceback (printed by absl) in the log too.
-    import traceback  # pylint: disable=g-import-not-at-top
     run_log.log_only(traceback.format_exc())
     raise
   finally:
@@ -221,8 +225,6 @@ def _main(argv) -> None:
   if not FLAGS.workdir:
     _error("--workdir is required")
   _check_distributed_flags()
-  from train import preemption  # pylint: disable=g-import-not-at-top
-  from train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   try:
     # Before any work, creating nothing: the workdir is made once the
     # config has been validated (train.train_and_evaluate).
@@ -241,14 +243,16 @@ def _main(argv) -> None:
   if FLAGS.jax_distributed:
     # JAX's preemption service installs a C++ SIGTERM handler of its own:
     # off, so that no signal reaches it (the trainer's agreement does its
-    # work; orbax reads it as "no preemption").
+    # work; orbax reads it as "no preemption"). (Lazy: see _init_distributed.)
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_enable_preemption_service", False)
     _init_distributed()
     # jax.distributed installs its own SIGTERM handler (its preemption
     # notifier): the trainer's agreement replaces it (train/preemption.py).
     preemption.catch(signals)
-  from train.data import remote  # pylint: disable=g-import-not-at-top
+  # Lazy, here and below: the trainer and its data import JAX and take
+  # seconds, once the signals are caught (a preemption meanwhile is recorded).
+  from train.data.sources import remote  # pylint: disable=g-import-not-at-top
   try:
     try:
       from train import train  # pylint: disable=g-import-not-at-top
@@ -270,7 +274,7 @@ def _main(argv) -> None:
     sys.stderr.flush()
     if FLAGS.jax_distributed:
       try:
-        import jax  # pylint: disable=g-import-not-at-top
+        import jax  # pylint: disable=g-import-not-at-top  (lazy: as above)
         jax.distributed.shutdown()
       except Exception:  # pylint: disable=broad-except
         pass

@@ -4,9 +4,10 @@ XLA's plan, and out-of-memory errors in one line.
 Before any data is decoded, the trainer compiles its step for the
 micro-batch (``config.microbatch_size``) and reads XLA's memory plan of it
 (``compiled.memory_analysis()``: arguments, outputs and temporaries, per
-device). A streamed step (the locked image tower on the fly, train/stream.py)
-also holds the tower's embedding call and the micro-batches of images in
-flight beside the step, so their bytes are added (``Plan``). The sum is
+device). A streamed step (the locked image tower on the fly,
+train/streamed_tower.py) also holds the tower's embedding call and the
+micro-batches of images in flight beside the step, so their bytes are added
+(``Plan``). The sum is
 compared with the device's memory: ``memory_stats()["bytes_limit"]`` of the
 first local device, the host's memory for a CPU device, or
 ``config.device_memory_gb`` when set (a share of a GPU, or a test's limit).
@@ -57,7 +58,8 @@ class Plan:
   """The bytes one device holds for a step at ``microbatch`` (global)."""
   microbatch: int
   step_bytes: int  # XLA's plan of the compiled step (``compiled_bytes``).
-  stream_bytes: int = 0  # The image stream's beside it (train/stream.py).
+  # The image stream's beside it (train/streamed_tower.py).
+  stream_bytes: int = 0
 
   @property
   def total(self) -> int:

@@ -3,6 +3,10 @@ their initial parameters.
 
 Training (``train.train``) and the embedding precompute (``train.precompute``)
 both build the locked image tower from here, so neither imports the other.
+An own tower's ``config.model.image.pretrain_path`` is made first where it
+is missing or was made by another recipe
+(``train.pretrain_image_tower.make_current``); ``train.towers.build`` then
+loads it.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import jax.numpy as jnp
 
 from infcl_jax.block_sizes import BlockSizes
 from infcl_jax.flax import ContrastiveLoss
+from train import pretrain_image_tower
 from train.towers import build as towers_build
+from train.towers import pretrained
 from train.towers import tower as tower_lib
 
 
@@ -27,7 +33,6 @@ def check_checkpoints(config) -> None:
   if ic.init:
     path = os.path.expanduser(ic.init)
     if ic.kind == "pretrained":
-      from train import pretrained  # pylint: disable=g-import-not-at-top
       try:
         pretrained.check_checkpoint(path)
       except (FileNotFoundError, pretrained.CheckpointError) as e:
@@ -63,6 +68,7 @@ def make_models(config, tokenizer):
   # The first of init_params' three keys: a random own tower is initialised
   # as it always was.
   rng_img = jax.random.split(jax.random.key(config.seed), 3)[0]
+  pretrain_image_tower.make_current(config)
   image_tower = towers_build.make_image_tower(config, dtype, rng_img)
   embed_dim = towers_build.image_embed_dim(config, image_tower)
   text_tower = towers_build.make_text_tower(config, tokenizer, embed_dim,

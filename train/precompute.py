@@ -7,7 +7,7 @@ The config's image tower (``config.model.image``, loaded as for training)
 runs over ``config.data.split`` of ``config.data.name`` in source order;
 the embeddings are written as bfloat16 shards with the keys, captions and
 labels of their examples and the tower's fingerprint (layout:
-train/data/embeddings.py). Training then reads them by example index and
+train/data/sources/embeddings.py). Training then reads them by example index and
 decodes no image; a tower or preprocessing other than the one that made
 them is refused. Each row also records its image id and a hash of its
 decoded pixels (``content_hash``): training groups duplicate images by it
@@ -25,7 +25,7 @@ continues from there. Bad examples (an image that does not decode, an empty capt
 are recorded as bad rows and skipped by training.
 
 ``config.data.decoder`` decides where the JPEGs are decoded, as in training
-(train/data/decoders.py): "host" in the reader threads (data.num_threads),
+(train/data/decode/choice.py): "host" in the reader threads (data.num_threads),
 "gpu" by nvImageCodec on each local device (its contiguous rows of each
 batch; the threads only read the bytes and check the JPEGs), "auto" by the
 measured rates. A directory holds one decoder's embeddings (the GPU's
@@ -40,19 +40,25 @@ import os
 import sys
 import time
 
+from absl import app
+from absl import flags
 import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from train import step as step_lib
-from train.data import decoders
-from train.data import embeddings as emb_lib
+from train import config_base
+from train import data as data_lib
+from train import file_keys
+from train import mesh as mesh_lib
+from train import model as model_lib
+from train.data.sources import embeddings as emb_lib
 from train.data import pipeline
-from train.data import remote
+from train.data.decode import choice as decoder_choice
+from train.data.sources import remote
 from train.data import sources
-from train.data.source import Bad
+from train.data.sources.contract import Bad
+from train.eval import embed as embed_lib
 
 DEFAULT_ROWS_PER_SHARD = 65536
 
@@ -139,17 +145,17 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
   if sources.kind_of(source.spec) == "embeddings":
     raise ValueError("config.data.name already names precomputed embeddings")
   meta = _meta(source, tower, rows_per_shard, data.decode_size)
-  batch_decoder = decoders.make_batch_decoder(data, source, config.get("model"),
-                                              log=log)
+  batch_decoder = decoder_choice.make_batch_decoder(
+      data, source, config.get("model"), log=log)
   if batch_decoder is not None:
     meta["decoder"] = batch_decoder.name  # (absent: the host's)
   _check_or_write_meta(out, meta)
-  local_mesh = Mesh(np.array(jax.local_devices()), (step_lib.AXIS,))
+  local_mesh = mesh_lib.make_mesh(jax.local_devices())
   n_local = local_mesh.size
   bs = batch_size or config.eval.batch_size
   bs = -(-bs // n_local) * n_local
-  embed = step_lib.make_embed_fn(local_mesh, tower)
-  params = jax.device_put(tower.params, NamedSharding(local_mesh, P()))
+  embed = embed_lib.make_embed_fn(local_mesh, tower)
+  params = jax.device_put(tower.params, mesh_lib.replicated(local_mesh))
   # The host delivers uint8 at host_size; Tower.embed resizes on the device
   # from config.data.decode_size, as in training.
   size = pipeline.host_size(data)
@@ -272,10 +278,6 @@ def precompute(config, out: str, tower, *, source=None, process_index: int = 0,
 
 def main(argv) -> None:
   del argv
-  from train import config_base  # pylint: disable=import-outside-toplevel
-  from train import data as data_lib  # pylint: disable=import-outside-toplevel
-  from train import file_keys  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
   if FLAGS.jax_distributed:
     jax.distributed.initialize()
   config = FLAGS.config
@@ -302,27 +304,6 @@ def main(argv) -> None:
         flush=True)
 
 
-if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  FLAGS = flags.FLAGS
-  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py"
-                                  "), optionally with ':arg'; "
-                                  "--config.<key>=<value> overrides.",
-                                  lock_config=True)
-  flags.DEFINE_string("out", None, "Embeddings directory (resumed if it "
-                      "holds a partial run of the same tower and source).")
-  flags.DEFINE_integer("rows_per_shard", DEFAULT_ROWS_PER_SHARD,
-                       "Examples per shard file.")
-  flags.DEFINE_integer("batch_size", 0, "Images per embedding call "
-                       "(0 = config.eval.batch_size).")
-  flags.DEFINE_bool("jax_distributed", False, "Multi-process: call "
-                    "jax.distributed.initialize() first; process p writes "
-                    "shards p, p+P, ...")
-  app.run(main)
-
-
 def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
                        size: int, mesh):
   """A batch's encoded images (``Compact(decode=False)`` items, up to
@@ -331,7 +312,6 @@ def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
   mesh's batch sharding, the items with each that did not decode replaced by
   a Bad). A bad row, or one past the items, is zeros (its embedding is not
   kept)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   per, items = bs // len(devices), list(items)
   arrays = []
   for k, device in enumerate(devices):
@@ -353,5 +333,22 @@ def _decode_on_devices(by_device: dict, devices: list, items: list, bs: int,
         shard = shard.at[jax.device_put(at, device)].set(images)
     arrays.append(shard)
   return jax.make_array_from_single_device_arrays(
-      (bs, size, size, 3), NamedSharding(mesh, P(step_lib.AXIS)),
-      arrays), items
+      (bs, size, size, 3), mesh_lib.rows(mesh), arrays), items
+
+
+if __name__ == "__main__":
+  FLAGS = flags.FLAGS
+  config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py"
+                                  "), optionally with ':arg'; "
+                                  "--config.<key>=<value> overrides.",
+                                  lock_config=True)
+  flags.DEFINE_string("out", None, "Embeddings directory (resumed if it "
+                      "holds a partial run of the same tower and source).")
+  flags.DEFINE_integer("rows_per_shard", DEFAULT_ROWS_PER_SHARD,
+                       "Examples per shard file.")
+  flags.DEFINE_integer("batch_size", 0, "Images per embedding call "
+                       "(0 = config.eval.batch_size).")
+  flags.DEFINE_bool("jax_distributed", False, "Multi-process: call "
+                    "jax.distributed.initialize() first; process p writes "
+                    "shards p, p+P, ...")
+  app.run(main)

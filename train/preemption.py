@@ -45,6 +45,8 @@ import signal
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 # EX_TEMPFAIL (sysexits.h): a temporary failure, the caller may retry.
 EXIT_PREEMPTED = 75
 # Signals a process cannot catch, or that mean something else here (Ctrl-C
@@ -54,7 +56,7 @@ _UNCATCHABLE = ("SIGKILL", "SIGSTOP", "SIGINT")
 
 class Preempted(Exception):
   """Raised by the trainer once what can be resumed is saved after a
-  preemption signal (or a storage outage, ``train.data.remote.Outage``):
+  preemption signal (or a storage outage, ``train.data.sources.remote.Outage``):
   the checkpoint of ``step``, or before the first step (``step`` None)
   nothing, or the precompute progress. ``train.main`` exits with
   EXIT_PREEMPTED."""
@@ -169,12 +171,13 @@ def agree(flags: Sequence[int], process_count: int | None = None
           ) -> list[int]:
   """The max of each flag over all processes (a blocking all-gather; every
   process must call it at the same point). One process: ``flags``."""
+  # Lazy: no JAX at import (the module doc).
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   n = jax.process_count() if process_count is None else process_count
   flags = [int(bool(f)) for f in flags]
   if n == 1:
     return flags
+  # Lazy: no JAX at import (the module doc).
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   seen = np.asarray(multihost_utils.process_allgather(
       np.asarray(flags, np.int32)))
@@ -200,6 +203,7 @@ class SaveTriggers:
                clock: Callable[[], float] = time.monotonic,
                process_count: int | None = None,
                process_index: int | None = None, enabled: bool = True):
+    # Lazy: no JAX at import (the module doc).
     import jax  # pylint: disable=g-import-not-at-top
     self.every_s = 60.0 * every_minutes
     self.clock = clock
@@ -232,8 +236,8 @@ class SaveTriggers:
       return None
     if self.process_count == 1:
       return self.signal_name()
+    # Lazy: no JAX at import (the module doc).
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
     seen = np.asarray(multihost_utils.process_allgather(
         np.array([int(self.signal_name() is not None)], np.int32)))
     return self.agreed_signal() if seen.any() else None
@@ -252,7 +256,6 @@ class SaveTriggers:
     if self.process_count == 1:
       flags = self._local_flags()
       return bool(flags[0]), bool(flags[1])
-    import numpy as np  # pylint: disable=g-import-not-at-top
     # The flags launched after the step before (its all-reduce ran on the
     # devices before this step's train step). A save decided here restarts
     # the clock (saved()) before launch() takes this step's flags.
@@ -265,9 +268,9 @@ class SaveTriggers:
     (after poll and any save it asked for), read by the next poll."""
     if not self.enabled or self.process_count == 1:
       return
+    # Lazy: no JAX at import (the module doc).
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,g-multiple-import
     flags = self._local_flags()
     if self._reduce is None:

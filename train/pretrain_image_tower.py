@@ -16,7 +16,7 @@ pre-logits, ``config.model.embed_dim`` wide) is what LiT locks.
 
 The trainer runs this itself (with a log line) when ``config.model.image.init``
 is empty and the ``config.model.image.pretrain_path`` it names instead does
-not exist yet, or was made by another recipe (``train.towers.build``): a
+not exist yet, or was made by another recipe (``make_current``): a
 cached tower is only as good as the code and config that made it, so
 ``pretrain`` writes ``recipe(...)`` beside it (``PATH.recipe``) and a file
 whose recipe differs is made again rather than used silently.
@@ -30,15 +30,18 @@ import os
 import sys
 import time
 
+from absl import app
+from absl import flags
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from ml_collections import config_flags
 import numpy as np
 import optax
 
 from train.towers import own
-from train.data import sources
-from train.data.pipeline import preprocess_image
+from train.data.sources import tfds
+from train.data.decode.host import preprocess_image
 
 # Attribute features of synthetic_shapes and their number of classes.
 ATTRIBUTES = {"label": 8, "color": 8, "size": 3, "hpos": 3, "vpos": 3,
@@ -75,6 +78,22 @@ def is_current(path: str, config, steps: int) -> bool:
     return False
 
 
+def make_current(config) -> None:
+  """Makes config.model.image.pretrain_path (an own tower, ``init`` empty)
+  where it does not exist or was made by another recipe, saying so in one
+  line; the trainer calls it before it loads the tower."""
+  ic = config.model.image
+  path = os.path.expanduser(ic.pretrain_path)
+  if ic.kind == "pretrained" or ic.init or not path or is_current(
+      path, config, ic.pretrain_steps):
+    return
+  why = "made by another recipe" if os.path.exists(path) else "not made yet"
+  print(f"[lit] pretraining the image tower -> {path} ({why}; "
+        f"{ic.pretrain_steps} steps, config.model.image.pretrain_path)",
+        flush=True)
+  pretrain(config, path, steps=ic.pretrain_steps)
+
+
 class _Classifier(nn.Module):
   """The tower plus one linear head per attribute."""
   tower: nn.Module
@@ -90,7 +109,7 @@ class _Classifier(nn.Module):
 
 def load_split(data_config, split: str, limit: int = 0):
   """Images (preprocessed like the train pipeline) and attribute labels."""
-  builder = sources.builder_for(data_config)
+  builder = tfds.builder_for(data_config)
   source = builder.as_data_source(split=split)
   n = len(source) if not limit else min(limit, len(source))
   examples = []
@@ -197,7 +216,6 @@ def pretrain(config, out_path: str, *, steps: int, batch_size: int = 128,
 
 
 def _main(argv):
-  from absl import flags  # pylint: disable=g-import-not-at-top
   del argv
   FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   ic = FLAGS.config.model.image
@@ -215,9 +233,6 @@ def _main(argv):
 
 
 if __name__ == "__main__":
-  from absl import app  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   config_flags.DEFINE_config_file("config", None, "Trainer config file.")
   flags.DEFINE_string("out", "", "Output .npz (default: model.image.init, "
                       "else model.image.pretrain_path).")

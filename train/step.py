@@ -1,4 +1,4 @@
-"""The LiT train step: data-parallel GradCache step, embedding fns.
+"""The LiT train step: the data-parallel GradCache step and its state.
 
 Pure JAX / Flax / optax (no ml_collections, no data pipeline), so the GPU
 benchmark can build the exact step the trainer runs; the optimizer and its
@@ -21,21 +21,19 @@ here rather than inserted by JAX).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train import diagnostics
 from train import gradcache
+from train import mesh as mesh_lib
+from train.mesh import AXIS
 from train.towers import tower as tower_lib
-
-AXIS = "data"
 
 
 # ----------------------------------------------------------------- the loss
@@ -62,13 +60,6 @@ def make_loss_fn(head, mesh):
 
 
 # ----------------------------------------------------------------- the step
-
-
-def embed_fn_of(tower):
-  """``embed(params, x) -> (b, D)`` of a Tower (uint8 in) or a Flax module."""
-  if isinstance(tower, tower_lib.Tower):
-    return tower.embed
-  return lambda p, x: tower.apply({"params": p}, x)
 
 
 def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
@@ -119,7 +110,7 @@ def make_grad_fn(*, mesh, image_tower: nn.Module, text_tower: nn.Module,
   else:
     loss_fn = head_loss
   image_key = "image_emb" if precomputed else "image"
-  embed_img = embed_fn_of(image_tower)
+  embed_img = tower_lib.embed_fn_of(image_tower)
 
   def embed_txt(p, t):
     return text_tower.apply({"params": p}, t)
@@ -195,32 +186,12 @@ def make_train_step(*, grad_fn, head: nn.Module, optimizer, schedule,
   return jax.jit(train_step, donate_argnums=(0,))
 
 
-def make_embed_fn(mesh, tower):
-  """Jitted data-parallel ``embed(params, inputs) -> (b, D)`` for eval etc.
-
-  ``tower``: a ``Tower`` (uint8 images) or a Flax module (see make_grad_fn).
-
-  ``inputs`` is the same host array in every process of ``mesh`` (each
-  device embeds its rows); the output is replicated, so every process can
-  read all of it (``np.asarray``) even when the mesh spans several processes.
-  ``params`` must live on ``mesh``'s devices (replicated).
-  """
-  sharding = NamedSharding(mesh, P(AXIS))
-
-  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P()))
-  def embed(params, x):
-    x = jax.lax.with_sharding_constraint(x, sharding)
-    return embed_fn_of(tower)(params, x)
-
-  return embed
-
-
 def init_state(mesh, params, optimizer) -> dict[str, Any]:
   """A fresh train state, replicated over the mesh (as the step returns it,
   so the first and later steps share one compiled program)."""
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
            "opt_state": jax.jit(optimizer.init)(params)}
-  return jax.device_put(state, NamedSharding(mesh, P()))
+  return jax.device_put(state, mesh_lib.replicated(mesh))
 
 
 def to_global(sharding, value):
@@ -236,6 +207,6 @@ def to_global(sharding, value):
 
 def shard_batch(mesh, batch: dict):
   """Process-local batch -> global arrays sharded on "data"."""
-  sharding = NamedSharding(mesh, P(AXIS))
+  sharding = mesh_lib.rows(mesh)
   return {k: to_global(sharding, v) for k, v in batch.items()}
 

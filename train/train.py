@@ -5,15 +5,17 @@
 1. Check the config (``validate``: unknown keys, sizes, the checkpoint,
    the tokenizer, the data, the devices) before any work; only then is
    the workdir created.
-2. Build the towers and the loss head; load the locked image tower.
-3. Build the optimizer (locked tower masked out) and the train state.
-4. Resume from the newest checkpoint in ``workdir`` if there is one (train
-   state and data iterator state), else start fresh.
-5. Loop: micro-batches -> image embeddings (the locked tower per
+2. ``_build``: the towers and the loss head (the locked image tower
+   loaded), the optimizer (locked tower masked out) and the train state,
+   the micro-batch sized against the device's memory, the held-out sets,
+   the training data.
+3. ``_resume`` from the newest checkpoint in ``workdir`` if there is one
+   (train state and data iterator state), else start fresh.
+4. ``_loop``: micro-batches -> image embeddings (the locked tower per
    micro-batch, or precomputed) -> train step -> metrics
    (progress bar, TensorBoard, metrics.jsonl) -> eval every N steps ->
-   checkpoint every M steps.
-6. Final checkpoint, final eval, and a summary with zero-shot vs chance
+   checkpoint every M steps; the final checkpoint.
+5. ``_summary``: the final eval, and a summary with zero-shot vs chance
    (uniform: 1 / number of classes).
 
 A workdir already at ``config.total_steps`` trains nothing (its summary is
@@ -34,32 +36,32 @@ import functools
 import json
 import logging as std_logging
 import os
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from train import checkpoint as checkpoint_lib
 from train import config_base
 from train import data as data_lib
 from train import diagnostics
-from train import evaluate
 from train import file_keys
 from train import memory as memory_lib
+from train import metrics as metrics_lib
+from train import mesh as mesh_lib
 from train import model as model_lib
 from train import optim
 from train import preemption
 from train import precompute as precompute_lib
 from train import step as step_lib
-from train import stream as stream_lib
+from train import streamed_tower
 from train import workdir as workdir_lib
-from train.data import remote
-from train.eval import zeroshot as zeroshot_lib
+from train.data.sources import remote
+from train.eval import evaluator as evaluator_lib
 
 # The model's builders, where callers of this module have always found them.
 make_head = model_lib.make_head
@@ -67,337 +69,11 @@ make_models = model_lib.make_models
 make_locked_tower = model_lib.make_locked_tower
 init_params = model_lib.init_params
 
-
-# ----------------------------------------------------------------- logging
-
-
-TB_FLUSH_S = 10
 # A step longer than this says how far it got, this often (tests lower it).
 PROGRESS_INTERVAL_S = 10.0
 
 
-class MetricWriter:
-  """metrics.jsonl (one JSON object per line) + TensorBoard scalars.
-
-  ``on_write(step, row)``, if given, is called after each row is written (the
-  notebook redraws its live loss curve from it).
-  """
-
-  def __init__(self, workdir: str, start_step: int, enabled: bool = True,
-               on_write: Callable[[int, dict], None] | None = None):
-    self.enabled = enabled
-    self.on_write = on_write
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = None
-    if not enabled:
-      return
-    # A resumed run drops the lines a killed run wrote after its checkpoint,
-    # so the file reads like one uninterrupted run.
-    if os.path.exists(self.path):
-      with open(self.path) as f:
-        keep = [l for l in f if l.strip() and
-                json.loads(l).get("step", 0) <= start_step]
-      with open(self.path, "w") as f:
-        f.writelines(keep)
-    try:
-      import tensorboardX  # pylint: disable=g-import-not-at-top
-      # Written by tensorboardX's thread every flush_secs and at close, not
-      # flushed per row: its flush fsyncs (0.1-1 s on a slow or network
-      # disk, in the training loop). metrics.jsonl is the record.
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"),
-                                            flush_secs=TB_FLUSH_S)
-    except ImportError:
-      logging.warning("tensorboardX not installed: no TensorBoard scalars")
-
-  def write(self, step: int, metrics: dict) -> None:
-    if not self.enabled:
-      return
-    row = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    if self._tb is not None:
-      for k, v in metrics.items():
-        self._tb.add_scalar(k, float(v), step)
-    if self.on_write is not None:
-      self.on_write(int(step), row)
-
-  def close(self):
-    if self._tb is not None:
-      self._tb.close()
-
-
-def _progress_bar(config, total, initial, enabled):
-  if not (config.progress_bar and enabled):
-    return None
-  try:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-              smoothing=0.1)
-
-
-def _training_source(config, workdir, tower, is_main, stops=None):
-  """The source of config.data; with precompute_image_embeddings, the
-  embeddings of it in ``workdir/image_embeddings`` (computed there first,
-  once: a resumed run reuses them, a preempted pass is continued).
-  ``stops`` (``_EarlyStops``) is asked after each chunk of shards indexed
-  and each round of shards precomputed."""
-  stops = stops or _EarlyStops(False, is_main)
-  # Training needs no labels (zero-shot reads those of the held-out source).
-  data = data_lib.without_labels(config.data)
-  if (config.precompute_image_embeddings
-      and data_lib.sources.kind_of(data.name) != "embeddings"):
-    out = os.path.join(workdir, "image_embeddings")
-    precompute_lib.precompute(
-        config, out, tower,
-        source=data_lib.open_source(data, data.split,
-                                    between_chunks=stops.indexing),
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-        log=print if is_main else (lambda *_: None),
-        between_rounds=stops.precompute)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      multihost_utils.sync_global_devices("precompute image embeddings")
-    with data.unlocked():
-      data.name = f"embeddings:{out}"
-  source = data_lib.open_source(data, data.split,
-                                between_chunks=stops.indexing)
-  if data_lib.sources.kind_of(source.spec) == "embeddings":
-    source.check_fingerprint(tower.fingerprint, "config.model.image")
-  return source
-
-
-class _EarlyStops:
-  """The safe points before the first step (train/preemption.py): a
-  preemption signal (to any process) or a storage outage stops the run at
-  the next one, all processes at the same one, with what can be resumed
-  kept; ``train.main`` exits 75.
-
-  Args:
-    enabled: signals are caught (config.preemption_signals).
-    is_main: process 0 (says why the run stopped).
-    start_step: the step the run starts from.
-  """
-
-  def __init__(self, enabled: bool, is_main: bool, start_step: int = 0):
-    self.enabled, self.is_main, self.start_step = (enabled, is_main,
-                                                   start_step)
-
-  def check(self, phase: str, outage=None, kept: str = "") -> None:
-    """Stops the run (``preemption.Preempted``) if a signal came, on any
-    process, or if ``outage`` (a ``remote.Outage`` of this process) or
-    another process's stopped it; every process calls it at the same
-    point."""
-    name = preemption.first_signal() if self.enabled else None
-    signalled, outaged = preemption.agree([name is not None,
-                                           outage is not None])
-    if not (signalled or outaged):
-      return
-    where = (f"before step {self.start_step + 1} ({phase}"
-             + (f"; {kept}" if kept else "") + "); rerun to resume")
-    if outage is not None:  # Said by the process that met it.
-      print(f"[lit] storage outage {where}: {outage}", flush=True)
-    elif self.is_main:
-      print(f"[lit] storage outage on another process {where}" if outaged
-            else f"[lit] preempted {where}", flush=True)
-    raise preemption.Preempted(None, name or (
-        "storage outage" if outaged else "a signal to another process"))
-
-  def indexing(self, done: int, total: int, outage=None) -> None:
-    self.check(f"indexing the training shards, {done} of {total} done",
-               outage)
-
-  def precompute(self, done: int, total: int, outage=None) -> None:
-    self.check("precomputing the image embeddings", outage,
-               kept=f"{done} of this process's {total} shard(s) written, "
-               "kept for the rerun")
-
-
-# ----------------------------------------------------------------- checks
-
-
-def validate(config):
-  """Every check of ``config`` that needs no training work, in the order a
-  user thinks of the run: the keys and values, the keys that name files
-  (``train.file_keys``: a URL where none is taken is refused; the files of
-  URLs are fetched), the image tower checkpoint
-  (``train.model.check_checkpoints``: the loader's own message), the
-  tokenizer and the data (``train.data.check_data_config``), then the
-  devices. One-line ValueError or FileNotFoundError for the first problem.
-
-  Returns:
-    ``config`` with the URLs of its file keys replaced by their local
-    copies (``config`` itself when it names none): the config to run.
-  """
-  file_keys.check(config)
-  config_base.check_config(config)
-  config = file_keys.localized(config)
-  model_lib.check_checkpoints(config)
-  data_lib.check_data_config(config)
-  check_devices(config)
-  return config
-
-
-def check_devices(config) -> None:
-  """One-line errors for batch sizes that do not fit the devices."""
-  n_dev, n_proc = jax.device_count(), jax.process_count()
-  if config.batch_size % n_dev:
-    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
-                     f"by the device count {n_dev}")
-  if config.batch_size % n_proc:
-    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
-                     f"by the process count {n_proc}")
-  mb = config.microbatch_size
-  if mb != "auto" and 0 < mb < config.batch_size and mb % n_dev:
-    raise ValueError(f"config.microbatch_size={mb} is not divisible by the "
-                     f"device count {n_dev}")
-
-
-# ----------------------------------------------------------------- the step
-
-
-def _step_builder(config, mesh, tower, text_tower, head, optimizer, schedule,
-                  precomputed: bool, grouped: bool):
-  """``make_step(microbatch) -> jitted train step`` of the run: GradCache
-  over micro-batches of that size (0 or the batch: the un-chunked step);
-  streamed (the step sees image embeddings) when the locked tower is
-  embedded per micro-batch."""
-  def make_step(mb):
-    chunked = 0 < mb < config.batch_size
-    streamed = not precomputed and chunked and config.model.image.locked
-    grad_fn = step_lib.make_grad_fn(
-        mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
-        microbatch_size=mb, global_batch=config.batch_size,
-        precomputed=precomputed or streamed,
-        image_locked=config.model.image.locked, groups=grouped,
-        loss_dtype=config.loss.get("dtype") or None)
-    # The loss diagnostics re-embed a few pairs of the batch as the step
-    # sees them: uint8 images through the tower, or the embeddings.
-    embed_sample = diagnostics.make_sample_embedder(
-        embed_img=None if (precomputed or streamed) else tower.embed,
-        embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
-    return step_lib.make_train_step(grad_fn=grad_fn, head=head,
-                                    optimizer=optimizer, schedule=schedule,
-                                    embed_sample=embed_sample)
-  return make_step
-
-
-def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
-               precomputed: bool, grouped: bool):
-  """(``memory.Sizing`` of config.microbatch_size, {micro-batch: its
-  compiled train step}): the step compiled for abstract inputs of the
-  run's shapes, XLA's plan of it, plus for a streamed step the embedding
-  call and the images it holds in flight (train/memory.py)."""
-  b, n_dev = config.batch_size, mesh.size
-  device = jax.local_devices()[0]
-  limit, source = memory_lib.device_limit(config.device_memory_gb, device)
-  if config.microbatch_size != "auto" and limit is None:
-    mb = config.microbatch_size
-    return memory_lib.Sizing(mb if 0 < mb < b else b, None, None, ""), {}
-  rows = NamedSharding(mesh, P(step_lib.AXIS))
-  shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
-                                                     sharding=rows)
-  abstract_state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      state)
-  side = data_lib.host_size(config.data)
-  image_bytes = side * side * 3  # One uint8 image.
-  # A batch decoder (config.data.decoder "gpu") holds its decoded
-  # micro-batches on the device too: those in its queue and the one it
-  # decodes.
-  decoded_ahead = (0 if config.data.decoder == "host"
-                   else max(1, config.data.prefetch_batches) + 1)
-  depth = max(1, config.data.prefetch_batches)
-  steps = {}
-  # A set micro-batch is compiled as the step will be (its call reuses it);
-  # "auto"'s sizes are compiled faster on a GPU (memory.plan_bytes).
-  search = config.microbatch_size == "auto"
-
-  def plan_fn(mb):
-    chunked = 0 < mb < b
-    streamed = not precomputed and chunked and config.model.image.locked
-    batch = {"text": shaped((b, tokenizer.max_len), np.int32)}
-    if precomputed or streamed:
-      batch["image_emb"] = shaped((b, tower.embed_dim), np.float32)
-    else:
-      batch["image"] = shaped((b, side, side, 3), np.uint8)
-    if grouped:
-      batch["group"] = shaped((b,), np.int32)
-    steps[mb] = make_step(mb)
-    with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
-      step_bytes = memory_lib.plan_bytes(
-          steps[mb].lower(abstract_state, batch), device.platform, search)
-    stream_bytes = 0
-    if streamed:
-      params = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(
-              x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
-          tower.params)
-      with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
-        stream_bytes = memory_lib.plan_bytes(embed.lower(
-            params, shaped((mb, side, side, 3), np.uint8)), device.platform,
-            search)
-      stream_bytes += (depth + decoded_ahead) * (mb // n_dev) * image_bytes
-    elif not precomputed:
-      stream_bytes = decoded_ahead * (b // n_dev) * image_bytes
-    return memory_lib.Plan(mb if chunked else b, step_bytes, stream_bytes)
-
-  sizing = memory_lib.size_microbatch(
-      requested=config.microbatch_size, batch=b, multiple=n_dev,
-      plan_fn=plan_fn, limit=limit, source=source)
-  return sizing, steps
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
-
-
-def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
-  """The held-out ``evaluate.Evaluator`` of ``config`` (sets read lazily)."""
-  sets = data_lib.eval_sets_of(config)
-  return evaluate.Evaluator(
-      mesh=mesh, image_tower=image_tower, text_tower=text_tower,
-      tokenizer=tokenizer, zeroshot=sets.zeroshot, retrieval=sets.retrieval,
-      batch_size=_round_up(config.eval.batch_size, mesh.size),
-      zeroshot_skipped=sets.zeroshot_skipped)
-
-
-def _eval_line(step: int, m: dict) -> str:
-  """One console line for an evaluation in the middle of a run."""
-  parts = []
-  if "zeroshot_top1" in m:
-    parts.append("zero-shot " + zeroshot_lib.describe(m))
-  if "i2t_r1" in m:
-    parts.append(f"retrieval R@1 image->text {100 * m['i2t_r1']:.1f}%, "
-                 f"text->image {100 * m['t2i_r1']:.1f}%")
-  return f"[lit] eval at step {step}: " + ("; ".join(parts) or "no eval sets")
-
-
-def _read_json(path: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
-def _last_train_row(workdir: str) -> dict:
-  """The last train-metrics row of metrics.jsonl (without "step"), or {}."""
-  row = {}
-  try:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      for line in f:
-        r = json.loads(line) if line.strip() else {}
-        if "loss" in r:
-          row = {k: v for k, v in r.items() if k != "step"}
-  except (OSError, ValueError):
-    pass
-  return row
-
-
-# ----------------------------------------------------------------- main loop
+# ----------------------------------------------------------------- the run
 
 
 def train_and_evaluate(config, workdir: str, *,
@@ -504,16 +180,648 @@ def train_and_evaluate(config, workdir: str, *,
     ckpt.close()  # After an error: lets the save in flight finish.
 
 
+def validate(config):
+  """Every check of ``config`` that needs no training work, in the order a
+  user thinks of the run: the keys and values, the keys that name files
+  (``train.file_keys``: a URL where none is taken is refused; the files of
+  URLs are fetched), the image tower checkpoint
+  (``train.model.check_checkpoints``: the loader's own message), the
+  tokenizer and the data (``train.data.check_data_config``), then the
+  devices. One-line ValueError or FileNotFoundError for the first problem.
+
+  Returns:
+    ``config`` with the URLs of its file keys replaced by their local
+    copies (``config`` itself when it names none): the config to run.
+  """
+  file_keys.check(config)
+  config_base.check_config(config)
+  config = file_keys.localized(config)
+  model_lib.check_checkpoints(config)
+  data_lib.check_data_config(config)
+  check_devices(config)
+  return config
+
+
+def check_devices(config) -> None:
+  """One-line errors for batch sizes that do not fit the devices."""
+  n_dev, n_proc = jax.device_count(), jax.process_count()
+  if config.batch_size % n_dev:
+    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
+                     f"by the device count {n_dev}")
+  if config.batch_size % n_proc:
+    raise ValueError(f"config.batch_size={config.batch_size} is not divisible "
+                     f"by the process count {n_proc}")
+  mb = config.microbatch_size
+  if mb != "auto" and 0 < mb < config.batch_size and mb % n_dev:
+    raise ValueError(f"config.microbatch_size={mb} is not divisible by the "
+                     f"device count {n_dev}")
+
+
 def checkpoint_dir(config, workdir: str) -> str:
   """config.checkpoint.directory, or <workdir>/checkpoints."""
   return config.checkpoint.directory or os.path.join(workdir, "checkpoints")
+
+
+def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
+           progress, record, stops, clock=time.monotonic) -> dict:
+  """The training run of ``train_and_evaluate``: build, resume, loop,
+  summary. Keeps ``progress["step"]`` (the last step done, for the interrupt
+  message) and hands its progress bar and metric writer to the caller via
+  ``progress`` (closed however the run ends). ``record()`` writes the
+  workdir's record once the state is built (and restored). ``stops``
+  (``_EarlyStops``): the safe points before the first step."""
+  run = _build(config, workdir, is_main, stops)
+  start_step = _resume(run, ckpt, progress, stops)
+  record()
+  if is_main:
+    print(_run_line(run), flush=True)
+  train_metrics = _loop(run, ckpt, start_step, progress, on_metrics, clock)
+  return _summary(run, start_step, train_metrics, progress["writer"],
+                  t_start)
+
+
+# ----------------------------------------------------------------- build
+
+
+@dataclasses.dataclass
+class _Run:
+  """What ``_build`` makes before the first step, for the loop and the
+  summary. ``state`` is the train state, replaced by each step."""
+  config: Any
+  workdir: str
+  is_main: bool
+  mesh: Any
+  state: dict
+  # The locked image tower as the data path sees it, with a host copy of
+  # its params (the train step donates the state's), and its embedding
+  # call of a streamed step.
+  tower: Any
+  embed: Callable
+  make_step: Callable  # micro-batch -> the jitted train step
+  steps: dict  # the steps compiled while sizing, by micro-batch
+  microbatch: int  # global; 0 or the batch: not chunked
+  evaluator: Any
+  source: Any
+  train_iter: Any
+  precomputed: bool
+  grouped: bool
+
+  @property
+  def chunked(self) -> bool:
+    return 0 < self.microbatch < self.config.batch_size
+
+  @property
+  def streamed(self) -> bool:
+    """The locked tower embeds each micro-batch as it arrives
+    (train/streamed_tower.py): the step sees the (B, D) embeddings, as with
+    precomputed ones."""
+    return (not self.precomputed and self.chunked
+            and self.config.model.image.locked)
+
+  @property
+  def device(self):
+    return jax.local_devices()[0]
+
+  def evaluate(self) -> dict:
+    with memory_lib.phase("eval", self.device, memory_lib.EVAL_HINT):
+      return self.evaluator(self.state["params"])
+
+
+def _build(config, workdir, is_main, stops) -> _Run:
+  """The model and its train state, the micro-batch sized against the
+  device's memory, the held-out sets, then the training data: what can
+  fail fails before the more costly next part (``stops`` is checked after
+  the sets and after the data)."""
+  mesh = mesh_lib.make_mesh()
+  tokenizer = data_lib.make_tokenizer(config)
+  image_tower, text_tower, head = make_models(config, tokenizer)
+  params = init_params(config, image_tower, text_tower, head, tokenizer)
+  optimizer, schedule = optim.from_config(
+      config.optim, total_steps=config.total_steps, params=params,
+      image_locked=config.model.image.locked)
+  state = step_lib.init_state(mesh, params, optimizer)
+  del params
+  # Images cross the host and the transfer as uint8 and are resized (from
+  # config.data.decode_size), normalised and cast on the device
+  # (Tower.embed).
+  tower = dataclasses.replace(image_tower,
+                              params=jax.device_get(state["params"]["img"]))
+  precomputed = (config.precompute_image_embeddings or
+                 data_lib.sources.kind_of(config.data.name) == "embeddings")
+  grouped = config.loss.groups != "none"
+  make_step = _step_builder(config, mesh, tower, text_tower, head, optimizer,
+                            schedule, precomputed, grouped)
+  # Compiled once: the sizing's compile is the streamer's.
+  embed = streamed_tower.make_embed(mesh, tower)
+  mb, steps = _microbatch(config, mesh, state, tower, embed, make_step,
+                          tokenizer, precomputed, grouped, is_main)
+
+  # The held-out sets first: their checks (e.g. a label outside the class
+  # names) fail before the embeddings of the training split are computed.
+  evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
+  if is_main:
+    print("\n".join(evaluator.describe()), flush=True)
+  stops.check("building the model and the held-out sets")
+
+  # Data: each process reads its own shard, as micro-batches.
+  with memory_lib.phase("precompute", jax.local_devices()[0],
+                        memory_lib.EVAL_HINT):
+    source = _training_source(config, workdir, tower, is_main, stops)
+  n_proc = jax.process_count()
+  chunked = 0 < mb < config.batch_size
+  train_iter = data_lib.make_train_iterator(
+      config, batch_size=config.batch_size // n_proc,
+      microbatch_size=(mb if chunked else config.batch_size) // n_proc,
+      process_index=jax.process_index(), process_count=n_proc,
+      seed=config.seed, tokenizer=tokenizer, source=source,
+      groups=config.loss.groups,
+      captions_per_image=config.captions_per_image)
+  if is_main:
+    print(f"[lit] data: {source.describe()}", flush=True)
+  warning = optim.batch_repeat_warning(config.batch_size, len(source),
+                                       config.data.split)
+  if warning and is_main:
+    print(warning, flush=True)
+  stops.check("opening the training data")
+  return _Run(config=config, workdir=workdir, is_main=is_main, mesh=mesh,
+              state=state, tower=tower, embed=embed, make_step=make_step,
+              steps=steps, microbatch=mb, evaluator=evaluator,
+              source=source, train_iter=train_iter, precomputed=precomputed,
+              grouped=grouped)
+
+
+def _microbatch(config, mesh, state, tower, embed, make_step, tokenizer,
+                precomputed, grouped, is_main) -> tuple:
+  """(the global micro-batch, {micro-batch: its compiled step}): sized
+  against the device's memory from XLA's plan of the compiled step, before
+  any data is decoded (train/memory.py), the same on every process."""
+  sizing, steps = _size_step(config, mesh, state, tower, embed, make_step,
+                             tokenizer, precomputed, grouped)
+  if is_main and sizing.line:
+    print(sizing.line, flush=True)
+  mb = sizing.microbatch
+  if config.microbatch_size == "auto" and jax.process_count() > 1:
+    # Every process must take the same size: the smallest chosen (it fits
+    # wherever a larger one does).
+    agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
+    if agreed != mb and is_main:
+      print(f"[lit] micro-batch auto: {agreed}, the smallest any process "
+            "chose", flush=True)
+    mb = agreed
+  return mb, steps
+
+
+def _step_builder(config, mesh, tower, text_tower, head, optimizer, schedule,
+                  precomputed: bool, grouped: bool):
+  """``make_step(microbatch) -> jitted train step`` of the run: GradCache
+  over micro-batches of that size (0 or the batch: the un-chunked step);
+  streamed (the step sees image embeddings) when the locked tower is
+  embedded per micro-batch."""
+  def make_step(mb):
+    chunked = 0 < mb < config.batch_size
+    streamed = not precomputed and chunked and config.model.image.locked
+    grad_fn = step_lib.make_grad_fn(
+        mesh=mesh, image_tower=tower, text_tower=text_tower, head=head,
+        microbatch_size=mb, global_batch=config.batch_size,
+        precomputed=precomputed or streamed,
+        image_locked=config.model.image.locked, groups=grouped,
+        loss_dtype=config.loss.get("dtype") or None)
+    # The loss diagnostics re-embed a few pairs of the batch as the step
+    # sees them: uint8 images through the tower, or the embeddings.
+    embed_sample = diagnostics.make_sample_embedder(
+        embed_img=None if (precomputed or streamed) else tower.embed,
+        embed_txt=lambda p, t: text_tower.apply({"params": p}, t))
+    return step_lib.make_train_step(grad_fn=grad_fn, head=head,
+                                    optimizer=optimizer, schedule=schedule,
+                                    embed_sample=embed_sample)
+  return make_step
+
+
+def _size_step(config, mesh, state, tower, embed, make_step, tokenizer,
+               precomputed: bool, grouped: bool):
+  """(``memory.Sizing`` of config.microbatch_size, {micro-batch: its
+  compiled train step}): the step compiled for abstract inputs of the
+  run's shapes, XLA's plan of it, plus for a streamed step the embedding
+  call and the images it holds in flight (train/memory.py)."""
+  b, n_dev = config.batch_size, mesh.size
+  device = jax.local_devices()[0]
+  limit, source = memory_lib.device_limit(config.device_memory_gb, device)
+  if config.microbatch_size != "auto" and limit is None:
+    mb = config.microbatch_size
+    return memory_lib.Sizing(mb if 0 < mb < b else b, None, None, ""), {}
+  rows = mesh_lib.rows(mesh)
+  shaped = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
+                                                     sharding=rows)
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
+  side = data_lib.host_size(config.data)
+  image_bytes = side * side * 3  # One uint8 image.
+  # A batch decoder (config.data.decoder "gpu") holds its decoded
+  # micro-batches on the device too: those in its queue and the one it
+  # decodes.
+  decoded_ahead = (0 if config.data.decoder == "host"
+                   else max(1, config.data.prefetch_batches) + 1)
+  depth = max(1, config.data.prefetch_batches)
+  steps = {}
+  # A set micro-batch is compiled as the step will be (its call reuses it);
+  # "auto"'s sizes are compiled faster on a GPU (memory.plan_bytes).
+  search = config.microbatch_size == "auto"
+
+  def plan_fn(mb):
+    chunked = 0 < mb < b
+    streamed = not precomputed and chunked and config.model.image.locked
+    batch = {"text": shaped((b, tokenizer.max_len), np.int32)}
+    if precomputed or streamed:
+      batch["image_emb"] = shaped((b, tower.embed_dim), np.float32)
+    else:
+      batch["image"] = shaped((b, side, side, 3), np.uint8)
+    if grouped:
+      batch["group"] = shaped((b,), np.int32)
+    steps[mb] = make_step(mb)
+    with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
+      step_bytes = memory_lib.plan_bytes(
+          steps[mb].lower(abstract_state, batch), device.platform, search)
+    stream_bytes = 0
+    if streamed:
+      params = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(
+              x.shape, x.dtype, sharding=mesh_lib.replicated(mesh)),
+          tower.params)
+      with memory_lib.phase("compile", device, memory_lib.STEP_HINT):
+        stream_bytes = memory_lib.plan_bytes(embed.lower(
+            params, shaped((mb, side, side, 3), np.uint8)), device.platform,
+            search)
+      stream_bytes += (depth + decoded_ahead) * (mb // n_dev) * image_bytes
+    elif not precomputed:
+      stream_bytes = decoded_ahead * (b // n_dev) * image_bytes
+    return memory_lib.Plan(mb if chunked else b, step_bytes, stream_bytes)
+
+  sizing = memory_lib.size_microbatch(
+      requested=config.microbatch_size, batch=b, multiple=n_dev,
+      plan_fn=plan_fn, limit=limit, source=source)
+  return sizing, steps
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+def make_evaluator(config, mesh, image_tower, text_tower, tokenizer):
+  """The held-out ``evaluator.Evaluator`` of ``config`` (sets read lazily)."""
+  sets = data_lib.eval_sets_of(config)
+  return evaluator_lib.Evaluator(
+      mesh=mesh, image_tower=image_tower, text_tower=text_tower,
+      tokenizer=tokenizer, zeroshot=sets.zeroshot, retrieval=sets.retrieval,
+      batch_size=_round_up(config.eval.batch_size, mesh.size),
+      zeroshot_skipped=sets.zeroshot_skipped)
+
+
+def _training_source(config, workdir, tower, is_main, stops=None):
+  """The source of config.data; with precompute_image_embeddings, the
+  embeddings of it in ``workdir/image_embeddings`` (computed there first,
+  once: a resumed run reuses them, a preempted pass is continued).
+  ``stops`` (``_EarlyStops``) is asked after each chunk of shards indexed
+  and each round of shards precomputed."""
+  stops = stops or _EarlyStops(False, is_main)
+  # Training needs no labels (zero-shot reads those of the held-out source).
+  data = data_lib.without_labels(config.data)
+  if (config.precompute_image_embeddings
+      and data_lib.sources.kind_of(data.name) != "embeddings"):
+    out = os.path.join(workdir, "image_embeddings")
+    precompute_lib.precompute(
+        config, out, tower,
+        source=data_lib.open_source(data, data.split,
+                                    between_chunks=stops.indexing),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        log=print if is_main else (lambda *_: None),
+        between_rounds=stops.precompute)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("precompute image embeddings")
+    with data.unlocked():
+      data.name = f"embeddings:{out}"
+  source = data_lib.open_source(data, data.split,
+                                between_chunks=stops.indexing)
+  if data_lib.sources.kind_of(source.spec) == "embeddings":
+    source.check_fingerprint(tower.fingerprint, "config.model.image")
+  return source
+
+
+# ----------------------------------------------------------------- resume
+
+
+def _resume(run: _Run, ckpt, progress: dict, stops) -> int:
+  """The step the run starts from: the newest checkpoint's, its train state
+  and data iterator state restored, or 0."""
+  if ckpt.latest_step() is None:
+    return 0
+  run.state, data_state = ckpt.restore(run.state)
+  run.train_iter.set_state(data_state)
+  start_step = int(run.state["step"])
+  progress["step"] = start_step
+  print(f"[lit] resumed from the checkpoint of step {start_step} in "
+        f"{run.workdir}", flush=True)
+  stops.check(f"restoring the checkpoint of step {start_step}")
+  return start_step
+
+
+def _run_line(run: _Run) -> str:
+  """One line for the log: the devices, the batch, the loss and the image
+  tower of the run. With more than one device the loss runs the ring."""
+  config, mesh = run.config, run.mesh
+  across = "" if mesh.size == 1 else ", ring across devices"
+  return (f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
+          f"{jax.process_count()} process(es); global batch "
+          f"{config.batch_size}"
+          + (f", GradCache micro-batch {run.microbatch}" if run.chunked
+             else "")
+          + (f" (text blocks remat {config.model.text.remat})"
+             if run.chunked and config.model.text.remat != "none" else "")
+          + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
+          + (f", groups {config.loss.groups} ({config.loss.group_mode})"
+             if run.grouped else "")
+          + (f"; {config.captions_per_image} captions per image"
+             if config.captions_per_image > 1 else "")
+          + f"; image tower {config.model.image.kind}"
+          + (" locked" if config.model.image.locked else " trained")
+          + (", precomputed embeddings" if run.precomputed else "")
+          + (", embedded on the fly per micro-batch" if run.streamed else "")
+          + (f"; images resized on the device from {config.data.decode_size}"
+             " px" if config.data.decode_size and not run.precomputed
+             else ""))
+
+
+# ----------------------------------------------------------------- the loop
+
+
+def _loop(run: _Run, ckpt, start_step: int, progress: dict, on_metrics,
+          clock) -> dict:
+  """Steps ``start_step`` + 1 .. config.total_steps, each: its inputs, the
+  train step, its metrics, an evaluation and a checkpoint when due, a stop
+  when a signal or an outage asks for one; then the final checkpoint. The
+  last train metrics logged."""
+  config, is_main = run.config, run.is_main
+  train_step = run.steps.get(run.microbatch) or run.make_step(run.microbatch)
+  writer = metrics_lib.MetricWriter(run.workdir, start_step, enabled=is_main,
+                        on_write=on_metrics)
+  pbar = metrics_lib.progress_bar(config, config.total_steps, start_step,
+                                  is_main)
+  say = pbar.write if pbar is not None else functools.partial(print,
+                                                              flush=True)
+  # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
+  # (from a thread: the host may wait on the device or the input).
+  step_progress = streamed_tower.StepProgress(say if is_main else None,
+                                              interval_s=PROGRESS_INTERVAL_S)
+  progress.update(pbar=pbar, writer=writer, step_progress=step_progress)
+  inputs_of = _StepInputs(run, ckpt, progress, step_progress)
+  # Preemption signals and the clock of time-based checkpoints, agreed by
+  # all processes (train/preemption.py).
+  triggers = preemption.SaveTriggers(
+      every_minutes=config.checkpoint.every_minutes, clock=clock,
+      enabled=bool(config.preemption_signals))
+  train_metrics = {}
+  t_loop, steps_run = time.time(), 0
+  for step in range(start_step + 1, config.total_steps + 1):
+    inputs = inputs_of(step)
+    with _in_step(run):
+      run.state, metrics = train_step(run.state, inputs)
+      step_progress.step_dispatched(metrics["loss"])
+    del inputs
+    progress["step"] = step
+    steps_run += 1
+    if pbar is not None:
+      pbar.update(1)
+    if step % config.log_every_steps == 0 or step == config.total_steps:
+      train_metrics = _train_metrics(run, metrics, steps_run, t_loop)
+      writer.write(step, train_metrics)
+      if pbar is not None:
+        pbar.set_postfix(loss=f"{train_metrics['loss']:.4f}",
+                         temp=f"{train_metrics['temperature']:.4f}")
+    if (config.eval.every_steps and step % config.eval.every_steps == 0
+        and step < config.total_steps):
+      eval_metrics = _evaluate_or_stop(run, ckpt, step, progress)
+      writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
+      if is_main:
+        say(metrics_lib.eval_line(step, eval_metrics))
+    # The step is done (with its logging and evaluation, so that the log
+    # of a resumed run reads like one uninterrupted run): save it if a
+    # signal (on any process) or the clock asks for it.
+    preempted, timed = triggers.poll(step)
+    if (preempted or timed or ckpt.should_save(step)
+        or step == config.total_steps):
+      ckpt.save(step, run.state, run.train_iter.get_state())
+      triggers.saved()
+    if preempted:
+      _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
+                           is_main)
+    triggers.launch()
+  step_progress.close()
+  if pbar is not None:
+    pbar.close()
+    progress["pbar"] = None
+  ckpt.save(config.total_steps, run.state, run.train_iter.get_state())
+  ckpt.close()  # Waits for the last save.
+  # A signal after the last step's check: the final checkpoint is complete;
+  # the evaluation is left to the rerun (it evaluates a finished run whose
+  # summary is missing).
+  name = triggers.final_agreement()
+  if name is not None:
+    _stop_for_preemption(ckpt, config.total_steps, name, progress, is_main)
+  preemption.release()  # During the final evaluation a signal ends the run.
+  return train_metrics
+
+
+def _in_step(run: _Run):
+  return memory_lib.phase("step", run.device, memory_lib.STEP_HINT)
+
+
+class _StepInputs:
+  """``(step)`` -> the step's global batch: embedded micro-batch by
+  micro-batch when streamed, else the micro-batches put on the devices as
+  one batch (in the same device-major order, see train/streamed_tower.py).
+
+  Before each step its inputs: a signal while the main thread waits for
+  them (a slow or unreachable store), or a storage outage past
+  config.data.remote_outage_s, stops the run with the step reached saved
+  (the data state taken before the wait). With several processes only
+  where every process can agree on it first (a blocking all-gather per
+  step): a remote training source, the one that can wait that long.
+  """
+
+  def __init__(self, run: _Run, ckpt, progress: dict, step_progress):
+    self.run, self.ckpt, self.progress = run, ckpt, progress
+    self.step_progress = step_progress
+    self.num_micro = (run.config.batch_size // run.microbatch if run.chunked
+                      else 1)
+    self.streamer = None
+    if run.streamed:
+      self.streamer = streamed_tower.StreamedImageTower(
+          run.mesh, run.tower,
+          jax.device_put(run.tower.params, mesh_lib.replicated(run.mesh)),
+          depth=max(1, run.config.data.prefetch_batches), embed=run.embed,
+          progress=step_progress)
+    self.n_local = len(jax.local_devices())
+    n_proc = jax.process_count()
+    remote_source = getattr(run.source, "is_remote", False)
+    self.agree_per_step = n_proc > 1 and remote_source
+    self.stop_before_step = n_proc == 1 or self.agree_per_step
+    self.interrupt = self.stop_before_step and preemption.catching()
+
+  def _fetch(self):
+    run = self.run
+    if self.streamer is not None:
+      return self.streamer.step_inputs(run.train_iter, self.num_micro)
+    parts = [next(run.train_iter) for _ in range(self.num_micro)]
+    key = "image_emb" if run.precomputed else "image"
+    return step_lib.shard_batch(run.mesh, {
+        k: streamed_tower.device_major([p[k] for p in parts], self.n_local)
+        for k in (key, "text") + (("group",) if run.grouped else ())})
+
+  def __call__(self, step: int):
+    run = self.run
+    before = run.train_iter.get_state() if self.stop_before_step else None
+    inputs, signal_name, outage = None, None, None
+    # The progress line watches the step's micro-batches from here: a
+    # streamed step embeds them while its inputs are fetched.
+    self.step_progress.step_begins(step)
+    try:
+      with _in_step(run), preemption.interrupting_waits(self.interrupt):
+        inputs = self._fetch()
+    except preemption.WaitInterrupted as e:
+      signal_name = e.args[0]
+    except remote.Outage as e:
+      if not self.stop_before_step:
+        raise
+      outage = e
+    if self.stop_before_step:
+      flags = [signal_name is not None, outage is not None]
+      if self.agree_per_step:
+        flags = preemption.agree(flags)
+      if any(flags):
+        _stop_before_step(self.ckpt, step - 1, run.state, before,
+                          self.progress, run.is_main, signal_name or (
+                              "a signal to another process" if flags[0]
+                              else "storage outage"), outage, bool(flags[1]))
+    return inputs
+
+
+def _train_metrics(run: _Run, metrics, steps_run: int, t_loop: float) -> dict:
+  """The step's metrics as floats, with this process's data counts and the
+  rate since the loop started (at ``t_loop``)."""
+  with _in_step(run):
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  ledger = run.train_iter.ledger
+  # This process's skipped examples (its ledger also stops the run past
+  # config.data.max_bad_fraction).
+  out["data/bad_examples"] = run.train_iter.bad
+  out["data/bad_fraction"] = ledger.fraction
+  # Transient failures of remote reads retried
+  # (train/data/sources/remote.py).
+  out["data/retries"] = ledger.retries
+  out["steps_per_sec"] = steps_run / (time.time() - t_loop)
+  return out
+
+
+def _evaluate_or_stop(run: _Run, ckpt, step: int, progress: dict) -> dict:
+  """The held-out metrics after ``step``; a storage outage (one process)
+  saves the step and stops the run."""
+  try:
+    return run.evaluate()
+  except remote.Outage as e:
+    if jax.process_count() > 1:
+      raise  # Not agreed across processes (train.main: exit 75).
+    ckpt.save(step, run.state, run.train_iter.get_state())
+    _stop_before_step(ckpt, step, run.state, None, progress, run.is_main,
+                      "storage outage", e, True)
+    raise  # Not reached: _stop_before_step raises Preempted.
+
+
+# ----------------------------------------------------------------- summary
+
+
+def _summary(run: _Run, start_step: int, train_metrics: dict, writer,
+             t_start: float) -> dict:
+  """The final evaluation and the run's summary (printed, summary.json):
+  the last train metrics, the bad examples and retries of every process,
+  the held-out metrics."""
+  config = run.config
+  # The skipped examples and retries of every process.
+  ledgers = checkpoint_lib.gather_json(
+      {"by_reason": dict(run.train_iter.ledger.by_reason),
+       "retries": run.train_iter.ledger.retries})
+  by_reason = collections.Counter()
+  for ledger in ledgers:
+    by_reason.update(ledger["by_reason"])
+
+  eval_metrics = run.evaluate()
+  writer.write(config.total_steps, {f"eval/{k}": v
+                                    for k, v in eval_metrics.items()})
+  summary = {"steps": config.total_steps, "resumed_from": start_step,
+             "wall_s": time.time() - t_start, **train_metrics,
+             "data/skipped_by_reason": dict(sorted(by_reason.items())),
+             "data/retries_all_processes": sum(l["retries"] for l in ledgers),
+             **{f"eval/{k}": v for k, v in eval_metrics.items()}}
+  if run.is_main:
+    metrics_lib.print_summary(summary)
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+  return summary
+
+
+# ----------------------------------------------------------------- stops
+
+
+class _EarlyStops:
+  """The safe points before the first step (train/preemption.py): a
+  preemption signal (to any process) or a storage outage stops the run at
+  the next one, all processes at the same one, with what can be resumed
+  kept; ``train.main`` exits 75.
+
+  Args:
+    enabled: signals are caught (config.preemption_signals).
+    is_main: process 0 (says why the run stopped).
+    start_step: the step the run starts from.
+  """
+
+  def __init__(self, enabled: bool, is_main: bool, start_step: int = 0):
+    self.enabled, self.is_main, self.start_step = (enabled, is_main,
+                                                   start_step)
+
+  def check(self, phase: str, outage=None, kept: str = "") -> None:
+    """Stops the run (``preemption.Preempted``) if a signal came, on any
+    process, or if ``outage`` (a ``remote.Outage`` of this process) or
+    another process's stopped it; every process calls it at the same
+    point."""
+    name = preemption.first_signal() if self.enabled else None
+    signalled, outaged = preemption.agree([name is not None,
+                                           outage is not None])
+    if not (signalled or outaged):
+      return
+    where = (f"before step {self.start_step + 1} ({phase}"
+             + (f"; {kept}" if kept else "") + "); rerun to resume")
+    if outage is not None:  # Said by the process that met it.
+      print(f"[lit] storage outage {where}: {outage}", flush=True)
+    elif self.is_main:
+      print(f"[lit] storage outage on another process {where}" if outaged
+            else f"[lit] preempted {where}", flush=True)
+    raise preemption.Preempted(None, name or (
+        "storage outage" if outaged else "a signal to another process"))
+
+  def indexing(self, done: int, total: int, outage=None) -> None:
+    self.check(f"indexing the training shards, {done} of {total} done",
+               outage)
+
+  def precompute(self, done: int, total: int, outage=None) -> None:
+    self.check("precomputing the image embeddings", outage,
+               kept=f"{done} of this process's {total} shard(s) written, "
+               "kept for the rerun")
 
 
 def _catch_signals(names) -> bool:
   """Records ``names`` instead of their default action while the run
   trains (only the main thread may install signal handlers: elsewhere,
   e.g. a run started from a thread, the signals keep their action)."""
-  import threading  # pylint: disable=g-import-not-at-top
   if not names or threading.current_thread() is not threading.main_thread():
     return False
   preemption.catch(names)
@@ -603,6 +911,9 @@ def _stop_after_interrupt(ckpt, progress: dict, is_main: bool) -> None:
           flush=True)
 
 
+# ----------------------------------------------------------------- finished
+
+
 def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
   """A rerun of a finished run: nothing to train; evaluate only if asked (or
   if the run was stopped before its final evaluation wrote summary.json)."""
@@ -618,11 +929,11 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
           + ("" if reevaluate else "; to evaluate again, add --reevaluate")
           + ".", flush=True)
   if summary is None or reevaluate:
-    mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
+    mesh = mesh_lib.make_mesh()
     tokenizer = data_lib.make_tokenizer(config)
     image_tower, text_tower, _ = make_models(config, tokenizer)
     params = jax.device_put(ckpt.restore_params(latest),
-                            NamedSharding(mesh, P()))
+                            mesh_lib.replicated(mesh))
     evaluator = make_evaluator(config, mesh, image_tower, text_tower,
                                tokenizer)
     if is_main:
@@ -639,285 +950,30 @@ def _finished_run(config, workdir, ckpt, latest, reevaluate, is_main) -> dict:
         json.dump(summary, f, indent=1)
   if is_main:
     print(f"[lit] summary of the finished run ({path}):", flush=True)
-    print_summary(summary, done_line=False)
+    metrics_lib.print_summary(summary, done_line=False)
   return summary
 
 
-def _train(config, workdir, ckpt, on_metrics, is_main, t_start,
-           progress, record, stops, clock=time.monotonic) -> dict:
-  """The training run of ``train_and_evaluate``. Keeps ``progress["step"]``
-  (the last step done, for the interrupt message) and hands its progress bar
-  and metric writer to the caller via ``progress`` (closed however the run
-  ends). ``record()`` writes the workdir's record once the state is built
-  (and restored). ``stops`` (``_EarlyStops``): the safe points before the
-  first step."""
-  # Model, params, optimizer, state.
-  mesh = Mesh(np.array(jax.devices()), (step_lib.AXIS,))
-  tokenizer = data_lib.make_tokenizer(config)
-  image_tower, text_tower, head = make_models(config, tokenizer)
-  params = init_params(config, image_tower, text_tower, head, tokenizer)
-  optimizer, schedule = optim.from_config(
-      config.optim, total_steps=config.total_steps, params=params,
-      image_locked=config.model.image.locked)
-  state = step_lib.init_state(mesh, params, optimizer)
-  del params
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
 
-  # The locked image tower as the data path sees it: images cross the host
-  # and the transfer as uint8 and are resized (from config.data.decode_size),
-  # normalised and cast on the device (Tower.embed). (A host copy
-  # of its params: the train step donates the state's.)
-  tower = dataclasses.replace(image_tower,
-                              params=jax.device_get(state["params"]["img"]))
-  n_proc, n_local = jax.process_count(), len(jax.local_devices())
-  precomputed = (config.precompute_image_embeddings or
-                 data_lib.sources.kind_of(config.data.name) == "embeddings")
-  grouped = config.loss.groups != "none"
-  make_step = _step_builder(config, mesh, tower, text_tower, head, optimizer,
-                            schedule, precomputed, grouped)
-  # The locked tower's embedding call of a streamed step (compiled once:
-  # the sizing's compile is the streamer's).
-  embed = stream_lib.make_embed(mesh, tower)
 
-  # The micro-batch, sized against the device's memory from XLA's plan of
-  # the compiled step, before any data is decoded (train/memory.py).
-  sizing, steps = _size_step(config, mesh, state, tower, embed, make_step,
-                             tokenizer, precomputed, grouped)
-  if is_main and sizing.line:
-    print(sizing.line, flush=True)
-  mb = sizing.microbatch
-  if config.microbatch_size == "auto" and jax.process_count() > 1:
-    # Every process must take the same size: the smallest chosen (it fits
-    # wherever a larger one does).
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    agreed = int(np.min(multihost_utils.process_allgather(np.int64(mb))))
-    if agreed != mb and is_main:
-      print(f"[lit] micro-batch auto: {agreed}, the smallest any process "
-            "chose", flush=True)
-    mb = agreed
-  chunked = 0 < mb < config.batch_size
-  num_micro = config.batch_size // mb if chunked else 1
-
-  # The held-out sets first: their checks (e.g. a label outside the class
-  # names) fail before the embeddings of the training split are computed.
-  evaluator = make_evaluator(config, mesh, image_tower, text_tower, tokenizer)
-  if is_main:
-    print("\n".join(evaluator.describe()), flush=True)
-  stops.check("building the model and the held-out sets")
-
-  # Data: each process reads its own shard, as micro-batches.
-  device = jax.local_devices()[0]
-  with memory_lib.phase("precompute", device, memory_lib.EVAL_HINT):
-    source = _training_source(config, workdir, tower, is_main, stops)
-  streamed = not precomputed and chunked and config.model.image.locked
-  train_iter = data_lib.make_train_iterator(
-      config, batch_size=config.batch_size // n_proc,
-      microbatch_size=(mb if chunked else config.batch_size) // n_proc,
-      process_index=jax.process_index(), process_count=n_proc,
-      seed=config.seed, tokenizer=tokenizer, source=source,
-      groups=config.loss.groups,
-      captions_per_image=config.captions_per_image)
-  if is_main:
-    print(f"[lit] data: {source.describe()}", flush=True)
-  warning = optim.batch_repeat_warning(config.batch_size, len(source),
-                                       config.data.split)
-  if warning and is_main:
-    print(warning, flush=True)
-  stops.check("opening the training data")
-
-  # Resume.
-  start_step = 0
-  if ckpt.latest_step() is not None:
-    state, data_state = ckpt.restore(state)
-    train_iter.set_state(data_state)
-    start_step = int(state["step"])
-    progress["step"] = start_step
-    print(f"[lit] resumed from the checkpoint of step {start_step} in "
-          f"{workdir}", flush=True)
-    stops.check(f"restoring the checkpoint of step {start_step}")
-  record()
-
-  # The step. With more than one device the loss runs the ring. Streamed:
-  # the locked tower embeds each micro-batch as it arrives (train/stream.py)
-  # and the step sees the (B, D) embeddings, as with precomputed ones.
-  if is_main:
-    across = "" if mesh.size == 1 else ", ring across devices"
-    print(f"[lit] {mesh.size} device(s) ({jax.devices()[0].platform}), "
-          f"{jax.process_count()} process(es); global batch "
-          f"{config.batch_size}"
-          + (f", GradCache micro-batch {mb}" if chunked else "")
-          + (f" (text blocks remat {config.model.text.remat})"
-             if chunked and config.model.text.remat != "none" else "")
-          + f"; {config.loss.name} loss, backend {config.loss.backend}{across}"
-          + (f", groups {config.loss.groups} ({config.loss.group_mode})"
-             if grouped else "")
-          + (f"; {config.captions_per_image} captions per image"
-             if config.captions_per_image > 1 else "")
-          + f"; image tower {config.model.image.kind}"
-          + (" locked" if config.model.image.locked else " trained")
-          + (", precomputed embeddings" if precomputed else "")
-          + (", embedded on the fly per micro-batch" if streamed else "")
-          + (f"; images resized on the device from {config.data.decode_size}"
-             " px" if config.data.decode_size and not precomputed else ""),
-          flush=True)
-  train_step = steps.get(mb) or make_step(mb)
-  writer = MetricWriter(workdir, start_step, enabled=is_main,
-                        on_write=on_metrics)
-  pbar = _progress_bar(config, config.total_steps, start_step, is_main)
-  say = pbar.write if pbar is not None else functools.partial(print,
-                                                              flush=True)
-  # A step that takes long says how far it got, every PROGRESS_INTERVAL_S
-  # (from a thread: the host may wait on the device or the input).
-  step_progress = stream_lib.StepProgress(say if is_main else None,
-                                          interval_s=PROGRESS_INTERVAL_S)
-  progress.update(pbar=pbar, writer=writer, step_progress=step_progress)
-  streamer = None
-  if streamed:
-    streamer = stream_lib.StreamedImageTower(
-        mesh, tower, jax.device_put(tower.params, NamedSharding(mesh, P())),
-        depth=max(1, config.data.prefetch_batches), embed=embed,
-        progress=step_progress)
-
-  def next_inputs():
-    """The step's global batch: embedded micro-batch by micro-batch when
-    streamed, else the micro-batches put on the devices as one batch (in
-    the same device-major order, see train/stream.py)."""
-    if streamer is not None:
-      return streamer.step_inputs(train_iter, num_micro)
-    parts = [next(train_iter) for _ in range(num_micro)]
-    key = "image_emb" if precomputed else "image"
-    return step_lib.shard_batch(mesh, {
-        k: stream_lib.device_major([p[k] for p in parts], n_local)
-        for k in (key, "text") + (("group",) if grouped else ())})
-
-  def run_eval():
-    with memory_lib.phase("eval", device, memory_lib.EVAL_HINT):
-      return evaluator(state["params"])
-
-  train_metrics = {}
-  # Preemption signals and the clock of time-based checkpoints, agreed by
-  # all processes (train/preemption.py).
-  triggers = preemption.SaveTriggers(
-      every_minutes=config.checkpoint.every_minutes, clock=clock,
-      enabled=bool(config.preemption_signals))
-  # Before each step its inputs: a signal while the main thread waits for
-  # them (a slow or unreachable store), or a storage outage past
-  # config.data.remote_outage_s, stops the run with the step reached saved
-  # (the data state taken before the wait). With several processes only
-  # where every process can agree on it first (a blocking all-gather per
-  # step): a remote training source, the one that can wait that long.
-  remote_source = getattr(source, "is_remote", False)
-  agree_per_step = n_proc > 1 and remote_source
-  stop_before_step = n_proc == 1 or agree_per_step
-  interrupt = stop_before_step and preemption.catching()
-  t_loop, steps_run = time.time(), 0
-  def in_step():
-    return memory_lib.phase("step", device, memory_lib.STEP_HINT)
-  for step in range(start_step + 1, config.total_steps + 1):
-    before = train_iter.get_state() if stop_before_step else None
-    signal_name, outage = None, None
-    # The progress line watches the step's micro-batches from here: a
-    # streamed step embeds them while its inputs are fetched.
-    step_progress.step_begins(step)
-    try:
-      with in_step(), preemption.interrupting_waits(interrupt):
-        inputs = next_inputs()
-    except preemption.WaitInterrupted as e:
-      signal_name = e.args[0]
-    except remote.Outage as e:
-      if not stop_before_step:
-        raise
-      outage = e
-    if stop_before_step:
-      flags = [signal_name is not None, outage is not None]
-      if agree_per_step:
-        flags = preemption.agree(flags)
-      if any(flags):
-        _stop_before_step(ckpt, step - 1, state, before, progress, is_main,
-                          signal_name or (
-                              "a signal to another process" if flags[0]
-                              else "storage outage"), outage, bool(flags[1]))
-    with in_step():
-      state, metrics = train_step(state, inputs)
-      step_progress.step_dispatched(metrics["loss"])
-    del inputs
-    progress["step"] = step
-    steps_run += 1
-    if pbar is not None:
-      pbar.update(1)
-    if step % config.log_every_steps == 0 or step == config.total_steps:
-      with in_step():
-        train_metrics = {k: float(v)
-                         for k, v in jax.device_get(metrics).items()}
-      # This process's skipped examples (its ledger also stops the run past
-      # config.data.max_bad_fraction).
-      train_metrics["data/bad_examples"] = train_iter.bad
-      train_metrics["data/bad_fraction"] = train_iter.ledger.fraction
-      # Transient failures of remote reads retried (train/data/remote.py).
-      train_metrics["data/retries"] = train_iter.ledger.retries
-      train_metrics["steps_per_sec"] = steps_run / (time.time() - t_loop)
-      writer.write(step, train_metrics)
-      if pbar is not None:
-        pbar.set_postfix(loss=f"{train_metrics['loss']:.4f}",
-                         temp=f"{train_metrics['temperature']:.4f}")
-    if (config.eval.every_steps and step % config.eval.every_steps == 0
-        and step < config.total_steps):
-      try:
-        eval_metrics = run_eval()
-      except remote.Outage as e:
-        if n_proc > 1:
-          raise  # Not agreed across processes (train.main: exit 75).
-        ckpt.save(step, state, train_iter.get_state())
-        _stop_before_step(ckpt, step, state, None, progress, is_main,
-                          "storage outage", e, True)
-      writer.write(step, {f"eval/{k}": v for k, v in eval_metrics.items()})
-      if is_main:
-        say(_eval_line(step, eval_metrics))
-    # The step is done (with its logging and evaluation, so that the log
-    # of a resumed run reads like one uninterrupted run): save it if a
-    # signal (on any process) or the clock asks for it.
-    preempted, timed = triggers.poll(step)
-    if (preempted or timed or ckpt.should_save(step)
-        or step == config.total_steps):
-      ckpt.save(step, state, train_iter.get_state())
-      triggers.saved()
-    if preempted:
-      _stop_for_preemption(ckpt, step, triggers.agreed_signal(), progress,
-                           is_main)
-    triggers.launch()
-  step_progress.close()
-  if pbar is not None:
-    pbar.close()
-    progress["pbar"] = None
-  ckpt.save(config.total_steps, state, train_iter.get_state())
-  ckpt.close()  # Waits for the last save.
-  # A signal after the last step's check: the final checkpoint is complete;
-  # the evaluation is left to the rerun (it evaluates a finished run whose
-  # summary is missing).
-  name = triggers.final_agreement()
-  if name is not None:
-    _stop_for_preemption(ckpt, config.total_steps, name, progress, is_main)
-  preemption.release()  # During the final evaluation a signal ends the run.
-  # The skipped examples and retries of every process.
-  ledgers = checkpoint_lib.gather_json(
-      {"by_reason": dict(train_iter.ledger.by_reason),
-       "retries": train_iter.ledger.retries})
-  by_reason = collections.Counter()
-  for ledger in ledgers:
-    by_reason.update(ledger["by_reason"])
-
-  eval_metrics = run_eval()
-  writer.write(config.total_steps, {f"eval/{k}": v
-                                    for k, v in eval_metrics.items()})
-  summary = {"steps": config.total_steps, "resumed_from": start_step,
-             "wall_s": time.time() - t_start, **train_metrics,
-             "data/skipped_by_reason": dict(sorted(by_reason.items())),
-             "data/retries_all_processes": sum(l["retries"] for l in ledgers),
-             **{f"eval/{k}": v for k, v in eval_metrics.items()}}
-  if is_main:
-    print_summary(summary)
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1)
-  return summary
+def _last_train_row(workdir: str) -> dict:
+  """The last train-metrics row of metrics.jsonl (without "step"), or {}."""
+  row = {}
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        r = json.loads(line) if line.strip() else {}
+        if "loss" in r:
+          row = {k: v for k, v in r.items() if k != "step"}
+  except (OSError, ValueError):
+    pass
+  return row
 
 
 def load_params(workdir: str, step: int | None = None) -> dict:
@@ -938,35 +994,3 @@ def load_params(workdir: str, step: int | None = None) -> dict:
     return ckpt.restore_params(step)
   finally:
     ckpt.close()
-
-
-def print_summary(s: dict, done_line: bool = True) -> None:
-  lines = []
-  if done_line:
-    lines.append(f"[lit] done: {s['steps']} steps in {s['wall_s']:.0f}s"
-                 + (f" (resumed from step {s['resumed_from']})"
-                    if s["resumed_from"] else ""))
-  if "loss" in s:
-    lines.append(f"[lit] final train loss {s['loss']:.4f}, temperature "
-                 f"{s['temperature']:.4f}")
-  if "data/skipped_by_reason" in s:
-    reasons = s["data/skipped_by_reason"]
-    n = sum(reasons.values())
-    lines.append(
-        "[lit] training data: "
-        + (f"{n} bad example(s) skipped ("
-           + ", ".join(f"{k}: {v}" for k, v in reasons.items()) + ")"
-           if n else "no bad example skipped")
-        + f"; {s.get('data/retries_all_processes', 0)} remote read(s) "
-        "retried")
-  if "eval/zeroshot_top1" in s:
-    lines.append("[lit] zero-shot " + zeroshot_lib.describe(s, "eval/")
-                 + " on the held-out split")
-  if "eval/i2t_r1" in s:
-    lines.append("[lit] retrieval R@1/5/10 image->text "
-                 + "/".join(f"{100 * s[f'eval/i2t_r{k}']:.1f}"
-                            for k in (1, 5, 10))
-                 + ", text->image "
-                 + "/".join(f"{100 * s[f'eval/t2i_r{k}']:.1f}"
-                            for k in (1, 5, 10)))
-  print("\n".join(lines), flush=True)

@@ -11,6 +11,8 @@ import tempfile
 import threading
 import time
 
+from absl import logging as absl_logging
+
 
 def _nearest_existing(path: str) -> str:
   while not os.path.exists(path):
@@ -278,7 +280,7 @@ class _Tee:
     return getattr(self._stream, name)
 
 
-# Set while a run log is attached (train/data/remote.py: a data worker
+# Set while a run log is attached (train/data/sources/remote.py: a data worker
 # process appends its retry lines to the file this names).
 LOG_ENV = "INFCL_RUN_LOG"
 
@@ -405,7 +407,6 @@ class RunLog:
 def _absl_python_handler():
   """absl's Python log handler, if absl logging is in use."""
   try:
-    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
     return absl_logging.get_absl_handler().python_handler
-  except (ImportError, AttributeError):
+  except AttributeError:
     return None

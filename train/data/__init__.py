@@ -21,7 +21,6 @@ from train.data.eval_sets import ZeroShotSet
 from train.data import sources
 from train.data.pipeline import host_size
 from train.data.pipeline import make_train_iterator
-from train.data.pipeline import preprocess_image
 from train.data.pipeline import TrainIterator
 from train.data.sources import open_source
 from train.data.tokenizer import make_tokenizer

@@ -2,14 +2,14 @@
 
 The batch path of the pipeline (config.data.decoder = "gpu", or any batch
 decoder): the reader threads or worker processes only read each example's
-bytes and check that each JPEG is whole (``image.jpeg_problem``: a truncated
+bytes and check that each JPEG is whole (``host.jpeg_problem``: a truncated
 JPEG decodes silently into an image on the GPU, so it is caught on the
 host, for both decoders). ``DecodedIterator`` then takes the micro-batch's
 encoded images from the stream and has each local device decode its own
 contiguous shard of them (``decoder.for_device(device).decode``: the GPU
-decoder in train/data/gpu_decode.py, one per GPU; the host decoder in
-train/data/decode.py runs the same contract on the host, its shards put on
-their devices, for tests on CPU devices and machines without a GPU); the
+decoder in train/data/decode/gpu.py, one per GPU; a decoder that answers
+numpy on the host has its shards put on their devices, as the tests'
+tests/host_decoder.py on CPU devices); the
 micro-batch's images are one global array made from the devices' shards, in
 the trainer's batch sharding. Each one that fails is replaced by the next
 example of the stream, the rows after it moving up (the devices whose rows
@@ -19,8 +19,8 @@ those of the host path, so a run can resume on either decoder. ``Prefetch``
 runs that on a thread with a bounded queue, so a micro-batch is decoded
 while the previous one's tower step runs.
 
-Any object with the batch contract is a decoder here (decode.py's module
-doc): this module imports neither decoder.
+Any object with the batch contract is a decoder here (the module doc of
+train/data/decode/): this module imports no decoder.
 """
 from __future__ import annotations
 
@@ -30,23 +30,20 @@ import functools
 import queue
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from train.data.source import BadDataLedger
-from train.data.source import CountsBadData
+from train import mesh as mesh_lib
+from train.data.ledger import BadDataLedger
+from train.data.ledger import CountsBadData
 from train.data.stopwatch import Stopwatch
 
 
 def data_sharding():
-  """The trainer's batch sharding (train/train.py): rows over every device
+  """The trainer's batch sharding (train/mesh.py): rows over every device
   of every process, in ``jax.devices()`` order, on the "data" axis."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from train import step as step_lib  # pylint: disable=import-outside-toplevel
-  return NamedSharding(Mesh(np.array(jax.devices()), (step_lib.AXIS,)),
-                       P(step_lib.AXIS))
+  return mesh_lib.rows(mesh_lib.make_mesh())
 
 
 def shard_plan(sharding, rows: int, tail: tuple):
@@ -82,7 +79,6 @@ def shard_plan(sharding, rows: int, tail: tuple):
 def _on_device(images, device):
   """A shard's decoded images on ``device``: numpy ones (the host decoder)
   are put there; a device decoder's must already be there."""
-  import jax  # pylint: disable=import-outside-toplevel
   if isinstance(images, jax.Array):
     if images.devices() != {device}:
       raise RuntimeError(
@@ -273,15 +269,12 @@ class DecodedIterator:
   def _whole(self, results: list, fields: dict) -> dict:
     """The micro-batch when every device decoded its whole shard: the host
     fields of the one ``take``, the images the devices' own arrays."""
-    import jax  # pylint: disable=import-outside-toplevel
     out = dict(fields)
     out["image"] = jax.make_array_from_single_device_arrays(
         self._global_shape, self.sharding, [images for images, _, _ in results])
     return out
 
   def _assemble(self, rows: list, done: dict, chunks: list) -> dict:
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     arrays = []
     for device, start, stop in self._plan:
       runs = []  # [images, first row, end row] taken whole from one call
@@ -334,7 +327,6 @@ def _next_batch(it, num_microbatches: int) -> dict:
 def _concatenate(arrays):
   if isinstance(arrays[0], np.ndarray):
     return np.concatenate(arrays)
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   return jnp.concatenate(arrays)
 
 

@@ -8,16 +8,27 @@ a single-line ValueError, so a bad config fails before any training starts.
 
 import ml_collections
 
-from train.data import decoders as decoders_lib
-from train.data import remote
+from train.data.sources import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
+from train.data.decode import choice as decoder_choice
 from train.eval import names as names_lib
 
 
 def default_data_config() -> ml_collections.ConfigDict:
-  """Defaults: the embedded synthetic_shapes dataset at 32x32."""
+  """Defaults: the embedded synthetic_shapes dataset at 32x32. The keys, each
+  with what it means, by concern: the training source, its images, the
+  held-out sets, the input pipeline."""
   c = ml_collections.ConfigDict()
+  _source_keys(c)
+  _image_keys(c)
+  _held_out_keys(c)
+  _input_keys(c)
+  return c
+
+
+def _source_keys(c) -> None:
+  """The training source, where it is stored, and its bad examples."""
   # The training source:
   #   "synthetic_shapes" (generated locally) or a TFDS dataset name,
   #     optionally with config and version: "coco_captions/2017:1.1.0";
@@ -53,7 +64,7 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.table_image_column = "image"
   c.table_caption_column = "caption"
   c.table_label_column = ""
-  # Shards, tables and images on object storage (train/data/remote.py;
+  # Shards, tables and images on object storage (train/data/sources/remote.py;
   # the cloud extra): names and image paths may be fsspec URLs, s3://,
   # gs://, http(s)://. Credentials come from each store's environment
   # (AWS_*, GOOGLE_APPLICATION_CREDENTIALS); storage_options is JSON mapping
@@ -78,6 +89,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   # fraction of the examples seen stops the run, checked once min(1000,
   # corpus size) examples have been seen (per process: its share).
   c.max_bad_fraction = 0.01
+
+
+def _image_keys(c) -> None:
+  """The images' sizes, and the generated synthetic_shapes."""
   c.image_size = 32
   # 0: the host resizes (shorter side, bicubic) and centre-crops every image
   # to image_size. C >= image_size: the host delivers C x C (an image that
@@ -89,6 +104,10 @@ def default_data_config() -> ml_collections.ConfigDict:
   # synthetic_shapes only: examples generated for train and test, and seed.
   c.num_train_examples = 4096
   c.synthetic_seed = 0
+
+
+def _held_out_keys(c) -> None:
+  """The held-out sets: retrieval on eval_split, zero-shot classification."""
   # Eval examples: the size of synthetic_shapes' test split; for a TFDS
   # dataset, the first N of eval_split (0 = all) used for retrieval.
   c.num_eval_examples = 512
@@ -116,6 +135,11 @@ def default_data_config() -> ml_collections.ConfigDict:
   # CLIP's "a photo of a {}.").
   c.zeroshot_templates = ()
   c.zeroshot_templates_file = ""
+
+
+def _input_keys(c) -> None:
+  """The input pipeline: its threads and processes, where JPEGs are
+  decoded, and the in-memory cache of small datasets."""
   # Input pipeline: reader (decode) threads, and micro-batches prefetched
   # ahead on the host.
   c.num_threads = 2
@@ -129,13 +153,13 @@ def default_data_config() -> ml_collections.ConfigDict:
   c.num_workers = 0
   # Micro-batches held ahead on the host, in all (workers included).
   c.prefetch_batches = 2
-  # Where JPEGs are decoded (train/data/decoders.py): "host" (the reader
+  # Where JPEGs are decoded (train/data/decode/choice.py): "host" (the reader
   # threads / workers; simplejpeg when installed, else Pillow), "gpu"
   # (nvImageCodec on the device, per micro-batch: the gpu-decode extra;
   # webdataset and table sources), "auto" (gpu where it can run and the
   # host cannot keep pace with the image tower, by measured rates).
   c.decoder = "host"
-  # decoder="gpu": nvImageCodec's settings (train/data/gpu_decode.py
+  # decoder="gpu": nvImageCodec's settings (train/data/decode/gpu.py
   # GpuBatchDecoder). The backend: "auto" (nvImageCodec's choice), "hw",
   # "hybrid", "cuda", or a mix with load hints ("hw:0.7,hybrid"); more of
   # its decoder options, space-separated ("nvjpeg_cuda_decoder:
@@ -155,7 +179,6 @@ def default_data_config() -> ml_collections.ConfigDict:
   # it takes at most this many MiB at image_size (image_size^2 * 3 bytes per
   # example: synthetic_shapes' 4096 32x32 images take 12 MiB); 0 = never.
   c.cache_max_mb = 1024
-  return c
 
 
 def default_tokenizer_config() -> ml_collections.ConfigDict:
@@ -235,4 +258,4 @@ def check_data_config(config) -> None:
                      " must be a number in [0, 1]")
   remote.parse_storage_options(data.storage_options)
   sources.check_sources(data)
-  decoders_lib.check_decoder(data)
+  decoder_choice.check_decoder(data)

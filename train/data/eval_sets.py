@@ -22,9 +22,11 @@ import numpy as np
 
 from train.data import pipeline
 from train.data import sources
-from train.data import synthetic
-from train.data.source import Bad
-from train.data.source import BadExample
+from train.data.decode import host as host_lib
+from train.data.sources import synthetic
+from train.data.sources import tfds
+from train.data.sources.contract import Bad
+from train.data.sources.contract import BadExample
 from train.eval import names as names_lib
 
 
@@ -100,7 +102,8 @@ def decode_text(text) -> str:
 
 class _SourceReader:
   """``read(indices)`` of a training-format source (TFDS, webdataset, CSV:
-  train/data/source.py): uint8 images at ``image_size``, text decoded."""
+  train/data/sources/contract.py): uint8 images at ``image_size``, text
+  decoded."""
 
   def __init__(self, source, image_size: int):
     self.source = source
@@ -133,11 +136,11 @@ class _ClassificationReader:
 
   def __call__(self, indices):
     examples = self._source.__getitems__(list(indices)) if len(indices) else []
-    return [{"image": pipeline.resize_crop(
-                 np.asarray(sources.value_at(ex, self._image_key)),
+    return [{"image": host_lib.resize_crop(
+                 np.asarray(tfds.value_at(ex, self._image_key)),
                  self._image_size),
              "captions": [],
-             "label": int(sources.value_at(ex, self._label_key))}
+             "label": int(tfds.value_at(ex, self._label_key))}
             for ex in examples]
 
 
@@ -274,9 +277,9 @@ def _tfds_eval_sets(data, limit):
   retrieval = RetrievalSet(split=main) if main is not None else None
 
   if data.zeroshot_name:
-    zs_builder = sources.zeroshot_builder_for(data)
-    label_feature = sources.feature_at(zs_builder.info.features,
-                                       data.zeroshot_label_key)
+    zs_builder = tfds.zeroshot_builder_for(data)
+    label_feature = tfds.feature_at(zs_builder.info.features,
+                                    data.zeroshot_label_key)
     split = _classification_split(
         zs_builder, data.zeroshot_split, image_key=data.zeroshot_image_key,
         label_key=data.zeroshot_label_key, image_size=data.image_size,
@@ -292,8 +295,8 @@ def _tfds_eval_sets(data, limit):
   if not data.label_key:
     return None, retrieval, ("config.data.label_key is empty and "
                              "config.data.zeroshot_name is unset: no labels")
-  builder = sources.builder_for(data)
-  label_feature = sources.feature_at(builder.info.features, data.label_key)
+  builder = tfds.builder_for(data)
+  label_feature = tfds.feature_at(builder.info.features, data.label_key)
   label_names = getattr(label_feature, "names", None)
   if not label_names:
     return None, retrieval, (f"the label {data.label_key!r} of {data.name} "

@@ -1,7 +1,7 @@
 """The training input pipeline: source -> grain -> uint8 micro-batches.
 
     source (random access by example index; this process's shard: examples
-            p, p+P, p+2P, ...; see train/data/source.py)
+            p, p+P, p+2P, ...; see train/data/sources/contract.py)
       -> map: read, decode, resize + central crop to image_size (uint8),
          or with data.decode_size C to C x C (an image decoded at C x C is
          left as it is) for the device to resize (host_size); done once and
@@ -36,35 +36,30 @@ to the device, where the tower resizes them from decode_size (if set),
 normalises them and casts them (``Tower.embed``, train/towers/tower.py).
 """
 
+import concurrent.futures
+import queue
 import sys
+import threading
+import time
 
+from absl import flags
+import grain
 import numpy as np
 
 from train.data import batching
-from train.data import decoders
-from train.data import remote
 from train.data import sources
 from train.data import tokenizer as tokenizer_lib
-# The host's image ops, which the trainer, evaluation and tests also reach
-# here (train/data/image.py holds them).
-from train.data.image import decode_host
-from train.data.image import jpeg_problem
-from train.data.image import preprocess_image  # pylint: disable=unused-import
-from train.data.image import resize_crop
-from train.data.image import to_float  # pylint: disable=unused-import
-from train.data.source import Bad
-from train.data.source import BadDataLedger
-from train.data.source import CountsBadData
-from train.data.source import BadExample
-from train.data.source import read_many
-from train.data.source import start_of_check
-
-
-def decode_image(data, where: str = "", size: int = 0) -> np.ndarray:
-  """Encoded image bytes (JPEG, PNG, WebP, ...) -> uint8 [H, W, 3]
-  (``image.decode_host``: with ``size``, a JPEG at the smallest DCT scale
-  that keeps both sides >= size; BadExample if it does not decode fully)."""
-  return decode_host(data, where, size)
+from train.data.decode import choice
+from train.data.decode.host import decode_host
+from train.data.decode.host import jpeg_problem
+from train.data.decode.host import resize_crop
+from train.data.ledger import BadDataLedger
+from train.data.ledger import CountsBadData
+from train.data.ledger import start_of_check
+from train.data.sources import remote
+from train.data.sources.contract import Bad
+from train.data.sources.contract import BadExample
+from train.data.sources.contract import read_many
 
 
 def host_size(data) -> int:
@@ -126,7 +121,7 @@ class Compact:
           out["encoded"], out["key"] = bytes(image), ex["key"]
           return out
         if isinstance(image, (bytes, bytearray, memoryview)):
-          image = decode_image(image, ex["key"], self.image_size)
+          image = decode_host(image, ex["key"], self.image_size)
         out["image"] = resize_crop(image, self.image_size)
       return out
     except BadExample as e:
@@ -198,40 +193,25 @@ def each_k(ds, k: int):
   positions: the images of a ``captions_per_image`` stream, shuffled as
   whole images, so the k captions of one image land in one batch (a k that
   divides the micro-batch keeps them in one micro-batch too)."""
-  import grain  # pylint: disable=import-outside-toplevel
   n = len(ds)
   return grain.MapDataset.range(n if n >= sys.maxsize else n * k).map(
       _CopyOf(ds, k))
 
 
-class _InMemorySource:
-  """Compact examples held in memory: a random-access source for grain.
+class _Sequence:
+  """A sequence as a random-access source for grain: the compact examples
+  of a small dataset held in memory (synthetic_shapes: decoded once instead
+  of once per epoch; decoding is most of the per-example cost), or the
+  example indices of one process's shard."""
 
-  Small datasets (synthetic_shapes) are decoded once instead of once per
-  epoch; decoding is most of the per-example cost.
-  """
-
-  def __init__(self, examples: list):
-    self._examples = examples
+  def __init__(self, items):
+    self._items = items
 
   def __len__(self):
-    return len(self._examples)
+    return len(self._items)
 
   def __getitem__(self, index):
-    return self._examples[index]
-
-
-class _Indices:
-  """The example indices of one process's shard, as a grain source."""
-
-  def __init__(self, indices: range):
-    self._indices = indices
-
-  def __len__(self):
-    return len(self._indices)
-
-  def __getitem__(self, i):
-    return self._indices[i]
+    return self._items[index]
 
 
 # Consecutive stream positions travel together (stacked where they are read,
@@ -263,7 +243,6 @@ def worker_buffers(read_options, num_workers: int):
   (A worker reading ahead by the whole prefetch_buffer_size, as the
   threads-only pipeline does, would hold num_workers times that.)
   """
-  import grain  # pylint: disable=import-outside-toplevel
   threads = read_options.num_threads
   inner = grain.ReadOptions(num_threads=threads,
                             prefetch_buffer_size=max(2, threads))
@@ -411,8 +390,6 @@ class _ReadAhead:
   """
 
   def __init__(self, iterator, ahead: int):
-    import queue  # pylint: disable=import-outside-toplevel
-    import threading  # pylint: disable=import-outside-toplevel
     self._queue = queue.Queue(maxsize=max(1, ahead))
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, args=(iterator,),
@@ -420,7 +397,6 @@ class _ReadAhead:
     self._thread.start()
 
   def _run(self, iterator):
-    import queue  # pylint: disable=import-outside-toplevel
     while not self._stop.is_set():
       try:
         item = (_unflatten(next(iterator)), None)
@@ -444,8 +420,6 @@ class _ReadAhead:
   def close(self, timeout_s: float = 60.0):
     """Stops the thread: at once when it waits for room, after the chunk it
     waits for otherwise (given up after ``timeout_s``: a daemon thread)."""
-    import queue  # pylint: disable=import-outside-toplevel
-    import time  # pylint: disable=import-outside-toplevel
     self._stop.set()
     deadline = time.monotonic() + timeout_s
     while self._thread.is_alive() and time.monotonic() < deadline:
@@ -486,7 +460,7 @@ class TrainIterator(CountsBadData):
     self._chunk_size = chunk
     self._fingerprint = fingerprint
     # The source's test of a saved "dataset" written otherwise (embeddings
-    # named by their directory before: train/data/embeddings.py).
+    # named by their directory before: train/data/sources/embeddings.py).
     self._same_dataset = same_dataset
     self.microbatch_size = microbatch_size
     self.ledger = ledger
@@ -515,8 +489,6 @@ class TrainIterator(CountsBadData):
         # Worker processes, each on a slice of the positions, interleaved
         # back in order: the stream is the same for any number of workers
         # (the pipeline has no filter; a bad example is an element too).
-        import grain  # pylint: disable=import-outside-toplevel
-        from absl import flags  # pylint: disable=import-outside-toplevel
         if not flags.FLAGS.is_parsed():
           # grain reads absl flags in its workers (defaults when not parsed,
           # e.g. outside train.main).
@@ -656,7 +628,7 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
     captions_per_image: ``config.captions_per_image``: each image at k
       consecutive stream positions with distinct captions (``each_k``).
     batch_decoder: decodes each micro-batch's encoded images in one call
-      (train/data/decoders.py); default: config.data.decoder's ("host":
+      (train/data/decode/choice.py); default: config.data.decoder's ("host":
       none, every example decoded where it is read; "auto": by the image
       tower of config.model). With one, the iterator is a
       ``batching.Prefetch`` of a ``batching.DecodedIterator``.
@@ -664,7 +636,6 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
       micro-batch's images, each local device decoding its rows (default:
       the trainer's, ``batching.data_sharding``).
   """
-  import grain  # pylint: disable=import-outside-toplevel
   if batch_size < 1:
     raise ValueError(f"batch_size={batch_size} must be >= 1")
   microbatch_size = microbatch_size or batch_size
@@ -686,8 +657,8 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   if not (isinstance(k, int) and k >= 1):
     raise ValueError(f"config.captions_per_image={k!r} must be an int >= 1")
   if batch_decoder is None:
-    batch_decoder = decoders.make_batch_decoder(data, source,
-                                                config.get("model"))
+    batch_decoder = choice.make_batch_decoder(data, source,
+                                              config.get("model"))
   compact = Compact(source, host_size(data), decode=batch_decoder is None)
   shard = range(process_index, len(source), process_count)
   precomputed = sources.kind_of(source.spec) == "embeddings"
@@ -701,15 +672,15 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   finalize = Finalize(tokenizer, seed=seed, stream=process_index,
                       groups=groups, captions_per_image=k)
   if len(shard) * example_bytes <= data.cache_max_mb * 2**20:
-    ds = grain.MapDataset.source(_InMemorySource(
+    ds = grain.MapDataset.source(_Sequence(
         _read_all(compact, shard, data.num_threads, parallelism)))
   elif parallelism:
     # The stream of example indices: shuffled and repeated as the examples
     # themselves would be (map commutes with shuffle and repeat).
-    ds = grain.MapDataset.source(_Indices(shard))
+    ds = grain.MapDataset.source(_Sequence(shard))
     read_chunk = _ReadChunk(compact, finalize, parallelism)
   else:
-    ds = grain.MapDataset.source(_Indices(shard)).map(compact)
+    ds = grain.MapDataset.source(_Sequence(shard)).map(compact)
   ds = ds.shuffle(seed=seed).repeat(None)
   if k > 1:
     ds = each_k(ds, k)
@@ -722,7 +693,7 @@ def make_train_iterator(config, *, batch_size: int, process_index: int = 0,
   # A process's share of the bad examples found while opening.
   bad_open = source.bad_at_open[process_index::process_count]
   # Counted once each, over this process's share: its examples and the
-  # bad ones found while opening (source.py, BadDataLedger).
+  # bad ones found while opening (train/data/ledger.py).
   corpus = len(shard) + len(bad_open)
   ledger = BadDataLedger(data.max_bad_fraction,
                          min_seen=start_of_check(corpus),
@@ -777,7 +748,6 @@ def _read_all(compact, shard: range, num_threads: int,
               parallelism: int = 0) -> list:
   """compact(i) for every i of the shard, in order, on reader threads (a
   remote source's, with ``parallelism``, a chunk's reads at a time)."""
-  import concurrent.futures  # pylint: disable=import-outside-toplevel
   if parallelism:
     step = max(CHUNK_ENCODED, parallelism)
     return [c for a in range(0, len(shard), step)

@@ -78,7 +78,7 @@ class ByteTokenizer(Tokenizer):
 
 
 def _import_sentencepiece():
-  try:
+  try:  # Lazy: optional, for kind='sentencepiece' only; said if missing.
     import sentencepiece  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ValueError(
@@ -109,7 +109,7 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def _import_tokenizers():
-  try:
+  try:  # Lazy: for kind='clip_bpe' only; said if missing.
     import tokenizers  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ValueError(

@@ -1,4 +1,4 @@
-"""Held-out evaluation: streamed embedding, zero-shot, retrieval, names.
+"""Held-out evaluation: embedding, zero-shot, retrieval, names.
 
-``train.evaluate.Evaluator`` puts these together for the trainer.
+``train.eval.evaluator.Evaluator`` puts these together for the trainer.
 """

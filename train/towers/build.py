@@ -3,12 +3,14 @@
 
 ``config.model.image.kind``:
 
-- "pretrained": ``init`` is a checkpoint that ``train.pretrained`` reads
-  (HF, timm, OpenCLIP, big_vision), loaded at ``config.data.image_size``;
+- "pretrained": ``init`` is a checkpoint that ``train.towers.pretrained``
+  reads (HF, timm, OpenCLIP, big_vision), loaded at
+  ``config.data.image_size``;
 - "cnn" / "vit": this project's own tower (``train.towers.own``), from the
-  ``.npz`` at ``init``; with ``init`` empty, from ``pretrain_path``, which is
-  first made by ``train.pretrain_image_tower`` if it does not exist, or, with
-  neither, randomly initialised (tests and benchmarks only).
+  ``.npz`` at ``init``; with ``init`` empty, from ``pretrain_path`` (which
+  the trainer first makes where it is missing or stale:
+  ``train.pretrain_image_tower.make_current``), or, with neither,
+  randomly initialised (tests and benchmarks only).
 
 A path that is given and does not exist is always an error.
 """
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from train.towers import own
+from train.towers import pretrained
 from train.towers import text as text_lib
 from train.towers.tower import SYMMETRIC
 from train.towers.tower import Tower
@@ -46,7 +49,6 @@ def make_image_tower(config, dtype, rng=None) -> Tower:
   s = config.data.image_size
   init = os.path.expanduser(ic.init)
   if ic.kind == "pretrained":
-    from train import pretrained  # pylint: disable=g-import-not-at-top
     if not init:
       raise ValueError("config.model.image.kind='pretrained' needs "
                        "config.model.image.init (a local checkpoint path)")
@@ -61,15 +63,6 @@ def make_image_tower(config, dtype, rng=None) -> Tower:
   source = "random"
   path = init or os.path.expanduser(ic.pretrain_path)
   if path:
-    if not init:
-      from train import pretrain_image_tower  # pylint: disable=g-import-not-at-top
-      if not pretrain_image_tower.is_current(path, config, ic.pretrain_steps):
-        why = ("made by another recipe" if os.path.exists(path)
-               else "not made yet")
-        print(f"[lit] pretraining the image tower -> {path} ({why}; "
-              f"{ic.pretrain_steps} steps, config.model.image.pretrain_path)",
-              flush=True)
-        pretrain_image_tower.pretrain(config, path, steps=ic.pretrain_steps)
     if not os.path.exists(path):
       raise FileNotFoundError(
           f"config.model.image.init: image tower checkpoint not found: {path} "
@@ -112,7 +105,6 @@ def make_text_tower(config, tokenizer, embed_dim: int, dtype):
 def text_init(config, tokenizer, embed_dim: int):
   """(kwargs, params) of the text tower in ``config.model.text.init``,
   checked against the tokenizer and the image tower's embedding size."""
-  from train import pretrained  # pylint: disable=g-import-not-at-top
   path = os.path.expanduser(config.model.text.init)
   kwargs, params = pretrained.load_text_tower(path)
   if kwargs["vocab_size"] != tokenizer.vocab_size:

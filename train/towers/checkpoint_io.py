@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 import numpy as np
+from safetensors import safe_open
+from safetensors import SafetensorError
 
 
 class CheckpointError(ValueError):
@@ -44,8 +47,6 @@ def read_json(path: str) -> dict:
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of a .safetensors file as numpy arrays (bf16 included)."""
-  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   if not os.path.isfile(path):
     raise CheckpointError(f"{path}: no such file")
   try:
@@ -59,7 +60,6 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 def read_npz(path: str) -> dict[str, np.ndarray]:
   """All arrays of an .npz (``allow_pickle=False``: arrays of objects fail)."""
-  import zipfile  # pylint: disable=g-import-not-at-top
   try:
     with np.load(path, allow_pickle=False) as f:
       return {k: f[k] for k in f.files}
@@ -243,6 +243,16 @@ def torch_block(t: Tensors, num_heads: int, names: dict) -> dict:
     if names.get(ls) and names[ls] in t:
       out[ls] = t.take(names[ls])
   return out
+
+
+def torch_blocks(t: Tensors, num_heads: int, depth: int, prefix: str,
+                 parts: dict) -> dict:
+  """``{"block{i}": torch_block(...)}`` of ``depth`` blocks, block i's
+  names ``{prefix}{i}.{part}``: ``parts`` maps torch_block's names to each
+  block's own (``{"fc1": "mlp.fc1", ...}``)."""
+  return {f"block{i}": torch_block(t, num_heads, {
+      name: f"{prefix}{i}.{part}" for name, part in parts.items()})
+          for i in range(depth)}
 
 
 def qkv_bias_of(block_params: dict) -> bool:

@@ -57,20 +57,22 @@ def _mha(t: io.Tensors, p: str, cross: bool, layer=None) -> dict | None:
   return out
 
 
-def _ln(t, p, layer=None):
-  s, b = t.take(f"{p}/scale"), t.take(f"{p}/bias")
-  if s is None or b is None:
+def _params(t, p, names, layer=None):
+  """{name: the tensor p/name} for each of ``names`` (taken in order), of
+  one ``layer`` of a scanned stack; None if one is missing."""
+  got = [t.take(f"{p}/{name}") for name in names]
+  if any(x is None for x in got):
     return None
-  return {"scale": s, "bias": b} if layer is None else {"scale": s[layer],
-                                                        "bias": b[layer]}
+  return {name: x if layer is None else x[layer]
+          for name, x in zip(names, got)}
+
+
+def _ln(t, p, layer=None):
+  return _params(t, p, ("scale", "bias"), layer)
 
 
 def _dense(t, p, layer=None):
-  k, b = t.take(f"{p}/kernel"), t.take(f"{p}/bias")
-  if k is None or b is None:
-    return None
-  return {"kernel": k, "bias": b} if layer is None else {"kernel": k[layer],
-                                                         "bias": b[layer]}
+  return _params(t, p, ("kernel", "bias"), layer)
 
 
 def load(path: str) -> io.Converted:

@@ -87,15 +87,11 @@ def _normalization(path: str, family: str):
 
 def _encoder(t: io.Tensors, prefix: str, depth: int, heads: int) -> dict:
   """``prefix`` ends with "." (or is empty)."""
-  blocks = {}
-  for i in range(depth):
-    p = f"{prefix}encoder.layers.{i}"
-    blocks[f"block{i}"] = io.torch_block(t, heads, {
-        "q": f"{p}.self_attn.q_proj", "k": f"{p}.self_attn.k_proj",
-        "v": f"{p}.self_attn.v_proj", "out": f"{p}.self_attn.out_proj",
-        "norm1": f"{p}.layer_norm1", "norm2": f"{p}.layer_norm2",
-        "fc1": f"{p}.mlp.fc1", "fc2": f"{p}.mlp.fc2"})
-  return blocks
+  return io.torch_blocks(t, heads, depth, f"{prefix}encoder.layers.", {
+      "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+      "v": "self_attn.v_proj", "out": "self_attn.out_proj",
+      "norm1": "layer_norm1", "norm2": "layer_norm2",
+      "fc1": "mlp.fc1", "fc2": "mlp.fc2"})
 
 
 def _depth(t: io.Tensors, prefix: str, configured: int) -> int:

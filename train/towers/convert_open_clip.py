@@ -59,14 +59,11 @@ def load(path: str) -> io.Converted:
           f"patch {patch}, pool {pool}, act {act}")
   io.check_heads(cfg_path, arch, width, heads)
   t = io.Tensors(tensors, f, arch)
-  blocks = {}
-  for i in range(depth):
-    p = f"visual.transformer.resblocks.{i}"
-    blocks[f"block{i}"] = io.torch_block(t, heads, {
-        "qkv_w": f"{p}.attn.in_proj_weight", "qkv_b": f"{p}.attn.in_proj_bias",
-        "out": f"{p}.attn.out_proj", "norm1": f"{p}.ln_1",
-        "norm2": f"{p}.ln_2", "fc1": f"{p}.mlp.c_fc", "fc2": f"{p}.mlp.c_proj",
-        "ls1": f"{p}.ls_1.gamma", "ls2": f"{p}.ls_2.gamma"})
+  blocks = io.torch_blocks(t, heads, depth, "visual.transformer.resblocks.", {
+      "qkv_w": "attn.in_proj_weight", "qkv_b": "attn.in_proj_bias",
+      "out": "attn.out_proj", "norm1": "ln_1", "norm2": "ln_2",
+      "fc1": "mlp.c_fc", "fc2": "mlp.c_proj", "ls1": "ls_1.gamma",
+      "ls2": "ls_2.gamma"})
   cls = t.take("visual.class_embedding")
   pos = t.take("visual.positional_embedding")
   proj = t.take("visual.proj")

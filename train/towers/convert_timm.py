@@ -100,14 +100,10 @@ def load(path: str) -> io.Converted:
           + (", fc_norm" if has_fc_norm else ""))
   io.check_heads(cfg_path, arch, width, heads)
   t = io.Tensors(tensors, f, arch)
-  blocks = {}
-  for i in range(depth):
-    p = f"blocks.{i}"
-    blocks[f"block{i}"] = io.torch_block(t, heads, {
-        "qkv": f"{p}.attn.qkv", "out": f"{p}.attn.proj",
-        "norm1": f"{p}.norm1", "norm2": f"{p}.norm2",
-        "fc1": f"{p}.mlp.fc1", "fc2": f"{p}.mlp.fc2",
-        "ls1": f"{p}.ls1.gamma", "ls2": f"{p}.ls2.gamma"})
+  blocks = io.torch_blocks(t, heads, depth, "blocks.", {
+      "qkv": "attn.qkv", "out": "attn.proj", "norm1": "norm1",
+      "norm2": "norm2", "fc1": "mlp.fc1", "fc2": "mlp.fc2",
+      "ls1": "ls1.gamma", "ls2": "ls2.gamma"})
   params = {
       "embedding": io.torch_conv(
           t.take("patch_embed.proj.weight"),

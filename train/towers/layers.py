@@ -8,6 +8,7 @@ projection (one matmul instead of three). A tower that pools one token
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -147,8 +148,9 @@ class Mlp(nn.Module):
     return nn.Dense(d, dtype=self.dtype, name="fc2")(x)
 
 
-class Block(nn.Module):
-  """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x)).
+class _BlockSettings(nn.Module):
+  """The settings of a ``Block``, which an ``Encoder`` gives each of its
+  blocks.
 
   ``layer_scale``: a learned per-channel gain on each branch (timm's
   ``ls1``/``ls2``, OpenCLIP's ``ls_1``/``ls_2``), when the checkpoint has one.
@@ -160,6 +162,10 @@ class Block(nn.Module):
   qkv_bias: bool = True
   layer_scale: bool = False
   dtype: Dtype = jnp.float32
+
+
+class Block(_BlockSettings):
+  """Pre-LayerNorm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
   @nn.compact
   def __call__(self, x, lengths=None, causal=False, query=None):
@@ -201,8 +207,9 @@ def remat_policy(name: str):
   return None
 
 
-class Encoder(nn.Module):
-  """``depth`` blocks named ``block{i}`` (no final norm: the towers place it).
+class Encoder(_BlockSettings):
+  """``depth`` blocks named ``block{i}`` (no final norm: the towers place it),
+  each a ``Block`` of these settings.
 
   ``query`` [b] (int32): the one position per row that the tower pools
   (the class token, CLIP text's EOS); the result is then [b, d]. The last
@@ -213,15 +220,10 @@ class Encoder(nn.Module):
   the last block (the same numbers up to rounding; the benchmark's A/B).
   ``remat`` (``REMAT_POLICIES``): what each block keeps for the backward
   pass; the params and the forward's results are the same for every value.
+  ``depth`` and the rest are keyword-only (they follow the block's settings).
   """
+  _: dataclasses.KW_ONLY
   depth: int
-  num_heads: int
-  mlp_dim: int
-  act: str = "gelu"
-  ln_eps: float = 1e-6
-  qkv_bias: bool = True
-  layer_scale: bool = False
-  dtype: Dtype = jnp.float32
   prune_last: bool = True
   remat: str = "none"
 

@@ -14,6 +14,7 @@ import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from train.towers import vit as vit_lib
 
@@ -80,7 +81,6 @@ def load_npz(path: str, reference_params):
   if not os.path.exists(path):
     raise FileNotFoundError(f"image tower checkpoint not found: {path}")
   if os.path.isdir(path):
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     with ocp.PyTreeCheckpointer() as ckptr:
       tree = ckptr.restore(os.path.abspath(path))
     flat = flax.traverse_util.flatten_dict(tree, sep="/")

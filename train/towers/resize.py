@@ -6,7 +6,7 @@ work beyond the JPEG decode, which is ~3x cheaper than decode + resize);
 ``Tower.embed`` resizes them to S here, per micro-batch.
 
 ``resize_square`` follows Pillow's ``Image.resize(..., BICUBIC)`` (the host
-path's ``pipeline.resize_crop``): a separable, antialiased Keys cubic
+path's ``host.resize_crop``): a separable, antialiased Keys cubic
 (a = -0.5, support widened by the downscale factor), the width pass first,
 each pass clipped to [0, 255] and rounded to whole levels as Pillow's uint8
 passes are. The result is then Pillow's to within one level in rare pixels

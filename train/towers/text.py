@@ -66,8 +66,8 @@ class TextTransformer(nn.Module):
       # kept position attends to (it is past every row's length and in
       # every EOS's future) and which is cut off again below.
       x = jnp.pad(x, ((0, 0), (0, 1), (0, 0)))
-    blocks = layers.Encoder(self.depth, self.num_heads, self.mlp_dim,
-                            self.act, self.ln_eps, dtype=self.dtype,
+    blocks = layers.Encoder(self.num_heads, self.mlp_dim, self.act,
+                            self.ln_eps, dtype=self.dtype, depth=self.depth,
                             remat=self.remat, name="encoder")
     norm = nn.LayerNorm(self.ln_eps, dtype=self.dtype, name="norm")
     if self.pool == "eos":

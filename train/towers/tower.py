@@ -1,8 +1,8 @@
 """The seam between an image tower and the rest of the trainer.
 
-A ``Tower`` is what loading a tower returns (``train.pretrained``, or the
-config's own ViT/CNN) and all that the data pipeline, the step, evaluation
-and the precomputed-embedding cache see of it:
+A ``Tower`` is what loading a tower returns (``train.towers.pretrained``,
+or the config's own ViT/CNN) and all that the data pipeline, the step,
+evaluation and the precomputed-embedding cache see of it:
 
 - ``image_size``: S, the tower's input size;
 - ``normalization``: applied on the device to uint8 pixels, so images cross
@@ -179,3 +179,10 @@ class Tower:
                        "dtype": str(jnp.dtype(self.dtype))}, sort_keys=True)
     return hashlib.blake2b((meta + params_digest(self.params)).encode(),
                            digest_size=16).hexdigest()
+
+
+def embed_fn_of(tower):
+  """``embed(params, x) -> (b, D)`` of a Tower (uint8 in) or a Flax module."""
+  if isinstance(tower, Tower):
+    return tower.embed
+  return lambda p, x: tower.apply({"params": p}, x)

@@ -129,9 +129,9 @@ class ViT(nn.Module):
       x = x + pos
     if self.pre_norm:
       x = ln("pre_norm")(x)
-    encoder = layers.Encoder(self.depth, self.num_heads, self.mlp_dim,
-                             self.act, self.ln_eps, self.qkv_bias,
-                             self.layer_scale, dtype=dt, name="encoder")
+    encoder = layers.Encoder(self.num_heads, self.mlp_dim, self.act,
+                             self.ln_eps, self.qkv_bias, self.layer_scale,
+                             dtype=dt, depth=self.depth, name="encoder")
     # With "tok" pooling only the class token leaves the encoder (its last
     # block computes no other token); a per-token final norm of it is the
     # same.

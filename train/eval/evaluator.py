@@ -1,7 +1,7 @@
 """Held-out evaluation as the CLIP/LiT papers compute it.
 
 ``Evaluator(params)`` streams each evaluation split through the image tower
-(``train.eval.stream``: batches straight from the source, data-parallel over
+(``train.eval.embed``: batches straight from the source, data-parallel over
 the mesh and the processes, only the (N, D) embeddings kept), then computes
 
 * zero-shot classification: top-1 and top-5 against the class embeddings,
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from train import step as step_lib
+from train.eval import embed as embed_lib
 from train.eval import retrieval as retrieval_lib
-from train.eval import stream
 from train.eval import zeroshot as zeroshot_lib
 
 # Batched embedding of a host array (token ids; the embedding cache's images).
-embed_all = stream.embed_host_array
+embed_all = embed_lib.embed_host_array
 
 
 def class_embeddings(embed_txt, txt_params, tokenizer, classnames, templates,
@@ -63,8 +62,8 @@ class Evaluator:
     self.zeroshot, self.retrieval = zeroshot, retrieval
     self.zeroshot_skipped = zeroshot_skipped
     self.batch_size = batch_size
-    self._embed_img = stream.make_image_embed(mesh, image_tower.embed)
-    self._embed_txt = step_lib.make_embed_fn(mesh, text_tower)
+    self._embed_img = embed_lib.make_image_embed(mesh, image_tower.embed)
+    self._embed_txt = embed_lib.make_embed_fn(mesh, text_tower)
     self._prompt_tokens = None
     if zeroshot is not None:
       self._prompt_tokens = tokenizer.encode(zeroshot_lib.prompts(
@@ -90,11 +89,11 @@ class Evaluator:
     return lines
 
   def _embed(self, split, params, keep_captions):
-    return stream.embed_split(split, mesh=self.mesh,
-                              image_embed=self._embed_img,
-                              params=params["img"],
-                              batch_size=self.batch_size,
-                              keep_captions=keep_captions)
+    return embed_lib.embed_split(split, mesh=self.mesh,
+                                 image_embed=self._embed_img,
+                                 params=params["img"],
+                                 batch_size=self.batch_size,
+                                 keep_captions=keep_captions)
 
   def __call__(self, params) -> dict[str, float]:
     zs, rs = self.zeroshot, self.retrieval

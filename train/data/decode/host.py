@@ -1,9 +1,11 @@
 """One image on the host: the JPEG check, the decode, the resize and crop.
 
-The lowest layer of the input path, shared by both decoders (decode.py on
-the host, gpu_decode.py on the device: what nvImageCodec cannot decode is
-decoded here) and by the pipeline (pipeline.py), which import it and which
-it does not import.
+config.data.decoder = "host": the pipeline (train/data/pipeline.py) calls
+``decode_host`` and ``resize_crop`` on every example where it is read, in
+the reader threads or worker processes. The lowest layer of the decoding,
+shared by the GPU decoder (gpu.py: what nvImageCodec cannot decode is
+decoded here), the pipeline and evaluation, which import it and which it
+does not import.
 
 ``decode_host`` decodes one encoded image: libjpeg-turbo through
 ``simplejpeg`` when it is installed (about twice Pillow's rate per core, and
@@ -12,15 +14,22 @@ Pillow's draft mode), else Pillow. ``jpeg_problem`` finds a truncated JPEG
 from its markers (nvJPEG decodes one silently into an image, so the reader
 threads check every JPEG before either decoder sees it). ``resize_crop`` is
 the host's shorter-side bicubic resize and central crop, which the device
-resize (gpu_decode.py, train/towers/resize.py) reproduces.
+resize (gpu.py, train/towers/resize.py) reproduces.
 """
 from __future__ import annotations
 
+import io
 import re
 
 import numpy as np
+from PIL import Image
 
-from train.data.source import BadExample
+from train.data.sources.contract import BadExample
+
+try:  # Optional: without it, Pillow decodes every image.
+  import simplejpeg as _simplejpeg
+except ImportError:
+  _simplejpeg = None
 
 _SOI = b"\xff\xd8"
 _EOI = b"\xff\xd9"
@@ -79,11 +88,7 @@ def jpeg_problem(data) -> str:
 
 def simplejpeg():
   """The simplejpeg module, or None where it is not installed."""
-  try:
-    import simplejpeg  # pylint: disable=import-outside-toplevel
-    return simplejpeg
-  except ImportError:
-    return None
+  return _simplejpeg
 
 
 def _draft_scale(h: int, w: int, size: int) -> int:
@@ -105,8 +110,6 @@ def _decode_simplejpeg(sj, data, size: int):
 
 
 def _decode_pillow(data, size: int):
-  import io  # pylint: disable=import-outside-toplevel
-  from PIL import Image  # pylint: disable=import-outside-toplevel
   with Image.open(io.BytesIO(data)) as im:
     if size:
       im.draft("RGB", (size, size))
@@ -182,7 +185,6 @@ def resize_crop(image: np.ndarray, size: int) -> np.ndarray:
   image = image[..., :3]
   h, w = image.shape[:2]
   if (h, w) != (size, size):
-    from PIL import Image  # pylint: disable=import-outside-toplevel
     nh, nw, top, left = crop_geometry(h, w, size)
     image = np.asarray(Image.fromarray(image).resize(
         (nw, nh), Image.BICUBIC,

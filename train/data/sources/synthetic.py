@@ -17,18 +17,23 @@ attribute combinations and new phrasings (chance: 1/8).
 
 The dataset is written as a TFDS dataset (array_record files) into a data
 directory by `prepare()`, then read back by the same TFDS data-source code
-path as any other TFDS dataset (see pipeline.py).
+path as any other TFDS dataset (see tfds.py).
 """
 
 import contextlib
+import csv
 import fcntl
 import functools
 import io
+import json
 import logging
 import os
 import shutil
+import tarfile
 
 import numpy as np
+from PIL import Image
+from PIL import ImageDraw
 
 NAME = "synthetic_shapes"
 # Bump on any change of the generated content: prepared copies are cached by
@@ -177,7 +182,6 @@ def render_example(seed: int, split: str, index: int, image_size: int):
   Pure function of its arguments, so examples can be generated in any order
   (or in parallel) with identical results.
   """
-  from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng([seed, _SPLIT_CODES[split], index])
   combos = _allowed_combos(split)
   shape_id, color_id = combos[rng.integers(len(combos))]
@@ -264,8 +268,8 @@ def dataset_dir(data_dir, image_size, num_train, num_test, seed) -> str:
 
 def _make_builder_class():
   """Defines the TFDS builder lazily, so importing this module stays cheap."""
+  # Lazy: TFDS takes ~0.4 s to import (train/data/sources/tfds.py).
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-  from PIL import Image  # pylint: disable=import-outside-toplevel
 
   class SyntheticShapes(tfds.core.GeneratorBasedBuilder):
     """TFDS builder of synthetic_shapes; parameters come from the config."""
@@ -352,6 +356,7 @@ def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
     try:
       if not os.path.exists(os.path.join(path, "dataset_info.json")):
         _remove_stale_partials(os.path.dirname(path))
+        # Lazy: TFDS's, as in _make_builder_class.
         import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
         logging.info("Generating %s into %s (once; later runs reuse it)",
                      NAME, path)
@@ -385,7 +390,6 @@ def prepare(data_dir, *, image_size: int, num_train: int, num_test: int,
 
 
 def _encode(image: np.ndarray, fmt: str, quality: int) -> bytes:
-  from PIL import Image  # pylint: disable=import-outside-toplevel
   buf = io.BytesIO()
   if fmt in ("jpg", "jpeg"):
     Image.fromarray(image).save(buf, format="JPEG", quality=quality)
@@ -395,7 +399,6 @@ def _encode(image: np.ndarray, fmt: str, quality: int) -> bytes:
 
 
 def _tar_add(tar, name: str, data: bytes) -> None:
-  import tarfile  # pylint: disable=import-outside-toplevel
   info = tarfile.TarInfo(name)
   info.size = len(data)
   info.mtime = 0  # Reproducible shards.
@@ -411,8 +414,6 @@ def write_webdataset(out_dir, *, split: str = "train", num: int,
   ``<key>.json`` ({"label": shape id, "captions": [...]}). Returns the brace
   pattern of the shards (for config.data.name after "webdataset:").
   """
-  import json  # pylint: disable=import-outside-toplevel
-  import tarfile  # pylint: disable=import-outside-toplevel
   out_dir = os.fspath(out_dir)
   os.makedirs(out_dir, exist_ok=True)
   num_shards = -(-num // shard_size)
@@ -436,8 +437,6 @@ def write_table(out_dir, *, split: str = "train", num: int, image_size: int,
   """Writes synthetic_shapes as image files plus a csv/tsv/jsonl table of
   (image, caption, label) with paths relative to the table; returns the
   table's path."""
-  import csv  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
   out_dir = os.fspath(out_dir)
   os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
   rows = []
@@ -469,14 +468,13 @@ class JpegPool:
   once; example i carries pool image i % pool as encoded bytes, so the input
   pipeline decodes, resizes and crops every example as it would a web
   corpus, without gigabytes of shards on disk. Captions are short random
-  word strings. Meets the source contract (train/data/source.py).
+  word strings. Meets the source contract (train/data/sources/contract.py).
   """
 
   encoded_images = True  # JPEG bytes: config.data.decoder="gpu" takes them
 
   def __init__(self, num: int, *, size: int = 256, pool: int = 256,
                seed: int = 0):
-    from PIL import Image  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(seed)
     self.spec = f"jpeg_pool:{num}x{size}px/{pool}/seed{seed}"
     self.bad_at_open = []

@@ -1,16 +1,7 @@
-"""Opening the training sources: TFDS datasets, webdataset shards, tables.
+"""TFDS datasets (synthetic_shapes included) as random-access sources.
 
-``open_source(data, split)`` is the one entry point: it reads
-config.data.name and returns a random-access source meeting the contract of
-train/data/source.py (examples ``{"key", "image", "captions", "label"}``):
-
-- "synthetic_shapes" or a TFDS name ("coco_captions/2017"): this module;
-- "webdataset:/path/shard-{000000..000127}.tar": train/data/webdataset.py;
-- "csv:/path/pairs.csv", "tsv:...", "jsonl:...": train/data/table.py;
-- "embeddings:/dir" (written by ``python -m train.precompute``):
-  train/data/embeddings.py.
-
-TFDS datasets:
+    config.data.name = "coco_captions/2017"          # dataset[/config][:X.Y.Z]
+    config.data.name = "synthetic_shapes"            # generated locally
 
 Every dataset, the embedded synthetic_shapes included, is read the same way:
 its prepared TFDS directory (data_dir/name[/config]/version, array_record
@@ -20,6 +11,9 @@ numpy (images through Pillow). Builders are never constructed from their
 registered classes (several, coco_captions included, need TensorFlow just to
 describe their features) and nothing is ever downloaded: a dataset that is not
 prepared gives a clear error saying how to prepare it.
+
+The zero-shot classification set (``config.data.zeroshot_name``) is a TFDS
+dataset too, whatever the training source: ``zeroshot_builder_for``.
 """
 
 import functools
@@ -29,9 +23,8 @@ import re
 
 import numpy as np
 
-from train.data import remote
-from train.data import synthetic
-from train.data.source import BadExample
+from train.data.sources import synthetic
+from train.data.sources.contract import BadExample
 
 _VERSION_RE = re.compile(r"^\d+\.\d+\.\d+$")
 
@@ -55,6 +48,7 @@ def _quiet_opencv_notice(record: logging.LogRecord) -> bool:
 
 
 def _tfds():
+  # Lazy: TFDS takes ~0.4 s to import, and only a TFDS source needs it.
   import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
   absl_logger = logging.getLogger("absl")
   if _quiet_opencv_notice not in absl_logger.filters:
@@ -65,6 +59,7 @@ def _tfds():
 def _known_tfds_names() -> list[str]:
   # The builders TFDS ships (imported, not constructed: no TensorFlow needed).
   _tfds()
+  # Lazy: TFDS's (see _tfds).
   from tensorflow_datasets.core import registered  # pylint: disable=g-import-not-at-top
   return registered.list_imported_builders()
 
@@ -238,50 +233,11 @@ def check_split_and_keys(builder, split: str, keys: dict, where: str) -> None:
                        f"an integer label of {builder.info.full_name}")
 
 
-def _check_file_source(name: str, what: str, store=None) -> None:
-  """A file source's files exist and are readable (cheap: no indexing)."""
-  kind = kind_of(name)
-  if kind == "webdataset":
-    from train.data import webdataset  # pylint: disable=import-outside-toplevel
-    webdataset.expand_shards(name[len("webdataset:"):], what, store)
-  elif kind == "table" and remote.is_url(name.partition(":")[2]):
-    url = name.partition(":")[2]
-    try:
-      (store or remote.Store()).info(url)
-    except remote.NotFound:
-      raise ValueError(f"{what}: table {remote.scrub(url)!r} does not "
-                       "exist") from None
-    except remote.RemoteError as e:
-      raise ValueError(f"{what}: table {e}") from None
-  elif kind == "table":
-    path = os.path.expanduser(name.partition(":")[2])
-    if not os.path.isfile(path):
-      raise ValueError(f"{what}: table {path!r} does not exist")
-    if not os.access(path, os.R_OK):
-      raise ValueError(f"{what}: table {path!r} is not readable")
-  elif kind == "embeddings":
-    from train.data import embeddings  # pylint: disable=import-outside-toplevel
-    embeddings.read_meta(name[len("embeddings:"):], what)
-  else:
-    raise ValueError(f"{what}={name!r} is not a source (webdataset:..., "
-                     "csv:..., tsv:..., jsonl:..., embeddings:...)")
-
-
-def check_sources(data) -> None:
-  """The dataset part of check_data_config (see there)."""
-  if kind_of(data.name) != "tfds":
-    store = make_store(data)
-    _check_file_source(data.name, "config.data.name", store)
-    if data.eval_split and data.eval_split != data.split:
-      if kind_of(data.eval_split) == "tfds":
-        raise ValueError(
-            f"config.data.eval_split={data.eval_split!r}: a "
-            f"{kind_of(data.name)} source has no named splits; give the "
-            "held-out set as a source of its own (webdataset:..., csv:...), "
-            "or '' for no retrieval evaluation")
-      _check_file_source(data.eval_split, "config.data.eval_split", store)
-    builder = None
-  elif data.name == synthetic.NAME:
+def check(data) -> None:
+  """config.data of a TFDS training source: synthetic_shapes' settings, or
+  the dataset prepared with its splits and feature keys (one-line
+  ValueError; nothing is generated or downloaded)."""
+  if data.name == synthetic.NAME:
     if data.split not in ("train", "test") or data.eval_split not in ("train", "test"):
       raise ValueError(f"{synthetic.NAME} has splits 'train' and 'test'; got "
                        f"config.data.split={data.split!r}, "
@@ -307,7 +263,6 @@ def check_sources(data) -> None:
                          f"has {want!r}")
     if not data.text_key:
       raise ValueError("config.data.text_key must name the caption feature")
-    builder = None
   else:
     if not data.image_key or not data.text_key:
       raise ValueError("config.data.image_key and text_key must name the "
@@ -318,6 +273,11 @@ def check_sources(data) -> None:
             "config.data.label_key": data.label_key}
     check_split_and_keys(builder, data.split, keys, "config.data.split")
     check_split_and_keys(builder, data.eval_split, keys, "config.data.eval_split")
+
+
+def check_zeroshot(data) -> None:
+  """config.data.zeroshot_name's dataset: prepared, with the split, the
+  image feature and a ClassLabel (whose names name the classes)."""
   if data.zeroshot_name:
     zs = zeroshot_builder_for(data)
     check_split_and_keys(zs, data.zeroshot_split, {
@@ -329,41 +289,6 @@ def check_sources(data) -> None:
       raise ValueError(f"config.data.zeroshot_label_key="
                        f"{data.zeroshot_label_key!r} must be a ClassLabel "
                        "(its names are the zero-shot class names)")
-
-
-# ----------------------------------------------------------------- all sources
-
-
-def make_store(data) -> remote.Store:
-  """The reader of remote files (train/data/remote.py) config.data asks
-  for: its storage_options and remote_outage_s."""
-  return remote.Store(data.get("storage_options", ""),
-                      outage_s=data.get("remote_outage_s",
-                                        remote.DEFAULT_OUTAGE_S))
-
-
-def index_cache_of(data) -> str:
-  """config.data.shard_index_cache: "" = the default directory, "none" =
-  no cache."""
-  value = data.get("shard_index_cache", "")
-  if value == "none":
-    return ""
-  return value or remote.default_index_cache()
-
-
-FILE_PREFIXES = ("webdataset:", "csv:", "tsv:", "jsonl:", "embeddings:")
-
-
-def kind_of(name: str) -> str:
-  """"tfds" (synthetic_shapes included), "webdataset", "table" or
-  "embeddings", from a config.data.name."""
-  if name.startswith("webdataset:"):
-    return "webdataset"
-  if name.startswith(("csv:", "tsv:", "jsonl:")):
-    return "table"
-  if name.startswith("embeddings:"):
-    return "embeddings"
-  return "tfds"
 
 
 def _as_text_list(value) -> list:
@@ -414,51 +339,3 @@ class TfdsSource:
       except BadExample as e:
         out.append(e)
     return out
-
-
-def split_spec(data, split: str) -> str:
-  """The config.data.name of ``split``: for a file source the training
-  split is data.name itself and any other split is a source spec of its own
-  (``eval_split = "webdataset:/data/val-{0..3}.tar"``)."""
-  if kind_of(data.name) == "tfds" or split == data.split:
-    return data.name
-  return split
-
-
-def open_source(data, split: str, *, what: str = "config.data.name",
-                between_chunks=None):
-  """The random-access source of ``split`` of config.data (the contract of
-  train/data/source.py). One-line ValueError for a missing shard, table or
-  directory, an unreadable file, or a split a file source cannot have.
-
-  Evaluation (train/data/eval_sets.py) uses it with data.eval_split; the
-  examples come back in source order, with their keys. ``between_chunks``
-  (webdataset): called between chunks of shards indexed (see
-  ``webdataset.WebDatasetSource``).
-  """
-  name = split_spec(data, split)
-  kind = kind_of(name)
-  if kind == "tfds" and kind_of(data.name) != "tfds":
-    raise ValueError(
-        f"config.data.{'split' if split == data.split else 'eval_split'}="
-        f"{split!r}: a {kind_of(data.name)} source has no named splits; give "
-        f"the held-out set as a source of its own (webdataset:..., csv:...)")
-  if kind == "webdataset":
-    from train.data import webdataset  # pylint: disable=import-outside-toplevel
-    return webdataset.WebDatasetSource(
-        name[len("webdataset:"):], image_exts=data.wds_image_exts,
-        caption_ext=data.wds_caption_ext, label_field=data.wds_label_field,
-        num_threads=max(data.num_threads, 4), what=what,
-        store=make_store(data), index_cache=index_cache_of(data),
-        between_chunks=between_chunks)
-  if kind == "table":
-    from train.data import table  # pylint: disable=import-outside-toplevel
-    return table.TableSource(
-        name, image_column=data.table_image_column,
-        caption_column=data.table_caption_column,
-        label_column=data.table_label_column, what=what,
-        store=make_store(data))
-  if kind == "embeddings":
-    from train.data import embeddings  # pylint: disable=import-outside-toplevel
-    return embeddings.EmbeddingSource(name[len("embeddings:"):], what=what)
-  return TfdsSource(data, split)

@@ -45,6 +45,7 @@ a rerun, and any host sharing the directory, reads the index instead.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -56,6 +57,8 @@ import tempfile
 import threading
 import time
 import urllib.parse
+
+from absl import logging
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 # How long a store may keep failing (transient failures only) before a read
@@ -276,10 +279,12 @@ def _defaults(proto: str) -> dict:
                               "connect_timeout": TIMEOUT_S,
                               "read_timeout": TIMEOUT_S}}
   if proto == "http":
+    # Lazy: each store's client (the cloud extra) only for its URLs.
     import aiohttp  # pylint: disable=import-outside-toplevel
     return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(
         total=None, connect=TIMEOUT_S, sock_read=TIMEOUT_S)}}
   if proto == "gs":
+    # Lazy: as above.
     import aiohttp  # pylint: disable=import-outside-toplevel
     return {"requests_timeout": aiohttp.ClientTimeout(
         total=None, connect=TIMEOUT_S, sock_read=TIMEOUT_S)}
@@ -301,6 +306,7 @@ def _gcs_class(default, options: dict):
   JSON API only, so there it is gcsfs's JSON API class."""
   if not _gcs_endpoint(options):
     return default
+  # Lazy: the cloud extra, needed only for gs:// URLs.
   import gcsfs.core  # pylint: disable=import-outside-toplevel
   return gcsfs.core.GCSFileSystem
 
@@ -404,6 +410,7 @@ class Store:
       fs = self._fs.get(proto)
       if fs is None:
         try:
+          # Lazy: the cloud extra, needed only for URLs (or said below).
           import fsspec  # pylint: disable=import-outside-toplevel
           cls = fsspec.get_filesystem_class(proto)
         except (ImportError, ValueError) as e:
@@ -536,10 +543,16 @@ _pools: dict = {}
 _pools_lock = threading.Lock()
 
 
+def make_store(data) -> Store:
+  """The reader of remote files config.data asks for: its storage_options
+  and remote_outage_s."""
+  return Store(data.get("storage_options", ""),
+               outage_s=data.get("remote_outage_s", DEFAULT_OUTAGE_S))
+
+
 def _pool(parallelism: int):
   """This process's thread pool of ``parallelism`` readers (made on first
   use, again in a forked child)."""
-  import concurrent.futures  # pylint: disable=import-outside-toplevel
   key = (os.getpid(), parallelism)
   with _pools_lock:
     pool = _pools.get(key)
@@ -668,7 +681,6 @@ def cached(store: Store, cache_dir: str, url: str, info: dict, compute):
         f.write(text)
       os.replace(tmp, target)  # Atomic: readers see all of it or none.
   except (OSError, ValueError) as e:
-    from absl import logging  # pylint: disable=import-outside-toplevel
     logging.warning("shard index cache %s not written: %s", scrub(cache_dir),
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
   return value

@@ -8,11 +8,11 @@ Columns are named by ``config.data.table_image_column`` and
 are relative to the table file's directory unless absolute. The table and
 its images may be fsspec URLs (``s3://``, ``gs://``, ``https://``; a
 relative image path of a remote table is relative to its URL), read through
-train/data/remote.py: an image that is not there is a bad example, like a
-local one; other permanent failures stop the run in one line. A JSONL caption
-may be a list of captions (one is drawn per epoch). The table is read whole
-at start-up (the standard library's csv and json: a million rows take
-seconds); the images are read when their example is. Rows with an empty
+train/data/sources/remote.py: an image that is not there is a bad example,
+like a local one; other permanent failures stop the run in one line. A JSONL
+caption may be a list of captions (one is drawn per epoch). The table is
+read whole at start-up (the standard library's csv and json: a million rows
+take seconds); the images are read when their example is. Rows with an empty
 caption or no image path are listed in ``bad_at_open``; an image file that
 cannot be read, or does not decode, is skipped when it is reached. Rows
 that name the same image file share an image id (the group of
@@ -25,9 +25,9 @@ import io
 import json
 import os
 
-from train.data import remote
-from train.data import source as source_lib
-from train.data.source import BadExample
+from train.data.sources import contract
+from train.data.sources import remote
+from train.data.sources.contract import BadExample
 
 PREFIXES = ("csv:", "tsv:", "jsonl:")
 
@@ -185,7 +185,7 @@ class TableSource:
     """``source[i]`` (or the BadExample it raised) for each index, in order,
     up to ``parallelism`` images read at a time (``remote.parallel_map``)."""
     return remote.parallel_map(
-        lambda i: source_lib.get_or_bad(self, int(i)), indices, parallelism)
+        lambda i: contract.get_or_bad(self, int(i)), indices, parallelism)
 
   def __getitem__(self, index: int) -> dict:
     key, path = self.keys[index], self._images[index]
@@ -205,3 +205,31 @@ class TableSource:
     return {"key": key, "image": data, "captions": self._captions[index],
             "label": self._labels[index],
             "image_id": self._image_ids[index]}
+
+
+def check_spec(name: str, what: str, store) -> None:
+  """The table of ``name`` exists and is readable (its rows are not read)."""
+  path = name.partition(":")[2]
+  if remote.is_url(path):
+    try:
+      (store or remote.Store()).info(path)
+    except remote.NotFound:
+      raise ValueError(f"{what}: table {remote.scrub(path)!r} does not "
+                       "exist") from None
+    except remote.RemoteError as e:
+      raise ValueError(f"{what}: table {e}") from None
+    return
+  path = os.path.expanduser(path)
+  if not os.path.isfile(path):
+    raise ValueError(f"{what}: table {path!r} does not exist")
+  if not os.access(path, os.R_OK):
+    raise ValueError(f"{what}: table {path!r} is not readable")
+
+
+def open_spec(data, name: str, *, what: str, between_chunks=None):  # pylint: disable=unused-argument
+  """The ``TableSource`` of ``name`` with config.data's columns."""
+  return TableSource(
+      name, image_column=data.table_image_column,
+      caption_column=data.table_caption_column,
+      label_column=data.table_label_column, what=what,
+      store=remote.make_store(data))

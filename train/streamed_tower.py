@@ -28,10 +28,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from train import mesh as mesh_lib
 from train import step as step_lib
+from train.mesh import AXIS
 
 
 def device_major(parts: list[np.ndarray], num_local_devices: int) -> np.ndarray:
@@ -88,8 +89,8 @@ def make_embed(mesh, tower):
   """The jitted data-parallel ``embed(params, uint8 images) -> (m, D)``
   float32 of a streamed micro-batch (each device its rows)."""
   return jax.jit(jax.shard_map(
-      tower.embed, mesh=mesh, in_specs=(P(), P(step_lib.AXIS)),
-      out_specs=P(step_lib.AXIS), check_vma=False))
+      tower.embed, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS),
+      check_vma=False))
 
 
 class StreamedImageTower:
@@ -108,7 +109,7 @@ class StreamedImageTower:
   def __init__(self, mesh, tower, params, depth: int = 2, embed=None,
                progress: "StepProgress | None" = None):
     self.mesh, self.params, self.depth = mesh, params, max(1, depth)
-    self._sharding = NamedSharding(mesh, P(step_lib.AXIS))
+    self._sharding = mesh_lib.rows(mesh)
     self._embed = embed if embed is not None else make_embed(mesh, tower)
     self.progress = progress
 

@@ -1,17 +1,12 @@
-"""The host decoder: encoded bytes -> uint8 squares on the host's cores.
+"""The batch contract on the host, for tests: ``HostBatchDecoder``.
 
-With config.data.decoder = "host" every example is decoded where it is read
-(pipeline.Compact calls ``image.decode_host`` in the reader threads or the
-worker processes) and no batch decoder runs. ``HostBatchDecoder`` is the
-same decode behind the batch contract that the GPU decoder meets
-(train/data/gpu_decode.py), for the batch path (batching.DecodedIterator)
-on CPU devices and machines without a GPU, and for tests: it imports
-neither the GPU decoder nor the pipeline.
-
-The batch contract: ``decode(encoded, wheres, size)`` -> (uint8 [k, size,
-size, 3] of the k members that decode, in order; bool [n]: which did;
-[(i, where, reason)] for the others), ``for_device(device)``: the decoder
-of one local device's shard, and ``describe()``: one line for the log.
+The product decodes on the host per example, where it is read
+(config.data.decoder = "host": train/data/decode/host.py), and runs a batch
+decoder only for the GPU (train/data/decode/gpu.py). This is the same host
+decode behind the batch contract (train/data/decode/__init__.py), so that
+the batch path (train/data/batching.py ``DecodedIterator``) and the GPU
+decoder's results can be tested on CPU devices: its images are numpy, which
+``DecodedIterator`` puts on each shard's device.
 """
 from __future__ import annotations
 
@@ -19,8 +14,8 @@ import copy
 
 import numpy as np
 
-from train.data import image as image_lib
-from train.data.source import BadExample
+from train.data.decode import host as host_lib
+from train.data.sources.contract import BadExample
 
 
 class HostBatchDecoder:
@@ -42,15 +37,15 @@ class HostBatchDecoder:
     return bound
 
   def describe(self) -> str:
-    fast = self.library != "pillow" and image_lib.simplejpeg() is not None
+    fast = self.library != "pillow" and host_lib.simplejpeg() is not None
     return f"host ({'simplejpeg' if fast else 'Pillow'})"
 
   def decode(self, encoded: list, wheres: list, size: int):
     images, ok, bad = [], np.zeros(len(encoded), bool), []
     for i, (data, where) in enumerate(zip(encoded, wheres)):
       try:
-        images.append(image_lib.resize_crop(
-            image_lib.decode_host(data, where, size, self.library), size))
+        images.append(host_lib.resize_crop(
+            host_lib.decode_host(data, where, size, self.library), size))
         ok[i] = True
       except BadExample as e:
         bad.append((i, e.where, e.reason))

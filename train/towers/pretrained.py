@@ -1,6 +1,6 @@
 """A pretrained image tower from the files users have: one entry.
 
-    from train import pretrained
+    from train.towers import pretrained
     tower = pretrained.load_image_tower(path)   # format and architecture
     emb = tower(images_uint8)                     # [B, S, S, 3] -> [B, D] f32
 

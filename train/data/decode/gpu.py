@@ -1,6 +1,6 @@
 """JPEG decoding on the GPU: nvImageCodec (nvJPEG) -> jax, resized on device.
 
-``GpuBatchDecoder`` meets the batch contract of train/data/decode.py's
+``GpuBatchDecoder`` meets the batch contract of train/data/decode/'s
 module doc (``decode(encoded, wheres, size)`` -> uint8 [k, size, size, 3]
 of the k that decode, which did, and the others named) for one local
 device: each device's shard of a micro-batch (``batching.DecodedIterator``)
@@ -12,7 +12,7 @@ each image up on the calling thread: one thread's setup, not the GPU,
 bounded the decoder in the streamed step); each decoded image is
 handed to jax on that device through DLPack (no host copy) and
 resized and centre-cropped to ``size`` there as the host path does it
-(``image.resize_crop``: shorter side to ``size``, Pillow's reduce and
+(``host.resize_crop``: shorter side to ``size``, Pillow's reduce and
 separable antialiased bicubic, each step rounded to whole levels, then the
 central square), and the result stays uint8 until the tower normalises it.
 The resize (``resize_crop_batch``, see the comment above it) takes any mix
@@ -27,7 +27,7 @@ file that is no image) is decoded on the host instead, so the kept
 examples are the host path's: only what the host cannot decode either is
 bad, with the host's reason. Truncated JPEGs, which nvJPEG decodes
 silently into an image, never get here: the reader threads check every
-JPEG's markers first (image.jpeg_problem).
+JPEG's markers first (host.jpeg_problem).
 
 Needs the ``gpu-decode`` extra (nvidia-nvimgcodec-cu13 with nvidia-nvjpeg:
 CUDA 13, as the jax CUDA plugin beside it) and a CUDA device; importing
@@ -40,11 +40,13 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import PIL
 
-from train.data import image as image_lib
-from train.data.image import crop_geometry
-from train.data.source import BadExample
+from train.data.decode import host as host_lib
+from train.data.decode.host import crop_geometry
+from train.data.sources.contract import BadExample
 from train.data.stopwatch import Stopwatch
 
 BACKENDS = ("auto", "hw", "cuda", "hybrid")
@@ -137,7 +139,7 @@ def check_settings(backend: str, options: str, cpu_threads: int,
 # count: every group compiled a new stack and a new resize. Here the
 # resize is Pillow's arithmetic written as data, not as shapes:
 #
-# * Pillow's bicubic (the host path, image.resize_crop) is two separable
+# * Pillow's bicubic (the host path, host.resize_crop) is two separable
 #   passes, each out = clip(floor(X · K^T / 2^22 + 1/2)) with K its integer
 #   (22-bit) coefficients (Resample.c: precompute_coeffs,
 #   normalize_coeffs_8bpc). The coefficients and the pass order are computed
@@ -300,7 +302,7 @@ class Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=1 << 16)
 def plan(h: int, w: int, size: int) -> Plan:
-  """The plan of ``image.resize_crop`` for an (h, w) image."""
+  """The plan of ``host.resize_crop`` for an (h, w) image."""
   nh, nw, top, left = crop_geometry(h, w, size)
   gap = size / min(h, w) < 1  # reducing_gap=2.0 only when shrinking.
   fx = (int(w / nw / 2.0) or 1) if gap else 1
@@ -321,7 +323,6 @@ def plan(h: int, w: int, size: int) -> Plan:
 
 @functools.lru_cache(maxsize=None)
 def _pillow_major() -> int:
-  import PIL  # pylint: disable=import-outside-toplevel
   return int(PIL.__version__.split(".")[0])
 
 
@@ -340,7 +341,6 @@ def _mult(n: int) -> int:
 
 def _reduce(x, rows: _Axis, cols: _Axis):
   """Pillow's box reduce of the window x (uint8 [h, w, 3]), exactly."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   fy, fx = rows.factor, cols.factor
   h, w = x.shape[:2]
   hr, wr = -(-h // fy), -(-w // fx)
@@ -363,7 +363,6 @@ def _reduce(x, rows: _Axis, cols: _Axis):
 def _canvas(image, size: int):
   """uint8 [h, w, 3] -> the uint8 canvas its resize takes, or for a
   crop-only plan the [size, size, 3] result (traced: its plan is static)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   p = plan(*image.shape[:2], size)
   x = image[p.rows.lo:p.rows.hi, p.cols.lo:p.cols.hi]
   if p.crop_only:
@@ -383,7 +382,6 @@ _prepare = jax.jit(_canvas, static_argnums=1)
 def _dense(start, taps, width: int):
   """Taps -> float32 matrices: start int32 [n, s], taps int32 [n, s, T]
   -> [n, s, width], each row's T coefficients from its start on."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   t = jnp.arange(width)[None, None, :] - start[:, :, None]
   inside = (t >= 0) & (t < taps.shape[-1])
   k = jnp.take_along_axis(taps, jnp.clip(t, 0, taps.shape[-1] - 1), axis=2)
@@ -392,7 +390,6 @@ def _dense(start, taps, width: int):
 
 def _round(v):
   """Pillow's (sum + 2^21) >> 22, clipped to a level."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   return jnp.clip(jnp.floor(v + 0.5), 0.0, 255.0)
 
 
@@ -400,7 +397,6 @@ def _two_passes(x, sa, ka, sb, kb):
   """uint8 canvases [n, Hc, Wc, 3] -> float32 [n, size, size, 3], whole
   levels: the first pass along a canvas row, then along its columns, by
   each canvas's taps ([n, size] starts, [n, size, TAPS] coefficients)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   hp = jax.lax.Precision.HIGHEST
   x = x.astype(jnp.float32)
   y = _round(jnp.einsum("nhwc,nsw->nhsc", x, _dense(sa, ka, x.shape[2]),
@@ -414,7 +410,6 @@ def _resize_into(out, canvases, sa, ka, sb, kb, flip, rows):
   """Resizes n canvases (a tuple of uint8 [Hc, Wc, 3]) by their taps and
   writes them to rows ``rows`` of out (uint8 [k, size, size, 3]; a row >= k
   is padding, dropped). One executable per (k, canvas, n)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   z = _two_passes(jnp.stack(canvases), sa, ka, sb, kb)
   z = jnp.where(flip[:, None, None, None], jnp.swapaxes(z, 1, 2), z)
   return out.at[rows].set(z.astype(jnp.uint8), mode="drop")
@@ -425,7 +420,6 @@ def _resize_same_into(out, images, rows):
   """``_prepare`` and ``_resize_into`` in one executable for n images of
   one shape (a tuple of uint8 [h, w, 3]), whose plan and taps are then
   constants. One executable per (k, shape, n)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   n, size = len(images), out.shape[1]
   p = plan(*images[0].shape[:2], size)
   x = jax.vmap(lambda im: _canvas(im, size))(jnp.stack(images))
@@ -440,7 +434,6 @@ def _resize_same_into(out, images, rows):
 @functools.partial(jax.jit, donate_argnums=0)
 def _place_into(out, images, rows):
   """Writes a tuple of uint8 [size, size, 3] to rows ``rows`` of out."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   return out.at[rows].set(jnp.stack(images), mode="drop")
 
 
@@ -471,7 +464,7 @@ def _pass_taps(p: Plan):
 
 
 def resize_crop_into(out, images: list, rows: list):
-  """Writes ``image.resize_crop`` of each uint8 [h, w, 3] device array
+  """Writes ``host.resize_crop`` of each uint8 [h, w, 3] device array
   in images to its row of out (uint8 [k, size, size, 3], on the images'
   device), returning the new out (the old one is donated).
 
@@ -526,8 +519,7 @@ def resize_crop_into(out, images: list, rows: list):
 def resize_crop_batch(images: list, size: int, device=None):
   """uint8 [h_i, w_i, 3] device arrays (any mix of shapes) -> uint8
   [len(images), size, size, 3] on ``device`` (default: the first image's),
-  each as ``image.resize_crop`` makes it (see the comment above)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  each as ``host.resize_crop`` makes it (see the comment above)."""
   if device is None:
     device = next(iter(images[0].devices())) if images else jax.devices()[0]
   out = jnp.zeros((len(images), size, size, 3), jnp.uint8, device=device)
@@ -582,6 +574,7 @@ class GpuBatchDecoder:
   def __init__(self, backend: str = "auto", device=None,
                fancy_upsampling: bool = True, options: str = "",
                cpu_threads: int = 0, threads: int = 1):
+    # Lazy: the gpu-decode extra, needed only where this decoder is made.
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel
     kinds, options = check_settings(backend, options, cpu_threads, threads)
     self.backend, self.options = backend, options
@@ -712,7 +705,6 @@ class GpuBatchDecoder:
     return None
 
   def decode(self, encoded: list, wheres: list, size: int):
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     n = len(encoded)
     ok, bad = np.zeros(n, bool), []
     # Rows for every member, so that the resize's executables key on the
@@ -726,8 +718,8 @@ class GpuBatchDecoder:
         try:
           # Decoded and resized on the host: on the device, it is a
           # (size, size) image that the resize only places.
-          a = jax.device_put(image_lib.resize_crop(
-              image_lib.decode_host(encoded[i], wheres[i], size), size),
+          a = jax.device_put(host_lib.resize_crop(
+              host_lib.decode_host(encoded[i], wheres[i], size), size),
                              self.device)
         except BadExample as e:
           bad.append((i, e.where, e.reason))

@@ -25,10 +25,11 @@ import os
 import ml_dtypes
 import numpy as np
 
-from train.data.source import BadExample
+from train.data.sources.contract import BadExample
 
 FORMAT = "infcl-jax image embeddings v1"
 PREFIX = "embeddings:"
+PREFIXES = (PREFIX,)
 
 
 def shard_paths(directory: str, k: int) -> tuple[str, str]:
@@ -175,3 +176,13 @@ class EmbeddingSource:
     if self._content_ids is not None:
       out["content_id"] = self._content_ids[index]
     return out
+
+
+def check_spec(name: str, what: str, store) -> None:  # pylint: disable=unused-argument
+  """The directory of ``name`` holds embeddings of this trainer."""
+  read_meta(name[len(PREFIX):], what)
+
+
+def open_spec(data, name: str, *, what: str, between_chunks=None):  # pylint: disable=unused-argument
+  """The ``EmbeddingSource`` of ``name``."""
+  return EmbeddingSource(name[len(PREFIX):], what=what)

@@ -1,4 +1,5 @@
-"""Streamed, data-parallel embedding of an evaluation split.
+"""Data-parallel embedding for evaluation: a split streamed through the
+image tower, and host arrays (token ids) in fixed-size batches.
 
 One pass over an ``EvalSplit`` in global batches of ``batch_size`` images:
 each process reads and decodes only the rows that its own devices embed
@@ -17,14 +18,16 @@ float32 or bfloat16").
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pickle
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-AXIS = "data"
+from train import mesh as mesh_lib
+from train.towers import tower as tower_lib
 
 
 @dataclasses.dataclass
@@ -41,7 +44,28 @@ def make_image_embed(mesh, embed):
 
   ``embed(params, uint8)`` is the tower's (``Tower.embed``).
   """
-  return jax.jit(embed, out_shardings=NamedSharding(mesh, P()))
+  return jax.jit(embed, out_shardings=mesh_lib.replicated(mesh))
+
+
+def make_embed_fn(mesh, tower):
+  """Jitted data-parallel ``embed(params, inputs) -> (b, D)`` for evaluation
+  and the precompute.
+
+  ``tower``: a ``Tower`` (uint8 images) or a Flax module (the text tower).
+
+  ``inputs`` is the same host array in every process of ``mesh`` (each
+  device embeds its rows); the output is replicated, so every process can
+  read all of it (``np.asarray``) even when the mesh spans several processes.
+  ``params`` must live on ``mesh``'s devices (replicated).
+  """
+  sharding = mesh_lib.rows(mesh)
+
+  @functools.partial(jax.jit, out_shardings=mesh_lib.replicated(mesh))
+  def embed(params, x):
+    x = jax.lax.with_sharding_constraint(x, sharding)
+    return tower_lib.embed_fn_of(tower)(params, x)
+
+  return embed
 
 
 def _local_rows(sharding, shape) -> list[int]:
@@ -60,8 +84,6 @@ def _gather(local: list) -> list:
   """
   if jax.process_count() == 1:
     return list(local)
-  import pickle  # pylint: disable=import-outside-toplevel
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   blob = np.frombuffer(pickle.dumps(local), np.uint8)
   sizes = multihost_utils.process_allgather(np.asarray([blob.size], np.int64))
   sizes = np.asarray(sizes).reshape(-1)
@@ -92,7 +114,7 @@ def embed_split(split, *, mesh, image_embed, params, batch_size: int,
                      f"{mesh.size} devices")
   n, s = split.num_examples, split.image_size
   shape = (batch_size, s, s, 3)
-  sharding = NamedSharding(mesh, P(AXIS))
+  sharding = mesh_lib.rows(mesh)
   mine = _local_rows(sharding, shape)
   emb = None
   meta = []  # (global index, label, captions) of the rows read here.

@@ -9,8 +9,8 @@ read once (the standard library's ``tarfile``; no member data is read) into
 an index of (shard, offset, size) per member. An example is then two
 ``os.pread`` calls at known offsets, from any thread, in any order: the
 pipeline shuffles the whole corpus by example index, and a resumed run only
-needs its position (see pipeline.py). This was measured against the
-``webdataset`` package's sequential reader (BENCHMARKS.md "Data path"):
+needs its position (see train/data/pipeline.py). This was measured against
+the ``webdataset`` package's sequential reader (BENCHMARKS.md "Data path"):
 reading members is not the bottleneck either way (JPEG decoding is), and
 random access is what makes exact resumption and a full shuffle free.
 
@@ -26,13 +26,15 @@ import json
 import os
 import tarfile
 
+import braceexpand
 import numpy as np
 
-from train.data import remote
-from train.data import source as source_lib
-from train.data.source import BadExample
+from train.data.sources import contract
+from train.data.sources import remote
+from train.data.sources.contract import BadExample
 
 PREFIX = "webdataset:"
+PREFIXES = (PREFIX,)
 # Shards indexed between two calls of ``between_chunks`` (the trainer's
 # preemption check: a signal while indexing stops the run after the chunk).
 INDEX_CHUNK = 64
@@ -50,7 +52,6 @@ def expand_shards(pattern: str, what: str = "config.data.name",
 
 def _expand(pattern, what, store, num_threads):
   """(paths, {url: info} of the remote ones)."""
-  import braceexpand  # pylint: disable=import-outside-toplevel
   paths = []
   for part in pattern.split("::"):  # "a-{0..9}.tar::b-{0..3}.tar" mixes sets
     paths.extend(p if remote.is_url(p) else remote.local_path(p)
@@ -221,7 +222,7 @@ class WebDatasetSource:
     label_field: a field of the ``.json`` member holding an integer label
       ("" = no labels: -1).
     num_threads: threads that read the shards' headers while opening.
-    store: reads remote shards (train/data/remote.py; default: the
+    store: reads remote shards (train/data/sources/remote.py; default: the
       standard environment's credentials, default retries).
     index_cache: where remote shards' indexes are kept ("" = not kept).
     between_chunks: called as ``between_chunks(shards_done, shards)``
@@ -356,7 +357,7 @@ class WebDatasetSource:
     """``source[i]`` (or the BadExample it raised) for each index, in order,
     up to ``parallelism`` requests at a time (``remote.parallel_map``)."""
     return remote.parallel_map(
-        lambda i: source_lib.get_or_bad(self, int(i)), indices, parallelism)
+        lambda i: contract.get_or_bad(self, int(i)), indices, parallelism)
 
   def __getitem__(self, index: int) -> dict:
     key = self.keys[index]
@@ -373,3 +374,27 @@ class WebDatasetSource:
     label = self._label(index, parts[2] if want_json else None)
     return {"key": key, "image": image, "captions": [caption.strip()],
             "label": label}
+
+
+def index_cache_of(data) -> str:
+  """config.data.shard_index_cache: "" = the default directory, "none" =
+  no cache."""
+  value = data.get("shard_index_cache", "")
+  if value == "none":
+    return ""
+  return value or remote.default_index_cache()
+
+
+def check_spec(name: str, what: str, store) -> None:
+  """The shards of ``name`` exist and are readable (no indexing)."""
+  expand_shards(name[len(PREFIX):], what, store)
+
+
+def open_spec(data, name: str, *, what: str, between_chunks=None):
+  """The ``WebDatasetSource`` of ``name`` with config.data's settings."""
+  return WebDatasetSource(
+      name[len(PREFIX):], image_exts=data.wds_image_exts,
+      caption_ext=data.wds_caption_ext, label_field=data.wds_label_field,
+      num_threads=max(data.num_threads, 4), what=what,
+      store=remote.make_store(data), index_cache=index_cache_of(data),
+      between_chunks=between_chunks)

@@ -4,10 +4,11 @@
     config.data.decoder = "gpu"    # nvImageCodec (nvJPEG) on the device
     config.data.decoder = "auto"   # what the measured rates say (below)
 
-The two decoders are train/data/decode.py (host) and
-train/data/gpu_decode.py (GPU); this module picks one and checks the
-settings, and the pipeline (pipeline.py, batching.py) runs it. Neither
-decoder imports this module.
+The two decoders are train/data/decode/host.py (per example, where it is
+read) and train/data/decode/gpu.py (per micro-batch, on the device); this
+module picks one and checks the settings, and the pipeline
+(train/data/pipeline.py, train/data/batching.py) runs it. Neither decoder
+imports this module.
 
 "auto" compares three rates per GPU, from BENCHMARKS.md "Data path" on the
 16-core H200 machine: what the tower embeds (estimated from an own ViT's
@@ -22,6 +23,11 @@ says what it picked, and why, in one line.
 from __future__ import annotations
 
 import os
+
+import jax
+
+from train.data import sources
+from train.data.decode import gpu as gpu_lib
 
 DECODERS = ("host", "gpu", "auto")
 SOURCE_KINDS = ("webdataset", "table")  # the sources that carry bytes
@@ -50,6 +56,7 @@ KEEPS_PACE = 0.95
 def gpu_unavailable() -> str:
   """"" when the GPU decoder can run here, else why not (one line)."""
   try:
+    # Lazy: the gpu-decode extra, tried only to say whether it is there.
     from nvidia import nvimgcodec  # pylint: disable=import-outside-toplevel,unused-import
   except ImportError as e:
     return ("the gpu-decode extra is not installed (pip install "
@@ -57,7 +64,6 @@ def gpu_unavailable() -> str:
             f"nvidia-nvjpeg; {type(e).__name__}: {e})")
   except Exception as e:  # pylint: disable=broad-except
     return f"nvidia.nvimgcodec does not load ({type(e).__name__}: {e})"
-  import jax  # pylint: disable=import-outside-toplevel
   platforms = sorted({d.platform for d in jax.local_devices()})
   if platforms != ["gpu"]:
     return (f"it needs a CUDA GPU, and jax's local devices are "
@@ -75,11 +81,10 @@ def check_decoder(data) -> None:
                      f"{', '.join(DECODERS)}")
   # nvImageCodec's settings are checked whatever the decoder ("auto" may
   # pick the GPU on another machine); this needs no GPU and no extra.
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
-  gpu_decode.check_settings(data.get("gpu_decoder_backend", "auto"),
-                            data.get("gpu_decoder_options", ""),
-                            data.get("gpu_decoder_cpu_threads", 0),
-                            data.get("gpu_decoder_threads", 1))
+  gpu_lib.check_settings(data.get("gpu_decoder_backend", "auto"),
+                         data.get("gpu_decoder_options", ""),
+                         data.get("gpu_decoder_cpu_threads", 0),
+                         data.get("gpu_decoder_threads", 1))
   ahead = data.get("gpu_decoder_read_ahead", 0)
   if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
     raise ValueError(f"config.data.gpu_decoder_read_ahead={ahead!r} must be "
@@ -96,7 +101,6 @@ def has_encoded_images(source) -> bool:
   """Whether ``source``'s examples carry encoded image bytes: webdataset
   shards and tables do, and any source that says so (``encoded_images``);
   TFDS datasets arrive decoded."""
-  from train.data import sources  # pylint: disable=import-outside-toplevel
   return bool(getattr(source, "encoded_images", sources.kind_of(
       source.spec) in SOURCE_KINDS))
 
@@ -162,7 +166,6 @@ def pick(data, source, model=None, *, cores=None, gpus=None,
     return "host"
   why_not = gpu_unavailable()
   if gpus is None:
-    import jax  # pylint: disable=import-outside-toplevel
     gpus = len(jax.local_devices())
   if cores is None:
     cores = len(os.sched_getaffinity(0))
@@ -199,8 +202,7 @@ def make_batch_decoder(data, source, model=None, *, log=print):
         f"config.data.decoder='gpu' decodes encoded images (webdataset:, "
         f"csv:, tsv:, jsonl: sources); {source.spec} delivers decoded ones "
         "(use decoder='host' or 'auto')")
-  from train.data import gpu_decode  # pylint: disable=import-outside-toplevel
-  return gpu_decode.GpuBatchDecoder(
+  return gpu_lib.GpuBatchDecoder(
       data.get("gpu_decoder_backend", "auto"),
       options=data.get("gpu_decoder_options", ""),
       cpu_threads=data.get("gpu_decoder_cpu_threads", 0),
