@@ -44,7 +44,7 @@ suite_parts() {
   local parts
   case "$1" in
   # exact and step run side by side (nothing there is timed), then speed.
-  verify) parts="exact:280 step:280 speed:240" ;;
+  verify) parts="exact:390 step:390 speed:140" ;;
   tests) parts="kernels:420 large:120 precision:400 decode:240 interpret:420" ;;
   loss) parts="table:420 stages:130 compare:120 profile:120 groups:575 configs:300 f32:240 sweep:560" ;;
   towers) parts="vit:240 text:280 lit:330" ;;
@@ -156,6 +156,9 @@ summary() {
     echo "   $(grep -c ' PASSED' "$log") passed, $(grep -c ' FAILED' "$log") failed," \
       "$(grep -c ' SKIPPED' "$log") skipped, of ${items:-? items}: $(tail -1 "$log")"
     grep -E "^(FAILED|ERROR) " "$log" | cut -c1-200 | head -15 | sed 's/^/   /'
+    # The reasons, as they were written (gpu_pytest's NAME.failures).
+    [ -s "$out/$name.failures" ] && grep -E "^(====|E )" "$out/$name.failures" \
+      | cut -c1-240 | head -40 | sed 's/^/   /'
   else
     tail -n "${SUMMARY_LINES:-25}" "$log" | cut -c1-200 | sed 's/^/   /'
   fi
@@ -165,8 +168,16 @@ summary() {
 gpu_pytest() {  # [mark=MARKER] gpu_pytest NAME BOX WORKERS PYTEST_ARGS...
   local name=$1 box=$2 workers=$3
   shift 3
-  XLA_PYTHON_CLIENT_PREALLOCATE=false job "$name" "$box" "$py" -m pytest -m "${mark:-gpu}" \
-    -v -rfE -p no:cacheprovider --tb=short -n "$workers" "$@"
+  # Each failure's reason goes to NAME.failures as it happens (a run cut by
+  # its box prints no summary); the slowest tests close the log.
+  # The float64 references are numpy BLAS calls: each worker gets its share
+  # of the cores (16 threads in each of 6 workers thrash).
+  local threads=$(( $(nproc) / (workers > 0 ? workers : 1) ))
+  [ "$threads" -lt 1 ] && threads=1
+  OPENBLAS_NUM_THREADS=$threads OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads \
+  INFCL_FAILURES="$out/$name.failures" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    job "$name" "$box" "$py" -m pytest -m "${mark:-gpu}" \
+    -v -rfE -p no:cacheprovider --tb=short --durations=15 -n "$workers" "$@"
 }
 bench() { job "$1" "$2" env PYTHONUNBUFFERED=1 "$py" "${@:3}"; }
 

@@ -102,3 +102,14 @@ def reset_mosaic_interpreter():
                 f"({e}); update reset_mosaic_interpreter in tests/conftest.py")
   yield
   reset()
+
+
+def pytest_runtest_logreport(report):
+  """With INFCL_FAILURES=<file>, each failure's report is appended to it as
+  it happens (the controller's hook under xdist): a GPU job cut by its box
+  prints no end-of-run summary, and its failures' reasons would be lost."""
+  path = os.environ.get("INFCL_FAILURES")
+  if path and report.failed:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(f"==== {report.nodeid} ({report.when}, {report.duration:.1f} s)"
+              f"\n{report.longreprtext}\n")

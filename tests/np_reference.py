@@ -4,6 +4,8 @@ Independent of JAX, so a bug in the library's reference cannot hide a bug in
 the tiled code. ``test_np_reference.py`` checks these gradients against
 finite differences, so they are themselves tested.
 """
+import functools
+
 import numpy as np
 
 
@@ -13,8 +15,17 @@ def _lse(a, axis):
   return np.squeeze(m, axis) + np.log(np.sum(np.exp(a - m), axis=axis))
 
 
+def round_tf32(a):
+  """float32 values of ``a`` rounded to nearest TF32 (10 mantissa bits, ties
+  to even), as float64: what the GPU's TF32 tiles multiply (the library
+  rounds their operands so, since Triton's TF32 dot truncates)."""
+  bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+  bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+  return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
-                        related=None, group_mode="mask"):
+                        related=None, group_mode="mask", tiles=None):
   """Returns (loss, dx, dy, dscale, dbias) in float64.
 
   ``labels`` (one-way directions): query i's positive is key labels[i]
@@ -23,60 +34,93 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
   log-sum-exp but the positive's (``groups=`` in "mask" mode), or with
   ``group_mode="positives"`` every query's positives (multi-positive
   InfoNCE: ``_multi_positive``; no labels).
+  ``tiles``: "tf32" for the loss that the GPU's TF32 tiles compute exactly:
+  every logit from operands rounded to TF32 (``round_tf32``) but those the
+  library takes outside the tiles, in float32 (each query's positive; in
+  "positives" mode the pairs of the queries with one related key), the
+  gradients flowing through the same operands. float32 on TF32 tiles is
+  held to this reference, as 16-bit inputs are to the one of their
+  rounded inputs: what is left is the kernels' own error.
   """
   x = np.asarray(x, np.float64)
   y = np.asarray(y, np.float64)
   scale = float(scale)
   bias = float(bias)
   s0 = x @ y.T
-  s = scale * s0 + bias
-  bx, by = s.shape
+  bx, by = s0.shape
   n = min(bx, by)
   if group_mode == "positives":
-    return _positives_loss_and_grads(s, s0, x, y, scale,
-                                     np.asarray(related, bool), direction)
-  if group_mode != "mask":
-    raise ValueError(group_mode)
-  e = np.zeros_like(s)
-  if labels is None:
-    e[np.arange(n), np.arange(n)] = 1.0
-  elif direction == "image_to_text":
-    e[np.arange(bx), np.asarray(labels)] = 1.0
-  elif direction == "text_to_image":
-    e[np.asarray(labels), np.arange(by)] = 1.0
+    rel = np.asarray(related, bool)
+    e = rel
+    outside = rel & (rel.sum(1) == 1)[:, None]
+    per_row = _multi_positive
+  elif group_mode == "mask":
+    e = np.zeros_like(s0)
+    if labels is None:
+      e[np.arange(n), np.arange(n)] = 1.0
+    elif direction == "image_to_text":
+      e[np.arange(bx), np.asarray(labels)] = 1.0
+    elif direction == "text_to_image":
+      e[np.asarray(labels), np.arange(by)] = 1.0
+    else:
+      raise ValueError("labels need a one-way direction")
+    outside = e > 0
+    per_row = _cross_entropy
   else:
-    raise ValueError("labels need a one-way direction")
-  if related is not None:
+    raise ValueError(group_mode)
+  operands = None
+  s_mean = None
+  if tiles == "tf32":
+    x_t, y_t = round_tf32(x), round_tf32(y)
+    # In "positives" mode the related pairs' mean is taken outside the tiles
+    # too (in float32, ``groups_lib.positives_term``), their LSE inside.
+    s_mean = scale * s0 + bias
+    s0 = np.where(outside, s0, x_t @ y_t.T)
+    operands = (outside, x_t, y_t)
+  elif tiles is not None:
+    raise ValueError(tiles)
+  s = scale * s0 + bias
+  if group_mode == "mask" and related is not None:
     s = np.where(np.asarray(related) & (e == 0), -np.inf, s)
-  return _directions(_cross_entropy, s, s0, x, y, scale, e, direction)
+  if group_mode == "positives":
+    per_row = functools.partial(_multi_positive,
+                                s_mean=None if s_mean is None else (s_mean,))
+  return _directions(per_row, s, s0, x, y, scale, e, direction, operands)
 
 
-def _positives_loss_and_grads(s, s0, x, y, scale, rel, direction):
-  return _directions(_multi_positive, s, s0, x, y, scale, rel, direction)
-
-
-def _directions(per_row, s, s0, x, y, scale, e, direction):
+def _directions(per_row, s, s0, x, y, scale, e, direction, operands=None):
   """The mean loss of ``direction`` from ``per_row(s, e)`` -> (per-row
-  losses, d/ds) of rows (image_to_text) and of columns (text_to_image,
-  through the transposes), and its gradients."""
+  losses, d/ds, the part of d/ds through the exact logits) of rows
+  (image_to_text) and of columns (text_to_image, through the transposes),
+  and its gradients (``operands``: (the pairs whose logits are x . y, x_t,
+  y_t the other pairs' operands), or None)."""
   bx, by = s.shape
   if direction == "both":
-    l_r, g_r = per_row(s, e)
-    l_c, g_c = per_row(s.T, e.T)
+    l_r, g_r, x_r = per_row(s, e)
+    l_c, g_c, x_c = per_row(s.T, e.T, transposed=True)
     loss = 0.5 * (np.mean(l_r) + np.mean(l_c))
     g = g_r / (2 * bx) + g_c.T / (2 * by)
+    g_x = x_r / (2 * bx) + x_c.T / (2 * by)
   elif direction == "image_to_text":
-    l_r, g_r = per_row(s, e)
-    loss, g = np.mean(l_r), g_r / bx
+    l_r, g_r, x_r = per_row(s, e)
+    loss, g, g_x = np.mean(l_r), g_r / bx, x_r / bx
   elif direction == "text_to_image":
-    l_c, g_c = per_row(s.T, e.T)
-    loss, g = np.mean(l_c), g_c.T / by
+    l_c, g_c, x_c = per_row(s.T, e.T, transposed=True)
+    loss, g, g_x = np.mean(l_c), g_c.T / by, x_c.T / by
   else:
     raise ValueError(direction)
-  return loss, scale * g @ y, scale * g.T @ x, np.sum(g * s0), np.sum(g)
+  if operands is None:
+    return loss, scale * g @ y, scale * g.T @ x, np.sum(g * s0), np.sum(g)
+  outside, x_t, y_t = operands
+  g_out = np.where(outside, g, g_x)
+  g_in = np.where(outside, 0.0, g - g_x)
+  s0_exact = x @ y.T
+  return (loss, scale * (g_out @ y + g_in @ y_t),
+          scale * (g_out.T @ x + g_in.T @ x_t),
+          np.sum(g_out * s0_exact + g_in * (x_t @ y_t.T)), np.sum(g))
 
 
-def _multi_positive(s, rel):
+def _multi_positive(s, rel, transposed=False, s_mean=None):
   """Per query row of ``s`` with related keys ``rel`` (k of them): the loss
   LSE_j s_ij - mean over the related of s_ij, and d loss / d s.
 
@@ -91,7 +135,11 @@ def _multi_positive(s, rel):
   k = np.sum(rel, axis=1)
   n = _lse(np.where(rel, -np.inf, s), 1)
   r = _lse(np.where(rel, s, -np.inf), 1)
-  mean = np.sum(np.where(rel, s, 0.0), axis=1) / k
+  # ``s_mean``: (logits,) of the related pairs' mean where it is taken from
+  # other (exact) logits than the LSEs; its share of d/ds, -1/k, is returned
+  # apart.
+  s_m = s if s_mean is None else (s_mean[0].T if transposed else s_mean[0])
+  mean = np.sum(np.where(rel, s_m, 0.0), axis=1) / k
   u = n - r
   loss = np.logaddexp(0.0, u) + np.where(k == 1, 0.0, r - mean)
   sig = np.exp(-np.logaddexp(0.0, -u))
@@ -99,7 +147,8 @@ def _multi_positive(s, rel):
   q = np.exp(np.where(rel, s, -np.inf) - r[:, None])
   p = np.exp(np.where(rel, -np.inf, s) - full[:, None])
   g_rel = (q - 1.0 / k[:, None]) - q * sig[:, None]
-  return loss, np.where(rel, g_rel, p)
+  g_mean = np.where(rel & (k[:, None] > 1), -1.0 / k[:, None], 0.0)
+  return loss, np.where(rel, g_rel, p), g_mean
 
 
 def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
@@ -133,13 +182,43 @@ def confident_inputs(rng, n_x, n_y, d, loss, *, direction="both",
   x, y = (keys, queries) if flip else (queries, keys)
   rel = related if groups is None else (np.asarray(groups)[:, None]
                                         == np.asarray(groups)[None, :])
-  f = lambda t: clip_loss_and_grads(x, y, t, 0.0, direction, labels, rel)[0]
-  return x, y, _scale_at(f, loss, max_scale=1e4, steps=50)
+  loss_at = _loss_only(x @ y.T, direction, labels, rel)
+  return x, y, _scale_at(loss_at, loss, max_scale=1e4)
 
 
-def _scale_at(f, loss, max_scale, steps):
+def _loss_only(s0, direction, labels, related):
+  """``clip_loss_and_grads``'s loss alone as a function of the scale, the
+  logits ``s0`` computed once: the scale search below calls it ~30 times
+  (the gradients would cost ~5x more each time)."""
+  bx, by = s0.shape
+  e = np.zeros(s0.shape, bool)
+  if labels is None:
+    e[np.arange(min(bx, by)), np.arange(min(bx, by))] = True
+  elif direction == "image_to_text":
+    e[np.arange(bx), np.asarray(labels)] = True
+  else:
+    e[np.asarray(labels), np.arange(by)] = True
+  drop = e if related is None else (np.asarray(related) | e)
+
+  def rows(s, e, drop):
+    s_pos = np.sum(np.where(e, s, 0.0), axis=1)
+    return np.mean(np.logaddexp(0.0, _lse(np.where(drop, -np.inf, s), 1)
+                                - s_pos))
+
+  def f(t):
+    s = t * s0
+    if direction == "image_to_text":
+      return rows(s, e, drop)
+    if direction == "text_to_image":
+      return rows(s.T, e.T, drop.T)
+    return 0.5 * (rows(s, e, drop) + rows(s.T, e.T, drop.T))
+  return f
+
+
+def _scale_at(f, loss, max_scale, rtol=1e-9):
   """The scale t at which the decreasing loss ``f(t)`` is ``loss``, by
-  bisection. Above log(B) (the loss at scale 0) it is a negative scale:
+  bisection to ``rtol`` of t (the loss then within ~rtol * t of it,
+  relative). Above log(B) (the loss at scale 0) it is a negative scale:
   positives less similar than the rest."""
   lo, hi = (0.0, 8.0) if f(0.0) > loss else (-8.0, 0.0)
   while f(hi) > loss:
@@ -149,7 +228,7 @@ def _scale_at(f, loss, max_scale, steps):
     lo, hi = hi, 2 * hi
   while f(lo) < loss:
     lo, hi = 2 * lo, lo
-  for _ in range(steps):
+  while hi - lo > rtol * max(abs(lo), abs(hi)):
     mid = 0.5 * (lo + hi)
     lo, hi = (mid, hi) if f(mid) > loss else (lo, mid)
   return 0.5 * (lo + hi)
@@ -180,22 +259,28 @@ def positives_inputs(rng, n_x, n_y, d, loss, g_x, g_y, *, direction="both",
   queries = unit(keys[idx] + noise * rng.standard_normal((n_q, d)))
   x, y = (keys, queries) if flip else (queries, keys)
   rel = np.equal.outer(np.asarray(g_x), np.asarray(g_y))
+  s0 = x @ y.T
+  # The rows with one related key: softplus(N - s_pos) (``_multi_positive``
+  # with k = 1), the loss alone.
+  one_r, one_c = rel.sum(1) == 1, rel.sum(0) == 1
+
+  def one_key_terms(s, rel, one):
+    s, rel = s[one], rel[one]
+    s_pos = np.sum(np.where(rel, s, 0.0), axis=1)
+    return np.logaddexp(0.0, _lse(np.where(rel, -np.inf, s), 1) - s_pos)
 
   def f(t):
-    s = t * (x @ y.T)
     terms = []
     if direction != "text_to_image":
-      l_r, _ = _multi_positive(s, rel)
-      terms.append(l_r[rel.sum(1) == 1])
+      terms.append(one_key_terms(t * s0, rel, one_r))
     if direction != "image_to_text":
-      l_c, _ = _multi_positive(s.T, rel.T)
-      terms.append(l_c[rel.sum(0) == 1])
+      terms.append(one_key_terms(t * s0.T, rel.T, one_c))
     return np.mean(np.concatenate(terms))
 
-  return x, y, _scale_at(f, loss, max_scale=1e5, steps=60)
+  return x, y, _scale_at(f, loss, max_scale=1e5)
 
 
-def _cross_entropy(s, e):
+def _cross_entropy(s, e, transposed=False):
   """Per query row of ``s`` (its positive where ``e`` is 1): the loss
   log1p(sum over the others of exp(s_ij - s_pos)) and d loss / d s.
 
@@ -212,7 +297,8 @@ def _cross_entropy(s, e):
   loss = np.logaddexp(0.0, u)
   sig = np.exp(-np.logaddexp(0.0, -u))
   p = np.exp(others - (s_pos + loss)[:, None])  # 0 at the positive
-  return loss, p - e * sig[:, None]
+  del transposed
+  return loss, p - e * sig[:, None], np.zeros_like(s)
 
 
 def sigmoid_tile_sums_and_grads(x, y, scale, bias, has_diagonal=True):

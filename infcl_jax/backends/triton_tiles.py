@@ -177,9 +177,11 @@ class TritonTiles:
     (``panel_backward.softmax_grad``'s ``gemm_dtype``): float32 on TF32
     tiles, compiled. G's float16 rounding (~3e-4 of the gradients) sits
     beside TF32's own error there; where float32 is asked to be exact
-    ("high", "highest") and in the exact interpreters G stays float32."""
-    return not self.interpret and precision_lib.tf32_tiles(
-        x.dtype, bs.f32_precision, self.f32_default, x.shape[-1])
+    ("high", "highest"), where ``bs.f32_panels`` asks for it and in the
+    exact interpreters G stays float32."""
+    return (not self.interpret and not bs.f32_panels
+            and precision_lib.tf32_tiles(x.dtype, bs.f32_precision,
+                                         self.f32_default, x.shape[-1]))
 
   def lse_grad(self, x, y, scale, bias, row_lse, col_lse, row_coef,
                col_coef, *, bs, groups=None):

@@ -196,6 +196,7 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, outside, res, g):
     row = row + log_factor
     col = None if col is None else col + log_factor
     row_coef, col_coef = row_coef * factor, col_coef * factor
+    block_sizes = groups_lib.positives_block_sizes(block_sizes)
   keys = lax.all_gather(k, axes, axis=0, tiled=True)
   dq, dkeys, dsc, dbi = tiles.lse_grad(q, keys, scale, bias, row, col,
                                         row_coef, col_coef,

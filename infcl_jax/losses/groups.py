@@ -29,12 +29,15 @@ Two modes (``MODES``):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from infcl_jax import _axes
 from infcl_jax import _math
+from infcl_jax.block_sizes import BlockSizes
 
 F32 = jnp.float32
 MODES = ("mask", "positives")
@@ -204,6 +207,17 @@ def exact_positive_ids(b_q, n_k, labels, axes):
 # precise as the tiles' G panel relative to 1/k (the limits of the
 # confident form: https://github.com/infcl-jax/infcl-jax/blob/main/docs/losses.md#a-confident-model): taking them outside too would need its k related
 # logits, k gathers of the key rows per key shard rather than one.
+
+
+def positives_block_sizes(block_sizes):
+  """The block sizes of a "positives" backward: float32 gradient panels on
+  TF32 tiles (``BlockSizes.f32_panels``). The panels' float16 shares one
+  scale with G's largest entry, which a query with several related keys
+  puts near 1 (its p - 1/k), beside a confident one-key row's tiny
+  entries: these would keep ~3 digits, not float32's."""
+  if block_sizes is None:
+    return BlockSizes(f32_panels=True)
+  return dataclasses.replace(block_sizes, f32_panels=True)
 
 
 class Positives:

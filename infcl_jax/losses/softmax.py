@@ -329,6 +329,8 @@ def _bwd(backend, mode, group_mode, block_sizes, axes, outside, res, g):
   c_home = None if c_home is None else c_home + log_factor
   c_last = None if c_last is None else c_last + log_factor
   row_coef, col_coef = row_coef * factor, col_coef * factor
+  if grp.multi:
+    block_sizes = groups_lib.positives_block_sizes(block_sizes)
 
   def tile(kc, cc, src, home=False):
     dq, dk, dsc, dbi = tiles.lse_grad(q, kc, scale, bias, r, cc, row_coef,
