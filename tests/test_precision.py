@@ -467,3 +467,29 @@ def test_sigmoid_float32_within_1e3_of_float64(backend, case, precision):
   x, y = _trained(n, n, d, noise, seed_of("sigmoid", n, d, noise))
   assert_fidelity(_sigmoid_run(backend, x, y, t, b, precision),
                   sigmoid64(x, y, t, b), f"sigmoid {backend} {precision}")
+
+
+def test_high_is_three_pass_tf32_in_xlas_own_dots_on_the_gpu():
+  """XLA on the GPU reads ``Precision.HIGH`` as one TF32 pass, so "high"
+  must reach XLA's dots (the xla backend's tiles, the kernels' backward
+  GEMMs) as the 3-pass TF32 algorithm: lowered for CUDA here (one TF32
+  pass put float32 gradients 1.5e-3 off at D = 16 on an H100). Off the GPU
+  the precision is left as it is (exact float32 there)."""
+  from infcl_jax.backends import xla  # pylint: disable=import-outside-toplevel
+  high = jax.lax.Precision.HIGH
+  assert (precision_lib.xla_dot_precision(high, "gpu")
+          == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+  assert precision_lib.xla_dot_precision(high, "cpu") == high
+  assert (precision_lib.xla_dot_precision(jax.lax.Precision.DEFAULT, "gpu")
+          == jax.lax.Precision.DEFAULT)
+  gpu = xla.BACKEND(platform="gpu")
+  x = jnp.ones((64, 16), jnp.float32)
+  y = jnp.ones((80, 16), jnp.float32)
+  f = lambda x, y: gpu.lse_grad(
+      x, y, 1.0, 0.0, jnp.zeros(64), jnp.zeros(80), 1.0, 1.0,
+      block_sizes=BlockSizes(f32_precision="high"))
+  text = jax.jit(f).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
+  dots = [l for l in text.splitlines() if "dot_general" in l]
+  assert dots
+  assert all("lhs_precision_type = tf32" in l
+             and "num_primitive_operations = 3" in l for l in dots), dots

@@ -101,10 +101,13 @@ class TileBackend:
     return block_sizes
 
   def precision(self, bs, dtype, depth):
-    """The matmul precision for inputs of ``dtype`` and embedding depth
-    ``depth`` (one policy: ``backends.precision``)."""
-    return precision_lib.matmul_precision(dtype, bs.f32_precision,
-                                          self.F32_DEFAULT, depth)
+    """The precision of this backend's XLA matmuls for inputs of ``dtype``
+    and embedding depth ``depth`` (one policy: ``backends.precision``;
+    "high" as XLA takes it here: ``xla_dot_precision``)."""
+    return precision_lib.xla_dot_precision(
+        precision_lib.matmul_precision(dtype, bs.f32_precision,
+                                       self.F32_DEFAULT, depth),
+        self.platform)
 
   def _group_kw(self, x, y, groups, group_mode=None, diagonal=False):
     """The keywords that pass ``groups`` (or ``diagonal``) on, after the

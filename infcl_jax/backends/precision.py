@@ -109,6 +109,19 @@ def matmul_precision(dtype, f32_precision: str | None, default: str,
   return _LAX[f32_mode(f32_precision, default, depth)]
 
 
+def xla_dot_precision(prec, platform: str):
+  """``prec`` as XLA's own dots take it on ``platform`` (the xla backend's
+  tiles and the kernels' backward GEMMs): XLA on the GPU reads
+  ``Precision.HIGH`` as one TF32 pass, so "high" (3-pass TF32) is the
+  ``TF32_TF32_F32_X3`` algorithm there. Measured before (H100, jax
+  0.11.2): the backward's dX GEMM on one TF32 pass put float32 gradients
+  1.5e-3 off at D = 16 ("positives" groups, where G's entries cancel).
+  Elsewhere every precision is exact float32."""
+  if prec == lax.Precision.HIGH and platform == "gpu":
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  return prec
+
+
 def round_tf32(x):
   """float32 ``x`` rounded to nearest TF32 (10 mantissa bits, ties to
   even); inf and NaN stay as they are, a value past TF32's largest finite

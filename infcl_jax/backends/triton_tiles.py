@@ -133,6 +133,12 @@ class TritonTiles:
     """What the kernels take for ``prec`` (a ``lax.Precision``)."""
     return self.kernels.precision(prec, self.interpret)
 
+  def _gemm_precision(self, prec):
+    """What the backward's XLA GEMMs take for ``prec``
+    (``precision.xla_dot_precision``)."""
+    return precision_lib.xla_dot_precision(
+        prec, "cpu" if self.interpret else "gpu")
+
   def _operands(self, x, y, bs):
     """x and y as the kernels take them: on TF32 tiles, compiled, rounded
     to nearest TF32 (``backends.precision``: Triton's TF32 dot truncates);
@@ -197,7 +203,7 @@ class TritonTiles:
         **self._kernel_kw())
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-        layout=layout(bs, x, y), precision=prec, panel=panel,
+        layout=layout(bs, x, y), precision=self._gemm_precision(prec), panel=panel,
         gemm_dtype=jnp.float16 if half else None,
         **({} if groups is None else {"groups": groups}))
 
@@ -234,7 +240,7 @@ class TritonTiles:
 
     return pb.sigmoid_grad(
         x, y, scale, bias, coef, has_diagonal=has_diagonal,
-        layout=layout(bs, x, y), precision=prec,
+        layout=layout(bs, x, y), precision=self._gemm_precision(prec),
         panel=None if bs.bwd_impl == "xla" else panel,
         **({} if groups is None else {
             "groups": groups, "group_mode": group_mode,
