@@ -18,7 +18,7 @@
 # --prepare-ref writes here, where git is.
 #
 # SUITE is verify, tests, loss, towers, train, data, ring or all; PART picks some of a
-# suite's parts (all of them by default). Every part runs under its own time
+# suite's parts (all of them by default), PART:SECONDS in a smaller box. Every part runs under its own time
 # box (timeout -s INT, so that pytest and the benchmarks still write what
 # they have), writes its logs to $OUT/SUITE-PART*.log, and ends with a
 # one-paragraph summary of that log. A device call is limited to 10 minutes:
@@ -121,7 +121,8 @@ if [ "$suite" != all ] && ! suite_parts "$suite" > /dev/null; then
   exit 2
 fi
 for p in "$@"; do
-  if [ "$suite" = all ] || ! box_of "$suite" "$p" > /dev/null; then
+  if [ "$suite" = all ] || ! box_of "$suite" "${p%%:*}" > /dev/null \
+     || { [ "$p" != "${p%%:*}" ] && ! [[ "${p##*:}" =~ ^[0-9]+$ ]]; }; then
     echo "gpu.sh: suite '$suite' has no part '$p' (bash scripts/gpu.sh --list)" >&2
     exit 2
   fi
@@ -383,11 +384,11 @@ train_b16_few() {
   # memory on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false, as a shared GPU
   # and the -m gpu tests run; at micro-batch 8192 the step ran out of
   # memory there on an 80 GB H100): the micro-batch is "auto" (MICROBATCH,
-  # REMAT: see part stream1m).
+  # REMAT: see part stream1m; DECODERS=gpu for the GPU decoder alone).
   job train-b16-few "$1" env XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 "$py" \
     benchmarks/bench_train.py --out "$out/train-b16-few" --step_batches "" \
     --ladder "" --stream_batches 65536 --stream_steps 1 --decode_size 256 --workers 4 \
-    --decoders host,gpu --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
+    --decoders "${DECODERS:-host,gpu}" --gpu_variants "${GPU_VARIANTS:-threads=4 read_ahead=32}" \
     --microbatch "${MICROBATCH:-auto}" --remat "${REMAT:-none}" --resume \
     --timeout_s 250 --budget_s $(($1 - 10))
 }
@@ -545,8 +546,13 @@ run_suite() {  # run_suite SUITE [PART...]
   if [ ${#parts[@]} -eq 0 ]; then
     for p in $(suite_parts "$s"); do parts+=("${p%%:*}"); done
   fi
+  # PART:SECONDS runs a part in a smaller box than its own (to fit what is
+  # left of a device call); the box never grows.
+  local box
   for p in "${parts[@]}"; do
-    "${s}_${p}" "$(box_of "$s" "$p")"
+    box=$(box_of "$s" "${p%%:*}")
+    [ "$p" != "${p%%:*}" ] && [ "${p##*:}" -lt "$box" ] && box=${p##*:}
+    "${s}_${p%%:*}" "$box"
   done
 }
 if [ "$suite" = all ]; then
