@@ -44,6 +44,19 @@ if [ "${1:-}" = "jax012" ]; then
           --ignore-glob="tests/test_tokenizer*.py"
           --ignore-glob="tests/test_towers*.py"
           --ignore=tests/test_native_triton.py --ignore=tests/test_triton_aot.py
+          # The kernels' interpreter grids and the float64 oracle grids run
+          # in leg 1 (jax 0.11.2, the GPU-tested version); here, what a jax
+          # upgrade breaks first: the API, the xla backend, ring and gather,
+          # groups and labels, the heads, x64-free numerics, and every
+          # kernel family forward and backward at the GPU's tiles under the
+          # watchdog (tests/test_interpreter_watchdog.py).
+          --ignore=tests/test_groups_mosaic.py --ignore=tests/test_x64.py
+          --ignore=tests/test_mosaic_backend.py --ignore=tests/test_confident.py
+          --ignore=tests/test_exact_groups.py --ignore=tests/test_mosaic_kernels.py
+          --ignore=tests/test_group_tiles.py --ignore=tests/test_pallas_sigmoid.py
+          --ignore=tests/test_mosaic_padding.py --ignore=tests/test_diagonal_outside.py
+          --ignore=tests/test_groups_kernels.py --ignore=tests/test_np_reference.py
+          --ignore=tests/test_tf32_emulated.py --ignore=tests/test_gpu_verify.py
           --deselect="tests/test_readme.py::test_pretrained_tower_snippet_embeds_as_transformers_does")
 else
   bash scripts/setup_env.sh

@@ -157,3 +157,14 @@ def test_interrupt_finishes_the_checkpoint_and_says_where_to_resume(
   summary = train.train_and_evaluate(config, workdir)
   assert "resumed from the checkpoint of step 2" in capsys.readouterr().out
   assert summary["steps"] == 4 and summary["resumed_from"] == 2
+  # The finished run, total_steps raised, trains on from its last step (on
+  # 2 processes each restores its own data state: the preempted run of
+  # tests/test_train_multiprocess.py).
+  config.total_steps = 5
+  summary = train.train_and_evaluate(config, workdir)
+  assert "resumed from the checkpoint of step 4" in capsys.readouterr().out
+  assert summary["steps"] == 5 and summary["resumed_from"] == 4
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    steps = [json.loads(l)["step"] for l in f if '"loss"' in l]
+  assert steps[-3:] == [3, 4, 5], steps
+
