@@ -35,6 +35,7 @@ def test_decoders_rows_carry_the_device_and_match_the_summary(tmp_path):
       ("unavailable: ", "error: ")) for r in gpu), gpu
 
 
+@pytest.mark.slow
 def test_reading_and_pipeline_rows_and_a_case_past_its_deadline(
     tmp_path, capsys):
   argv = ["--quick", "--num", "64", "--threads", "1", "--workers", "",

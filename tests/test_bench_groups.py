@@ -1,11 +1,13 @@
 """CPU smoke test of benchmarks/bench_groups.py: the pipeline (checks,
 interleaved rounds, the noise-floor row), not the numbers."""
 import jax
+import pytest
 
 from benchmarks import bench_groups
 from benchmarks import harness
 
 
+@pytest.mark.slow
 def test_rows_and_costs(monkeypatch):
   monkeypatch.setattr(harness, "RESULTS", [])
   assert jax.default_backend() == "cpu"

@@ -196,7 +196,7 @@ def _check_shards(batch, sharding, dec=None):
 
 @pytest.mark.parametrize("fmt,micro,workers", [
     ("webdataset", 8, 0), ("csv", 8, 0), ("webdataset", 24, 0),
-    ("webdataset", 8, 2)])
+    pytest.param("webdataset", 8, 2, marks=pytest.mark.slow)])
 def test_batch_path_gives_the_host_stream_and_counts(corpus, fmt, micro,
                                                      workers):
   # workers: the bytes read, checked and tokenized in grain's worker
@@ -380,7 +380,8 @@ def test_batch_path_resumes_bitwise_from_a_json_state(corpus):
     resumed.close()
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# Worker processes: the full suite (slow: 24 s of the quick mode's 5 min).
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_read_ahead_keeps_the_stream_the_state_and_resume(corpus, workers):
   # gpu_decoder_read_ahead: chunks taken out of grain on a thread of their
   # own; the micro-batches (a failed decode's top-ups among them), the

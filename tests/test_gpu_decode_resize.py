@@ -136,6 +136,7 @@ def _neighbour(h, w, size, taken):
   raise AssertionError((h, w))
 
 
+@pytest.mark.slow
 def test_executables_stay_bounded_on_a_web_mix_of_shapes():
   # 3 micro-batches of 50 images, ~30 distinct shapes each, shorter sides
   # of three sizes (so several canvases, each group a different count): the
