@@ -203,8 +203,8 @@ class TritonTiles:
         **self._kernel_kw())
     return pb.softmax_grad(
         x, y, scale, bias, row_lse, col_lse, row_coef, col_coef,
-        layout=layout(bs, x, y), precision=self._gemm_precision(prec), panel=panel,
-        gemm_dtype=jnp.float16 if half else None,
+        layout=layout(bs, x, y), precision=self._gemm_precision(prec),
+        panel=panel, gemm_dtype=jnp.float16 if half else None,
         **({} if groups is None else {"groups": groups}))
 
   # ------------------------------------------------------------ sigmoid
