@@ -75,8 +75,9 @@ def clip_loss_and_grads(x, y, scale, bias=0.0, direction="both", labels=None,
     # In "positives" mode the related pairs' mean is taken outside the tiles
     # too (in float32, ``groups_lib.positives_term``), their LSE inside.
     s_mean = scale * s0 + bias
-    s0 = np.where(outside, s0, x_t @ y_t.T)
-    operands = (outside, x_t, y_t)
+    s0_t = x_t @ y_t.T
+    operands = (outside, x_t, y_t, s0, s0_t)
+    s0 = np.where(outside, s0, s0_t)
   elif tiles is not None:
     raise ValueError(tiles)
   s = scale * s0 + bias
@@ -93,7 +94,7 @@ def _directions(per_row, s, s0, x, y, scale, e, direction, operands=None):
   losses, d/ds, the part of d/ds through the exact logits) of rows
   (image_to_text) and of columns (text_to_image, through the transposes),
   and its gradients (``operands``: (the pairs whose logits are x . y, x_t,
-  y_t the other pairs' operands), or None)."""
+  y_t the other pairs' operands, x . y and x_t . y_t), or None)."""
   bx, by = s.shape
   if direction == "both":
     l_r, g_r, x_r = per_row(s, e)
@@ -111,13 +112,12 @@ def _directions(per_row, s, s0, x, y, scale, e, direction, operands=None):
     raise ValueError(direction)
   if operands is None:
     return loss, scale * g @ y, scale * g.T @ x, np.sum(g * s0), np.sum(g)
-  outside, x_t, y_t = operands
+  outside, x_t, y_t, s0_exact, s0_t = operands
   g_out = np.where(outside, g, g_x)
   g_in = np.where(outside, 0.0, g - g_x)
-  s0_exact = x @ y.T
   return (loss, scale * (g_out @ y + g_in @ y_t),
           scale * (g_out.T @ x + g_in.T @ x_t),
-          np.sum(g_out * s0_exact + g_in * (x_t @ y_t.T)), np.sum(g))
+          np.sum(g_out * s0_exact + g_in * s0_t), np.sum(g))
 
 
 def _multi_positive(s, rel, transposed=False, s_mean=None):

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 from infcl_jax import contrastive_loss
-from infcl_jax.backends import precision as precision_lib
 from infcl_jax.backends import triton_tiles
 from tests import np_reference
 from tests import test_confident as tc
@@ -38,18 +37,7 @@ TILES = tc.KERNEL_TILES
 @pytest.fixture
 def tf32_tiles(monkeypatch):
   """The Pallas interpreter with the compiled kernels' TF32 numerics."""
-  def operands(self, x, y, bs):
-    if not precision_lib.tf32_tiles(x.dtype, bs.f32_precision,
-                                    self.f32_default, x.shape[-1]):
-      return x, y
-    return precision_lib.round_tf32(x), precision_lib.round_tf32(y)
-
-  def half_panels(self, x, bs):
-    return not bs.f32_panels and precision_lib.tf32_tiles(
-        x.dtype, bs.f32_precision, self.f32_default, x.shape[-1])
-
-  monkeypatch.setattr(triton_tiles.TritonTiles, "_operands", operands)
-  monkeypatch.setattr(triton_tiles.TritonTiles, "_half_panels", half_panels)
+  monkeypatch.setattr(triton_tiles.TritonTiles, "tf32_numerics", True)
 
 
 def _case(mode, level):

@@ -139,11 +139,19 @@ class TritonTiles:
     return precision_lib.xla_dot_precision(
         prec, "cpu" if self.interpret else "gpu")
 
+  @property
+  def tf32_numerics(self) -> bool:
+    """Whether TF32 tiles round as the GPU's do: operands to nearest TF32,
+    the softmax panels float16 (compiled; the interpreters' dots are exact
+    float32). tests/test_tf32_emulated.py turns it on in the interpreter,
+    to see the GPU's float32 numbers on the CPU."""
+    return not self.interpret
+
   def _operands(self, x, y, bs):
     """x and y as the kernels take them: on TF32 tiles, compiled, rounded
     to nearest TF32 (``backends.precision``: Triton's TF32 dot truncates);
     the interpreters' dots are exact float32, so there as they are."""
-    if self.interpret or not precision_lib.tf32_tiles(
+    if not self.tf32_numerics or not precision_lib.tf32_tiles(
         x.dtype, bs.f32_precision, self.f32_default, x.shape[-1]):
       return x, y
     return precision_lib.round_tf32(x), precision_lib.round_tf32(y)
@@ -185,7 +193,7 @@ class TritonTiles:
     beside TF32's own error there; where float32 is asked to be exact
     ("high", "highest"), where ``bs.f32_panels`` asks for it and in the
     exact interpreters G stays float32."""
-    return (not self.interpret and not bs.f32_panels
+    return (self.tf32_numerics and not bs.f32_panels
             and precision_lib.tf32_tiles(x.dtype, bs.f32_precision,
                                          self.f32_default, x.shape[-1]))
 
