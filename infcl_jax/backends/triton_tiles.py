@@ -143,8 +143,8 @@ class TritonTiles:
   def tf32_numerics(self) -> bool:
     """Whether TF32 tiles round as the GPU's do: operands to nearest TF32,
     the softmax panels float16 (compiled; the interpreters' dots are exact
-    float32). tests/test_tf32_emulated.py turns it on in the interpreter,
-    to see the GPU's float32 numbers on the CPU."""
+    float32). The project's tests turn it on in the interpreter, to see
+    the GPU's float32 numbers on the CPU."""
     return not self.interpret
 
   def _operands(self, x, y, bs):
